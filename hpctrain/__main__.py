@@ -1,0 +1,139 @@
+"""Command line: ``python -m hpctrain <command>`` (under mpirun/srun or alone).
+
+Commands
+  train   train a model data-parallel over all ranks of the launch
+  data    make or inspect datasets (``data synth``, ``data info``)
+  info    per-rank topology, MPI library and thread level, h5py/HDF5, numba, CUDA
+
+Exit codes: 0 ok; 2 a user error (printed once by rank 0); 3 the run finished
+but missed train.target_accuracy; 1 anything else (all ranks are aborted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .runtime import limit_threads_per_rank
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hpctrain", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+
+    t = sub.add_parser("train", help="train data-parallel (run under mpirun -n N or srun)",
+                       description="Train data-parallel. Example: mpirun -n 4 python -m hpctrain train "
+                                   "--config examples/mlp.toml --set optim.lr=0.05")
+    t.add_argument("--config", help="TOML file with [model] [data] [train] [optim] [dist] sections")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. --set train.steps=500")
+    t.add_argument("--ranks-per-node", type=int, metavar="K",
+                   help="simulate nodes of K ranks on one machine (same as --set dist.ranks_per_node=K)")
+    t.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
+    t.set_defaults(func=cmd_train)
+
+    d = sub.add_parser("data", help="make or inspect datasets")
+    dsub = d.add_subparsers(dest="data_command", required=True, metavar="action")
+    s = dsub.add_parser("synth", help="write a learnable synthetic classification set (teacher network)")
+    s.add_argument("--out", required=True, help="HDF5 file to write (atomically)")
+    s.add_argument("--n", type=int, default=65536, help="samples (default 65536)")
+    s.add_argument("--dim", type=int, default=32, help="features (default 32)")
+    s.add_argument("--classes", type=int, default=10, help="classes (default 10)")
+    s.add_argument("--seed", type=int, default=1, help="seed of the samples (default 1)")
+    s.add_argument("--teacher-seed", type=int, default=0,
+                   help="seed of the labelling teacher; keep it equal for train and eval files (default 0)")
+    s.set_defaults(func=cmd_data_synth)
+    di = dsub.add_parser("info", help="check a dataset file and print its shape and classes")
+    di.add_argument("path")
+    di.set_defaults(func=cmd_data_info)
+
+    i = sub.add_parser("info", help="print topology and library support per rank")
+    i.add_argument("--ranks-per-node", type=int, default=0, metavar="K", help="simulate nodes of K ranks")
+    i.set_defaults(func=cmd_info)
+    return p
+
+
+def cmd_train(args) -> int:
+    from .config import describe, load_config
+    from .errors import EXIT_TARGET_MISSED
+    from .guard import agree
+    from .runtime import init_world
+    from .train import Trainer
+
+    if args.help_config:
+        print(describe())
+        return 0
+    overrides = list(args.set)
+    if args.ranks_per_node is not None:
+        overrides.append(f"dist.ranks_per_node={args.ranks_per_node}")
+    world = init_world()
+    cfg = agree(world, load_config, args.config, overrides)
+    if cfg.dist.ranks_per_node:
+        world = init_world(ranks_per_node=cfg.dist.ranks_per_node)
+    if world.is_root:
+        print(f"resolved config ({args.config or 'defaults'}):\n{cfg.to_toml()}", flush=True)
+    result = Trainer(cfg, world).run()
+    acc = result["eval_accuracy"]
+    if cfg.train.target_accuracy and (acc is None or acc < cfg.train.target_accuracy):
+        return EXIT_TARGET_MISSED
+    return 0
+
+
+def cmd_data_synth(args) -> int:
+    from .synth import write_synthetic
+
+    attrs = write_synthetic(args.out, args.n, args.dim, args.classes, args.seed, args.teacher_seed)
+    counts = attrs["class_counts"]
+    print(f"wrote {args.out}: {args.n} x {args.dim} float32, {args.classes} classes "
+          f"(largest class {counts.max() / counts.sum():.1%} of samples), seed {args.seed}, "
+          f"teacher seed {args.teacher_seed}")
+    return 0
+
+
+def cmd_data_info(args) -> int:
+    from .data import open_dataset
+
+    ds = open_dataset(args.path, "path")
+    print(f"{args.path}: {ds.n} samples x {ds.dim} features ({ds.x.dtype}), {ds.n_classes} classes")
+    for key, value in ds.file.attrs.items():
+        print(f"  {key} = {value}")
+    ds.close()
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .info import print_info
+    from .runtime import init_world
+
+    world = init_world(ranks_per_node=args.ranks_per_node)
+    print_info(world)
+    return 0
+
+
+def main(argv=None) -> int:
+    limit_threads_per_rank()  # before numpy is imported by any command
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except Exception as exc:  # noqa: BLE001 - every failure leaves through one door
+        from .guard import report_and_exit
+
+        return report_and_exit(exc, _current_world())
+
+
+def _current_world():
+    """The job's world if MPI is up (for a clean abort), else None."""
+    if "mpi4py.MPI" not in sys.modules:
+        return None
+    MPI = sys.modules["mpi4py.MPI"]
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return None
+    comm = MPI.COMM_WORLD
+    # a light World: reporting and aborting need only comm, rank and size
+    from .runtime import World
+
+    return World(comm, comm.Get_rank(), comm.Get_size(), None, 0, 1, None, 0, 1)
+
+if __name__ == "__main__":
+    sys.exit(main())

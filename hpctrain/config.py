@@ -1,0 +1,239 @@
+"""Typed run configuration: one dataclass per section, TOML file plus ``--set``.
+
+Contract:
+  * every field has a default and a one-line reason (``help``), shown by
+    ``python -m hpctrain train --help-config``;
+  * unknown sections or keys, wrong types and out-of-range values raise
+    :class:`~hpctrain.errors.ConfigError` naming the key and the fix;
+  * :func:`load_config` is pure (no MPI): every rank parses the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+
+def _f(default, why, **kw):
+    """A dataclass field whose metadata carries the reason for its default."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": why, **kw})
+    return field(default=default, metadata={"help": why, **kw})
+
+
+@dataclass
+class ModelConfig:
+    hidden: list[int] = _f([256, 256], "two hidden layers learn the teacher task to >90% quickly")
+    activation: str = _f("relu", "relu | gelu; relu is cheapest", choices=("relu", "gelu"))
+
+    def validate(self):
+        if any(h < 1 for h in self.hidden):
+            raise ConfigError(f"model.hidden={self.hidden}: every width must be >= 1")
+
+
+@dataclass
+class DataConfig:
+    train: str = _f("data/synth-train.h5", "HDF5 file with /x float32 [N, D] and /y int64 [N]")
+    eval: str = _f("", "held-out HDF5 file in the same format; empty = no evaluation")
+    shuffle_seed: int = _f(1234, "one permutation per (seed, epoch), identical on every rank")
+
+
+@dataclass
+class TrainConfig:
+    global_batch: int = _f(256, "samples per step over all ranks; per-rank batch = global / world size")
+    steps: int = _f(1500, "optimizer steps; epochs follow from the dataset size")
+    dtype: str = _f("float32", "float32 for speed; float64 for exactness checks", choices=("float32", "float64"))
+    device: str = _f("auto", "auto | cpu; auto picks a GPU when one is supported and visible",
+                     choices=("auto", "cpu"))
+    seed: int = _f(0, "initial weights; rank 0's are broadcast so all ranks start equal")
+    log_every: int = _f(100, "progress line period in steps (non-TTY logs get one line each)")
+    eval_every: int = _f(0, "evaluate every k steps; 0 = only at the end")
+    target_accuracy: float = _f(0.0, "final eval accuracy the run must reach (0 = no target); missing it exits 3")
+    metrics: str = _f("", "per-step metrics as JSON lines, written by rank 0; empty = off")
+
+    def validate(self):
+        if self.global_batch < 1:
+            raise ConfigError(f"train.global_batch={self.global_batch}: must be >= 1")
+        if self.steps < 0:
+            raise ConfigError(f"train.steps={self.steps}: must be >= 0")
+        if self.log_every < 1:
+            raise ConfigError(f"train.log_every={self.log_every}: must be >= 1")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0")
+        if not 0.0 <= self.target_accuracy <= 1.0:
+            raise ConfigError(f"train.target_accuracy={self.target_accuracy}: a fraction in [0, 1], e.g. 0.9")
+
+
+@dataclass
+class OptimConfig:
+    name: str = _f("sgd", "sgd (momentum) | adamw", choices=("sgd", "adamw"))
+    lr: float = _f(0.1, "peak learning rate (after warmup, before decay)")
+    momentum: float = _f(0.9, "SGD momentum; 0.9 is the usual choice")
+    nesterov: bool = _f(False, "Nesterov momentum for SGD")
+    weight_decay: float = _f(0.0, "L2 (SGD) or decoupled (AdamW) decay, applied to all parameters")
+    beta1: float = _f(0.9, "AdamW first-moment decay")
+    beta2: float = _f(0.999, "AdamW second-moment decay")
+    eps: float = _f(1e-8, "AdamW denominator guard")
+    schedule: str = _f("cosine", "after warmup: cosine | step | constant",
+                       choices=("cosine", "step", "constant"))
+    warmup_steps: int = _f(100, "linear warmup from 0; large batches need it")
+    min_lr: float = _f(0.0, "cosine floor")
+    step_size: int = _f(1000, "step schedule: decay every k steps")
+    gamma: float = _f(0.1, "step schedule: multiply lr by gamma")
+    scale_lr: bool = _f(False, "linear scaling rule: lr x global_batch / base_batch")
+    base_batch: int = _f(256, "batch size at which lr was tuned (for scale_lr)")
+
+    def validate(self):
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr={self.lr}: must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optim.momentum={self.momentum}: must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"optim.beta1/beta2=({self.beta1}, {self.beta2}): each must be in [0, 1)")
+        if self.eps <= 0 or self.warmup_steps < 0 or self.step_size < 1 or self.base_batch < 1:
+            raise ConfigError("optim.eps > 0, optim.warmup_steps >= 0, optim.step_size >= 1 "
+                              "and optim.base_batch >= 1 are required")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr={self.min_lr}: must be in [0, optim.lr={self.lr}]")
+
+
+@dataclass
+class DistConfig:
+    allreduce: str = _f("mpi", "gradient averaging strategy: mpi (MPI_Allreduce) | naive (reduce+bcast oracle)",
+                        choices=("mpi", "naive"))
+    ranks_per_node: int = _f(0, "simulate nodes of k ranks on one machine; 0 = real nodes (shared memory)")
+
+    def validate(self):
+        if self.ranks_per_node < 0:
+            raise ConfigError(f"dist.ranks_per_node={self.ranks_per_node}: must be >= 0")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def validate(self) -> "Config":
+        for section in dataclasses.fields(self):
+            sub = getattr(self, section.name)
+            for f in dataclasses.fields(sub):
+                choices = f.metadata.get("choices")
+                if choices and getattr(sub, f.name) not in choices:
+                    raise ConfigError(f"{section.name}.{f.name}={getattr(sub, f.name)!r}: "
+                                      f"choose one of {', '.join(choices)}")
+            if hasattr(sub, "validate"):
+                sub.validate()
+        return self
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML text (printed by rank 0, stored in checkpoints)."""
+        lines = []
+        for section in dataclasses.fields(self):
+            lines.append(f"[{section.name}]")
+            for key, value in dataclasses.asdict(getattr(self, section.name)).items():
+                lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        # JSON string escapes are valid TOML basic-string escapes; TOML also forbids a raw DEL
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(where: str, value, typ):
+    """Check ``value`` against the annotated type; ints are accepted for floats."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list of {item.__name__}, got {value!r}")
+        return [_coerce(f"{where}[{i}]", x, item) for i, x in enumerate(value)]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _apply(cfg: Config, section: str, key: str, value, origin: str):
+    sections = {f.name: f for f in dataclasses.fields(cfg)}
+    if section not in sections:
+        raise ConfigError(f"{origin}: unknown section [{section}]{_suggest(section, sections)}; "
+                          f"sections are {', '.join(sections)}")
+    sub = getattr(cfg, section)
+    hints = typing.get_type_hints(type(sub))
+    if key not in hints:
+        raise ConfigError(f"{origin}: unknown key {section}.{key}{_suggest(key, hints)}; "
+                          f"keys of [{section}] are {', '.join(hints)}")
+    setattr(sub, key, _coerce(f"{origin}: {section}.{key}", value, hints[key]))
+
+
+def _parse_override(text: str):
+    """``section.key=value`` -> (section, key, value); the value is read as TOML, else as a string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set optim.lr=0.05")
+    lhs, raw = text.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare words such as adamw or a path
+    return section, key, value
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file at ``path``, then ``--set`` overrides; validated."""
+    cfg = Config()
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} not found; pass an existing file to --config") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path!r} cannot be read ({exc.strerror or exc}); "
+                              f"pass a readable TOML file to --config") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+        for section, table in doc.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+            for key, value in table.items():
+                _apply(cfg, section, key, value, path)
+    for text in overrides:
+        _apply(cfg, *_parse_override(text), origin=f"--set {text}")
+    return cfg.validate()
+
+
+def describe() -> str:
+    """Every key with its default and reason, for ``--help-config``."""
+    out = []
+    for section in dataclasses.fields(Config):
+        out.append(f"[{section.name}]")
+        for f in dataclasses.fields(section.default_factory()):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append(f"  {f.name} = {_toml_value(default):<24} # {f.metadata['help']}")
+    return "\n".join(out)

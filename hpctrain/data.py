@@ -1,0 +1,182 @@
+"""HDF5 classification data, the distributed sampler and per-rank batch reading.
+
+File format (docs/data-format.md): ``/x`` float [N, D], ``/y`` integer [N],
+root attribute ``n_classes`` (and ``format``/``format_version`` when written by
+hpctrain).
+
+Sampling rule: epoch e uses the permutation ``default_rng([seed, e])`` of
+0..N-1, identical on every rank. Step s of the epoch takes the global batch
+``perm[s*G:(s+1)*G]`` (G = global batch); rank r takes rows ``[r*b, (r+1)*b)``
+of it (b = G / world size). The last partial batch (N mod G samples) is
+dropped; since each epoch reshuffles, different samples are dropped each time.
+The position is a pure function of the global step, so resuming needs only
+the step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import DataError, LaunchError
+
+FORMAT_NAME = "hpctrain-classification"
+FORMAT_VERSION = 1
+MAX_READ_AMPLIFICATION = 8  # read whole chunks when they hold <= 8x the rows asked for
+
+
+@dataclass
+class Dataset:
+    """An open HDF5 dataset: ``x`` (N, D) and ``y`` (N,) are h5py datasets (read lazily)."""
+
+    path: str
+    file: object
+    x: object
+    y: object
+    n: int
+    dim: int
+    n_classes: int
+
+    def close(self):
+        self.file.close()
+
+
+def open_dataset(path: str, what: str = "data.train") -> Dataset:
+    """Open and check ``path``; raise :class:`DataError` naming the problem and the fix."""
+    import h5py
+
+    if not path:
+        raise DataError(f"{what} is empty; set it to an HDF5 file with /x and /y")
+    if not os.path.exists(path):
+        raise DataError(f"{what}: dataset {path!r} not found; create one with "
+                        f"'python -m hpctrain data synth --out {path}' or point {what} at your file")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise DataError(f"{what}: {path!r} is not a readable HDF5 file ({exc}); "
+                        f"regenerate it or check the path") from None
+    try:
+        missing = [k for k in ("x", "y") if k not in f or not isinstance(f[k], h5py.Dataset)]
+        if missing:
+            raise DataError(f"{what}: {path!r} lacks dataset(s) {', '.join('/' + m for m in missing)}; "
+                            f"expected /x float [N, D] and /y integer [N] (docs/data-format.md)")
+        x, y = f["x"], f["y"]
+        if x.ndim != 2 or x.dtype.kind != "f":
+            raise DataError(f"{what}: {path}:/x must be a 2-D float array [N, D], got shape {x.shape} {x.dtype}")
+        if y.ndim != 1 or y.dtype.kind not in "iu":
+            raise DataError(f"{what}: {path}:/y must be a 1-D integer array [N], got shape {y.shape} {y.dtype}")
+        if len(y) != len(x):
+            raise DataError(f"{what}: {path}: /x has {len(x)} rows but /y has {len(y)}; they must match")
+        if "n_classes" not in f.attrs:
+            raise DataError(f"{what}: {path} has no root attribute n_classes; add it "
+                            f"(h5py: f.attrs['n_classes'] = C)")
+        n_classes = int(f.attrs["n_classes"])
+        if n_classes < 2:
+            raise DataError(f"{what}: {path}: n_classes={n_classes}, need at least 2")
+        return Dataset(path, f, x, y, len(x), x.shape[1], n_classes)
+    except DataError:
+        f.close()
+        raise
+
+
+def per_rank_batch(global_batch: int, world_size: int) -> int:
+    """b = G / world size, or a :class:`LaunchError` that says which sizes would work."""
+    if global_batch % world_size:
+        lower = global_batch - global_batch % world_size
+        near = " or ".join(str(g) for g in sorted({lower, lower + world_size} - {0}))
+        raise LaunchError(f"train.global_batch={global_batch} is not divisible by the world size {world_size}; "
+                          f"use a multiple of {world_size} (e.g. --set train.global_batch={near}) "
+                          f"or launch a number of ranks that divides {global_batch}")
+    return global_batch // world_size
+
+
+class DistributedSampler:
+    """Which rows rank ``rank`` of ``size`` reads at each global step (see module docstring)."""
+
+    def __init__(self, n: int, global_batch: int, rank: int, size: int, seed: int):
+        if n < global_batch:
+            raise DataError(f"the dataset has {n} samples, fewer than one global batch ({global_batch}); "
+                            f"lower train.global_batch or use more data")
+        self.n, self.global_batch, self.rank, self.seed = n, global_batch, rank, seed
+        self.batch = per_rank_batch(global_batch, size)
+        self.steps_per_epoch = n // global_batch
+        self._perm_epoch, self._perm = None, None
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, step within epoch) of a 0-based global step."""
+        return divmod(step, self.steps_per_epoch)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def indices(self, step: int) -> np.ndarray:
+        """This rank's b row indices for global ``step``, in permutation order."""
+        epoch, s = self.position(step)
+        start = s * self.global_batch + self.rank * self.batch
+        return self.permutation(epoch)[start:start + self.batch]
+
+
+def read_rows(ds: Dataset, rows: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """x[rows], y[rows] in the order given.
+
+    HDF5 wants increasing indices, so rows are read sorted and put back in
+    order. A point-wise (fancy) read costs microseconds per row; when the rows
+    fill the chunks they touch well enough (at most MAX_READ_AMPLIFICATION
+    times more rows than asked for), whole chunk runs are read as contiguous
+    slices instead, which is what HDF5 does underneath anyway.
+    """
+    order = np.argsort(rows, kind="stable")
+    sorted_rows = rows[order]
+    x = np.empty((len(rows), ds.dim), dtype=dtype)
+    y = np.empty(len(rows), dtype=np.int64)
+    chunk_rows = ds.x.chunks[0] if ds.x.chunks else ds.n
+    chunks = np.unique(sorted_rows // chunk_rows)
+    if len(chunks) * chunk_rows <= MAX_READ_AMPLIFICATION * len(rows):
+        # runs of consecutive chunks -> one contiguous slab read each
+        breaks = np.flatnonzero(np.diff(chunks) > 1) + 1
+        for run in np.split(chunks, breaks):
+            lo, hi = run[0] * chunk_rows, min(ds.n, (run[-1] + 1) * chunk_rows)
+            take = (sorted_rows >= lo) & (sorted_rows < hi)
+            local = sorted_rows[take] - lo
+            x[order[take]] = ds.x[lo:hi][local]
+            y[order[take]] = ds.y[lo:hi][local]
+    else:
+        x[order] = ds.x[sorted_rows]
+        y[order] = ds.y[sorted_rows]
+    return x, y
+
+
+class BatchReader:
+    """This rank's batches, read ahead for ``window`` steps at a time (never across an epoch).
+
+    One read of a window's rows amortises HDF5's per-call cost; only this
+    rank's rows are requested. ``batch(step)`` returns (x, y) on the host.
+    """
+
+    def __init__(self, ds: Dataset, sampler: DistributedSampler, dtype, window_rows: int = 16384):
+        self.ds, self.sampler, self.dtype = ds, sampler, dtype
+        self.window = max(1, window_rows // sampler.batch)
+        self._first, self._x, self._y = None, None, None
+
+    def batch(self, step: int):
+        b = self.sampler.batch
+        if self._first is None or not self._first <= step < self._first + len(self._y) // b:
+            epoch, s = self.sampler.position(step)
+            steps = min(self.window, self.sampler.steps_per_epoch - s)
+            rows = np.concatenate([self.sampler.indices(step + k) for k in range(steps)])
+            self._x, self._y = read_rows(self.ds, rows, self.dtype)
+            self._first = step
+        k = step - self._first
+        return self._x[k * b:(k + 1) * b], self._y[k * b:(k + 1) * b]
+
+
+def shard_range(n: int, rank: int, size: int) -> tuple[int, int]:
+    """Contiguous [start, stop) of n rows for ``rank`` (sizes differ by at most 1), for evaluation."""
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)

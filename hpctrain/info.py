@@ -1,0 +1,64 @@
+"""``python -m hpctrain info``: what each rank sees, gathered and printed by rank 0."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def _libraries() -> dict:
+    """Versions and capabilities that matter for a run (same on every rank of a node)."""
+    from mpi4py import MPI
+
+    out = {"MPI library": MPI.Get_library_version().rstrip("\x00").splitlines()[0].strip(),
+           "MPI standard": "%d.%d" % MPI.Get_version(),
+           "MPI thread level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                                MPI.THREAD_SERIALIZED: "serialized",
+                                MPI.THREAD_MULTIPLE: "multiple"}[MPI.Query_thread()]}
+    try:
+        import h5py
+
+        out["h5py"] = f"{h5py.__version__} (HDF5 {h5py.version.hdf5_version}, mpi={h5py.get_config().mpi})"
+    except ImportError as exc:
+        out["h5py"] = f"missing ({exc}); run scripts/setup.sh"
+    import numba
+    import numpy
+
+    out["numpy"] = numpy.__version__
+    out["numba"] = numba.__version__
+    out["CUDA"] = _cuda_status()
+    return out
+
+
+def _cuda_status() -> str:
+    try:
+        from numba import cuda
+
+        if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+            return "numba CUDA simulator"
+        return f"available, {len(cuda.gpus)} GPU(s)" if cuda.is_available() else "no GPU visible"
+    except Exception as exc:  # noqa: BLE001 - a broken driver is a status, not a crash
+        return f"unavailable ({type(exc).__name__}: {exc})"
+
+
+def print_info(world) -> None:
+    """Collective: every rank reports; rank 0 prints a table in rank order."""
+    mine = {"rank": world.rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "local": f"{world.local_rank}/{world.local_size}", "node": f"{world.node_rank}/{world.n_nodes}",
+            "threads": os.environ.get("OMP_NUM_THREADS", "-"),
+            "slurm_job": os.environ.get("SLURM_JOB_ID", "-")}
+    rows = world.comm.gather(mine, root=0)
+    libs = _libraries() if world.is_root else None
+    if not world.is_root:
+        return
+    from . import __version__
+
+    print(f"hpctrain {__version__}: {world.size} rank(s), {world.n_nodes} node(s)")
+    for key, value in libs.items():
+        print(f"  {key:<17} {value}")
+    print(f"  {'device':<17} cpu (the cuda device arrives with the CUDA kernels)")
+    cols = ["rank", "host", "pid", "local", "node", "threads", "slurm_job"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  " + "  ".join(c.ljust(widths[c]) for c in cols))
+    for r in rows:
+        print("  " + "  ".join(str(r[c]).ljust(widths[c]) for c in cols))

@@ -1,0 +1,110 @@
+"""Rank-0 output: messages, the progress line, per-step metrics (JSON lines), timers.
+
+Only rank 0 writes anything; other ranks get no-op writers, so call sites
+need no ``if rank == 0``. On a terminal the progress line rewrites itself in
+place; in a batch log (non-TTY) it prints one full line every ``log_every``
+steps so ``tail -f slurm-*.out`` stays readable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+
+class Log:
+    """Messages from rank 0 only, flushed at once (batch logs are buffered otherwise)."""
+
+    def __init__(self, is_root: bool, stream=None):
+        self.enabled = is_root
+        self.stream = stream or sys.stdout
+        self.tty = self.enabled and _interactive(self.stream)
+        self._pending_cr = False
+
+    def info(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        if self._pending_cr:
+            self.stream.write("\n")
+            self._pending_cr = False
+        self.stream.write(msg + "\n")
+        self.stream.flush()
+
+    def progress(self, msg: str) -> None:
+        """A line that overwrites itself on a TTY and is a plain line otherwise."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\r\033[K" + msg)
+            self._pending_cr = True
+        else:
+            self.stream.write(msg + "\n")
+        self.stream.flush()
+
+
+def _interactive(stream) -> bool:
+    """True when progress may rewrite one line in place.
+
+    mpirun hands ranks a pseudo-terminal even when its own output goes to a
+    batch log, so under a launcher isatty() lies; HPCTRAIN_PROGRESS=tty|lines
+    decides explicitly.
+    """
+    choice = os.environ.get("HPCTRAIN_PROGRESS", "")
+    if choice in ("tty", "lines"):
+        return choice == "tty"
+    launched = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID"))
+    return not launched and stream.isatty()
+
+
+def format_eta(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+class Metrics:
+    """Per-step metrics as JSON lines, written by rank 0 (no-op elsewhere or when path is empty)."""
+
+    def __init__(self, path: str, is_root: bool):
+        self._fh = None
+        if path and is_root:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fh = open(path, "w", buffering=1 << 16)
+
+    def write(self, **record) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class Timers:
+    """Wall-clock seconds per phase (data, forward, backward, allreduce, optimizer).
+
+    ``with timers("forward"): ...`` adds to the phase; :meth:`pop` returns and
+    clears the totals, so a caller can take per-step or per-window splits.
+    """
+
+    def __init__(self):
+        self.totals = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[phase] += time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out = dict(self.totals)
+        self.totals.clear()
+        return out

@@ -1,0 +1,42 @@
+"""One contiguous buffer for all parameters and one for all gradients.
+
+Layers hold reshaped *views*, so the optimizer updates everything with one
+kernel over P elements, the all-reduce sends one buffer (later: slices of it as
+buckets), and a checkpoint writes it without gathering pieces. Parameters are
+laid out in layer order; gradient buckets walk it backwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str      # e.g. "fc1.weight"
+    shape: tuple
+    offset: int    # first element in the flat buffer
+    size: int
+
+
+class FlatParams:
+    """Flat ``data`` and ``grad`` buffers of P elements on ``device``, with named slots."""
+
+    def __init__(self, device, specs):
+        """``specs``: ordered (name, shape) pairs. Both buffers start zeroed."""
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for name, shape in specs:
+            size = math.prod(shape)
+            self.slots.append(ParamSlot(name, tuple(shape), offset, size))
+            offset += size
+        self.size = offset
+        self.data = device.zeros(self.size)
+        self.grad = device.zeros(self.size)
+        self._by_name = {s.name: s for s in self.slots}
+
+    def view(self, buf, name):
+        """The slot ``name`` of flat ``buf`` (data, grad or optimizer state) as a shaped view."""
+        s = self._by_name[name]
+        return buf[s.offset:s.offset + s.size].reshape(s.shape)

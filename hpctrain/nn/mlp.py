@@ -1,0 +1,50 @@
+"""A multi-layer perceptron classifier: (Linear -> act) x k -> Linear -> softmax CE."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .flat import FlatParams
+from .layers import Activation, Linear, SoftmaxCrossEntropy
+
+
+class MLP:
+    """Layers in order, parameters in one :class:`FlatParams`.
+
+    ``forward(x, y)`` returns (loss_sum, correct) over the B rows of x (B, D);
+    ``backward()`` writes (or, with accumulate, adds) d(mean loss)/d(params)
+    into ``flat.grad``.
+    """
+
+    def __init__(self, device, n_in, hidden, n_classes, activation="relu"):
+        widths = [n_in, *hidden, n_classes]
+        self.layers = []
+        for i in range(len(widths) - 1):
+            self.layers.append(Linear(device, f"fc{i}", widths[i], widths[i + 1], needs_dx=i > 0))
+            if i < len(widths) - 2:
+                self.layers.append(Activation(device, activation))
+        self.loss = SoftmaxCrossEntropy(device)
+        self.flat = FlatParams(device, [p for layer in self.layers for p in layer.params])
+        for layer in self.layers:
+            layer.bind(self.flat)
+
+    def init(self, seed: int):
+        """Deterministic initial weights from ``seed`` (drawn in float64, then cast)."""
+        rng = np.random.default_rng(seed)
+        for layer in self.layers:
+            if isinstance(layer, Linear):
+                layer.init(rng)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = layer.forward(x)
+        return self.loss.forward(x, y)
+
+    def backward(self, accumulate=False):
+        dout = self.loss.backward()
+        for layer in reversed(self.layers):
+            dout = layer.backward(dout, accumulate)
+
+    def predict_correct(self, x, y) -> int:
+        """Correctly classified rows of (x, y); no gradients are touched."""
+        return self.forward(x, y)[1]

@@ -1,0 +1,105 @@
+"""The MPI world and its topology, initialised on first use (never at import).
+
+``init_world()`` works the same under ``mpirun``, ``srun`` and with no launcher
+(a 1-rank world). A *node* is the set of ranks sharing memory
+(``Split_type(COMM_TYPE_SHARED)``), unless ``ranks_per_node=k`` makes
+consecutive blocks of k ranks act as nodes, so one machine can stand in for a
+cluster in tests and benchmarks (the last node may be smaller).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+def _mpi():
+    """Import mpi4py.MPI (this is MPI_Init), asking for MPI_THREAD_MULTIPLE.
+
+    The communication thread of the bucketed all-reduce calls MPI while the
+    main thread runs backward, so the thread level is requested up front.
+    """
+    import mpi4py
+
+    mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    return MPI
+
+
+@dataclass(frozen=True)
+class World:
+    """Who this process is among the ranks of a job. Named fields, no tuples.
+
+    comm        the job's communicator (COMM_WORLD or a test's COMM_SELF/dup)
+    rank, size  this rank's index and the number of ranks in ``comm``
+    local_comm  the ranks of this node; ``local_rank``/``local_size`` within it
+    cross_comm  ranks with the same local_rank on every node (inter-node hops)
+    node_rank   index of this node (0 .. n_nodes-1, in order of first rank)
+    """
+
+    comm: Any
+    rank: int
+    size: int
+    local_comm: Any
+    local_rank: int
+    local_size: int
+    cross_comm: Any
+    node_rank: int
+    n_nodes: int
+
+    @property
+    def is_root(self) -> bool:
+        """Rank 0 prints, logs and renames checkpoints."""
+        return self.rank == 0
+
+
+def init_world(comm=None, ranks_per_node: int = 0) -> World:
+    """Initialise MPI (if needed) and describe the topology of ``comm``.
+
+    Collective over ``comm`` (default COMM_WORLD): every rank must call it.
+    """
+    MPI = _mpi()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if ranks_per_node and ranks_per_node > 0:
+        local_comm = comm.Split(color=rank // ranks_per_node, key=rank)
+    else:
+        local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = local_comm.Get_rank(), local_comm.Get_size()
+    # A node is named by the world rank of its first member; sorting those
+    # names numbers the nodes in rank order on every rank alike.
+    leader = local_comm.bcast(rank, root=0)
+    leaders = sorted(set(comm.allgather(leader)))
+    cross_comm = comm.Split(color=local_rank, key=rank)
+    return World(comm=comm, rank=rank, size=size,
+                 local_comm=local_comm, local_rank=local_rank, local_size=local_size,
+                 cross_comm=cross_comm, node_rank=leaders.index(leader), n_nodes=len(leaders))
+
+
+def launched_ranks_on_node() -> int:
+    """Ranks a launcher put on this node, read from its environment (1 if none).
+
+    Read before numpy is imported, to size each rank's BLAS thread pool.
+    """
+    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "")
+        if value.split("(")[0].isdigit():
+            return max(1, int(value.split("(")[0]))
+    return 1
+
+
+def limit_threads_per_rank() -> None:
+    """Give each rank cores/ranks BLAS threads unless the user chose a number.
+
+    Without this, 4 ranks on 2 cores each start 2 OpenBLAS threads and the
+    oversubscription costs more than the parallel GEMM gains. Must run before
+    numpy is imported; called by the command-line entry point only.
+    """
+    cores = len(os.sched_getaffinity(0))
+    if cores >= (os.cpu_count() or 1):  # not bound by the launcher: share the node
+        cores //= launched_ranks_on_node()
+    per_rank = max(1, cores)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(var, str(per_rank))

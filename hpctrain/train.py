@@ -1,0 +1,154 @@
+"""The training loop, readable top to bottom.
+
+One step on every rank: read this rank's rows of the global batch -> forward
+-> backward into the flat gradient -> average the gradient over ranks ->
+optimizer update. Because every rank starts from rank 0's parameters and
+applies the same averaged gradient, N ranks with batch b train exactly like
+one rank with batch N*b (up to floating-point summation order).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import __version__
+from .data import BatchReader, DistributedSampler, open_dataset, shard_range
+from .device import make_device
+from .dist import make_allreduce
+from .guard import agree
+from .log import Log, Metrics, Timers, format_eta
+from .nn import MLP
+from .optim import LRSchedule, make_optimizer, peak_lr
+
+EVAL_CHUNK_ROWS = 8192  # rows per forward pass during evaluation (bounded memory)
+
+
+class Trainer:
+    """Everything a run needs, built collectively over ``world`` (all ranks construct it)."""
+
+    def __init__(self, cfg, world, log: Log | None = None):
+        self.cfg, self.world = cfg, world
+        self.log = log or Log(world.is_root)
+        # Set-up checks may fail on some ranks only (a file missing on one node):
+        # agree() makes every rank raise the same error instead of hanging.
+        agree(world, self._build)
+        # data parallelism starts from identical weights: rank 0's
+        self.world.comm.Bcast(self.model.flat.data, root=0)
+        self.timers = Timers()
+        self.step = 0
+
+    def _build(self):
+        cfg, world = self.cfg, self.world
+        self.device = make_device(cfg.train.device, cfg.train.dtype, world)
+        self.train_ds = open_dataset(cfg.data.train, "data.train")
+        self.sampler = DistributedSampler(self.train_ds.n, cfg.train.global_batch,
+                                          world.rank, world.size, cfg.data.shuffle_seed)
+        self.reader = BatchReader(self.train_ds, self.sampler, self.device.dtype)
+        self.eval_ds = open_dataset(cfg.data.eval, "data.eval") if cfg.data.eval else None
+        if self.eval_ds and (self.eval_ds.dim, self.eval_ds.n_classes) != (self.train_ds.dim, self.train_ds.n_classes):
+            from .errors import DataError
+
+            raise DataError(f"data.eval has {self.eval_ds.dim} features / {self.eval_ds.n_classes} classes "
+                            f"but data.train has {self.train_ds.dim} / {self.train_ds.n_classes}")
+        self.model = MLP(self.device, self.train_ds.dim, cfg.model.hidden, self.train_ds.n_classes,
+                         cfg.model.activation)
+        self.model.init(cfg.train.seed)
+        self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim)
+        self.schedule = LRSchedule(cfg.optim, peak_lr(cfg.optim, cfg.train.global_batch), cfg.train.steps)
+        self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device)
+
+    # ---- one step ----------------------------------------------------------------
+    def train_step(self) -> tuple[float, int]:
+        """Run global step ``self.step`` on this rank; returns this rank's (loss_sum, correct)."""
+        t = self.timers
+        with t("data"):
+            x, y = self.reader.batch(self.step)
+            x, y = self.device.from_host(x), self.device.from_host(y, np.int64)
+        with t("forward"):
+            loss_sum, correct = self.model.forward(x, y)
+        with t("backward"):
+            self.model.backward()
+        with t("allreduce"):
+            self.allreduce(self.model.flat.grad, "mean")
+        with t("optimizer"):
+            self.optimizer.step(self.schedule.lr(self.step))
+        self.step += 1
+        return loss_sum, correct
+
+    def evaluate(self) -> float:
+        """Accuracy on the eval set; each rank scores a contiguous shard. Collective."""
+        ds = self.eval_ds
+        start, stop = shard_range(ds.n, self.world.rank, self.world.size)
+        correct = 0
+        for lo in range(start, stop, EVAL_CHUNK_ROWS):
+            hi = min(stop, lo + EVAL_CHUNK_ROWS)
+            x = self.device.from_host(ds.x[lo:hi])
+            y = self.device.from_host(ds.y[lo:hi], np.int64)
+            correct += self.model.predict_correct(x, y)
+        totals = np.array([correct, stop - start], dtype=np.float64)
+        self.world.comm.Allreduce(_in_place(), totals)
+        return float(totals[0] / totals[1])
+
+    # ---- the run -------------------------------------------------------------------
+    def run(self, metrics_path: str = "") -> dict:
+        cfg, world, log = self.cfg, self.world, self.log
+        tc, b = cfg.train, self.sampler.batch
+        log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
+                 f"device {self.device.describe()}, allreduce {cfg.dist.allreduce}, "
+                 f"global batch {tc.global_batch} = {b} x {world.size}, {self.model.flat.size:,} parameters, "
+                 f"{self.sampler.steps_per_epoch} steps/epoch")
+        metrics = Metrics(metrics_path or tc.metrics, world.is_root)
+        window = np.zeros(3)  # loss_sum, correct, rows since the last progress line
+        stats = np.zeros(3)
+        t_start = t_window = time.perf_counter()
+        eval_acc = None
+        try:
+            while self.step < tc.steps:
+                t0 = time.perf_counter()
+                loss_sum, correct = self.train_step()
+                stats[:] = (loss_sum, correct, b)
+                world.comm.Allreduce(_in_place(), stats)  # global loss/accuracy of this step
+                window += stats
+                split = self.timers.pop()
+                step_time = time.perf_counter() - t0
+                metrics.write(step=self.step, epoch=self.sampler.position(self.step - 1)[0],
+                              loss=stats[0] / stats[2], accuracy=stats[1] / stats[2],
+                              lr=self.schedule.lr(self.step - 1), step_time=step_time,
+                              comm_time=split.get("allreduce", 0.0),
+                              samples_per_s=tc.global_batch / step_time,
+                              **{f"t_{k}": v for k, v in split.items()})
+                if self.step % tc.log_every == 0 or self.step == tc.steps:
+                    now = time.perf_counter()
+                    rate = window[2] / (now - t_window)
+                    eta = (now - t_start) / self.step * (tc.steps - self.step)
+                    log.progress(f"step {self.step:>6}/{tc.steps} | loss {window[0] / window[2]:.4f} | "
+                                 f"acc {100 * window[1] / window[2]:5.1f}% | {rate:,.0f} samples/s | "
+                                 f"lr {self.schedule.lr(self.step - 1):.4g} | ETA {format_eta(eta)}")
+                    window[:] = 0
+                    t_window = now
+                if self.eval_ds and tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+                    log.info(f"eval at step {self.step}: accuracy {100 * self.evaluate():.2f}%")
+        finally:
+            metrics.close()
+        elapsed = time.perf_counter() - t_start
+        if self.eval_ds:
+            eval_acc = self.evaluate()
+        result = {"steps": self.step, "seconds": elapsed,
+                  "samples_per_s": self.step * tc.global_batch / elapsed if elapsed else 0.0,
+                  "eval_accuracy": eval_acc}
+        log.info(f"done: {self.step} steps in {elapsed:.1f} s ({result['samples_per_s']:,.0f} samples/s)")
+        if eval_acc is not None:
+            verdict = ""
+            if tc.target_accuracy:
+                verdict = f" (target {100 * tc.target_accuracy:.1f}%: " \
+                          f"{'reached' if eval_acc >= tc.target_accuracy else 'NOT reached'})"
+            log.info(f"final eval accuracy {100 * eval_acc:.2f}%{verdict}")
+        return result
+
+
+def _in_place():
+    from mpi4py import MPI
+
+    return MPI.IN_PLACE

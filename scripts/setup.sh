@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Prepare everything hpctrain needs, idempotently: system MPI + parallel HDF5
+# (root with apt only), a .venv, mpi4py and h5py built against the MPI in use.
+#
+# Two paths:
+#   * root on Debian/Ubuntu: apt installs Open MPI and libhdf5-openmpi-dev.
+#   * a cluster without root: nothing is installed system-wide; MPI comes from
+#     `module load` (the mpicc on PATH) and parallel HDF5 from HDF5_DIR, or from
+#     the prefix of the h5pcc on PATH.
+# When already set up (stamp matches) it returns in well under a second.
+#
+# Environment knobs:
+#   HPCTRAIN_VENV=path            where the venv lives (default .venv)
+#   HPCTRAIN_MPI4PY_FROM_SOURCE=1 build mpi4py with the mpicc on PATH instead
+#                                 of trying PyPI's binary wheel first
+#   HDF5_DIR=prefix               parallel HDF5 install to build h5py against
+#   PYTHON=python3.11             interpreter to make the venv from
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+VENV=${HPCTRAIN_VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+H5PY_VERSION=3.16.0
+STAMP="$VENV/.hpctrain-setup"
+
+say() { printf 'setup: %s\n' "$*"; }
+die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
+
+# The stamp covers what set-up depends on; any change re-runs the slow part.
+fingerprint() {
+    {
+        cat scripts/setup.sh setup.cfg
+        command -v mpicc || true
+        "$PYTHON" -c 'import sys; print(sys.version)' 2>/dev/null || true
+        printf '%s\n' "${HDF5_DIR:-}" "${HPCTRAIN_MPI4PY_FROM_SOURCE:-}"
+    } | sha256sum | cut -d' ' -f1
+}
+
+if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(fingerprint)" ]; then
+    exit 0  # already set up
+fi
+
+t0=$(date +%s)
+
+# ---- system packages (root + apt only) ---------------------------------------
+APT_PKGS="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config python3-venv make"
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    missing=""
+    for p in $APT_PKGS; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing="$missing $p"
+    done
+    if [ -n "$missing" ]; then
+        say "installing system packages:$missing"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get -o DPkg::Lock::Timeout=600 update -qq
+        # shellcheck disable=SC2086
+        apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $missing >/dev/null
+    else
+        say "system packages present"
+    fi
+else
+    say "not root or no apt-get: skipping system packages (using MPI/HDF5 from the environment, e.g. 'module load')"
+fi
+
+command -v mpicc >/dev/null || die "no mpicc on PATH. Load your MPI first (e.g. 'module load openmpi') or run as root on Debian/Ubuntu so setup can install Open MPI."
+command -v mpirun >/dev/null || command -v srun >/dev/null || die "neither mpirun nor srun on PATH; load your MPI module."
+MPICC=$(command -v mpicc)
+say "mpicc: $MPICC ($( (mpicc --version 2>/dev/null || true) | head -n1))"
+
+# ---- parallel HDF5 -------------------------------------------------------------
+if [ -z "${HDF5_DIR:-}" ]; then
+    multiarch=$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
+    for cand in "/usr/lib/$multiarch/hdf5/openmpi" "/usr/lib/$multiarch/hdf5/mpich"; do
+        if [ -f "$cand/include/hdf5.h" ] && grep -q 'define H5_HAVE_PARALLEL 1' "$cand/include/H5pubconf.h" 2>/dev/null; then
+            HDF5_DIR=$cand; break
+        fi
+    done
+fi
+if [ -z "${HDF5_DIR:-}" ] && command -v h5pcc >/dev/null; then
+    HDF5_DIR=$(dirname "$(dirname "$(command -v h5pcc)")")
+fi
+[ -n "${HDF5_DIR:-}" ] || die "no parallel HDF5 found. Set HDF5_DIR to its prefix, or 'module load' one that provides h5pcc."
+grep -qs 'define H5_HAVE_PARALLEL 1' "$HDF5_DIR/include/H5pubconf.h" \
+    || die "HDF5 at $HDF5_DIR is not built with MPI (H5_HAVE_PARALLEL missing in include/H5pubconf.h)."
+say "parallel HDF5: $HDF5_DIR"
+
+# ---- virtual environment ---------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV with $PYTHON"
+    "$PYTHON" -m venv "$VENV" || die "'$PYTHON -m venv' failed; install python3-venv or set PYTHON."
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install --upgrade pip
+"${PIP[@]}" install "numpy>=1.26,<2.6" "numba>=0.60" Cython pkgconfig "setuptools>=77" packaging wheel \
+    "pytest>=8" "pytest-mpi>=0.6" "pytest-timeout>=2.3"
+
+# ---- mpi4py: PyPI's binary wheel loads the system libmpi; fall back to a build ----
+mpi4py_ok() { "$PY" -c 'from mpi4py import MPI; MPI.Get_library_version()' >/dev/null 2>&1; }
+if ! mpi4py_ok; then
+    if [ -z "${HPCTRAIN_MPI4PY_FROM_SOURCE:-}" ]; then
+        say "mpi4py: trying the binary wheel"
+        "${PIP[@]}" install "mpi4py>=4.1,<4.2" || true
+    fi
+    if ! mpi4py_ok; then
+        say "mpi4py: building from source with $MPICC (~2.5 min)"
+        "${PIP[@]}" uninstall -y mpi4py >/dev/null 2>&1 || true
+        CC=$MPICC MPICC=$MPICC "${PIP[@]}" install --no-binary=mpi4py --no-cache-dir "mpi4py>=4.1,<4.2"
+    fi
+fi
+mpi4py_ok || die "mpi4py cannot load the MPI library."
+say "mpi4py: $("$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().rstrip(chr(0)).splitlines()[0].strip())')"
+
+# ---- h5py against parallel HDF5 (never PyPI's serial wheel) ------------------------
+h5py_mpi() { "$PY" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' >/dev/null 2>&1; }
+if ! h5py_mpi; then
+    say "h5py: building $H5PY_VERSION against $HDF5_DIR with MPI (~2-3 min)"
+    "${PIP[@]}" uninstall -y h5py >/dev/null 2>&1 || true
+    # No build isolation: isolation compiles its own mpi4py inside the build
+    # (>12 min, >20 GB). No cache: pip would silently reuse a serial wheel.
+    CC=$MPICC HDF5_MPI=ON HDF5_DIR=$HDF5_DIR \
+        "${PIP[@]}" install --no-binary=h5py --no-build-isolation --no-cache-dir "h5py==$H5PY_VERSION"
+fi
+h5py_mpi || die "h5py was installed without MPI support (h5py.get_config().mpi is False)."
+say "h5py: $("$PY" -c 'import h5py; print(h5py.__version__, "HDF5", h5py.version.hdf5_version, "mpi=True")')"
+
+# ---- hpctrain itself (editable, so `python -m hpctrain` works from any directory) --
+"${PIP[@]}" install --no-deps --no-build-isolation -e .
+
+fingerprint >"$STAMP"
+say "ready in $(( $(date +%s) - t0 )) s ($VENV)"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole suite: serial pytest, then the MPI tests under mpirun -n 1, 2, 3, 4.
+# Every run has a per-test timeout (setup.cfg) and an outer timeout, so a hang
+# fails instead of blocking. Rank 0 prints; other ranks log to .test-logs/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh || exit 1
+PY=.venv/bin/python
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+export PYTHONUNBUFFERED=1
+rm -rf .test-logs && mkdir -p .test-logs
+status=0
+t0=$(date +%s)
+
+echo "== serial: pytest -m 'not mpi'"
+timeout 2400 "$PY" -m pytest -q -m "not mpi" --junitxml=.test-logs/serial.xml "$@" || status=1
+
+for n in 1 2 3 4; do
+    echo "== mpirun -n $n: pytest --with-mpi -m mpi"
+    timeout 900 mpirun -n "$n" --oversubscribe bash scripts/pytest-rank.sh "$n" "$@" || {
+        status=1
+        for log in .test-logs/mpi-n"$n"-rank*.log; do
+            [ -f "$log" ] && grep -qE "(FAILED|ERROR|Timeout)" "$log" && { echo "--- $log"; tail -n 40 "$log"; }
+        done
+    }
+done
+
+echo "== suite finished in $(( $(date +%s) - t0 )) s"
+"$PY" scripts/test_summary.py .test-logs || status=1
+exit $status

@@ -1,0 +1,78 @@
+"""Shared fixtures.
+
+Serial tests run in one plain process. Tests marked ``mpi`` run under
+``mpirun -n 1..4 ... pytest --with-mpi`` (scripts/test.sh): every rank runs the
+same test, so fixtures that make files do it on rank 0 and broadcast the path.
+Tests that *launch* mpirun themselves are serial tests (nested mpirun does not work).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# small, fast datasets: 8 features, 4 classes
+SMALL = {"n": 2048, "dim": 8, "classes": 4}
+
+
+def make_small_dataset(folder: str, n: int = SMALL["n"], seed: int = 1, name: str = "train.h5") -> str:
+    from hpctrain.synth import write_synthetic
+
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        write_synthetic(path, n, SMALL["dim"], SMALL["classes"], seed=seed, teacher_seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+    """(train, eval) paths of small synthetic sets, made once per serial session."""
+    folder = str(tmp_path_factory.mktemp("data"))
+    return make_small_dataset(folder), make_small_dataset(folder, n=512, seed=2, name="eval.h5")
+
+
+@pytest.fixture(scope="session")
+def mpi_shared_dir():
+    """A directory every rank sees: made by rank 0, its path broadcast; removed at the end."""
+    import shutil
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    path = tempfile.mkdtemp(prefix="hpctrain-mpi-") if comm.rank == 0 else None
+    path = comm.bcast(path, root=0)
+    yield path
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def mpi_small_data(mpi_shared_dir):
+    """(train, eval) small datasets written by rank 0 and visible to all ranks."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0:
+        make_small_dataset(mpi_shared_dir)
+        make_small_dataset(mpi_shared_dir, n=512, seed=2, name="eval.h5")
+    comm.Barrier()
+    return os.path.join(mpi_shared_dir, "train.h5"), os.path.join(mpi_shared_dir, "eval.h5")
+
+
+def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: str = REPO, env_extra=None):
+    """Launch ``mpirun -n n python <args>`` and return the CompletedProcess (text).
+
+    A timeout raises subprocess.TimeoutExpired (after killing the job), so a
+    hang fails the test instead of blocking the suite.
+    """
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable, *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

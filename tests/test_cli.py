@@ -1,0 +1,168 @@
+"""The command line as a user meets it: launches under mpirun, bad inputs, exit codes.
+
+Each bad input runs as a real `mpirun -n 2` job with a timeout and must give
+exactly one message (from rank 0) naming the problem, and a non-zero exit.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import REPO, run_mpi
+
+pytestmark = pytest.mark.timeout(180)
+
+TRAIN = ["-m", "hpctrain", "train", "--config", "examples/mlp.toml"]
+
+
+def _data_set(train, eval_=""):
+    return ["--set", f"data.train={train}", "--set", f"data.eval={eval_}", "--set", "train.metrics=",
+            "--set", "model.hidden=[16]", "--set", "train.global_batch=64", "--set", "train.target_accuracy=0"]
+
+
+def _one_error(proc, *fragments):
+    """Exactly one 'hpctrain: error:' line, containing every fragment; exit code 2."""
+    errors = [line for line in proc.stderr.splitlines() if "hpctrain: error:" in line]
+    assert len(errors) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+
+
+def test_unknown_config_key_names_the_fix(small_data):
+    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", "train.stepz=5"])
+    _one_error(proc, "unknown key train.stepz", "did you mean 'steps'")
+
+
+def test_wrong_type_in_config(small_data):
+    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", "train.steps=abc"])
+    _one_error(proc, "train.steps", "expected int")
+
+
+def test_out_of_range_value(small_data):
+    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", "optim.lr=-1"])
+    _one_error(proc, "optim.lr=-1", "must be > 0")
+
+
+def test_missing_config_file():
+    proc = run_mpi(2, ["-m", "hpctrain", "train", "--config", "no/such.toml"])
+    _one_error(proc, "no/such.toml", "not found")
+
+
+def test_missing_dataset(tmp_path):
+    proc = run_mpi(2, TRAIN + _data_set(str(tmp_path / "absent.h5")))
+    _one_error(proc, "absent.h5", "not found", "hpctrain data synth")
+
+
+def test_dataset_that_is_not_hdf5(tmp_path):
+    bad = tmp_path / "text.h5"
+    bad.write_text("not hdf5\n")
+    proc = run_mpi(2, TRAIN + _data_set(str(bad)))
+    _one_error(proc, "not a readable HDF5 file")
+
+
+def test_dataset_without_labels(tmp_path):
+    bad = tmp_path / "nolabels.h5"
+    with h5py.File(bad, "w") as f:
+        f["x"] = np.zeros((128, 4), dtype=np.float32)
+        f.attrs["n_classes"] = 2
+    proc = run_mpi(2, TRAIN + _data_set(str(bad)))
+    _one_error(proc, "lacks dataset(s) /y")
+
+
+def test_dataset_with_wrong_shape(tmp_path):
+    bad = tmp_path / "flat.h5"
+    with h5py.File(bad, "w") as f:
+        f["x"] = np.zeros(128, dtype=np.float32)
+        f["y"] = np.zeros(128, dtype=np.int64)
+        f.attrs["n_classes"] = 2
+    proc = run_mpi(2, TRAIN + _data_set(str(bad)))
+    _one_error(proc, "/x must be a 2-D float array")
+
+
+def test_global_batch_not_divisible_by_world_size(small_data):
+    proc = run_mpi(3, TRAIN + _data_set(small_data[0]) + ["--set", "train.global_batch=64"])
+    _one_error(proc, "global_batch=64 is not divisible by the world size 3", "63", "66")
+
+
+def test_dataset_smaller_than_one_global_batch(small_data):
+    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", "train.global_batch=4096"])
+    _one_error(proc, "fewer than one global batch")
+
+
+def test_exception_on_one_rank_aborts_every_rank():
+    """Rank 1 fails while rank 0 waits in a collective: the job must end, not hang."""
+    code = ("from hpctrain.runtime import init_world\n"
+            "from hpctrain.guard import report_and_exit\n"
+            "w = init_world()\n"
+            "try:\n"
+            "    if w.rank == 1: raise RuntimeError('boom on one rank')\n"
+            "    w.comm.Barrier()\n"
+            "except Exception as e:\n"
+            "    report_and_exit(e, w)\n")
+    proc = run_mpi(2, ["-c", code], timeout=60)
+    assert proc.returncode != 0
+    assert "[rank 1] RuntimeError: boom on one rank" in proc.stderr
+    assert proc.stderr.count("boom on one rank") == 1
+
+
+def test_missed_accuracy_target_exits_3(small_data):
+    proc = run_mpi(2, TRAIN + _data_set(*small_data) + ["--set", "train.steps=1",
+                                                         "--set", "train.target_accuracy=0.999"])
+    assert proc.returncode == 3, proc.stderr
+    assert "NOT reached" in proc.stdout
+
+
+def test_runs_without_a_launcher_as_one_rank(small_data, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, *TRAIN, *_data_set(*small_data), "--set", "train.steps=20",
+                           "--set", f"train.metrics={metrics}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 rank(s) on 1 node(s)" in proc.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    for key in ("loss", "accuracy", "lr", "step_time", "comm_time", "samples_per_s"):
+        assert all(key in r for r in records)
+
+
+def test_progress_line_and_resolved_config_printed_once(small_data):
+    proc = run_mpi(2, TRAIN + _data_set(*small_data) + ["--set", "train.steps=20", "--set", "train.log_every=10"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("resolved config") == 1
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("step ")]
+    assert len(lines) == 2  # non-TTY under mpirun: one plain line per log_every steps
+    assert re.search(r"step +20/20 \| loss [\d.]+ \| acc +[\d.]+% \| [\d,]+ samples/s \| lr \S+ \| ETA \d:\d\d:\d\d",
+                     lines[-1]), lines[-1]
+
+
+def test_info_shows_every_rank_and_simulated_nodes():
+    proc = run_mpi(2, ["-m", "hpctrain", "info", "--ranks-per-node", "1"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 rank(s), 2 node(s)" in proc.stdout
+    assert "MPI thread level  multiple" in proc.stdout
+    assert "mpi=True" in proc.stdout  # h5py built against parallel HDF5
+    rows = [l.split() for l in proc.stdout.splitlines() if re.match(r"\s+\d+\s", l)]
+    assert [(r[0], r[4]) for r in rows] == [("0", "0/2"), ("1", "1/2")]
+
+
+def test_help_and_help_config():
+    out = subprocess.run([sys.executable, "-m", "hpctrain", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0 and "train" in out.stdout and "info" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "hpctrain", "train", "--help-config"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "global_batch" in out.stdout and "# " in out.stdout
+
+
+def test_importing_hpctrain_starts_no_mpi():
+    code = ("import sys, hpctrain, hpctrain.train, hpctrain.runtime, hpctrain.dist, hpctrain.__main__\n"
+            "assert 'mpi4py.MPI' not in sys.modules, 'MPI initialised at import'\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

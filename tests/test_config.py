@@ -1,0 +1,251 @@
+"""Typed configuration: defaults, TOML files, --set overrides and their errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+
+import pytest
+
+from hpctrain.config import Config, describe, load_config
+from hpctrain.errors import ConfigError, UserError
+
+
+def write(tmp_path, text, name="run.toml"):
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
+def raises_config_error(*needles, path=None, overrides=()):
+    """load_config must raise ConfigError whose message contains every needle."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    msg = str(info.value)
+    for needle in needles:
+        assert needle in msg, f"{needle!r} not in {msg!r}"
+    return msg
+
+
+# ---- defaults and files ------------------------------------------------------------
+def test_defaults_validate_and_equal_a_fresh_config():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.validate() is cfg
+    assert cfg.optim.name == "sgd" and cfg.train.global_batch == 256 and cfg.model.hidden == [256, 256]
+
+
+def test_config_error_is_a_user_error():
+    assert issubclass(ConfigError, UserError)
+
+
+def test_toml_file_overrides_defaults_and_keeps_the_rest(tmp_path):
+    path = write(tmp_path, """
+[model]
+hidden = [64, 32, 16]
+activation = "gelu"
+
+[optim]
+name = "adamw"
+lr = 3e-4
+nesterov = true
+
+[train]
+global_batch = 512
+""")
+    cfg = load_config(path)
+    assert cfg.model.hidden == [64, 32, 16] and cfg.model.activation == "gelu"
+    assert cfg.optim.name == "adamw" and cfg.optim.lr == 3e-4 and cfg.optim.nesterov is True
+    assert cfg.train.global_batch == 512
+    # untouched keys keep their defaults
+    assert cfg.train.steps == Config().train.steps
+    assert cfg.optim.momentum == Config().optim.momentum
+
+
+def test_set_overrides_apply_after_the_file(tmp_path):
+    path = write(tmp_path, "[optim]\nlr = 0.5\nmomentum = 0.8\n")
+    cfg = load_config(path, ["optim.lr=0.05"])
+    assert cfg.optim.lr == 0.05      # --set wins over the file
+    assert cfg.optim.momentum == 0.8  # the file wins over the default
+
+
+@pytest.mark.parametrize("override, section, key, expected", [
+    ("train.global_batch=1024", "train", "global_batch", 1024),           # int
+    ("optim.lr=0.05", "optim", "lr", 0.05),                               # float
+    ("optim.lr=1e-3", "optim", "lr", 1e-3),                               # float, exponent
+    ("optim.nesterov=true", "optim", "nesterov", True),                   # bool
+    ("model.hidden=[64, 32]", "model", "hidden", [64, 32]),               # list of int
+    ("model.hidden=[8]", "model", "hidden", [8]),
+    ("optim.name=adamw", "optim", "name", "adamw"),                       # bare word -> string
+    ('optim.name="adamw"', "optim", "name", "adamw"),                     # quoted string
+    ("data.train=runs/my data.h5", "data", "train", "runs/my data.h5"),  # bare path
+    ("data.eval=", "data", "eval", ""),                                   # empty = off
+    ("optim.lr = 0.25", "optim", "lr", 0.25),                             # spaces around '='
+])
+def test_set_override_types(override, section, key, expected):
+    cfg = load_config(None, [override])
+    value = getattr(getattr(cfg, section), key)
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("optim.lr=1", "lr"), ("optim.min_lr=0", "min_lr"), ("train.target_accuracy=1", "target_accuracy"),
+])
+def test_ints_are_accepted_for_floats_and_become_floats(override, key):
+    cfg = load_config(None, [override])
+    value = getattr(cfg.optim if override.startswith("optim") else cfg.train, key)
+    assert type(value) is float and value == float(override.split("=")[1])
+
+
+def test_ints_accepted_for_floats_in_files(tmp_path):
+    cfg = load_config(write(tmp_path, "[optim]\nlr = 2\n"))
+    assert type(cfg.optim.lr) is float and cfg.optim.lr == 2.0
+
+
+# ---- unknown names -----------------------------------------------------------------
+def test_unknown_section_suggests_the_close_one():
+    raises_config_error("unknown section", "optm", "did you mean 'optim'", overrides=["optm.lr=0.1"])
+
+
+def test_unknown_key_suggests_the_close_one():
+    raises_config_error("unknown key", "optim.lrr", "did you mean 'lr'", overrides=["optim.lrr=0.1"])
+
+
+def test_unknown_key_in_file_names_the_file_and_suggests(tmp_path):
+    path = write(tmp_path, "[train]\nglobal_batc = 64\n")
+    raises_config_error(path, "train.global_batc", "did you mean 'global_batch'", path=path)
+
+
+def test_unknown_section_in_file(tmp_path):
+    path = write(tmp_path, "[trian]\nsteps = 5\n")
+    raises_config_error("unknown section", "did you mean 'train'", path=path)
+
+
+def test_top_level_key_outside_a_section_is_rejected(tmp_path):
+    raises_config_error("lr", "section", path=write(tmp_path, "lr = 0.1\n"))
+
+
+@pytest.mark.parametrize("override", ["optim.lr", "lr=3", "=3"])
+def test_malformed_override_explains_the_syntax(override):
+    raises_config_error("section.key=value", overrides=[override])
+
+
+# ---- wrong types -------------------------------------------------------------------
+@pytest.mark.parametrize("override, key", [
+    ('train.global_batch="8"', "train.global_batch"),     # string for int
+    ("train.global_batch=abc", "train.global_batch"),     # bare word for int
+    ("train.global_batch=true", "train.global_batch"),    # bool for int (bool is an int in Python)
+    ("train.steps=1.5", "train.steps"),                   # float for int
+    ("train.steps=10.0", "train.steps"),                  # integral float is still not an int
+    ("optim.nesterov=1", "optim.nesterov"),               # int for bool
+    ("optim.lr=true", "optim.lr"),                        # bool for float
+    ("optim.lr=fast", "optim.lr"),                        # string for float
+    ("optim.name=1", "optim.name"),                       # int for string
+    ("model.hidden=64", "model.hidden"),                  # scalar for list
+    ('model.hidden=[64, "a"]', "model.hidden[1]"),        # wrong list item, with its index
+    ("model.hidden=[64, 1.5]", "model.hidden[1]"),
+])
+def test_wrong_types_raise_naming_the_key(override, key):
+    raises_config_error(key, "expected", overrides=[override])
+
+
+def test_wrong_type_in_file_names_the_key(tmp_path):
+    raises_config_error("train.global_batch", "expected int",
+                        path=write(tmp_path, '[train]\nglobal_batch = "256"\n'))
+
+
+# ---- out of range ------------------------------------------------------------------
+@pytest.mark.parametrize("override, key", [
+    ("optim.lr=-0.1", "optim.lr"),
+    ("optim.lr=0", "optim.lr"),
+    ("train.global_batch=0", "train.global_batch"),
+    ("train.steps=-1", "train.steps"),
+    ("optim.momentum=1.0", "optim.momentum"),
+    ("optim.momentum=-0.1", "optim.momentum"),
+    ("optim.weight_decay=-1e-4", "optim.weight_decay"),
+    ("optim.beta2=1.0", "beta2"),
+    ("optim.name=adam", "optim.name"),                 # unknown choice
+    ("optim.schedule=linear", "optim.schedule"),
+    ("model.activation=tanh", "model.activation"),
+    ("train.dtype=float16", "train.dtype"),
+    ("model.hidden=[64, 0]", "model.hidden"),
+    ("train.target_accuracy=1.5", "train.target_accuracy"),
+    ("optim.min_lr=0.5", "optim.min_lr"),             # above lr=0.1
+    ("dist.ranks_per_node=-1", "dist.ranks_per_node"),
+])
+def test_out_of_range_values_raise_naming_the_key(override, key):
+    raises_config_error(key, overrides=[override])
+
+
+def test_unknown_choice_lists_the_choices():
+    raises_config_error("sgd", "adamw", overrides=["optim.name=adam"])
+
+
+# ---- broken files ------------------------------------------------------------------
+def test_missing_file_raises_config_error(tmp_path):
+    path = str(tmp_path / "nope.toml")
+    raises_config_error(path, "not found", path=path)
+
+
+@pytest.mark.parametrize("text", [
+    "[optim\nlr = 0.1\n",            # unclosed table header
+    "[optim]\nlr = \n",               # missing value
+    "[optim]\nlr = 0.1\nlr = 0.2\n",  # duplicate key
+    "[train]\nsteps = 1_\n",          # bad number
+])
+def test_malformed_toml_raises_config_error(tmp_path, text):
+    path = write(tmp_path, text)
+    raises_config_error(path, "not valid TOML", path=path)
+
+
+def test_binary_file_as_config_raises_config_error(tmp_path):
+    # e.g. --config data/train.h5 by mistake: not UTF-8, so not TOML either
+    path = write(tmp_path, b"\x89HDF\r\n\x1a\n\x00\x00\xff\xfe", name="train.h5")
+    raises_config_error(path, path=path)
+
+
+def test_directory_as_config_raises_config_error(tmp_path):
+    raises_config_error(str(tmp_path), path=str(tmp_path))
+
+
+# ---- round trip and help -----------------------------------------------------------
+def non_default_config():
+    return load_config(None, [
+        "model.hidden=[31, 7, 5]", "model.activation=gelu",
+        'data.train=dir with "quotes"\\and\\backslashes.h5', "data.eval=e.h5",
+        "train.global_batch=96", "train.dtype=float64", "train.target_accuracy=0.875",
+        "optim.name=adamw", "optim.lr=3e-4", "optim.eps=1e-12", "optim.nesterov=true",
+        "optim.min_lr=1e-6", "optim.schedule=step", "dist.allreduce=naive",
+    ])
+
+
+@pytest.mark.parametrize("make", [Config, non_default_config])
+def test_to_toml_reparses_and_loads_to_an_equal_config(tmp_path, make):
+    cfg = make().validate()
+    text = cfg.to_toml()
+    doc = tomllib.loads(text)
+    assert doc == dataclasses.asdict(cfg)
+    assert load_config(write(tmp_path, text)) == cfg
+
+
+def test_to_toml_round_trips_strings_with_control_characters(tmp_path):
+    # a file name may hold any byte but NUL and '/', e.g. a tab or a newline
+    cfg = Config()
+    cfg.train.metrics = "runs/a\tb\nc.jsonl"
+    text = cfg.to_toml()
+    assert tomllib.loads(text)["train"]["metrics"] == cfg.train.metrics
+    assert load_config(write(tmp_path, text)) == cfg
+
+
+def test_describe_lists_every_key_with_its_default_and_reason():
+    text = describe()
+    lines = text.splitlines()
+    cfg = Config()
+    for section in dataclasses.fields(cfg):
+        assert f"[{section.name}]" in lines
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            matching = [ln for ln in lines if ln.strip().startswith(f"{f.name} = ")]
+            assert matching, f"{section.name}.{f.name} missing from describe()"
+            assert any(f.metadata["help"] in ln for ln in matching)
+    assert 'lr = 0.1' in text and 'name = "sgd"' in text and "hidden = [256, 256]" in text

@@ -1,0 +1,411 @@
+"""CPU kernels (hpctrain.kernels) against NumPy references and finite differences.
+
+Forward passes are compared with references written here from the formulas;
+backward passes with central finite differences in float64 of the scalar
+objective sum(out * R) for a random R (or of the loss itself).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hpctrain.device import CpuDevice
+from hpctrain.kernels.gelu import gelu_backward, gelu_forward
+from hpctrain.kernels.linear import linear_backward, linear_forward
+from hpctrain.kernels.relu import relu_backward, relu_forward
+from hpctrain.kernels.softmax_xent import softmax_xent_backward, softmax_xent_forward
+from hpctrain.nn import MLP
+
+# (B, I, O) for linear; the same triples are used as 3-D shapes for the
+# elementwise ops and (B, O) for softmax: batch 1, all-ones and odd sizes.
+SHAPES = [(1, 1, 1), (3, 5, 7), (17, 13, 6)]
+EPS = 1e-6
+# Central differences with eps=1e-6 in float64: truncation ~eps^2*f''' ~1e-12,
+# rounding ~1e-16*|terms|/eps ~1e-10, both far below rtol=1e-6 of O(1e-3..1)
+# gradients; atol=1e-9 covers entries that are (near) zero.
+FD_TOL = dict(rtol=1e-6, atol=1e-9)
+U32 = 2.0 ** -24  # float32 unit roundoff
+
+
+def rng_for(*key):
+    return np.random.default_rng([2024, *key])
+
+
+def fd_grad(terms, x, eps=EPS):
+    """Central differences of objective = terms().sum() w.r.t. every entry of ``x``.
+
+    ``terms()`` recomputes the per-element contributions from the current ``x``
+    (modified in place). The +/- results are subtracted elementwise before
+    summing so that entries the perturbation does not touch cancel exactly
+    instead of adding the rounding error of a large sum.
+    """
+    assert x.flags.c_contiguous and x.dtype == np.float64
+    flat = x.reshape(-1)
+    grad = np.empty(flat.size)
+    for i in range(flat.size):
+        old = flat[i]
+        xp, xm = old + eps, old - eps
+        flat[i] = xp
+        tp = np.array(terms(), dtype=np.float64, copy=True)
+        flat[i] = xm
+        tm = np.array(terms(), dtype=np.float64, copy=True)
+        flat[i] = old
+        grad[i] = np.sum(tp - tm) / (xp - xm)  # xp - xm: the step actually taken
+    return grad.reshape(x.shape)
+
+
+# ---- references --------------------------------------------------------------------
+def gelu_ref(x):
+    x = np.asarray(x, dtype=np.float64)
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def xent_ref(logits, labels):
+    """(per-row loss, probs) from log-softmax via a stable logsumexp."""
+    logits = np.asarray(logits, dtype=np.float64)
+    lse = np.logaddexp.reduce(logits, axis=1)
+    logp = logits - lse[:, None]
+    return -logp[np.arange(len(labels)), labels], np.exp(logp)
+
+
+# ---- linear ------------------------------------------------------------------------
+def linear_data(shape, dtype=np.float64):
+    B, I, O = shape
+    r = rng_for(1, *shape)
+    x = r.standard_normal((B, I)).astype(dtype)
+    w = r.standard_normal((I, O)).astype(dtype)
+    b = r.standard_normal(O).astype(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_forward_matches_numpy(shape):
+    x, w, b = linear_data(shape)
+    out = np.full((shape[0], shape[2]), np.nan)
+    res = linear_forward(x, w, b, out)
+    ref = np.einsum("bi,io->bo", x, w) + b
+    assert res is out
+    np.testing.assert_allclose(out, ref, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_backward_matches_finite_differences(shape):
+    B, I, O = shape
+    x, w, b = linear_data(shape)
+    R = rng_for(2, *shape).standard_normal((B, O))
+    out = np.empty((B, O))
+
+    def terms():
+        return linear_forward(x, w, b, out) * R
+
+    dx, dw, db = np.full((B, I), np.nan), np.full((I, O), np.nan), np.full(O, np.nan)
+    linear_backward(R, x, w, dx, dw, db)
+    np.testing.assert_allclose(dx, fd_grad(terms, x), **FD_TOL)
+    np.testing.assert_allclose(dw, fd_grad(terms, w), **FD_TOL)
+    np.testing.assert_allclose(db, fd_grad(terms, b), **FD_TOL)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_backward_into_flat_buffer_views(shape):
+    """dw/db are views of one flat gradient buffer, as FlatParams hands them out."""
+    B, I, O = shape
+    x, w, b = linear_data(shape)
+    dout = rng_for(3, *shape).standard_normal((B, O))
+    flat = np.full(1 + I * O + O + 1, 7.0)  # one guard element on each side
+    dw = flat[1:1 + I * O].reshape(I, O)
+    db = flat[1 + I * O:1 + I * O + O]
+    linear_backward(dout, x, w, None, dw, db)
+    np.testing.assert_allclose(dw, x.T @ dout, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(db, dout.sum(axis=0), rtol=1e-13, atol=1e-13)
+    assert flat[0] == 7.0 and flat[-1] == 7.0  # nothing written outside the views
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_backward_accumulate_adds_to_existing_grads(shape):
+    B, I, O = shape
+    x, w, b = linear_data(shape)
+    r = rng_for(4, *shape)
+    dout = r.standard_normal((B, O))
+    dw0, db0 = r.standard_normal((I, O)), r.standard_normal(O)
+    dw, db, dx = dw0.copy(), db0.copy(), np.full((B, I), np.nan)
+    linear_backward(dout, x, w, dx, dw, db, accumulate=True)
+    np.testing.assert_allclose(dw, dw0 + x.T @ dout, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(db, db0 + dout.sum(axis=0), rtol=1e-13, atol=1e-13)
+    # dx is an activation gradient, never accumulated
+    np.testing.assert_allclose(dx, dout @ w.T, rtol=1e-13, atol=1e-13)
+
+    # accumulate=False overwrites whatever was there
+    linear_backward(dout, x, w, dx, dw, db, accumulate=False)
+    np.testing.assert_allclose(dw, x.T @ dout, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(db, dout.sum(axis=0), rtol=1e-13, atol=1e-13)
+
+
+def test_linear_backward_dx_none_returns_none_and_still_fills_weight_grads():
+    x, w, b = linear_data((3, 5, 7))
+    dout = rng_for(5).standard_normal((3, 7))
+    dw, db = np.zeros((5, 7)), np.zeros(7)
+    assert linear_backward(dout, x, w, None, dw, db) is None
+    np.testing.assert_allclose(dw, x.T @ dout, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(db, dout.sum(axis=0), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_float32_forward_within_rounding_bound(shape):
+    # A length-I dot product plus bias in float32 (any summation order, FMA or
+    # not) is within gamma_{I+1} * (|x||w| + |b|) of the exact value, with
+    # gamma_n = n u / (1 - n u) ~ n * 2^-24. A factor 2 covers the final
+    # rounding of the stored result; a wrong formula misses by O(1).
+    B, I, O = shape
+    x, w, b = linear_data(shape, np.float32)
+    out = np.empty((B, O), dtype=np.float32)
+    linear_forward(x, w, b, out)
+    x64, w64, b64 = x.astype(np.float64), w.astype(np.float64), b.astype(np.float64)
+    ref = x64 @ w64 + b64
+    bound = 2 * (I + 1) * U32 * (np.abs(x64) @ np.abs(w64) + np.abs(b64))
+    assert out.dtype == np.float32
+    assert np.all(np.abs(out - ref) <= bound)
+
+
+# ---- relu --------------------------------------------------------------------------
+def away_from_zero(shape, key):
+    """Values in +-[0.1, 2]: finite differences never straddle ReLU's kink."""
+    r = rng_for(6, key, *shape)
+    return r.choice([-1.0, 1.0], size=shape) * r.uniform(0.1, 2.0, size=shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_relu_forward_matches_numpy(shape):
+    x = rng_for(7, *shape).standard_normal(shape)
+    out = np.full(shape, np.nan)
+    assert relu_forward(x, out) is out
+    np.testing.assert_array_equal(out, np.maximum(x, 0.0))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_relu_backward_matches_finite_differences(shape):
+    x = away_from_zero(shape, 1)
+    R = rng_for(8, *shape).standard_normal(shape)
+    out = np.empty(shape)
+    dx = np.full(shape, np.nan)
+    assert relu_backward(R, x, dx) is dx
+    np.testing.assert_allclose(dx, fd_grad(lambda: relu_forward(x, out) * R, x), **FD_TOL)
+
+
+def test_relu_backward_passes_positive_blocks_negative_and_zero():
+    x = np.array([-3.0, -1e-300, 0.0, -0.0, 1e-300, 2.5])
+    dout = np.array([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
+    dx = np.full(6, np.nan)
+    relu_backward(dout, x, dx)
+    # subgradient at 0 is 0 (documented); strictly positive inputs pass dout
+    np.testing.assert_array_equal(dx, [0.0, 0.0, 0.0, 0.0, 50.0, 60.0])
+
+
+def test_relu_float32_forward_is_exact():
+    # max(x, 0) involves no arithmetic: float32 must match exactly
+    x = rng_for(9).standard_normal((17, 13)).astype(np.float32)
+    out = np.empty_like(x)
+    relu_forward(x, out)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, np.maximum(x, 0))
+
+
+# ---- gelu --------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gelu_forward_matches_tanh_formula(shape):
+    x = 3.0 * rng_for(10, *shape).standard_normal(shape)
+    out = np.full(shape, np.nan)
+    assert gelu_forward(x, out) is out
+    np.testing.assert_allclose(out, gelu_ref(x), rtol=1e-13, atol=1e-15)
+
+
+def test_gelu_forward_known_values():
+    # gelu(0) = 0; far out it tends to relu; gelu(1) from the formula by hand:
+    # 0.5 * (1 + tanh(sqrt(2/pi) * 1.044715)) = 0.8411919906082768
+    x = np.array([0.0, 1.0, 30.0, -30.0])
+    out = np.empty(4)
+    gelu_forward(x, out)
+    np.testing.assert_allclose(out, [0.0, 0.8411919906082768, 30.0, 0.0], rtol=1e-14, atol=1e-300)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gelu_backward_matches_finite_differences(shape):
+    x = 2.0 * rng_for(11, *shape).standard_normal(shape)
+    R = rng_for(12, *shape).standard_normal(shape)
+    out = np.empty(shape)
+    dx = np.full(shape, np.nan)
+    assert gelu_backward(R, x, dx) is dx
+    np.testing.assert_allclose(dx, fd_grad(lambda: gelu_forward(x, out) * R, x), **FD_TOL)
+
+
+def test_gelu_float32_forward_within_a_few_ulps():
+    # The kernel evaluates in float64 (the constant k is a Python float) and
+    # rounds once to float32 on store: error <= 0.5 ulp. rtol=1e-6 (~16 ulps)
+    # leaves room for a float32 tanh while catching any formula change
+    # (e.g. erf vs tanh GELU differ by ~1e-4). atol for outputs ~0 (x << 0).
+    x = (3.0 * rng_for(13).standard_normal((17, 13))).astype(np.float32)
+    out = np.empty_like(x)
+    gelu_forward(x, out)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, gelu_ref(x), rtol=1e-6, atol=1e-9)
+
+
+# ---- softmax + cross-entropy --------------------------------------------------------
+XENT_SHAPES = [(1, 1), (1, 2), (3, 7), (17, 6), (2, 13)]
+
+
+def xent_data(shape, dtype=np.float64, scale=3.0):
+    B, C = shape
+    r = rng_for(14, *shape)
+    return (scale * r.standard_normal((B, C))).astype(dtype), r.integers(0, C, size=B).astype(np.int64)
+
+
+@pytest.mark.parametrize("shape", XENT_SHAPES)
+def test_softmax_xent_forward_matches_logsumexp(shape):
+    logits, labels = xent_data(shape)
+    probs = np.full(shape, np.nan)
+    loss_sum, correct = softmax_xent_forward(logits, labels, probs)
+    ref_loss, ref_probs = xent_ref(logits, labels)
+    assert isinstance(loss_sum, float) and isinstance(correct, int)
+    np.testing.assert_allclose(loss_sum, ref_loss.sum(), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(probs, ref_probs, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-14)
+    assert correct == int(np.sum(logits.argmax(axis=1) == labels))
+
+
+@pytest.mark.parametrize("shape", XENT_SHAPES)
+def test_softmax_xent_backward_closed_form_and_finite_differences(shape):
+    B, C = shape
+    logits, labels = xent_data(shape)
+    probs = np.empty(shape)
+    softmax_xent_forward(logits, labels, probs)
+    scale = 1.0 / B  # mean loss
+    dlogits = np.full(shape, np.nan)
+    assert softmax_xent_backward(probs, labels, scale, dlogits) is dlogits
+    onehot = np.eye(C)[labels]
+    np.testing.assert_allclose(dlogits, scale * (probs - onehot), rtol=1e-14, atol=1e-16)
+
+    row_probs = np.empty((1, C))
+
+    def terms():  # per-row losses (one kernel call per row) times scale
+        return [scale * softmax_xent_forward(logits[r:r + 1], labels[r:r + 1], row_probs)[0]
+                for r in range(B)]
+
+    np.testing.assert_allclose(dlogits, fd_grad(terms, logits), **FD_TOL)
+
+
+def test_softmax_xent_backward_scale_is_applied_linearly():
+    logits, labels = xent_data((3, 7))
+    probs = np.empty((3, 7))
+    softmax_xent_forward(logits, labels, probs)
+    d1, d2 = np.empty((3, 7)), np.empty((3, 7))
+    softmax_xent_backward(probs, labels, 1.0, d1)
+    softmax_xent_backward(probs, labels, 0.25, d2)
+    np.testing.assert_allclose(d2, 0.25 * d1, rtol=1e-15)
+    np.testing.assert_allclose(d1.sum(axis=1), 0.0, atol=1e-15)  # probs sum to 1
+
+
+def test_softmax_xent_stable_with_huge_logits():
+    logits = np.array([[1e4, 0.0, -1e4],      # label is the max: loss 0
+                       [1e4, 0.0, -1e4],      # label 1e4 below the max: loss 1e4
+                       [1e4, 1e4, 1e4],       # ties at a huge value: uniform
+                       [-1e4, -1e4, -1e4 + 1.0]])
+    labels = np.array([0, 1, 2, 2], dtype=np.int64)
+    probs = np.full((4, 3), np.nan)
+    loss_sum, correct = softmax_xent_forward(logits, labels, probs)
+    ref_loss, ref_probs = xent_ref(logits, labels)
+    assert np.isfinite(loss_sum) and np.all(np.isfinite(probs))
+    np.testing.assert_allclose(loss_sum, ref_loss.sum(), rtol=1e-13)
+    np.testing.assert_allclose(loss_sum, 0.0 + 1e4 + math.log(3) + math.log1p(2 * math.exp(-1.0)), rtol=1e-13)
+    np.testing.assert_allclose(probs, ref_probs, rtol=1e-12, atol=1e-300)
+    np.testing.assert_array_equal(probs[0], [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(probs[2], 1.0 / 3.0, rtol=1e-15)
+    # row 2 is a 3-way tie: argmax picks class 0 (first), so label 2 is not correct
+    assert correct == 2  # rows 0 and 3
+
+
+def test_softmax_xent_correct_count_matches_argmax_with_ties():
+    # small integer logits produce many ties; argmax takes the first maximum
+    r = rng_for(15)
+    logits = r.integers(-2, 3, size=(200, 5)).astype(np.float64)
+    labels = r.integers(0, 5, size=200).astype(np.int64)
+    probs = np.empty((200, 5))
+    _, correct = softmax_xent_forward(logits, labels, probs)
+    expected = int(np.sum(logits.argmax(axis=1) == labels))
+    assert 0 < expected < 200
+    assert correct == expected
+
+
+def test_softmax_xent_float32_forward_close_to_float64_reference():
+    # float32 logits: exp/normalisation happen in float32 (a few ulps, ~2.4e-7
+    # relative each); the loss is accumulated in float64 from float32 parts.
+    # rtol 2e-6 on probs (~16 ulps) and 1e-6 per row on the loss leave a
+    # margin over that rounding yet fail on any error in the formula.
+    logits, labels = xent_data((17, 6), np.float32)
+    probs = np.empty((17, 6), dtype=np.float32)
+    loss_sum, correct = softmax_xent_forward(logits, labels, probs)
+    ref_loss, ref_probs = xent_ref(logits, labels)
+    assert probs.dtype == np.float32
+    np.testing.assert_allclose(probs, ref_probs, rtol=2e-6, atol=1e-9)
+    assert abs(loss_sum - ref_loss.sum()) <= 17 * 1e-6 * max(1.0, ref_loss.max())
+    assert correct == int(np.sum(logits.argmax(axis=1) == labels))
+
+
+# ---- whole MLP ---------------------------------------------------------------------
+def small_mlp(activation, n_in=5, hidden=(7, 6), classes=4, seed=3):
+    model = MLP(CpuDevice("float64"), n_in, list(hidden), classes, activation=activation)
+    model.init(seed)
+    return model
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_mlp_gradient_matches_finite_differences_of_mean_loss(activation, batch):
+    model = small_mlp(activation)
+    r = rng_for(16, batch)
+    x = r.standard_normal((batch, 5))
+    y = r.integers(0, 4, size=batch).astype(np.int64)
+    model.flat.grad[...] = np.nan
+    model.forward(x, y)
+    model.backward()
+    analytic = model.flat.grad.copy()
+
+    def terms():  # mean loss = loss_sum / B
+        return model.forward(x, y)[0] / batch
+
+    numeric = fd_grad(terms, model.flat.data)
+    assert np.all(np.isfinite(analytic))
+    np.testing.assert_allclose(analytic, numeric, **FD_TOL)
+    # every parameter slot gets a gradient (no layer skipped)
+    for slot in model.flat.slots:
+        assert np.any(model.flat.view(model.flat.grad, slot.name) != 0), slot.name
+
+
+def test_mlp_backward_accumulate_sums_two_batches():
+    model = small_mlp("gelu")
+    r = rng_for(17)
+    x1, x2 = r.standard_normal((4, 5)), r.standard_normal((4, 5))
+    y1, y2 = r.integers(0, 4, size=4), r.integers(0, 4, size=4)
+    grads = []
+    for x, y in ((x1, y1), (x2, y2)):
+        model.forward(x, y)
+        model.backward()
+        grads.append(model.flat.grad.copy())
+    model.forward(x1, y1)
+    model.backward()
+    model.forward(x2, y2)
+    model.backward(accumulate=True)
+    np.testing.assert_allclose(model.flat.grad, grads[0] + grads[1], rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("op", ["relu", "gelu"])
+def test_elementwise_ops_refuse_non_contiguous_arrays(op):
+    """reshape(-1) of a strided view copies, so a kernel would write into a temporary."""
+    from hpctrain.kernels import gelu, relu
+
+    fwd = {"relu": relu.relu_forward, "gelu": gelu.gelu_forward}[op]
+    x = np.ones((4, 6))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        fwd(x, np.empty((6, 4)).T)
