@@ -2,7 +2,7 @@
 # Both run scripts/setup.sh first, which installs what is missing and returns
 # in well under a second when everything is already set up.
 
-PY      := .venv/bin/python
+PY      := $(or $(HPCTRAIN_VENV),.venv)/bin/python
 NP      ?= 4
 CONFIG  ?= examples/mlp.toml
 MPIRUN  ?= mpirun --oversubscribe

@@ -14,12 +14,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .runtime import limit_threads_per_rank
+from .runtime import launched_rank, limit_threads_per_rank
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are printed by rank 0 only (MPI is not up yet; the launcher's rank is read)."""
+
+    def error(self, message):
+        if launched_rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"hpctrain: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hpctrain", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m hpctrain", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
 
     t = sub.add_parser("train", help="train data-parallel (run under mpirun -n N or srun)",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ class DataConfig:
     eval: str = _f("", "held-out HDF5 file in the same format; empty = no evaluation")
     shuffle_seed: int = _f(1234, "one permutation per (seed, epoch), identical on every rank")
 
+    def validate(self):
+        if self.shuffle_seed < 0:
+            raise ConfigError(f"data.shuffle_seed={self.shuffle_seed}: must be >= 0")
+
 
 @dataclass
 class TrainConfig:
@@ -58,6 +63,8 @@ class TrainConfig:
     metrics: str = _f("", "per-step metrics as JSON lines, written by rank 0; empty = off")
 
     def validate(self):
+        if self.seed < 0:
+            raise ConfigError(f"train.seed={self.seed}: must be >= 0")
         if self.global_batch < 1:
             raise ConfigError(f"train.global_batch={self.global_batch}: must be >= 1")
         if self.steps < 0:
@@ -66,7 +73,7 @@ class TrainConfig:
             raise ConfigError(f"train.log_every={self.log_every}: must be >= 1")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0")
-        if not 0.0 <= self.target_accuracy <= 1.0:
+        if not 0.0 <= self.target_accuracy <= 1.0:  # also false for nan
             raise ConfigError(f"train.target_accuracy={self.target_accuracy}: a fraction in [0, 1], e.g. 0.9")
 
 
@@ -90,6 +97,11 @@ class OptimConfig:
     base_batch: int = _f(256, "batch size at which lr was tuned (for scale_lr)")
 
     def validate(self):
+        for key in ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "min_lr", "gamma"):
+            if not math.isfinite(getattr(self, key)):
+                raise ConfigError(f"optim.{key}={getattr(self, key)}: must be a finite number")
+        if self.gamma <= 0:
+            raise ConfigError(f"optim.gamma={self.gamma}: must be > 0")
         if self.lr <= 0:
             raise ConfigError(f"optim.lr={self.lr}: must be > 0")
         if not 0 <= self.momentum < 1:
@@ -134,6 +146,9 @@ class Config:
                                       f"choose one of {', '.join(choices)}")
             if hasattr(sub, "validate"):
                 sub.validate()
+        if self.train.target_accuracy and not self.data.eval:
+            raise ConfigError("train.target_accuracy is set but data.eval is empty; "
+                              "name an evaluation file or set train.target_accuracy = 0")
         return self
 
     def to_toml(self) -> str:

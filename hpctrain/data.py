@@ -75,10 +75,30 @@ def open_dataset(path: str, what: str = "data.train") -> Dataset:
         n_classes = int(f.attrs["n_classes"])
         if n_classes < 2:
             raise DataError(f"{what}: {path}: n_classes={n_classes}, need at least 2")
+        if len(y) == 0:
+            raise DataError(f"{what}: {path} has no samples")
+        lo, hi = _label_range(y)
+        if lo < 0 or hi >= n_classes:
+            raise DataError(f"{what}: {path}: labels span [{lo}, {hi}] but n_classes={n_classes} allows "
+                            f"only 0..{n_classes - 1}; relabel (0-based) or fix the n_classes attribute")
         return Dataset(path, f, x, y, len(x), x.shape[1], n_classes)
     except DataError:
         f.close()
         raise
+
+
+def _label_range(y, rows_per_read: int = 1 << 20) -> tuple[int, int]:
+    """(min, max) label, read in slices so huge files need bounded memory.
+
+    Out-of-range labels would index past a row of logits in the loss kernel
+    (numba does not bounds-check), so they are refused before training.
+    """
+    lo, hi = None, None
+    for start in range(0, len(y), rows_per_read):
+        part = y[start:start + rows_per_read]
+        lo = int(part.min()) if lo is None else min(lo, int(part.min()))
+        hi = int(part.max()) if hi is None else max(hi, int(part.max()))
+    return lo, hi
 
 
 def per_rank_batch(global_batch: int, world_size: int) -> int:

@@ -73,8 +73,14 @@ class Metrics:
     def __init__(self, path: str, is_root: bool):
         self._fh = None
         if path and is_root:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._fh = open(path, "w", buffering=1 << 16)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                self._fh = open(path, "w", buffering=1 << 16)
+            except OSError as exc:
+                from .errors import ConfigError
+
+                raise ConfigError(f"train.metrics={path!r} cannot be written ({exc.strerror or exc}); "
+                                  f"choose a writable path or set train.metrics = \"\"") from None
 
     def write(self, **record) -> None:
         if self._fh is not None:

@@ -90,16 +90,30 @@ def launched_ranks_on_node() -> int:
     return 1
 
 
+def launched_rank() -> int:
+    """This process's rank as the launcher announced it (0 without a launcher); no MPI needed."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
 def limit_threads_per_rank() -> None:
-    """Give each rank cores/ranks BLAS threads unless the user chose a number.
+    """Give each rank its share of the cores for BLAS/numba threads, unless the user chose.
 
     Without this, 4 ranks on 2 cores each start 2 OpenBLAS threads and the
-    oversubscription costs more than the parallel GEMM gains. Must run before
-    numpy is imported; called by the command-line entry point only.
+    oversubscription costs more than the parallel GEMM gains. The share is the
+    smaller of the cores this rank may run on (a launcher's binding) and the
+    node's cores divided by the ranks on it (bindings to a whole socket are
+    shared). If any of the thread variables is set, all are left alone. Must
+    run before numpy is imported; called by the command-line entry point only.
     """
+    if any(var in os.environ for var in THREAD_VARS):
+        return
     cores = len(os.sched_getaffinity(0))
-    if cores >= (os.cpu_count() or 1):  # not bound by the launcher: share the node
-        cores //= launched_ranks_on_node()
-    per_rank = max(1, cores)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ.setdefault(var, str(per_rank))
+    per_rank = max(1, min(cores, (os.cpu_count() or 1) // launched_ranks_on_node()))
+    for var in THREAD_VARS:
+        os.environ[var] = str(per_rank)

@@ -16,6 +16,7 @@ import numpy as np
 from . import __version__
 from .data import BatchReader, DistributedSampler, open_dataset, shard_range
 from .device import make_device
+from .errors import ConfigError, DataError
 from .dist import make_allreduce
 from .guard import agree
 from .log import Log, Metrics, Timers, format_eta
@@ -34,6 +35,10 @@ class Trainer:
         # Set-up checks may fail on some ranks only (a file missing on one node):
         # agree() makes every rank raise the same error instead of hanging.
         agree(world, self._build)
+        # Ranks reading different files (node-local copies that differ) would
+        # train on garbage or mismatch in Bcast; compare what each rank sees.
+        seen = world.comm.allgather((self.train_ds.n, self.train_ds.dim, self.train_ds.n_classes))
+        agree(world, _check_same_data, seen, cfg.data.train)
         # data parallelism starts from identical weights: rank 0's
         self.world.comm.Bcast(self.model.flat.data, root=0)
         self.timers = Timers()
@@ -48,8 +53,6 @@ class Trainer:
         self.reader = BatchReader(self.train_ds, self.sampler, self.device.dtype)
         self.eval_ds = open_dataset(cfg.data.eval, "data.eval") if cfg.data.eval else None
         if self.eval_ds and (self.eval_ds.dim, self.eval_ds.n_classes) != (self.train_ds.dim, self.train_ds.n_classes):
-            from .errors import DataError
-
             raise DataError(f"data.eval has {self.eval_ds.dim} features / {self.eval_ds.n_classes} classes "
                             f"but data.train has {self.train_ds.dim} / {self.train_ds.n_classes}")
         self.model = MLP(self.device, self.train_ds.dim, cfg.model.hidden, self.train_ds.n_classes,
@@ -58,6 +61,12 @@ class Trainer:
         self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim)
         self.schedule = LRSchedule(cfg.optim, peak_lr(cfg.optim, cfg.train.global_batch), cfg.train.steps)
         self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device)
+        peak = peak_lr(cfg.optim, cfg.train.global_batch)
+        if cfg.optim.schedule == "cosine" and cfg.optim.min_lr > peak:
+            raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds the peak lr {peak:g} "
+                              f"(after the linear scaling rule); lower optim.min_lr")
+        # opened here so an unwritable path is an agreed user error, not an abort
+        self.metrics = Metrics(cfg.train.metrics, world.is_root)
 
     # ---- one step ----------------------------------------------------------------
     def train_step(self) -> tuple[float, int]:
@@ -92,14 +101,14 @@ class Trainer:
         return float(totals[0] / totals[1])
 
     # ---- the run -------------------------------------------------------------------
-    def run(self, metrics_path: str = "") -> dict:
+    def run(self) -> dict:
         cfg, world, log = self.cfg, self.world, self.log
         tc, b = cfg.train, self.sampler.batch
         log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
                  f"device {self.device.describe()}, allreduce {cfg.dist.allreduce}, "
                  f"global batch {tc.global_batch} = {b} x {world.size}, {self.model.flat.size:,} parameters, "
                  f"{self.sampler.steps_per_epoch} steps/epoch")
-        metrics = Metrics(metrics_path or tc.metrics, world.is_root)
+        metrics = self.metrics
         window = np.zeros(3)  # loss_sum, correct, rows since the last progress line
         stats = np.zeros(3)
         t_start = t_window = time.perf_counter()
@@ -146,6 +155,13 @@ class Trainer:
                           f"{'reached' if eval_acc >= tc.target_accuracy else 'NOT reached'})"
             log.info(f"final eval accuracy {100 * eval_acc:.2f}%{verdict}")
         return result
+
+
+def _check_same_data(seen, path):
+    if len(set(seen)) > 1:
+        detail = ", ".join(f"rank {r}: N={n} D={d} C={c}" for r, (n, d, c) in enumerate(seen))
+        raise DataError(f"ranks see different datasets at {path!r} ({detail}); "
+                        f"every rank must read the same file (check node-local copies)")
 
 
 def _in_place():

@@ -5,7 +5,7 @@ n=$1; shift
 rank=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${SLURM_PROCID:-0}}}
 args=(-m pytest -q --with-mpi -m mpi --junitxml=".test-logs/mpi-n$n-rank$rank.xml" "$@")
 if [ "$rank" = 0 ]; then
-    exec .venv/bin/python "${args[@]}"
+    exec "${HPCTRAIN_VENV:-.venv}/bin/python" "${args[@]}"
 else
-    exec .venv/bin/python "${args[@]}" >".test-logs/mpi-n$n-rank$rank.log" 2>&1
+    exec "${HPCTRAIN_VENV:-.venv}/bin/python" "${args[@]}" >".test-logs/mpi-n$n-rank$rank.log" 2>&1
 fi

@@ -22,6 +22,7 @@ VENV=${HPCTRAIN_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 H5PY_VERSION=3.16.0
 STAMP="$VENV/.hpctrain-setup"
+HDF5_DIR_ASKED=${HDF5_DIR:-}  # as given by the user; detection below may fill HDF5_DIR
 
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
@@ -30,9 +31,9 @@ die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
 fingerprint() {
     {
         cat scripts/setup.sh setup.cfg
-        command -v mpicc || true
+        command -v mpicc h5pcc || true
         "$PYTHON" -c 'import sys; print(sys.version)' 2>/dev/null || true
-        printf '%s\n' "${HDF5_DIR:-}" "${HPCTRAIN_MPI4PY_FROM_SOURCE:-}"
+        printf '%s\n' "$HDF5_DIR_ASKED" "${HPCTRAIN_MPI4PY_FROM_SOURCE:-}"
     } | sha256sum | cut -d' ' -f1
 }
 
@@ -43,7 +44,7 @@ fi
 t0=$(date +%s)
 
 # ---- system packages (root + apt only) ---------------------------------------
-APT_PKGS="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config python3-venv make"
+APT_PKGS="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config python3-venv python3-dev make"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=""
     for p in $APT_PKGS; do
@@ -68,16 +69,19 @@ MPICC=$(command -v mpicc)
 say "mpicc: $MPICC ($( (mpicc --version 2>/dev/null || true) | head -n1))"
 
 # ---- parallel HDF5 -------------------------------------------------------------
+# Order: HDF5_DIR, then a module's h5pcc on PATH, then Debian's packaged
+# parallel HDF5 (Debian's own /usr/bin/h5pcc does not give a usable prefix).
+h5pcc=$(command -v h5pcc || true)
+if [ -z "${HDF5_DIR:-}" ] && [ -n "$h5pcc" ] && [ "$(dirname "$h5pcc")" != /usr/bin ]; then
+    HDF5_DIR=$(dirname "$(dirname "$h5pcc")")
+fi
 if [ -z "${HDF5_DIR:-}" ]; then
     multiarch=$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
     for cand in "/usr/lib/$multiarch/hdf5/openmpi" "/usr/lib/$multiarch/hdf5/mpich"; do
-        if [ -f "$cand/include/hdf5.h" ] && grep -q 'define H5_HAVE_PARALLEL 1' "$cand/include/H5pubconf.h" 2>/dev/null; then
+        if grep -qs 'define H5_HAVE_PARALLEL 1' "$cand/include/H5pubconf.h"; then
             HDF5_DIR=$cand; break
         fi
     done
-fi
-if [ -z "${HDF5_DIR:-}" ] && command -v h5pcc >/dev/null; then
-    HDF5_DIR=$(dirname "$(dirname "$(command -v h5pcc)")")
 fi
 [ -n "${HDF5_DIR:-}" ] || die "no parallel HDF5 found. Set HDF5_DIR to its prefix, or 'module load' one that provides h5pcc."
 grep -qs 'define H5_HAVE_PARALLEL 1' "$HDF5_DIR/include/H5pubconf.h" \
@@ -85,6 +89,13 @@ grep -qs 'define H5_HAVE_PARALLEL 1' "$HDF5_DIR/include/H5pubconf.h" \
 say "parallel HDF5: $HDF5_DIR"
 
 # ---- virtual environment ---------------------------------------------------------
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+    || die "$PYTHON is older than 3.11 (or missing); hpctrain needs Python >= 3.11 (tomllib). Set PYTHON=python3.11."
+want_py=$("$PYTHON" -c 'import sys; print(sys.version)')
+if [ -x "$VENV/bin/python" ] && [ "$("$VENV/bin/python" -c 'import sys; print(sys.version)')" != "$want_py" ]; then
+    say "$VENV was made with another Python; recreating it"
+    rm -rf "$VENV"
+fi
 if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV with $PYTHON"
     "$PYTHON" -m venv "$VENV" || die "'$PYTHON -m venv' failed; install python3-venv or set PYTHON."
@@ -94,6 +105,14 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
 "${PIP[@]}" install "numpy>=1.26,<2.6" "numba>=0.60" Cython pkgconfig "setuptools>=77" packaging wheel \
     "pytest>=8" "pytest-mpi>=0.6" "pytest-timeout>=2.3"
+
+# mpi4py and h5py are tied to the MPI and HDF5 they were built against: when
+# either changed since the last set-up, rebuild both.
+BUILD_ID="mpicc=$MPICC hdf5=$HDF5_DIR from_source=${HPCTRAIN_MPI4PY_FROM_SOURCE:-}"
+if [ -f "$VENV/.hpctrain-build" ] && [ "$(cat "$VENV/.hpctrain-build")" != "$BUILD_ID" ]; then
+    say "MPI or HDF5 changed since the last set-up; rebuilding mpi4py and h5py"
+    "${PIP[@]}" uninstall -y mpi4py h5py >/dev/null 2>&1 || true
+fi
 
 # ---- mpi4py: PyPI's binary wheel loads the system libmpi; fall back to a build ----
 mpi4py_ok() { "$PY" -c 'from mpi4py import MPI; MPI.Get_library_version()' >/dev/null 2>&1; }
@@ -127,5 +146,6 @@ say "h5py: $("$PY" -c 'import h5py; print(h5py.__version__, "HDF5", h5py.version
 # ---- hpctrain itself (editable, so `python -m hpctrain` works from any directory) --
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
 
+printf '%s\n' "$BUILD_ID" >"$VENV/.hpctrain-build"
 fingerprint >"$STAMP"
 say "ready in $(( $(date +%s) - t0 )) s ($VENV)"

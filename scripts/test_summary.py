@@ -1,7 +1,7 @@
 """Add up the JUnit XML files of a suite run into one closing line.
 
 A test run under mpirun -n N counts once per N; it failed if it failed on any
-rank. Prints every failure with its rank, then 'suite: P passed, F failed, S skipped'.
+rank. A missing report (a rank killed by a timeout or abort) counts as a failure. Prints every failure with its rank, then 'suite: P passed, F failed, S skipped'.
 Exit status 1 if anything failed or no test ran.
 """
 
@@ -12,9 +12,15 @@ import sys
 import xml.etree.ElementTree as ET
 
 
-def main(folder: str) -> int:
+def main(folder: str, sizes=(1, 2, 3, 4)) -> int:
     outcomes = {}  # (run, test id) -> "passed" | "failed" | "skipped"
     failures = []
+    # a rank killed by a timeout or an abort writes no XML: that is a failure
+    expected = ["serial.xml"] + [f"mpi-n{n}-rank{r}.xml" for n in sizes for r in range(n)]
+    for name in expected:
+        if not os.path.exists(os.path.join(folder, name)):
+            failures.append(f"{name[:-4]}: no report (killed, timed out or never started)")
+            outcomes[(name, "<run>")] = "failed"
     for path in sorted(glob.glob(os.path.join(folder, "*.xml"))):
         name = os.path.basename(path)[:-4]
         m = re.match(r"(mpi-n\d+)-rank(\d+)$", name)

@@ -166,3 +166,44 @@ def test_importing_hpctrain_starts_no_mpi():
             "assert 'mpi4py.MPI' not in sys.modules, 'MPI initialised at import'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_labels_out_of_range(tmp_path):
+    bad = tmp_path / "onebased.h5"
+    with h5py.File(bad, "w") as f:
+        f["x"] = np.zeros((128, 4), dtype=np.float32)
+        f["y"] = np.arange(128) % 4 + 1  # 1-based labels with n_classes = 4
+        f.attrs["n_classes"] = 4
+    proc = run_mpi(2, TRAIN + _data_set(str(bad)))
+    _one_error(proc, "labels span [1, 4]", "n_classes=4")
+
+
+def test_unwritable_metrics_path(small_data, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", f"train.metrics={blocker}/m.jsonl"])
+    _one_error(proc, "train.metrics", "cannot be written")
+
+
+def test_usage_error_printed_once():
+    proc = run_mpi(3, ["-m", "hpctrain", "train", "--ranks-per-node", "two"], timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("hpctrain: error:") == 1, proc.stderr
+    assert proc.stderr.count("usage:") == 1
+
+
+def test_ranks_seeing_different_datasets(small_data, tmp_path):
+    """A node-local copy that differs: rank 1 reads a file with other N and D."""
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as f:
+        f["x"] = np.zeros((4096, 3), dtype=np.float32)
+        f["y"] = np.zeros(4096, dtype=np.int64)
+        f.attrs["n_classes"] = 4
+    link = tmp_path / "rank-data.h5"
+    code = ("import os, sys\n"
+            f"r = int(os.environ['OMPI_COMM_WORLD_RANK']); p = {str(link)!r} + str(r)\n"
+            f"os.path.exists(p) or os.symlink({small_data[0]!r} if r == 0 else {str(other)!r}, p)\n"
+            "from hpctrain.__main__ import main\n"
+            f"sys.exit(main(sys.argv[1:] + ['--set', 'data.train=' + p]))\n")
+    proc = run_mpi(2, ["-c", code, *TRAIN[2:], *_data_set("x")[2:]])
+    _one_error(proc, "ranks see different datasets", "rank 0: N=2048 D=8", "rank 1: N=4096 D=3")

@@ -93,7 +93,7 @@ def test_set_override_types(override, section, key, expected):
     ("optim.lr=1", "lr"), ("optim.min_lr=0", "min_lr"), ("train.target_accuracy=1", "target_accuracy"),
 ])
 def test_ints_are_accepted_for_floats_and_become_floats(override, key):
-    cfg = load_config(None, [override])
+    cfg = load_config(None, [override, "data.eval=eval.h5"])  # a target needs an eval file
     value = getattr(cfg.optim if override.startswith("optim") else cfg.train, key)
     assert type(value) is float and value == float(override.split("=")[1])
 
@@ -249,3 +249,16 @@ def test_describe_lists_every_key_with_its_default_and_reason():
             assert matching, f"{section.name}.{f.name} missing from describe()"
             assert any(f.metadata["help"] in ln for ln in matching)
     assert 'lr = 0.1' in text and 'name = "sgd"' in text and "hidden = [256, 256]" in text
+
+
+@pytest.mark.parametrize("override", ["optim.lr=nan", "optim.lr=inf", "optim.weight_decay=inf",
+                                      "optim.gamma=-5", "train.seed=-1", "data.shuffle_seed=-1",
+                                      "train.target_accuracy=nan"])
+def test_non_finite_negative_and_nan_values_are_rejected(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        load_config(None, [override])
+
+
+def test_target_accuracy_needs_an_eval_file():
+    with pytest.raises(ConfigError, match="data.eval is empty"):
+        load_config(None, ["train.target_accuracy=0.9", "data.eval="])
