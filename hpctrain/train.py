@@ -59,9 +59,9 @@ class Trainer:
                          cfg.model.activation)
         self.model.init(cfg.train.seed)
         self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim)
-        self.schedule = LRSchedule(cfg.optim, peak_lr(cfg.optim, cfg.train.global_batch), cfg.train.steps)
-        self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device)
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
+        self.schedule = LRSchedule(cfg.optim, peak, cfg.train.steps)
+        self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device)
         if cfg.optim.schedule == "cosine" and cfg.optim.min_lr > peak:
             raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds the peak lr {peak:g} "
                               f"(after the linear scaling rule); lower optim.min_lr")
@@ -108,7 +108,6 @@ class Trainer:
                  f"device {self.device.describe()}, allreduce {cfg.dist.allreduce}, "
                  f"global batch {tc.global_batch} = {b} x {world.size}, {self.model.flat.size:,} parameters, "
                  f"{self.sampler.steps_per_epoch} steps/epoch")
-        metrics = self.metrics
         window = np.zeros(3)  # loss_sum, correct, rows since the last progress line
         stats = np.zeros(3)
         t_start = t_window = time.perf_counter()
@@ -122,7 +121,7 @@ class Trainer:
                 window += stats
                 split = self.timers.pop()
                 step_time = time.perf_counter() - t0
-                metrics.write(step=self.step, epoch=self.sampler.position(self.step - 1)[0],
+                self.metrics.write(step=self.step, epoch=self.sampler.position(self.step - 1)[0],
                               loss=stats[0] / stats[2], accuracy=stats[1] / stats[2],
                               lr=self.schedule.lr(self.step - 1), step_time=step_time,
                               comm_time=split.get("allreduce", 0.0),
@@ -140,7 +139,7 @@ class Trainer:
                 if self.eval_ds and tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
                     log.info(f"eval at step {self.step}: accuracy {100 * self.evaluate():.2f}%")
         finally:
-            metrics.close()
+            self.metrics.close()
         elapsed = time.perf_counter() - t_start
         if self.eval_ds:
             eval_acc = self.evaluate()
