@@ -54,8 +54,8 @@ class TrainConfig:
     global_batch: int = _f(256, "samples per step over all ranks; per-rank batch = global / world size")
     steps: int = _f(1500, "optimizer steps; epochs follow from the dataset size")
     dtype: str = _f("float32", "float32 for speed; float64 for exactness checks", choices=("float32", "float64"))
-    device: str = _f("auto", "auto | cpu; auto picks a GPU when one is supported and visible",
-                     choices=("auto", "cpu"))
+    device: str = _f("auto", "auto | cpu | cuda; auto takes a GPU (local_rank % visible GPUs) when one is visible",
+                     choices=("auto", "cpu", "cuda"))
     seed: int = _f(0, "initial weights; rank 0's are broadcast so all ranks start equal")
     log_every: int = _f(100, "progress line period in steps (non-TTY logs get one line each)")
     eval_every: int = _f(0, "evaluate every k steps; 0 = only at the end")
@@ -122,6 +122,8 @@ class DistConfig:
     allreduce: str = _f("mpi", "gradient averaging strategy: mpi (MPI_Allreduce) | naive (reduce+bcast oracle)",
                         choices=("mpi", "naive"))
     ranks_per_node: int = _f(0, "simulate nodes of k ranks on one machine; 0 = real nodes (shared memory)")
+    cuda_aware_mpi: str = _f("auto", "hand GPU buffers to MPI directly: auto (ask the MPI library) | on | off "
+                             "(copy through pinned host buffers)", choices=("auto", "on", "off"))
 
     def validate(self):
         if self.ranks_per_node < 0:

@@ -1,38 +1,34 @@
 """Devices: who owns array memory, host<->device copies and the kernel table.
 
 The rest of hpctrain never asks "am I on a GPU?": layers call ``device.ops.<op>``
-and allocate through ``device.empty``/``device.zeros``. Adding the CUDA device
-(issue 3) means one more class here with the same attributes, whose ``ops``
-point at the ``numba.cuda`` launchers in :mod:`hpctrain.kernels`, plus a line
-in :func:`make_device`.
+and allocate through ``device.empty``/``device.zeros``. Both devices offer:
+
+  name, dtype, ops           the kernel table (same op names and signatures)
+  empty/zeros(shape)         arrays in the device's memory
+  from_host(array)           a new device array holding a host array
+  upload(array, slot)        the same into a buffer reused per slot (no allocation per step)
+  copy_from_host(dst, src)   fill an existing device array
+  to_host(array)             a host NumPy array (waits for the device)
+  synchronize()              wait until every queued kernel has finished
+  describe()                 one line for logs
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from types import SimpleNamespace
 
 import numpy as np
 
-from .kernels.adamw import adamw_step
-from .kernels.gelu import gelu_backward, gelu_forward
-from .kernels.linear import linear_backward, linear_forward
-from .kernels.relu import relu_backward, relu_forward
-from .kernels.sgd import sgd_step
-from .kernels.softmax_xent import softmax_xent_backward, softmax_xent_forward
-
-
-def _scale(buf, factor):
-    """buf *= factor in place (the 1/world average after a sum all-reduce)."""
-    buf *= buf.dtype.type(factor)
-    return buf
-
+from .kernels import adamw, bias_act, linear, scale, sgd, softmax_xent
 
 CPU_OPS = SimpleNamespace(
-    linear_forward=linear_forward, linear_backward=linear_backward,
-    relu_forward=relu_forward, relu_backward=relu_backward,
-    gelu_forward=gelu_forward, gelu_backward=gelu_backward,
-    softmax_xent_forward=softmax_xent_forward, softmax_xent_backward=softmax_xent_backward,
-    sgd_step=sgd_step, adamw_step=adamw_step, scale=_scale,
+    linear_forward=linear.linear_forward, linear_backward=linear.linear_backward,
+    bias_act_forward=bias_act.bias_act_forward, bias_act_backward=bias_act.bias_act_backward,
+    softmax_xent_forward=softmax_xent.softmax_xent_forward,
+    softmax_xent_backward=softmax_xent.softmax_xent_backward,
+    sgd_step=sgd.sgd_step, adamw_step=adamw.adamw_step, scale=scale.scale,
 )
 
 
@@ -55,20 +51,152 @@ class CpuDevice:
         """A device array holding ``array`` (cast to the compute dtype unless ``dtype`` is given)."""
         return np.ascontiguousarray(array, dtype=dtype or self.dtype)
 
+    def upload(self, array, slot, dtype=None):
+        return self.from_host(array, dtype)  # host memory already: no copy unless a cast is needed
+
+    def copy_from_host(self, dst, src):
+        dst[...] = src
+
     def to_host(self, array):
         return np.asarray(array)
 
     def synchronize(self):
-        """Nothing queued on the CPU; the CUDA device waits for its stream here."""
+        """Nothing queued on the CPU."""
 
     def describe(self) -> str:
         return f"cpu ({self.dtype.name})"
 
 
+class CudaDevice:
+    """numba device arrays on one GPU; every kernel and copy is queued on one stream.
+
+    Creating it selects the GPU (and so creates its CUDA context); nothing
+    happens at import time.
+    """
+
+    name = "cuda"
+
+    def __init__(self, dtype="float32", gpu: int = 0):
+        from numba import cuda
+
+        self._cuda = cuda
+        self.dtype = np.dtype(dtype)
+        self.gpu = gpu
+        cuda.select_device(gpu)
+        self.stream = cuda.stream()
+        self._scratch: dict = {}
+        self._uploads: dict = {}
+        s = dict(stream=self.stream)
+        p = functools.partial
+        self.ops = SimpleNamespace(
+            linear_forward=p(linear.linear_forward_cuda, **s),
+            linear_backward=p(linear.linear_backward_cuda, **s),
+            bias_act_forward=p(bias_act.bias_act_forward_cuda, **s),
+            bias_act_backward=p(bias_act.bias_act_backward_cuda, **s, scratch=self.scratch),
+            softmax_xent_forward=p(softmax_xent.softmax_xent_forward_cuda, **s, scratch=self.scratch),
+            softmax_xent_backward=p(softmax_xent.softmax_xent_backward_cuda, **s),
+            sgd_step=p(sgd.sgd_step_cuda, **s), adamw_step=p(adamw.adamw_step_cuda, **s),
+            scale=p(scale.scale_cuda, **s),
+        )
+
+    def empty(self, shape, dtype=None):
+        return self._cuda.device_array(shape, dtype=dtype or self.dtype, stream=self.stream)
+
+    def zeros(self, shape, dtype=None):
+        return self.from_host(np.zeros(shape, dtype=dtype or self.dtype))
+
+    def from_host(self, array, dtype=None):
+        return self._cuda.to_device(np.ascontiguousarray(array, dtype=dtype or self.dtype), stream=self.stream)
+
+    def upload(self, array, slot, dtype=None):
+        """``array`` copied into a device buffer kept for (slot, shape, dtype) and reused."""
+        host = np.ascontiguousarray(array, dtype=dtype or self.dtype)
+        key = (slot, host.shape, host.dtype.str)
+        buf = self._uploads.get(key)
+        if buf is None:
+            buf = self._uploads[key] = self.empty(host.shape, host.dtype)
+        buf.copy_to_device(host, stream=self.stream)
+        return buf
+
+    def copy_from_host(self, dst, src):
+        dst.copy_to_device(np.ascontiguousarray(src, dtype=dst.dtype), stream=self.stream)
+
+    def to_host(self, array):
+        host = array.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return host
+
+    def synchronize(self):
+        self.stream.synchronize()
+
+    def scratch(self, key, shape, dtype):
+        """A device array lent to a launcher, reused by every call with the same key and shape.
+
+        Safe because all work is ordered on this device's one stream.
+        """
+        k = (key, tuple(shape), np.dtype(dtype).str)
+        buf = self._scratch.get(k)
+        if buf is None:
+            buf = self._scratch[k] = self._cuda.device_array(shape, dtype=dtype, stream=self.stream)
+        return buf
+
+    def describe(self) -> str:
+        return f"cuda:{self.gpu} ({gpu_name(self.gpu)}, {self.dtype.name})"
+
+
+# ---- choosing a device -------------------------------------------------------------
+def cuda_status() -> tuple[int, str]:
+    """(number of usable GPUs, why not when 0). The simulator counts as one GPU."""
+    try:
+        from numba import cuda
+
+        if not cuda.is_available():
+            return 0, "numba.cuda finds no usable GPU or driver"
+        return len(cuda.gpus), ""
+    except Exception as exc:  # noqa: BLE001 - a broken driver is a status, not a crash
+        return 0, f"{type(exc).__name__}: {exc}"
+
+
+def simulated() -> bool:
+    from .kernels.cuda_support import simulated as sim
+
+    return sim()
+
+
+def gpu_for_rank(local_rank: int, n_gpus: int) -> int:
+    """GPU index of a rank: local_rank modulo the visible GPUs (CUDA_VISIBLE_DEVICES renumbers them)."""
+    return local_rank % n_gpus
+
+
+def gpu_name(index: int) -> str:
+    if simulated():
+        return "numba CUDA simulator"
+    from numba import cuda
+
+    name = cuda.gpus[index].name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def make_device(name: str, dtype: str, world=None):
-    """The device a rank computes on. ``auto`` is the CPU until the CUDA device lands."""
-    if name in ("cpu", "auto"):
-        return CpuDevice(dtype)
+    """The device a rank computes on.
+
+    ``auto`` is cuda when a real GPU is visible (never the simulator: it is a
+    test tool, thousands of times slower than the CPU), else cpu. ``cuda``
+    takes GPU ``local_rank % n_visible`` and fails clearly when there is none.
+    """
     from .errors import ConfigError
 
-    raise ConfigError(f"train.device={name!r}: this build supports 'auto' and 'cpu'")
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device={name!r}: choose auto, cpu or cuda")
+    if name == "cpu":
+        return CpuDevice(dtype)
+    n_gpus, why = cuda_status()
+    if name == "auto" and (n_gpus == 0 or simulated()):
+        return CpuDevice(dtype)
+    if n_gpus == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise ConfigError(f"train.device='cuda' but no GPU is usable{hint}: {why}; "
+                          f"use train.device='auto' or 'cpu', or run on a GPU node")
+    local_rank = world.local_rank if world is not None else 0
+    return CudaDevice(dtype, gpu_for_rank(local_rank, n_gpus))

@@ -26,25 +26,33 @@ def _libraries() -> dict:
 
     out["numpy"] = numpy.__version__
     out["numba"] = numba.__version__
-    out["CUDA"] = _cuda_status()
+    from .dist.staging import cuda_aware_mpi
+
+    aware, how = cuda_aware_mpi()
+    out["CUDA-aware MPI"] = f"{'yes' if aware else 'no'} ({how})"
     return out
 
 
-def _cuda_status() -> str:
-    try:
-        from numba import cuda
+def _device_choice(local_rank: int) -> tuple[str, str]:
+    """(what train.device=auto gives this rank, CUDA status line) without creating a CUDA context."""
+    from .device import cuda_status, gpu_for_rank, gpu_name, simulated
 
-        if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-            return "numba CUDA simulator"
-        return f"available, {len(cuda.gpus)} GPU(s)" if cuda.is_available() else "no GPU visible"
-    except Exception as exc:  # noqa: BLE001 - a broken driver is a status, not a crash
-        return f"unavailable ({type(exc).__name__}: {exc})"
+    n, why = cuda_status()
+    if simulated():
+        return "cpu (auto never picks the simulator; device=cuda uses it)", "numba CUDA simulator"
+    if n == 0:
+        return "cpu", f"no GPU ({why})"
+    gpu = gpu_for_rank(local_rank, n)
+    return f"cuda:{gpu} {gpu_name(gpu)}", f"{n} GPU(s) visible"
 
 
 def print_info(world) -> None:
     """Collective: every rank reports; rank 0 prints a table in rank order."""
+    device, cuda_line = _device_choice(world.local_rank)
     mine = {"rank": world.rank, "host": socket.gethostname(), "pid": os.getpid(),
             "local": f"{world.local_rank}/{world.local_size}", "node": f"{world.node_rank}/{world.n_nodes}",
+            "device": device, "CUDA": cuda_line,
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
             "threads": os.environ.get("OMP_NUM_THREADS", "-"),
             "slurm_job": os.environ.get("SLURM_JOB_ID", "-")}
     rows = world.comm.gather(mine, root=0)
@@ -56,8 +64,7 @@ def print_info(world) -> None:
     print(f"hpctrain {__version__}: {world.size} rank(s), {world.n_nodes} node(s)")
     for key, value in libs.items():
         print(f"  {key:<17} {value}")
-    print(f"  {'device':<17} cpu (the cuda device arrives with the CUDA kernels)")
-    cols = ["rank", "host", "pid", "local", "node", "threads", "slurm_job"]
+    cols = ["rank", "host", "pid", "local", "node", "device", "CUDA", "CUDA_VISIBLE_DEVICES", "threads", "slurm_job"]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  " + "  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:

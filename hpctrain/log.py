@@ -97,16 +97,21 @@ class Timers:
 
     ``with timers("forward"): ...`` adds to the phase; :meth:`pop` returns and
     clears the totals, so a caller can take per-step or per-window splits.
+    ``sync`` (the device's synchronize) runs at the end of each phase so that
+    asynchronous GPU work is charged to the phase that queued it.
     """
 
-    def __init__(self):
+    def __init__(self, sync=None):
         self.totals = defaultdict(float)
+        self.sync = sync
 
     @contextmanager
     def __call__(self, phase: str):
         t0 = time.perf_counter()
         try:
             yield
+            if self.sync is not None:
+                self.sync()
         finally:
             self.totals[phase] += time.perf_counter() - t0
 

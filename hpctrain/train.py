@@ -18,6 +18,7 @@ from .data import BatchReader, DistributedSampler, open_dataset, shard_range
 from .device import make_device
 from .errors import ConfigError, DataError
 from .dist import make_allreduce
+from .dist.staging import Staging
 from .guard import agree
 from .log import Log, Metrics, Timers, format_eta
 from .nn import MLP
@@ -40,8 +41,9 @@ class Trainer:
         seen = world.comm.allgather((self.train_ds.n, self.train_ds.dim, self.train_ds.n_classes))
         agree(world, _check_same_data, seen, cfg.data.train)
         # data parallelism starts from identical weights: rank 0's
-        self.world.comm.Bcast(self.model.flat.data, root=0)
-        self.timers = Timers()
+        with self.staging.mpi_view(self.model.flat.data) as params:
+            self.world.comm.Bcast(params, root=0)
+        self.timers = Timers(sync=self.device.synchronize)
         self.step = 0
 
     def _build(self):
@@ -61,7 +63,8 @@ class Trainer:
         self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim)
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
         self.schedule = LRSchedule(cfg.optim, peak, cfg.train.steps)
-        self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device)
+        self.staging = Staging(self.device, cfg.dist.cuda_aware_mpi)
+        self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device, self.staging)
         if cfg.optim.schedule == "cosine" and cfg.optim.min_lr > peak:
             raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds the peak lr {peak:g} "
                               f"(after the linear scaling rule); lower optim.min_lr")
@@ -74,7 +77,7 @@ class Trainer:
         t = self.timers
         with t("data"):
             x, y = self.reader.batch(self.step)
-            x, y = self.device.from_host(x), self.device.from_host(y, np.int64)
+            x, y = self.device.upload(x, "x"), self.device.upload(y, "y", np.int64)
         with t("forward"):
             loss_sum, correct = self.model.forward(x, y)
         with t("backward"):
@@ -93,8 +96,8 @@ class Trainer:
         correct = 0
         for lo in range(start, stop, EVAL_CHUNK_ROWS):
             hi = min(stop, lo + EVAL_CHUNK_ROWS)
-            x = self.device.from_host(ds.x[lo:hi])
-            y = self.device.from_host(ds.y[lo:hi], np.int64)
+            x = self.device.upload(ds.x[lo:hi], "eval_x")
+            y = self.device.upload(ds.y[lo:hi], "eval_y", np.int64)
             correct += self.model.predict_correct(x, y)
         totals = np.array([correct, stop - start], dtype=np.float64)
         self.world.comm.Allreduce(_in_place(), totals)
@@ -105,7 +108,8 @@ class Trainer:
         cfg, world, log = self.cfg, self.world, self.log
         tc, b = cfg.train, self.sampler.batch
         log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
-                 f"device {self.device.describe()}, allreduce {cfg.dist.allreduce}, "
+                 f"device {self.device.describe()}, allreduce {cfg.dist.allreduce} "
+                 f"(MPI staging: {self.staging.mode}), "
                  f"global batch {tc.global_batch} = {b} x {world.size}, {self.model.flat.size:,} parameters, "
                  f"{self.sampler.steps_per_epoch} steps/epoch")
         window = np.zeros(3)  # loss_sum, correct, rows since the last progress line

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The whole suite: serial pytest, then the MPI tests under mpirun -n 1, 2, 3, 4.
+# The whole suite: serial pytest, then the MPI tests under mpirun -n 1, 2, 3, 4,
+# then (only where nvidia-smi lists a GPU) the gpu-marked tests on the real GPU.
+# CUDA kernels run on numba's simulator everywhere else (tests/conftest.py).
 # Every run has a per-test timeout (setup.cfg) and an outer timeout, so a hang
 # fails instead of blocking. Rank 0 prints; other ranks log to .test-logs/.
 set -uo pipefail
@@ -25,6 +27,14 @@ for n in 1 2 3 4; do
         done
     }
 done
+
+# Real-GPU pass: the tests marked gpu, on the GPU instead of the simulator.
+if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+    echo "== GPU: NUMBA_ENABLE_CUDASIM=0 pytest -m gpu"
+    NUMBA_ENABLE_CUDASIM=0 timeout 2400 "$PY" -m pytest -q -m gpu --junitxml=.test-logs/gpu.xml "$@" || status=1
+else
+    echo "== GPU: no GPU listed by nvidia-smi; the gpu tests ran as skips (kernels were tested on the simulator)"
+fi
 
 echo "== suite finished in $(( $(date +%s) - t0 )) s"
 "$PY" scripts/test_summary.py .test-logs || status=1

@@ -56,6 +56,13 @@ def test_missing_config_file():
     _one_error(proc, "no/such.toml", "not found")
 
 
+def test_cuda_device_without_a_gpu(small_data):
+    # CUDA_VISIBLE_DEVICES="" hides any GPU, and the simulator is off: no GPU here
+    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", "train.device=cuda"],
+                   env_extra={"NUMBA_ENABLE_CUDASIM": "0", "CUDA_VISIBLE_DEVICES": ""})
+    _one_error(proc, "train.device='cuda' but no GPU is usable", "CUDA_VISIBLE_DEVICES=''", "'auto' or 'cpu'")
+
+
 def test_missing_dataset(tmp_path):
     proc = run_mpi(2, TRAIN + _data_set(str(tmp_path / "absent.h5")))
     _one_error(proc, "absent.h5", "not found", "hpctrain data synth")
@@ -162,7 +169,8 @@ def test_help_and_help_config():
 
 
 def test_importing_hpctrain_starts_no_mpi():
-    code = ("import sys, hpctrain, hpctrain.train, hpctrain.runtime, hpctrain.dist, hpctrain.__main__\n"
+    code = ("import sys, hpctrain, hpctrain.train, hpctrain.runtime, hpctrain.dist, hpctrain.__main__, "
+            "hpctrain.device, hpctrain.kernels.linear, hpctrain.dist.staging\n"
             "assert 'mpi4py.MPI' not in sys.modules, 'MPI initialised at import'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 from hpctrain.device import CpuDevice
-from hpctrain.kernels.gelu import gelu_backward, gelu_forward
+from hpctrain.kernels.bias_act import bias_act_backward, bias_act_forward
 from hpctrain.kernels.linear import linear_backward, linear_forward
-from hpctrain.kernels.relu import relu_backward, relu_forward
 from hpctrain.kernels.softmax_xent import softmax_xent_backward, softmax_xent_forward
 from hpctrain.nn import MLP
 
@@ -71,7 +70,7 @@ def xent_ref(logits, labels):
     return -logp[np.arange(len(labels)), labels], np.exp(logp)
 
 
-# ---- linear ------------------------------------------------------------------------
+# ---- linear (GEMM) -------------------------------------------------------------------
 def linear_data(shape, dtype=np.float64):
     B, I, O = shape
     r = rng_for(1, *shape)
@@ -83,173 +82,185 @@ def linear_data(shape, dtype=np.float64):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_forward_matches_numpy(shape):
-    x, w, b = linear_data(shape)
-    out = np.full((shape[0], shape[2]), np.nan)
-    res = linear_forward(x, w, b, out)
-    ref = np.einsum("bi,io->bo", x, w) + b
-    assert res is out
-    np.testing.assert_allclose(out, ref, rtol=1e-13, atol=1e-13)
+    x, w, _ = linear_data(shape)
+    z = np.full((shape[0], shape[2]), np.nan)
+    assert linear_forward(x, w, z) is z
+    np.testing.assert_allclose(z, np.einsum("bi,io->bo", x, w), rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_backward_matches_finite_differences(shape):
     B, I, O = shape
-    x, w, b = linear_data(shape)
+    x, w, _ = linear_data(shape)
     R = rng_for(2, *shape).standard_normal((B, O))
-    out = np.empty((B, O))
+    z = np.empty((B, O))
 
     def terms():
-        return linear_forward(x, w, b, out) * R
+        return linear_forward(x, w, z) * R
 
-    dx, dw, db = np.full((B, I), np.nan), np.full((I, O), np.nan), np.full(O, np.nan)
-    linear_backward(R, x, w, dx, dw, db)
+    dx, dw = np.full((B, I), np.nan), np.full((I, O), np.nan)
+    assert linear_backward(R, x, w, dx, dw) is dx
     np.testing.assert_allclose(dx, fd_grad(terms, x), **FD_TOL)
     np.testing.assert_allclose(dw, fd_grad(terms, w), **FD_TOL)
-    np.testing.assert_allclose(db, fd_grad(terms, b), **FD_TOL)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_backward_into_flat_buffer_views(shape):
-    """dw/db are views of one flat gradient buffer, as FlatParams hands them out."""
+    """dw is a view of one flat gradient buffer, as FlatParams hands it out."""
     B, I, O = shape
-    x, w, b = linear_data(shape)
-    dout = rng_for(3, *shape).standard_normal((B, O))
-    flat = np.full(1 + I * O + O + 1, 7.0)  # one guard element on each side
+    x, w, _ = linear_data(shape)
+    dz = rng_for(3, *shape).standard_normal((B, O))
+    flat = np.full(1 + I * O + 1, 7.0)  # one guard element on each side
     dw = flat[1:1 + I * O].reshape(I, O)
-    db = flat[1 + I * O:1 + I * O + O]
-    linear_backward(dout, x, w, None, dw, db)
-    np.testing.assert_allclose(dw, x.T @ dout, rtol=1e-13, atol=1e-13)
-    np.testing.assert_allclose(db, dout.sum(axis=0), rtol=1e-13, atol=1e-13)
+    linear_backward(dz, x, w, None, dw)
+    np.testing.assert_allclose(dw, x.T @ dz, rtol=1e-13, atol=1e-13)
     assert flat[0] == 7.0 and flat[-1] == 7.0  # nothing written outside the views
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_backward_accumulate_adds_to_existing_grads(shape):
     B, I, O = shape
-    x, w, b = linear_data(shape)
+    x, w, _ = linear_data(shape)
     r = rng_for(4, *shape)
-    dout = r.standard_normal((B, O))
-    dw0, db0 = r.standard_normal((I, O)), r.standard_normal(O)
-    dw, db, dx = dw0.copy(), db0.copy(), np.full((B, I), np.nan)
-    linear_backward(dout, x, w, dx, dw, db, accumulate=True)
-    np.testing.assert_allclose(dw, dw0 + x.T @ dout, rtol=1e-13, atol=1e-13)
-    np.testing.assert_allclose(db, db0 + dout.sum(axis=0), rtol=1e-13, atol=1e-13)
+    dz = r.standard_normal((B, O))
+    dw0 = r.standard_normal((I, O))
+    dw, dx = dw0.copy(), np.full((B, I), np.nan)
+    linear_backward(dz, x, w, dx, dw, accumulate=True)
+    np.testing.assert_allclose(dw, dw0 + x.T @ dz, rtol=1e-13, atol=1e-13)
     # dx is an activation gradient, never accumulated
-    np.testing.assert_allclose(dx, dout @ w.T, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(dx, dz @ w.T, rtol=1e-13, atol=1e-13)
 
     # accumulate=False overwrites whatever was there
-    linear_backward(dout, x, w, dx, dw, db, accumulate=False)
-    np.testing.assert_allclose(dw, x.T @ dout, rtol=1e-13, atol=1e-13)
-    np.testing.assert_allclose(db, dout.sum(axis=0), rtol=1e-13, atol=1e-13)
+    linear_backward(dz, x, w, dx, dw, accumulate=False)
+    np.testing.assert_allclose(dw, x.T @ dz, rtol=1e-13, atol=1e-13)
 
 
 def test_linear_backward_dx_none_returns_none_and_still_fills_weight_grads():
-    x, w, b = linear_data((3, 5, 7))
-    dout = rng_for(5).standard_normal((3, 7))
-    dw, db = np.zeros((5, 7)), np.zeros(7)
-    assert linear_backward(dout, x, w, None, dw, db) is None
-    np.testing.assert_allclose(dw, x.T @ dout, rtol=1e-13, atol=1e-13)
-    np.testing.assert_allclose(db, dout.sum(axis=0), rtol=1e-13, atol=1e-13)
+    x, w, _ = linear_data((3, 5, 7))
+    dz = rng_for(5).standard_normal((3, 7))
+    dw = np.zeros((5, 7))
+    assert linear_backward(dz, x, w, None, dw) is None
+    np.testing.assert_allclose(dw, x.T @ dz, rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_float32_forward_within_rounding_bound(shape):
-    # A length-I dot product plus bias in float32 (any summation order, FMA or
-    # not) is within gamma_{I+1} * (|x||w| + |b|) of the exact value, with
-    # gamma_n = n u / (1 - n u) ~ n * 2^-24. A factor 2 covers the final
-    # rounding of the stored result; a wrong formula misses by O(1).
+    # A length-I dot product in float32 (any summation order, FMA or not) is
+    # within gamma_I * |x||w| of the exact value, gamma_n = n u / (1 - n u)
+    # ~ n * 2^-24. A factor 2 covers the final rounding of the stored result;
+    # a wrong formula misses by O(1).
     B, I, O = shape
-    x, w, b = linear_data(shape, np.float32)
-    out = np.empty((B, O), dtype=np.float32)
-    linear_forward(x, w, b, out)
-    x64, w64, b64 = x.astype(np.float64), w.astype(np.float64), b.astype(np.float64)
-    ref = x64 @ w64 + b64
-    bound = 2 * (I + 1) * U32 * (np.abs(x64) @ np.abs(w64) + np.abs(b64))
-    assert out.dtype == np.float32
-    assert np.all(np.abs(out - ref) <= bound)
+    x, w, _ = linear_data(shape, np.float32)
+    z = np.empty((B, O), dtype=np.float32)
+    linear_forward(x, w, z)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    bound = 2 * (I + 1) * U32 * (np.abs(x64) @ np.abs(w64))
+    assert z.dtype == np.float32
+    assert np.all(np.abs(z - x64 @ w64) <= bound)
 
 
-# ---- relu --------------------------------------------------------------------------
+# ---- bias add + activation ---------------------------------------------------------
+ACTS = ["identity", "relu", "gelu"]
+ACT_REF = {"identity": lambda v: v, "relu": lambda v: np.maximum(v, 0.0), "gelu": lambda v: gelu_ref(v)}
+
+
 def away_from_zero(shape, key):
     """Values in +-[0.1, 2]: finite differences never straddle ReLU's kink."""
     r = rng_for(6, key, *shape)
     return r.choice([-1.0, 1.0], size=shape) * r.uniform(0.1, 2.0, size=shape)
 
 
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_relu_forward_matches_numpy(shape):
-    x = rng_for(7, *shape).standard_normal(shape)
-    out = np.full(shape, np.nan)
-    assert relu_forward(x, out) is out
-    np.testing.assert_array_equal(out, np.maximum(x, 0.0))
+def test_bias_act_forward_matches_numpy_and_keeps_pre_activation(act, shape):
+    B, _, O = shape
+    r = rng_for(7, *shape)
+    z0, b = 3.0 * r.standard_normal((B, O)), r.standard_normal(O)
+    z, out = z0.copy(), np.full((B, O), np.nan)
+    assert bias_act_forward(z, b, out, act) is out
+    np.testing.assert_allclose(z, z0 + b, rtol=1e-15, atol=1e-15)   # z now holds the pre-activation
+    np.testing.assert_allclose(out, ACT_REF[act](z0 + b), rtol=1e-13, atol=1e-15)
 
 
+def test_bias_act_forward_identity_may_write_over_z():
+    z0, b = rng_for(8).standard_normal((4, 3)), rng_for(9).standard_normal(3)
+    z = z0.copy()
+    bias_act_forward(z, b, z, "identity")
+    np.testing.assert_allclose(z, z0 + b, rtol=1e-15)
+
+
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_relu_backward_matches_finite_differences(shape):
-    x = away_from_zero(shape, 1)
-    R = rng_for(8, *shape).standard_normal(shape)
-    out = np.empty(shape)
-    dx = np.full(shape, np.nan)
-    assert relu_backward(R, x, dx) is dx
-    np.testing.assert_allclose(dx, fd_grad(lambda: relu_forward(x, out) * R, x), **FD_TOL)
+def test_bias_act_backward_matches_finite_differences(act, shape):
+    # objective sum(act(z0 + b) * R); z0 and b away from relu's kink at 0
+    B, _, O = shape
+    z0, b = away_from_zero((B, O), 1), 0.01 * away_from_zero((O,), 2)
+    R = rng_for(10, *shape).standard_normal((B, O))
+    work, out = np.empty((B, O)), np.empty((B, O))
+
+    def terms():
+        work[...] = z0
+        return bias_act_forward(work, b, out, act) * R
+
+    terms()  # work = z0 + b, the pre-activation backward reads
+    dz, db = np.full((B, O), np.nan), np.full(O, np.nan)
+    assert bias_act_backward(R, work, dz, db, act) is dz
+    np.testing.assert_allclose(dz, fd_grad(terms, z0), **FD_TOL)
+    np.testing.assert_allclose(db, fd_grad(terms, b), **FD_TOL)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_bias_act_backward_accumulates_bias_grad_only(act):
+    r = rng_for(11)
+    z, dout, db0 = r.standard_normal((6, 5)), r.standard_normal((6, 5)), r.standard_normal(5)
+    dz1, db1 = np.empty((6, 5)), np.zeros(5)
+    bias_act_backward(dout, z, dz1, db1, act)
+    dz2, db2 = np.full((6, 5), np.nan), db0.copy()
+    bias_act_backward(dout, z, dz2, db2, act, accumulate=True)
+    np.testing.assert_array_equal(dz2, dz1)           # dz is overwritten, never accumulated
+    np.testing.assert_allclose(db2, db0 + db1, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(db1, dz1.sum(axis=0), rtol=1e-13, atol=1e-15)
 
 
 def test_relu_backward_passes_positive_blocks_negative_and_zero():
-    x = np.array([-3.0, -1e-300, 0.0, -0.0, 1e-300, 2.5])
-    dout = np.array([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
-    dx = np.full(6, np.nan)
-    relu_backward(dout, x, dx)
+    z = np.array([[-3.0, -1e-300, 0.0, -0.0, 1e-300, 2.5]])
+    dout = np.array([[10.0, 20.0, 30.0, 40.0, 50.0, 60.0]])
+    dz, db = np.full((1, 6), np.nan), np.empty(6)
+    bias_act_backward(dout, z, dz, db, "relu")
     # subgradient at 0 is 0 (documented); strictly positive inputs pass dout
-    np.testing.assert_array_equal(dx, [0.0, 0.0, 0.0, 0.0, 50.0, 60.0])
+    np.testing.assert_array_equal(dz, [[0.0, 0.0, 0.0, 0.0, 50.0, 60.0]])
 
 
 def test_relu_float32_forward_is_exact():
-    # max(x, 0) involves no arithmetic: float32 must match exactly
-    x = rng_for(9).standard_normal((17, 13)).astype(np.float32)
-    out = np.empty_like(x)
-    relu_forward(x, out)
+    # z + b rounds once in float32; max(., 0) adds no rounding
+    r = rng_for(12)
+    z, b = r.standard_normal((17, 13)).astype(np.float32), r.standard_normal(13).astype(np.float32)
+    ref = np.maximum(z + b, np.float32(0))
+    out = np.empty_like(z)
+    bias_act_forward(z, b, out, "relu")
     assert out.dtype == np.float32
-    np.testing.assert_array_equal(out, np.maximum(x, 0))
-
-
-# ---- gelu --------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", SHAPES)
-def test_gelu_forward_matches_tanh_formula(shape):
-    x = 3.0 * rng_for(10, *shape).standard_normal(shape)
-    out = np.full(shape, np.nan)
-    assert gelu_forward(x, out) is out
-    np.testing.assert_allclose(out, gelu_ref(x), rtol=1e-13, atol=1e-15)
+    np.testing.assert_array_equal(out, ref)
 
 
 def test_gelu_forward_known_values():
     # gelu(0) = 0; far out it tends to relu; gelu(1) from the formula by hand:
     # 0.5 * (1 + tanh(sqrt(2/pi) * 1.044715)) = 0.8411919906082768
-    x = np.array([0.0, 1.0, 30.0, -30.0])
-    out = np.empty(4)
-    gelu_forward(x, out)
-    np.testing.assert_allclose(out, [0.0, 0.8411919906082768, 30.0, 0.0], rtol=1e-14, atol=1e-300)
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_gelu_backward_matches_finite_differences(shape):
-    x = 2.0 * rng_for(11, *shape).standard_normal(shape)
-    R = rng_for(12, *shape).standard_normal(shape)
-    out = np.empty(shape)
-    dx = np.full(shape, np.nan)
-    assert gelu_backward(R, x, dx) is dx
-    np.testing.assert_allclose(dx, fd_grad(lambda: gelu_forward(x, out) * R, x), **FD_TOL)
+    z = np.array([[0.0, 1.0, 30.0, -30.0]])
+    out = np.empty((1, 4))
+    bias_act_forward(z, np.zeros(4), out, "gelu")
+    np.testing.assert_allclose(out, [[0.0, 0.8411919906082768, 30.0, 0.0]], rtol=1e-14, atol=1e-300)
 
 
 def test_gelu_float32_forward_within_a_few_ulps():
-    # The kernel evaluates in float64 (the constant k is a Python float) and
-    # rounds once to float32 on store: error <= 0.5 ulp. rtol=1e-6 (~16 ulps)
-    # leaves room for a float32 tanh while catching any formula change
-    # (e.g. erf vs tanh GELU differ by ~1e-4). atol for outputs ~0 (x << 0).
-    x = (3.0 * rng_for(13).standard_normal((17, 13))).astype(np.float32)
-    out = np.empty_like(x)
-    gelu_forward(x, out)
+    # The kernel evaluates gelu in float64 (the constants are Python floats)
+    # and rounds once to float32 on store: error <= 0.5 ulp. rtol=1e-6 (~16
+    # ulps) leaves room for a float32 tanh while catching any formula change
+    # (erf vs tanh GELU differ by ~1e-4). atol for outputs ~0 (z << 0).
+    z = (3.0 * rng_for(13).standard_normal((17, 13))).astype(np.float32)
+    out = np.empty_like(z)
+    bias_act_forward(z, np.zeros(13, np.float32), out, "gelu")
     assert out.dtype == np.float32
-    np.testing.assert_allclose(out, gelu_ref(x), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(out, gelu_ref(z), rtol=1e-6, atol=1e-9)
 
 
 # ---- softmax + cross-entropy --------------------------------------------------------
@@ -400,12 +411,11 @@ def test_mlp_backward_accumulate_sums_two_batches():
     np.testing.assert_allclose(model.flat.grad, grads[0] + grads[1], rtol=1e-13, atol=1e-15)
 
 
-@pytest.mark.parametrize("op", ["relu", "gelu"])
-def test_elementwise_ops_refuse_non_contiguous_arrays(op):
-    """reshape(-1) of a strided view copies, so a kernel would write into a temporary."""
-    from hpctrain.kernels import gelu, relu
-
-    fwd = {"relu": relu.relu_forward, "gelu": gelu.gelu_forward}[op]
-    x = np.ones((4, 6))
-    with pytest.raises(ValueError, match="C-contiguous"):
-        fwd(x, np.empty((6, 4)).T)
+@pytest.mark.parametrize("act", ACTS)
+def test_bias_act_writes_through_strided_views(act):
+    """The twin indexes [row, col], so a transposed (non-contiguous) view gets the values, not a copy."""
+    r = rng_for(18)
+    z0, b = r.standard_normal((4, 6)), r.standard_normal(6)
+    z, backing = z0.copy(), np.full((6, 4), np.nan)
+    bias_act_forward(z, b, backing.T, act)
+    np.testing.assert_allclose(backing.T, ACT_REF[act](z0 + b), rtol=1e-13, atol=1e-15)

@@ -1,7 +1,8 @@
 """Gradient communication: all-reduce strategies behind one interface.
 
 A strategy is a callable ``allreduce(buf, op)`` that reduces the device buffer
-``buf`` in place over ``world.comm`` (op: "sum" or "mean"). Choose by name:
+``buf`` in place over ``world.comm`` (op: "sum" or "mean"), reaching MPI only
+through :class:`~hpctrain.dist.staging.Staging`. Choose by name:
 
 | name  | algorithm                       | use it for                                   |
 |-------|---------------------------------|----------------------------------------------|
@@ -18,6 +19,10 @@ from .naive import NaiveAllreduce
 STRATEGIES = {"mpi": MpiAllreduce, "naive": NaiveAllreduce}
 
 
-def make_allreduce(name: str, world, device):
-    """The strategy called ``name`` for ``world`` and buffers living on ``device``."""
-    return STRATEGIES[name](world, device)
+def make_allreduce(name: str, world, device, staging=None):
+    """The strategy called ``name`` for ``world`` and buffers living on ``device``.
+
+    ``staging`` (default: ``Staging(device)`` with auto detection) is how
+    device buffers reach MPI.
+    """
+    return STRATEGIES[name](world, device, staging)

@@ -1,25 +1,92 @@
 """The one place that decides how a device buffer reaches MPI.
 
-CPU buffers go to MPI as they are. The CUDA device (issue 3) decides here
-between handing device pointers to a CUDA-aware MPI and copying through pinned
-host buffers that are allocated once and reused; either way the device is
-synchronised before any MPI call.
+Three modes, chosen once per device by :func:`staging_mode`:
+
+  host    CPU arrays: MPI reads and writes them as they are.
+  device  a CUDA-aware MPI: device arrays go to MPI directly (mpi4py reads
+          ``__cuda_array_interface__``).
+  pinned  any other MPI with a GPU: the buffer is copied into a pinned host
+          buffer (allocated once per buffer and reused), MPI works on that,
+          and the result is copied back.
+
+In every mode the device's stream is synchronised before the MPI call, so MPI
+never reads a buffer a kernel is still writing.
 """
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+
+def cuda_aware_mpi() -> tuple[bool, str]:
+    """(is the MPI library CUDA-aware, how we know). Needs MPI initialised.
+
+    Open MPI answers ``MPIX_Query_cuda_support()`` (its mpi-ext.h); MPICH
+    derivatives ``MPIX_GPU_query_support``. Debian's Open MPI 4.1.4 answers 0.
+    """
+    from mpi4py import MPI  # noqa: F401 - loads libmpi into the process
+
+    lib = ctypes.CDLL(None)
+    query = getattr(lib, "MPIX_Query_cuda_support", None)
+    if query is not None:
+        query.restype = ctypes.c_int
+        return bool(query()), "MPIX_Query_cuda_support()"
+    query = getattr(lib, "MPIX_GPU_query_support", None)
+    if query is not None:
+        flag = ctypes.c_int(0)
+        query(ctypes.c_int(1), ctypes.byref(flag))  # MPIX_GPU_SUPPORT_CUDA = 1
+        return bool(flag.value), "MPIX_GPU_query_support(CUDA)"
+    return False, "the MPI library offers no CUDA-support query"
+
+
+def staging_mode(device, setting: str = "auto") -> str:
+    """'host', 'device' or 'pinned' for ``device`` under dist.cuda_aware_mpi = auto | on | off."""
+    if device.name == "cpu":
+        return "host"
+    if setting == "on":
+        return "device"
+    if setting == "off":
+        return "pinned"
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        # simulator arrays only pretend to be device memory; use the real path
+        return "pinned"
+    return "device" if cuda_aware_mpi()[0] else "pinned"
 
 
 class Staging:
-    """``with staging.mpi_view(buf) as host: <MPI call on host>`` - results land in ``buf``."""
+    """``with staging.mpi_view(buf) as mpi_buf: <MPI call>`` - results land in ``buf``."""
 
-    def __init__(self, device):
+    def __init__(self, device, setting: str = "auto"):
         self.device = device
+        self.mode = staging_mode(device, setting)
+        self._pinned: dict = {}
 
-    def mpi_view(self, buf):
+    def mpi_view(self, buf, slot=None):
+        """A context manager yielding what to hand MPI for ``buf``.
+
+        In pinned mode the host buffer is shared by every call with the same
+        (slot, shape, dtype): it is scratch, filled on entry. Buffers staged at
+        the same time (e.g. buckets in flight together) need different slots.
+        """
         self.device.synchronize()  # every kernel that wrote buf has finished
+        if self.mode == "pinned":
+            return _PinnedCopy(self.device, self._pinned_for(buf, slot), buf)
         return _Direct(buf)
+
+    def _pinned_for(self, buf, slot):
+        """The pinned host buffer for (slot, shape, dtype), allocated on first use and reused."""
+        key = (slot, tuple(buf.shape), buf.dtype.str)
+        host = self._pinned.get(key)
+        if host is None:
+            from numba import cuda
+
+            host = self._pinned[key] = cuda.pinned_array(buf.shape, dtype=buf.dtype)
+        return host
 
 
 class _Direct:
-    """The buffer itself: host memory MPI can read and write."""
+    """The buffer itself (host memory, or device memory for a CUDA-aware MPI)."""
 
     def __init__(self, buf):
         self.buf = buf
@@ -28,4 +95,21 @@ class _Direct:
         return self.buf
 
     def __exit__(self, *exc):
+        return False
+
+
+class _PinnedCopy:
+    """Device -> pinned host on entry; pinned host -> device on a clean exit."""
+
+    def __init__(self, device, host, buf):
+        self.device, self.host, self.buf = device, host, buf
+
+    def __enter__(self):
+        self.buf.copy_to_host(self.host, stream=self.device.stream)
+        self.device.synchronize()  # the host copy is complete before MPI reads it
+        return self.host
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            self.buf.copy_to_device(self.host, stream=self.device.stream)
         return False

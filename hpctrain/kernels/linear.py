@@ -1,33 +1,152 @@
-"""Linear op: out = x @ w + b.  x (B, I), w (I, O), b (O,), out (B, O).
+"""Linear op (the GEMM half; bias and activation are :mod:`.bias_act`).
 
-The weight is stored (I, O) so the forward GEMM reads it row-major; the three
-products a Linear needs (x w, dout w^T, x^T dout) use transposed *views*, which
-BLAS reads without copying.
+x (B, I), w (I, O), z (B, O):  forward z = x @ w;  backward dw = x^T @ dz and
+dx = dz @ w^T. The weight is stored (I, O) so the forward GEMM reads it
+row-major. The CPU twin passes transposed views to BLAS; the CUDA kernel reads
+the transposed operand through its tile loader - no transpose is materialised.
 """
 
+from __future__ import annotations
+
+from functools import lru_cache
+
 import numpy as np
+from numba import cuda, float32, float64
 
 
 # ---- CPU twin (NumPy/BLAS) ---------------------------------------------------------
-def linear_forward(x, w, b, out):
-    """out (B, O) <- x (B, I) @ w (I, O) + b (O,)."""
-    np.matmul(x, w, out=out)
-    out += b
-    return out
+def linear_forward(x, w, z):
+    """z (B, O) <- x (B, I) @ w (I, O). Returns z."""
+    np.matmul(x, w, out=z)
+    return z
 
 
-def linear_backward(dout, x, w, dx, dw, db, accumulate=False):
-    """Gradients of linear_forward given dout (B, O).
+def linear_backward(dz, x, w, dx, dw, accumulate=False):
+    """dw (I, O) <- (dw +) x^T @ dz; dx (B, I) <- dz @ w^T unless dx is None. Returns dx.
 
-    dw (I, O) and db (O,) are views into the flat gradient buffer: overwritten,
-    or added to when ``accumulate``. dx (B, I) is skipped when None (first layer).
+    dw is a view into the flat gradient buffer; dx is an activation gradient
+    and is never accumulated (the first layer passes None: nobody needs it).
     """
     if accumulate:
-        dw += x.T @ dout
-        db += dout.sum(axis=0)
+        dw += x.T @ dz
     else:
-        np.matmul(x.T, dout, out=dw)
-        np.sum(dout, axis=0, out=db)
+        np.matmul(x.T, dz, out=dw)
     if dx is not None:
-        np.matmul(dout, w.T, out=dx)
+        np.matmul(dz, w.T, out=dx)
+    return dx
+
+
+# ---- CUDA kernels ------------------------------------------------------------------
+# C (M, N) (+)= op(A) @ op(B). A block of 16 x 16 threads computes a BM x BN tile
+# of C; each thread owns TM x TN outputs strided by 16, so a warp's shared
+# loads are conflict-free and its global stores coalesced. K advances in BK
+# slabs staged through shared memory.
+BM, BN, BK = 64, 64, 16
+TX = TY = 16
+TM, TN = BM // TY, BN // TX
+LOADS_A, LOADS_B = BM * BK // (TX * TY), BN * BK // (TX * TY)
+
+
+@lru_cache(maxsize=None)
+def _gemm_kernel(trans_a: bool, trans_b: bool, dtype_name: str):
+    """The kernel for one (transpose, dtype) combination; flags are compile-time constants."""
+    nb = {"float32": float32, "float64": float64}[dtype_name]
+
+    @cuda.jit
+    def gemm(a, b, c, accumulate):
+        M, N = c.shape
+        K = a.shape[0] if trans_a else a.shape[1]
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        tid = ty * TX + tx
+        m0, n0 = cuda.blockIdx.y * BM, cuda.blockIdx.x * BN
+        # +1 column of padding: the k-major stores below hit distinct banks
+        As = cuda.shared.array((BK, BM + 1), nb)
+        Bs = cuda.shared.array((BK, BN + 1), nb)
+        acc = cuda.local.array((TM, TN), nb)
+        ra = cuda.local.array(TM, nb)
+        rb = cuda.local.array(TN, nb)
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] = 0
+        for k0 in range(0, K, BK):
+            # Stage the A and B slabs. Consecutive threads walk the operand's
+            # contiguous axis, so global loads coalesce whether or not it is
+            # transposed; out-of-range elements are zero (partial tiles).
+            for l in range(LOADS_A):
+                e = tid + l * TX * TY
+                if trans_a:          # a is (K, M)
+                    mm, kk = e % BM, e // BM
+                    if m0 + mm < M and k0 + kk < K:
+                        As[kk, mm] = a[k0 + kk, m0 + mm]
+                    else:
+                        As[kk, mm] = 0
+                else:                # a is (M, K)
+                    kk, mm = e % BK, e // BK
+                    if m0 + mm < M and k0 + kk < K:
+                        As[kk, mm] = a[m0 + mm, k0 + kk]
+                    else:
+                        As[kk, mm] = 0
+            for l in range(LOADS_B):
+                e = tid + l * TX * TY
+                if trans_b:          # b is (N, K)
+                    kk, nn = e % BK, e // BK
+                    if n0 + nn < N and k0 + kk < K:
+                        Bs[kk, nn] = b[n0 + nn, k0 + kk]
+                    else:
+                        Bs[kk, nn] = 0
+                else:                # b is (K, N)
+                    nn, kk = e % BN, e // BN
+                    if n0 + nn < N and k0 + kk < K:
+                        Bs[kk, nn] = b[k0 + kk, n0 + nn]
+                    else:
+                        Bs[kk, nn] = 0
+            cuda.syncthreads()
+            for kk in range(BK):
+                for i in range(TM):
+                    ra[i] = As[kk, ty + i * TY]
+                for j in range(TN):
+                    rb[j] = Bs[kk, tx + j * TX]
+                for i in range(TM):
+                    for j in range(TN):
+                        acc[i, j] += ra[i] * rb[j]
+            cuda.syncthreads()  # the slab is consumed before the next one overwrites it
+        for i in range(TM):
+            m = m0 + ty + i * TY
+            if m < M:
+                for j in range(TN):
+                    n = n0 + tx + j * TX
+                    if n < N:
+                        if accumulate:
+                            c[m, n] += acc[i, j]
+                        else:
+                            c[m, n] = acc[i, j]
+
+    return gemm
+
+
+# ---- launchers ---------------------------------------------------------------------
+def gemm_cuda(a, b, c, trans_a=False, trans_b=False, accumulate=False, *, stream=0):
+    """c (M, N) <- (c +) op(a) @ op(b), op = transpose when the flag is set. Returns c."""
+    M, N = c.shape
+    K = a.shape[0] if trans_a else a.shape[1]
+    if (a.shape[1] if trans_a else a.shape[0]) != M or (b.shape[1] if trans_b else b.shape[0]) != K \
+            or (b.shape[0] if trans_b else b.shape[1]) != N:
+        raise ValueError(f"gemm shapes: a {a.shape} (T={trans_a}), b {b.shape} (T={trans_b}), c {c.shape}")
+    if not (a.dtype == b.dtype == c.dtype):
+        raise ValueError(f"gemm dtypes differ: {a.dtype}, {b.dtype}, {c.dtype}")
+    grid = (-(-N // BN), -(-M // BM))
+    _gemm_kernel(bool(trans_a), bool(trans_b), c.dtype.name)[grid, (TX, TY), stream](a, b, c, bool(accumulate))
+    return c
+
+
+def linear_forward_cuda(x, w, z, *, stream=0):
+    """z <- x @ w on the GPU."""
+    return gemm_cuda(x, w, z, stream=stream)
+
+
+def linear_backward_cuda(dz, x, w, dx, dw, accumulate=False, *, stream=0):
+    """dw <- (dw +) x^T dz (x read transposed); dx <- dz w^T (w read transposed)."""
+    gemm_cuda(x, dz, dw, trans_a=True, accumulate=accumulate, stream=stream)
+    if dx is not None:
+        gemm_cuda(dz, w, dx, trans_b=True, stream=stream)
     return dx

@@ -2,13 +2,17 @@
 
 logits (B, C) float, labels (B,) int64, probs (B, C) saved for backward.
 Forward returns (sum of per-row losses, number of rows whose argmax is the
-label) so that ranks can add them up; the mean loss is their sum / B.
+label) so that ranks can add them up; the mean loss is their sum / B. Ties in
+the argmax go to the first (lowest) class, as ``np.argmax``. On the GPU both
+numbers are reduced on the device and only those two scalars reach the host.
 """
 
 import math
 
 import numpy as np
-from numba import njit
+from numba import cuda, float64, int64, njit
+
+from .cuda_support import THREADS, blocks_for
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
@@ -59,3 +63,133 @@ def softmax_xent_backward(probs, labels, scale, dlogits):
     """dlogits <- scale * (probs - onehot(labels)); scale = 1/B for a mean loss."""
     _softmax_xent_backward(probs, labels, np.float64(scale), dlogits)
     return dlogits
+
+
+# ---- CUDA kernels ------------------------------------------------------------------
+ROW_THREADS = 128  # one block per row; threads stride over the classes
+
+
+@cuda.jit
+def _softmax_xent_rows_kernel(logits, labels, probs, row_loss, row_correct):
+    B, C = logits.shape
+    t = cuda.threadIdx.x
+    vmax = cuda.shared.array(ROW_THREADS, float64)
+    imax = cuda.shared.array(ROW_THREADS, int64)
+    vsum = cuda.shared.array(ROW_THREADS, float64)
+    r = cuda.blockIdx.x
+    while r < B:
+        # row max and its first index (ties -> lowest class, like the twin)
+        best_v = -math.inf
+        best_i = C
+        c = t
+        while c < C:
+            v = logits[r, c]
+            if v > best_v:
+                best_v, best_i = v, c
+            c += ROW_THREADS
+        vmax[t], imax[t] = best_v, best_i
+        cuda.syncthreads()
+        half = ROW_THREADS // 2
+        while half > 0:
+            if t < half:
+                v, i = vmax[t + half], imax[t + half]
+                if v > vmax[t] or (v == vmax[t] and i < imax[t]):
+                    vmax[t], imax[t] = v, i
+            cuda.syncthreads()
+            half //= 2
+        m = logits[r, imax[0]]  # exact max in the input dtype
+        # exp(x - max) cannot overflow; the sum accumulates in float64
+        s = 0.0
+        c = t
+        while c < C:
+            e = math.exp(logits[r, c] - m)
+            probs[r, c] = e
+            s += e
+            c += ROW_THREADS
+        vsum[t] = s
+        cuda.syncthreads()
+        half = ROW_THREADS // 2
+        while half > 0:
+            if t < half:
+                vsum[t] += vsum[t + half]
+            cuda.syncthreads()
+            half //= 2
+        total = vsum[0]
+        inv = 1.0 / total
+        c = t
+        while c < C:
+            probs[r, c] *= inv
+            c += ROW_THREADS
+        if t == 0:
+            y = labels[r]
+            row_loss[r] = math.log(total) + m - logits[r, y]
+            row_correct[r] = 1 if imax[0] == y else 0
+        cuda.syncthreads()  # shared arrays are reused by the next row
+        r += cuda.gridDim.x
+
+
+@cuda.jit
+def _sum_rows_kernel(row_loss, row_correct, out):
+    # one block: each thread sums a strided share, then a fixed-order tree
+    t = cuda.threadIdx.x
+    sl = cuda.shared.array(THREADS, float64)
+    sc = cuda.shared.array(THREADS, float64)
+    a = 0.0
+    k = 0.0
+    i = t
+    while i < row_loss.shape[0]:
+        a += row_loss[i]
+        k += row_correct[i]
+        i += THREADS
+    sl[t], sc[t] = a, k
+    cuda.syncthreads()
+    half = THREADS // 2
+    while half > 0:
+        if t < half:
+            sl[t] += sl[t + half]
+            sc[t] += sc[t + half]
+        cuda.syncthreads()
+        half //= 2
+    if t == 0:
+        out[0], out[1] = sl[0], sc[0]
+
+
+@cuda.jit
+def _softmax_xent_backward_kernel(probs, labels, scale, dlogits):
+    B, C = probs.shape
+    i = cuda.grid(1)
+    while i < B * C:
+        r, c = i // C, i % C
+        d = probs[r, c] * scale          # same rounding steps as the twin
+        if c == labels[r]:
+            d -= scale
+        dlogits[r, c] = d
+        i += cuda.gridsize(1)
+
+
+# ---- launchers ---------------------------------------------------------------------
+def softmax_xent_forward_cuda(logits, labels, probs, *, stream=0, scratch):
+    """As :func:`softmax_xent_forward`; copies two scalars to the host (a stream sync)."""
+    B, _ = logits.shape
+    row_loss = scratch("xent_row_loss", (B,), np.float64)
+    row_correct = scratch("xent_row_correct", (B,), np.float64)
+    totals = scratch("xent_totals", (2,), np.float64)
+    _softmax_xent_rows_kernel[blocks_for(B, 1), ROW_THREADS, stream](logits, labels, probs, row_loss, row_correct)
+    _sum_rows_kernel[1, THREADS, stream](row_loss, row_correct, totals)
+    loss_sum, correct = totals.copy_to_host(stream=stream)
+    stream_sync(stream)
+    return float(loss_sum), int(correct)
+
+
+def softmax_xent_backward_cuda(probs, labels, scale, dlogits, *, stream=0):
+    B, C = probs.shape
+    _softmax_xent_backward_kernel[blocks_for(B * C), THREADS, stream](probs, labels, np.float64(scale), dlogits)
+    return dlogits
+
+
+def stream_sync(stream):
+    """Wait for ``stream`` (0 = the default stream)."""
+    if stream:
+        stream.synchronize()
+    else:
+        cuda.synchronize()

@@ -1,7 +1,8 @@
-"""Layers: each declares its parameters, binds views into the flat buffers,
-and runs ``forward``/``backward`` through the device's kernel table.
+"""Layers on top of the kernels. Parameters and gradients are views of flat buffers.
 
-Activations are cached per batch size so a training step allocates nothing.
+Each layer declares its parameters, binds views into the flat buffers, and runs
+``forward``/``backward`` through the device's kernel table. Activations are
+cached per batch size so a training step allocates nothing.
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ class Layer:
 
 
 class Linear(Layer):
-    """y = x @ W + b with W (I, O) and b (O,); PyTorch's default uniform init."""
+    """y = act(x @ W + b) with W (I, O), b (O,); act is identity, relu or gelu.
 
-    def __init__(self, device, name, n_in, n_out, needs_dx=True):
+    Two ops: the GEMM (``linear_*``) and the fused bias add + activation
+    (``bias_act_*``). PyTorch's default uniform init.
+    """
+
+    def __init__(self, device, name, n_in, n_out, activation="identity", needs_dx=True):
         self.device, self.name, self.n_in, self.n_out = device, name, n_in, n_out
+        self.activation = activation
         self.needs_dx = needs_dx  # the first layer's input gradient is never used
         self.params = ((f"{name}.weight", (n_in, n_out)), (f"{name}.bias", (n_out,)))
 
@@ -35,35 +41,25 @@ class Linear(Layer):
         self.w, self.b = (flat.view(flat.data, n) for n, _ in self.params)
         self.dw, self.db = (flat.view(flat.grad, n) for n, _ in self.params)
 
-    def init(self, rng: np.random.Generator):
+    def init_host(self, rng: np.random.Generator) -> list:
+        """Initial (weight, bias) as float64 host arrays, drawn in that order."""
         bound = 1.0 / np.sqrt(self.n_in)
-        self.w[...] = rng.uniform(-bound, bound, self.w.shape)
-        self.b[...] = rng.uniform(-bound, bound, self.b.shape)
+        return [rng.uniform(-bound, bound, (self.n_in, self.n_out)), rng.uniform(-bound, bound, self.n_out)]
 
-    def forward(self, x):                        # x (B, I) -> (B, O)
+    def forward(self, x):                         # x (B, I) -> (B, O)
+        ops, shape = self.device.ops, (x.shape[0], self.n_out)
         self.x = x
-        out = self._buffer("out", (x.shape[0], self.n_out))
-        return self.device.ops.linear_forward(x, self.w, self.b, out)
+        self.z = ops.linear_forward(x, self.w, self._buffer("z", shape))   # pre-activation, kept
+        out = self.z if self.activation == "identity" else self._buffer("out", shape)
+        return ops.bias_act_forward(self.z, self.b, out, self.activation)
 
-    def backward(self, dout, accumulate=False):  # dout (B, O) -> dx (B, I)
+    def backward(self, dout, accumulate=False):   # dout (B, O) -> dx (B, I) or None
+        ops = self.device.ops
+        # identity: dz = dout exactly, so the kernel may write it in place
+        dz = dout if self.activation == "identity" else self._buffer("dz", dout.shape)
+        ops.bias_act_backward(dout, self.z, dz, self.db, self.activation, accumulate)
         dx = self._buffer("dx", self.x.shape) if self.needs_dx else None
-        return self.device.ops.linear_backward(dout, self.x, self.w, dx, self.dw, self.db, accumulate)
-
-
-class Activation(Layer):
-    """Elementwise ReLU or GELU; keeps its input for backward."""
-
-    def __init__(self, device, kind):
-        self.device, self.kind = device, kind
-        self._fwd = getattr(device.ops, f"{kind}_forward")
-        self._bwd = getattr(device.ops, f"{kind}_backward")
-
-    def forward(self, x):
-        self.x = x
-        return self._fwd(x, self._buffer("out", x.shape))
-
-    def backward(self, dout, accumulate=False):
-        return self._bwd(dout, self.x, self._buffer("dx", dout.shape))
+        return ops.linear_backward(dz, self.x, self.w, dx, self.dw, accumulate)
 
 
 class SoftmaxCrossEntropy(Layer):

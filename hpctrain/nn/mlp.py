@@ -1,11 +1,11 @@
-"""A multi-layer perceptron classifier: (Linear -> act) x k -> Linear -> softmax CE."""
+"""A multi-layer perceptron classifier: Linear+act x k -> Linear -> softmax CE."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from .flat import FlatParams
-from .layers import Activation, Linear, SoftmaxCrossEntropy
+from .layers import Linear, SoftmaxCrossEntropy
 
 
 class MLP:
@@ -17,23 +17,23 @@ class MLP:
     """
 
     def __init__(self, device, n_in, hidden, n_classes, activation="relu"):
+        self.device = device
         widths = [n_in, *hidden, n_classes]
-        self.layers = []
-        for i in range(len(widths) - 1):
-            self.layers.append(Linear(device, f"fc{i}", widths[i], widths[i + 1], needs_dx=i > 0))
-            if i < len(widths) - 2:
-                self.layers.append(Activation(device, activation))
+        last = len(widths) - 2
+        self.layers = [Linear(device, f"fc{i}", widths[i], widths[i + 1],
+                              activation=activation if i < last else "identity", needs_dx=i > 0)
+                       for i in range(len(widths) - 1)]
         self.loss = SoftmaxCrossEntropy(device)
         self.flat = FlatParams(device, [p for layer in self.layers for p in layer.params])
         for layer in self.layers:
             layer.bind(self.flat)
 
     def init(self, seed: int):
-        """Deterministic initial weights from ``seed`` (drawn in float64, then cast)."""
+        """Deterministic initial weights from ``seed``: drawn in float64 on the host,
+        cast to the compute dtype, copied to the device in one transfer."""
         rng = np.random.default_rng(seed)
-        for layer in self.layers:
-            if isinstance(layer, Linear):
-                layer.init(rng)
+        host = np.concatenate([a.reshape(-1) for layer in self.layers for a in layer.init_host(rng)])
+        self.device.copy_from_host(self.flat.data, host)
 
     def forward(self, x, y):
         for layer in self.layers:

@@ -1,0 +1,30 @@
+"""What every CUDA launcher shares: launch geometry and the simulator switch.
+
+Importing ``numba.cuda`` creates no CUDA context (kernels compile on first
+launch), so op files import it at module level. Whether numba runs kernels on a
+GPU or in its simulator is fixed by ``NUMBA_ENABLE_CUDASIM`` when numba is first
+imported.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import config
+
+THREADS = 256        # threads per block for 1-D (elementwise) kernels
+MAX_BLOCKS = 8192    # grid-stride loops cover the rest; ~60 blocks per H200 SM
+# The simulator runs every thread as a Python thread (~0.1-0.3 ms each); a
+# small grid keeps tests fast and makes the grid-stride loops iterate.
+SIM_MAX_BLOCKS = 2
+
+
+def simulated() -> bool:
+    """True when numba.cuda is the CPU simulator (NUMBA_ENABLE_CUDASIM=1)."""
+    return bool(config.ENABLE_CUDASIM)
+
+
+def blocks_for(n: int, threads: int = THREADS) -> int:
+    """Blocks for a grid-stride loop over ``n`` items (at least one)."""
+    cap = SIM_MAX_BLOCKS if simulated() else MAX_BLOCKS
+    return max(1, min(cap, math.ceil(n / threads)))

@@ -1,0 +1,157 @@
+"""The cuda device: choosing it, moving data, MPI staging, and a whole training
+step on it against the same step on the CPU (numba's simulator without a GPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpctrain import device as device_mod
+from hpctrain.config import Config
+from hpctrain.device import CpuDevice, CudaDevice, gpu_for_rank, make_device
+from hpctrain.dist.staging import Staging, cuda_aware_mpi, staging_mode
+from hpctrain.errors import ConfigError
+
+needs_cuda = pytest.mark.skipif(device_mod.cuda_status()[0] == 0, reason="numba.cuda unusable")
+
+
+# ---- choosing a device ---------------------------------------------------------------
+@pytest.mark.parametrize("local_rank, n_gpus, expected", [(0, 1, 0), (3, 1, 0), (5, 4, 1), (7, 8, 7), (8, 8, 0)])
+def test_gpu_is_local_rank_modulo_visible_gpus(local_rank, n_gpus, expected):
+    assert gpu_for_rank(local_rank, n_gpus) == expected
+
+
+def test_auto_is_cpu_without_gpu(monkeypatch):
+    monkeypatch.setattr(device_mod, "cuda_status", lambda: (0, "no driver"))
+    assert isinstance(make_device("auto", "float32"), CpuDevice)
+
+
+@needs_cuda
+def test_auto_never_picks_the_simulator():
+    if not device_mod.simulated():
+        pytest.skip("a real GPU is visible: auto picks it (covered by the gpu tests)")
+    assert isinstance(make_device("auto", "float32"), CpuDevice)
+
+
+def test_cuda_without_gpu_is_a_config_error_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(device_mod, "cuda_status", lambda: (0, "numba.cuda finds no usable GPU or driver"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError, match=r"train.device='cuda' but no GPU.*CUDA_VISIBLE_DEVICES=''.*'auto' or 'cpu'"):
+        make_device("cuda", "float32")
+
+
+def test_unknown_device_is_a_config_error():
+    with pytest.raises(ConfigError, match="auto, cpu or cuda"):
+        make_device("tpu", "float32")
+
+
+@needs_cuda
+def test_cuda_device_is_chosen_by_name_and_describes_itself():
+    dev = make_device("cuda", "float64")
+    assert isinstance(dev, CudaDevice) and dev.dtype == np.float64
+    assert dev.describe().startswith("cuda:0 (") and dev.describe().endswith("float64)")
+
+
+# ---- moving data -----------------------------------------------------------------------
+@needs_cuda
+def test_upload_reuses_one_buffer_per_slot_and_shape():
+    dev = CudaDevice("float32")
+    a = dev.upload(np.arange(6.0).reshape(2, 3), "x")
+    b = dev.upload(np.ones((2, 3)), "x")
+    assert a is b and b.dtype == np.float32
+    np.testing.assert_array_equal(dev.to_host(b), np.ones((2, 3)))
+    assert dev.upload(np.ones((4, 3)), "x") is not a          # another shape: its own buffer
+    labels = dev.upload(np.array([1, 2]), "y", np.int64)
+    assert labels.dtype == np.int64
+
+
+# ---- MPI staging -----------------------------------------------------------------------
+def test_cpu_buffers_go_to_mpi_directly():
+    assert staging_mode(CpuDevice()) == "host"
+    buf = np.zeros(3)
+    with Staging(CpuDevice()).mpi_view(buf) as view:
+        assert view is buf
+
+
+def test_debian_open_mpi_is_detected_as_not_cuda_aware():
+    # the question is asked of the library itself; Debian's Open MPI 4.1.4 says no
+    aware, how = cuda_aware_mpi()
+    assert isinstance(aware, bool) and how
+    from mpi4py import MPI
+
+    if "Debian OpenMPI" in MPI.Get_library_version():
+        assert (aware, how) == (False, "MPIX_Query_cuda_support()")
+
+
+@needs_cuda
+@pytest.mark.parametrize("setting, mode", [("on", "device"), ("off", "pinned")])
+def test_staging_setting_overrides_detection(setting, mode):
+    assert staging_mode(CudaDevice(), setting) == mode
+
+
+@needs_cuda
+def test_pinned_staging_copies_through_one_reused_host_buffer():
+    dev = CudaDevice("float64")
+    staging = Staging(dev, "off")
+    buf = dev.from_host(np.arange(5.0))
+    with staging.mpi_view(buf) as host:
+        assert type(host) is np.ndarray          # plain host memory, not the device array
+        np.testing.assert_array_equal(host, np.arange(5.0))
+        host *= 10                               # what an MPI receive would do
+    np.testing.assert_array_equal(dev.to_host(buf), 10 * np.arange(5.0))
+    with staging.mpi_view(dev.from_host(np.ones(5))) as again:
+        assert again is host                     # allocated once, reused
+    with staging.mpi_view(dev.zeros(5), slot="bucket1") as other:
+        assert other is not host                 # buffers in flight together get their own
+
+
+@needs_cuda
+def test_pinned_staging_leaves_the_device_buffer_alone_when_mpi_fails():
+    dev = CudaDevice("float64")
+    staging = Staging(dev, "off")
+    buf = dev.from_host(np.arange(3.0))
+    with pytest.raises(RuntimeError):
+        with staging.mpi_view(buf) as host:
+            host[:] = -1
+            raise RuntimeError("MPI error")
+    np.testing.assert_array_equal(dev.to_host(buf), np.arange(3.0))
+
+
+# ---- a training step -------------------------------------------------------------------
+def _config(train_path, device):
+    cfg = Config()
+    cfg.data.train, cfg.data.eval = train_path, ""
+    cfg.model.hidden, cfg.model.activation = [16, 12], "gelu"
+    cfg.train.global_batch, cfg.train.dtype, cfg.train.device = 12, "float64", device
+    cfg.optim.name, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.weight_decay = "adamw", 0.01, 0, 0.01
+    return cfg.validate()
+
+
+@needs_cuda
+@pytest.mark.timeout(600)
+def test_trainer_steps_on_cuda_equal_cpu_steps(small_data):
+    """Data upload, forward, backward, all-reduce (1 rank, staged), AdamW: float64 twins agree."""
+    from mpi4py import MPI
+
+    from hpctrain.log import Log
+    from hpctrain.runtime import init_world
+    from hpctrain.train import Trainer
+
+    world = init_world(MPI.COMM_SELF)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        trainer = Trainer(_config(small_data[0], device), world, Log(False))
+        initial = trainer.device.to_host(trainer.model.flat.data).copy()
+        losses = [trainer.train_step() for _ in range(2)]
+        runs[device] = losses, trainer.device.to_host(trainer.model.flat.data).copy(), \
+            trainer.device.to_host(trainer.optimizer.exp_avg_sq).copy()
+        if device == "cuda" and device_mod.simulated():
+            assert trainer.staging.mode == "pinned"   # the real staging path, not the simulator's shortcut
+    (l_cpu, p_cpu, v_cpu), (l_gpu, p_gpu, v_gpu) = runs["cpu"], runs["cuda"]
+    for (a, ca), (b, cb) in zip(l_cpu, l_gpu):
+        np.testing.assert_allclose(b, a, rtol=1e-12)
+        assert ca == cb
+    np.testing.assert_allclose(p_gpu, p_cpu, rtol=1e-11, atol=1e-13)
+    np.testing.assert_allclose(v_gpu, v_cpu, rtol=1e-11, atol=1e-20)
+    assert np.abs(p_cpu - initial).max() > 1e-4   # the two steps did move the parameters

@@ -1,0 +1,251 @@
+"""CUDA kernels against their CPU twins (which test_kernels.py checks against
+NumPy and finite differences).
+
+Without a GPU these run on numba's CUDA simulator (conftest sets
+NUMBA_ENABLE_CUDASIM=1): every simulated thread is a Python thread, so shapes
+stay at 1-130 while still leaving tiles partly filled, spanning more than one
+block and making grid-stride loops iterate. The same checks at realistic sizes
+are marked ``gpu`` and run only on a real GPU.
+
+Tolerances: float64 runs compare with the twin to ~1e-12 relative (the only
+differences are summation order and fused multiply-adds); float32 GEMMs are
+held to the standard dot-product error bound against a float64 product.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpctrain.device import CpuDevice, CudaDevice, cuda_status, simulated
+from hpctrain.kernels import adamw, bias_act, linear, scale, sgd, softmax_xent
+
+pytestmark = pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}")
+
+U32 = 2.0 ** -24
+TIGHT = dict(rtol=1e-12, atol=1e-13)
+gpu = pytest.mark.gpu
+
+
+def rng_for(*key):
+    return np.random.default_rng([3031, *key])
+
+
+@pytest.fixture(scope="module")
+def dev64():
+    return CudaDevice("float64")
+
+
+@pytest.fixture(scope="module")
+def dev32():
+    return CudaDevice("float32")
+
+
+def up(dev, a):
+    return dev.from_host(a, a.dtype)
+
+
+# ---- GEMM --------------------------------------------------------------------------
+# (M, N, K): one partial tile; K spanning two BK slabs; two by two blocks of
+# 64 x 64 with ragged edges; realistic sizes on the GPU only.
+GEMM_SHAPES = [(5, 7, 9), (33, 20, 17), (70, 66, 20),
+               pytest.param((1000, 777, 513), marks=gpu), pytest.param((2048, 2048, 2048), marks=gpu)]
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("shape", GEMM_SHAPES)
+def test_gemm_float32_within_dot_product_bound(dev32, shape, trans_a, trans_b):
+    M, N, K = shape
+    r = rng_for(1, *shape, trans_a, trans_b)
+    a = r.standard_normal((K, M) if trans_a else (M, K)).astype(np.float32)
+    b = r.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
+    c0 = r.standard_normal((M, N)).astype(np.float32)
+    A, B = (a.T if trans_a else a).astype(np.float64), (b.T if trans_b else b).astype(np.float64)
+    # |fl(sum) - sum| <= gamma_K * sum|a||b|; factor 2 for the final store, +|c0| for accumulate
+    bound = 2 * (K + 2) * U32 * (np.abs(A) @ np.abs(B) + np.abs(c0))
+    for accumulate in (False, True):
+        c = up(dev32, c0)
+        linear.gemm_cuda(up(dev32, a), up(dev32, b), c, trans_a, trans_b, accumulate, stream=dev32.stream)
+        got = dev32.to_host(c)
+        ref = A @ B + (c0 if accumulate else 0)
+        assert np.all(np.abs(got - ref) <= bound), (accumulate, np.abs(got - ref).max())
+
+
+def test_gemm_refuses_mismatched_shapes(dev32):
+    a, b, c = dev32.zeros((4, 5)), dev32.zeros((6, 3)), dev32.zeros((4, 3))
+    with pytest.raises(ValueError, match="gemm shapes"):
+        linear.gemm_cuda(a, b, c)
+
+
+LINEAR_SHAPES = [(9, 5, 7), (17, 33, 6), pytest.param((512, 1024, 768), marks=gpu)]
+
+
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def test_linear_forward_backward_match_twin(dev64, shape):
+    B, I, O = shape
+    r = rng_for(2, *shape)
+    x, w, dz = r.standard_normal((B, I)), r.standard_normal((I, O)), r.standard_normal((B, O))
+    dw0 = r.standard_normal((I, O))
+    z = np.empty((B, O))
+    linear.linear_forward(x, w, z)
+    Z = up(dev64, np.full((B, O), np.nan))
+    dev64.ops.linear_forward(up(dev64, x), up(dev64, w), Z)
+    np.testing.assert_allclose(dev64.to_host(Z), z, **TIGHT)
+    for accumulate in (False, True):
+        dx, dw = np.empty((B, I)), dw0.copy()
+        linear.linear_backward(dz, x, w, dx, dw, accumulate)
+        DX, DW = up(dev64, np.full((B, I), np.nan)), up(dev64, dw0)
+        dev64.ops.linear_backward(up(dev64, dz), up(dev64, x), up(dev64, w), DX, DW, accumulate)
+        np.testing.assert_allclose(dev64.to_host(DX), dx, **TIGHT)
+        np.testing.assert_allclose(dev64.to_host(DW), dw, **TIGHT)
+
+
+# ---- bias + activation -------------------------------------------------------------
+# (B, O): one column block; two column blocks (O > 32); B > ROWS_PER_BLOCK so
+# the bias gradient is summed from two row-chunk partials.
+BIAS_SHAPES = [(9, 7), (12, 40), (130, 3), pytest.param((4096, 3072), marks=gpu)]
+
+
+@pytest.mark.parametrize("act", ["identity", "relu", "gelu"])
+@pytest.mark.parametrize("shape", BIAS_SHAPES)
+def test_bias_act_forward_backward_match_twin(dev64, act, shape):
+    B, O = shape
+    r = rng_for(3, *shape)
+    z0, b, dout, db0 = 2 * r.standard_normal((B, O)), r.standard_normal(O), r.standard_normal((B, O)), \
+        r.standard_normal(O)
+    z, out = z0.copy(), np.empty((B, O))
+    bias_act.bias_act_forward(z, b, out, act)
+    Z, OUT = up(dev64, z0), up(dev64, np.full((B, O), np.nan))
+    dev64.ops.bias_act_forward(Z, up(dev64, b), OUT, act)
+    np.testing.assert_allclose(dev64.to_host(Z), z, **TIGHT)
+    np.testing.assert_allclose(dev64.to_host(OUT), out, **TIGHT)
+    for accumulate in (False, True):
+        dz, db = np.empty((B, O)), db0.copy()
+        bias_act.bias_act_backward(dout, z, dz, db, act, accumulate)
+        DZ, DB = up(dev64, np.full((B, O), np.nan)), up(dev64, db0)
+        dev64.ops.bias_act_backward(up(dev64, dout), Z, DZ, DB, act, accumulate)
+        np.testing.assert_allclose(dev64.to_host(DZ), dz, **TIGHT)
+        np.testing.assert_allclose(dev64.to_host(DB), db, **TIGHT)
+
+
+def test_bias_act_float32_matches_twin(dev32):
+    r = rng_for(4)
+    z0, b, dout = (r.standard_normal((20, 11)).astype(np.float32) for _ in range(3))
+    b = b[0]
+    z, out, dz, db = z0.copy(), np.empty_like(z0), np.empty_like(z0), np.empty(11, np.float32)
+    bias_act.bias_act_forward(z, b, out, "gelu")
+    bias_act.bias_act_backward(dout, z, dz, db, "gelu")
+    Z, OUT, DZ, DB = up(dev32, z0), dev32.empty((20, 11)), dev32.empty((20, 11)), dev32.empty(11)
+    dev32.ops.bias_act_forward(Z, up(dev32, b), OUT, "gelu")
+    dev32.ops.bias_act_backward(up(dev32, dout), Z, DZ, DB, "gelu")
+    # On a GPU both evaluate gelu in float64 and round once on store: at most
+    # 1 ulp apart (2.5e-7). The simulator runs the kernel with NumPy scalar
+    # rules, where float32 * Python float stays float32, so its tanh and
+    # products round in float32: allow ~8 ulps of the O(1) inputs there, as an
+    # absolute term too, since gelu'(z) = 0.5 (1 + t) + ... cancels for t ~ -1.
+    tol = dict(rtol=1e-6, atol=1e-6) if simulated() else dict(rtol=2.5e-7, atol=1e-30)
+    for got, ref in ((OUT, out), (DZ, dz), (DB, db)):
+        np.testing.assert_allclose(dev32.to_host(got), ref, **tol)
+
+
+# ---- softmax cross-entropy ---------------------------------------------------------
+# C > 128 makes each of a row's 128 threads visit several classes; B > the
+# simulator's 2 blocks makes blocks loop over rows.
+XENT_SHAPES = [(1, 1), (3, 7), (17, 6), (5, 300), pytest.param((8192, 1000), marks=gpu)]
+
+
+@pytest.mark.parametrize("shape", XENT_SHAPES)
+def test_softmax_xent_matches_twin(dev64, shape):
+    B, C = shape
+    r = rng_for(5, *shape)
+    logits, labels = 3 * r.standard_normal((B, C)), r.integers(0, C, size=B).astype(np.int64)
+    probs = np.empty((B, C))
+    loss_sum, correct = softmax_xent.softmax_xent_forward(logits, labels, probs)
+    P, L = up(dev64, np.full((B, C), np.nan)), up(dev64, labels)
+    got_loss, got_correct = dev64.ops.softmax_xent_forward(up(dev64, logits), L, P)
+    assert isinstance(got_loss, float) and isinstance(got_correct, int)
+    np.testing.assert_allclose(got_loss, loss_sum, rtol=1e-12)
+    assert got_correct == correct
+    np.testing.assert_allclose(dev64.to_host(P), probs, **TIGHT)
+    d = np.empty((B, C))
+    softmax_xent.softmax_xent_backward(probs, labels, 1.0 / B, d)
+    D = up(dev64, np.full((B, C), np.nan))
+    dev64.ops.softmax_xent_backward(P, L, 1.0 / B, D)
+    np.testing.assert_allclose(dev64.to_host(D), d, **TIGHT)
+
+
+def test_softmax_xent_ties_and_huge_logits_on_device(dev64):
+    # ties go to the first class (as np.argmax); 1e4 logits must not overflow
+    logits = np.array([[1e4, 0.0, -1e4], [1e4, 1e4, 1e4], [2.0, 5.0, 5.0], [-1e4, -1e4, -1e4 + 1.0]])
+    labels = np.array([0, 2, 2, 2], dtype=np.int64)
+    probs = np.empty_like(logits)
+    ref = softmax_xent.softmax_xent_forward(logits, labels, probs)
+    P = dev64.empty(logits.shape)
+    loss, correct = dev64.ops.softmax_xent_forward(up(dev64, logits), up(dev64, labels), P)
+    assert np.isfinite(loss) and correct == ref[1] == 2   # rows 0 and 3; row 2's argmax is class 1
+    np.testing.assert_allclose(loss, ref[0], rtol=1e-13)
+    np.testing.assert_allclose(dev64.to_host(P), probs, rtol=1e-13, atol=1e-300)
+
+
+# ---- optimizers and scale ----------------------------------------------------------
+OPT_SIZES = [1, 600, pytest.param(10_000_003, marks=gpu)]
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("n", OPT_SIZES)
+def test_sgd_step_matches_twin(dev64, n, nesterov):
+    r = rng_for(6, n)
+    p, g, v = r.standard_normal(n), r.standard_normal(n), r.standard_normal(n)
+    P, G, V = up(dev64, p), up(dev64, g), up(dev64, v)
+    for lr in (0.1, 0.05):  # two steps: the momentum state carries over
+        sgd.sgd_step(p, g, v, lr, 0.9, 1e-2, nesterov)
+        dev64.ops.sgd_step(P, G, V, lr, 0.9, 1e-2, nesterov)
+    np.testing.assert_allclose(dev64.to_host(P), p, **TIGHT)
+    np.testing.assert_allclose(dev64.to_host(V), v, **TIGHT)
+
+
+@pytest.mark.parametrize("n", OPT_SIZES)
+def test_adamw_step_matches_twin(dev64, n):
+    r = rng_for(7, n)
+    p, g = r.standard_normal(n), r.standard_normal(n)
+    m, v = np.zeros(n), np.zeros(n)
+    P, G, M, V = up(dev64, p), up(dev64, g), up(dev64, m), up(dev64, v)
+    for step in (1, 2, 3):
+        adamw.adamw_step(p, g, m, v, step, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+        dev64.ops.adamw_step(P, G, M, V, step, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+    for got, ref in ((P, p), (M, m), (V, v)):
+        np.testing.assert_allclose(dev64.to_host(got), ref, **TIGHT)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_scale_matches_twin_exactly(dtype):
+    dev = CudaDevice(dtype)
+    x = rng_for(8).standard_normal(1000).astype(dtype)
+    X = up(dev, x)
+    dev.ops.scale(X, 1.0 / 3.0)
+    # one multiplication by the same dtype-rounded factor: bitwise equal
+    np.testing.assert_array_equal(dev.to_host(X), scale.scale(x.copy(), 1.0 / 3.0))
+
+
+# ---- a whole model -------------------------------------------------------------------
+def test_mlp_step_on_cuda_equals_cpu_step(dev64):
+    """forward, backward and an SGD update of a 2-hidden-layer MLP, float64."""
+    from hpctrain.nn import MLP
+
+    r = rng_for(9)
+    x, y = r.standard_normal((12, 8)), r.integers(0, 4, size=12).astype(np.int64)
+    results = []
+    for dev in (CpuDevice("float64"), dev64):
+        model = MLP(dev, 8, [16, 9], 4, activation="gelu")
+        model.init(5)
+        loss, correct = model.forward(dev.from_host(x), dev.from_host(y, np.int64))
+        model.backward()
+        grad = dev.to_host(model.flat.grad).copy()
+        dev.ops.sgd_step(model.flat.data, model.flat.grad, dev.zeros(model.flat.size), 0.1, 0.9, 0.0, False)
+        results.append((loss, correct, grad, dev.to_host(model.flat.data).copy()))
+    (l0, c0, g0, p0), (l1, c1, g1, p1) = results
+    np.testing.assert_allclose(l1, l0, rtol=1e-12)
+    assert c1 == c0
+    np.testing.assert_allclose(g1, g0, **TIGHT)
+    np.testing.assert_allclose(p1, p0, **TIGHT)
