@@ -15,8 +15,6 @@
 #                                 of trying PyPI's binary wheel first
 #   HDF5_DIR=prefix               parallel HDF5 install to build h5py against
 #   PYTHON=python3.11             interpreter to make the venv from
-#   HPCTRAIN_GPU=0|1              install the CUDA extra (numba-cuda + pip's CUDA
-#                                 toolkit); default: 1 when nvidia-smi lists a GPU
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -25,10 +23,6 @@ PYTHON=${PYTHON:-python3}
 H5PY_VERSION=3.16.0
 STAMP="$VENV/.hpctrain-setup"
 HDF5_DIR_ASKED=${HDF5_DIR:-}  # as given by the user; detection below may fill HDF5_DIR
-if [ -z "${HPCTRAIN_GPU:-}" ]; then
-    HPCTRAIN_GPU=0
-    if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then HPCTRAIN_GPU=1; fi
-fi
 
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
@@ -39,7 +33,7 @@ fingerprint() {
         cat scripts/setup.sh setup.cfg
         command -v mpicc h5pcc || true
         "$PYTHON" -c 'import sys; print(sys.version)' 2>/dev/null || true
-        printf '%s\n' "$HDF5_DIR_ASKED" "${HPCTRAIN_MPI4PY_FROM_SOURCE:-}" "$HPCTRAIN_GPU"
+        printf '%s\n' "$HDF5_DIR_ASKED" "${HPCTRAIN_MPI4PY_FROM_SOURCE:-}"
     } | sha256sum | cut -d' ' -f1
 }
 
@@ -109,7 +103,9 @@ fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
-"${PIP[@]}" install "numpy>=1.26,<2.6" "numba>=0.60,<0.69" Cython pkgconfig "setuptools>=77" packaging wheel \
+# numba-cuda[cu12]: the CUDA target and simulator, plus pip's CUDA 12 NVVM and
+# nvrtc (~430 MB), so kernels compile with no system toolkit, GPU or not.
+"${PIP[@]}" install "numpy>=1.26,<2.6" "numba>=0.60,<0.69" "numba-cuda[cu12]>=0.20,<0.31" Cython pkgconfig "setuptools>=77" packaging wheel \
     "pytest>=8" "pytest-mpi>=0.6" "pytest-timeout>=2.3"
 
 # mpi4py and h5py are tied to the MPI and HDF5 they were built against: when
@@ -148,13 +144,6 @@ if ! h5py_mpi; then
 fi
 h5py_mpi || die "h5py was installed without MPI support (h5py.get_config().mpi is False)."
 say "h5py: $("$PY" -c 'import h5py; print(h5py.__version__, "HDF5", h5py.version.hdf5_version, "mpi=True")')"
-
-# ---- CUDA: numba-cuda and pip's CUDA 12 toolkit, only where a GPU is visible ------
-# (CI and CPU machines test the kernels on numba's built-in simulator instead.)
-if [ "$HPCTRAIN_GPU" = 1 ]; then
-    say "GPU visible: installing numba-cuda[cu12]"
-    "${PIP[@]}" install "numba-cuda[cu12]>=0.20"
-fi
 
 # ---- hpctrain itself (editable, so `python -m hpctrain` works from any directory) --
 "${PIP[@]}" install --no-deps --no-build-isolation -e .

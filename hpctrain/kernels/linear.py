@@ -45,6 +45,9 @@ BM, BN, BK = 64, 64, 16
 TX = TY = 16
 TM, TN = BM // TY, BN // TX
 LOADS_A, LOADS_B = BM * BK // (TX * TY), BN * BK // (TX * TY)
+# +1 column of padding: the k-major stores of the loaders hit distinct banks.
+# (Module constants, not expressions in the kernel: numba needs literal shapes.)
+A_COLS, B_COLS = BM + 1, BN + 1
 
 
 @lru_cache(maxsize=None)
@@ -59,9 +62,8 @@ def _gemm_kernel(trans_a: bool, trans_b: bool, dtype_name: str):
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         tid = ty * TX + tx
         m0, n0 = cuda.blockIdx.y * BM, cuda.blockIdx.x * BN
-        # +1 column of padding: the k-major stores below hit distinct banks
-        As = cuda.shared.array((BK, BM + 1), nb)
-        Bs = cuda.shared.array((BK, BN + 1), nb)
+        As = cuda.shared.array((BK, A_COLS), nb)
+        Bs = cuda.shared.array((BK, B_COLS), nb)
         acc = cuda.local.array((TM, TN), nb)
         ra = cuda.local.array(TM, nb)
         rb = cuda.local.array(TN, nb)
