@@ -1,6 +1,7 @@
 """Training throughput and the per-step split at 1, 2, 4 ... ranks (weak scaling).
 
     python benchmarks/train_throughput.py --ranks 1 2 4            # launches mpirun itself
+    python benchmarks/train_throughput.py --device cuda --ranks 1  # on a GPU node (default: cpu)
     mpirun -n 4 python benchmarks/train_throughput.py --worker     # one configuration
 
 Each configuration keeps the per-rank batch fixed (weak scaling), warms up,
@@ -10,7 +11,9 @@ same run: a bare MPI_Allreduce of the gradient buffer's size (what the
 all-reduce phase could cost at best with this MPI), and ideal scaling from the
 1-rank run (speedup / min(ranks, cores) = efficiency per core in use).
 Validates first: losses finite and parameters identical on every rank.
-Writes JSON (--json) and prints a Markdown table.
+Writes JSON (--json) and prints a Markdown table. A configuration that cannot
+run (e.g. --device cuda without a GPU) ends the benchmark with its message and
+exit status 2.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def worker(args) -> None:
 
     sys.path.insert(0, REPO)
     from hpctrain.config import Config
+    from hpctrain.errors import EXIT_USER_ERROR, UserError
     from hpctrain.log import Log
     from hpctrain.runtime import init_world
     from hpctrain.synth import write_synthetic
@@ -51,7 +55,15 @@ def worker(args) -> None:
     cfg.train.global_batch = args.batch * world.size
     cfg.train.steps = args.warmup + args.steps
     cfg.optim.warmup_steps = 0
-    trainer = Trainer(cfg.validate(), world, Log(False))
+    cfg.train.device = args.device
+    try:
+        trainer = Trainer(cfg.validate(), world, Log(False))
+    except UserError as exc:  # agreed on every rank (e.g. train.device='cuda' without a GPU)
+        if world.is_root:
+            with open(args.out, "w") as fh:
+                json.dump({"error": str(exc)}, fh)  # the orchestrator prints it once
+            print(f"train_throughput: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
 
     losses, splits = [], []
     for _ in range(args.warmup):  # JIT compilation, first-touch allocation
@@ -67,12 +79,12 @@ def worker(args) -> None:
 
     # validate before reporting
     assert np.all(np.isfinite(losses)), "non-finite loss"
-    params = trainer.model.flat.data
+    params = trainer.device.to_host(trainer.model.flat.data)
     ref = world.comm.bcast(params if world.is_root else None, root=0)
     assert np.array_equal(params, ref), "parameters differ between ranks"
 
-    # yardstick: a bare MPI_Allreduce of the same number of bytes
-    buf = np.zeros_like(trainer.model.flat.grad)
+    # yardstick: a bare MPI_Allreduce of the same number of bytes (host buffers, whatever the device)
+    buf = np.zeros(trainer.model.flat.size, trainer.device.dtype)
     bare = []
     for i in range(args.warmup + args.steps):
         world.comm.Barrier()
@@ -85,7 +97,8 @@ def worker(args) -> None:
     mean["bare_allreduce"] = float(np.median(bare))
     slowest = {p: world.comm.allreduce(v, op=MPI.MAX) for p, v in mean.items()}
     if world.is_root:
-        result = {"ranks": world.size, "per_rank_batch": args.batch, "global_batch": cfg.train.global_batch,
+        result = {"ranks": world.size, "device": trainer.device.describe(), "per_rank_batch": args.batch,
+                  "global_batch": cfg.train.global_batch,
                   "params": int(params.size), "steps": args.steps, "wall_s": wall,
                   "samples_per_s": cfg.train.global_batch * args.steps / wall,
                   "step_ms": 1e3 * wall / args.steps,
@@ -104,10 +117,24 @@ def orchestrate(args) -> None:
             cmd = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable, os.path.abspath(__file__),
                    "--worker", "--out", out, "--data", data, "--batch", str(args.batch),
                    "--width", str(args.width), "--layers", str(args.layers), "--dim", str(args.dim),
-                   "--n", str(args.n), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=args.timeout)
-            with open(out) as fh:
-                rows.append(json.load(fh))
+                   "--n", str(args.n), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--device", args.device]
+            # output captured: a user error (e.g. --device cuda without a GPU) is then one
+            # line, not the same message plus mpirun's banners; anything else is replayed
+            proc = subprocess.run(cmd, env=env, cwd=REPO, timeout=args.timeout, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            result = None
+            if os.path.exists(out):
+                with open(out) as fh:
+                    result = json.load(fh)
+            if result is not None and "error" in result:
+                print(f"train_throughput: error at {n} rank(s): {result['error']}", file=sys.stderr)
+                sys.exit(2)
+            sys.stderr.write(proc.stdout)
+            if proc.returncode != 0 or result is None:
+                print(f"train_throughput: mpirun -n {n} failed (exit {proc.returncode}; output above)", file=sys.stderr)
+                sys.exit(1)
+            rows.append(result)
     base = rows[0]["samples_per_s"] / rows[0]["ranks"]
     cores = len(os.sched_getaffinity(0))
     for r in rows:
@@ -115,6 +142,7 @@ def orchestrate(args) -> None:
         r["efficiency_per_core"] = r["speedup_vs_1"] / min(r["ranks"], cores)
     report = {"benchmark": "train_throughput", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "machine": {"cores": cores, "cpu": _cpu_name()},
+              "device": args.device, "device_used": rows[0]["device"],
               "model": {"dim": args.dim, "width": args.width, "layers": args.layers, "classes": 10,
                         "dtype": "float32"},
               "rows": rows}
@@ -122,7 +150,8 @@ def orchestrate(args) -> None:
     with open(args.json, "w") as fh:
         json.dump(report, fh, indent=1)
     print(f"\nmodel {args.dim}-{'-'.join([str(args.width)] * args.layers)}-10 ({rows[0]['params']:,} params, "
-          f"float32), per-rank batch {args.batch}, {args.steps} timed steps, {cores} cores\n")
+          f"float32), device {rows[0]['device']} [--device {args.device}], per-rank batch {args.batch}, "
+          f"{args.steps} timed steps, {cores} cores\n")
     head = ("| ranks | global batch | samples/s | speedup | eff/core | step ms | data | forward | backward "
             "| allreduce | bare MPI_Allreduce | optimizer |")
     print(head)
@@ -157,6 +186,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100, help="timed steps")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     p.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
+                   help="train.device for every rank (default cpu, so numbers stay comparable)")
     p.add_argument("--json", default="runs/bench/train_throughput.json", help="where to write results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

@@ -7,10 +7,19 @@ from pip (numba-cuda[cu12]) compiles without a driver; only device functions
 ask the driver for the current GPU's compute capability, so that question is
 answered here with the target's.
 
+When pip's ptxas is present (nvidia-cuda-nvcc-cu12, part of numba-cuda[cu12]),
+each PTX is also assembled for sm_90 and its registers, shared memory and
+spills are printed; a spilling GEMM fails (its accumulators belong in registers).
+
 Prints one line per kernel; exit status 1 if any failed.
 """
 
+import glob
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import types as pytypes
 
 import numba.cuda.dispatcher as dispatcher
@@ -31,10 +40,12 @@ def kernels():
     """(name, kernel, argument types, must the PTX be free of local memory)."""
     for dt in (float32, float64):
         m, v = arr(dt, 2), arr(dt, 1)
-        for ta in (False, True):
-            for tb in (False, True):
-                # the 4 x 4 accumulators must live in registers, not local memory
-                yield f"gemm TA={ta:d} TB={tb:d} {dt}", linear._gemm_kernel(ta, tb, dt.name), (m, m, m, boolean), True
+        for tile in linear.TILES:
+            for ta in (False, True):
+                for tb in (False, True):
+                    # the per-thread accumulators must live in registers, not local memory
+                    yield f"gemm {tile} TA={ta:d} TB={tb:d} {dt}", linear._gemm_kernel(ta, tb, dt.name, tile), \
+                        (m, m, m, boolean), True
         for act, (fwd, bwd) in bias_act._CUDA.items():
             yield f"bias_act forward {act} {dt}", fwd, (m, v, m), False
             yield f"bias_act backward {act} {dt}", bwd, (m, m, m, arr(float64, 2)), False
@@ -49,20 +60,50 @@ def kernels():
     yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3, False
 
 
+def find_ptxas():
+    import nvidia
+
+    for root in nvidia.__path__:
+        hits = glob.glob(os.path.join(root, "cuda_nvcc", "bin", "ptxas"))
+        if hits:
+            return hits[0]
+    return None
+
+
+def assemble(ptxas, ptx):
+    """(registers, shared bytes, spill bytes) of ``ptx`` assembled for sm_90; raises on error."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as fh:
+        fh.write(ptx)
+        fh.flush()
+        out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{CC[0]}{CC[1]}", fh.name, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=120)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-600:])
+    regs = int(re.search(r"Used (\d+) registers", out.stderr).group(1))
+    smem = re.search(r"(\d+) bytes smem", out.stderr)
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out.stderr))
+    return regs, int(smem.group(1)) if smem else 0, spills
+
+
 def main() -> int:
     failed = 0
+    ptxas = find_ptxas()
+    print(f"ptxas: {ptxas or 'not found (PTX only)'}")
     for name, kernel, sig, registers_only in kernels():
         try:
             ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC)
+            sass = assemble(ptxas, ptx) if ptxas else None
         except Exception as exc:  # noqa: BLE001 - report every kernel, then fail
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:600]}")
             continue
-        if registers_only and ".local" in ptx:
+        spilled = ".local" in ptx or (sass is not None and sass[2] > 0)
+        if registers_only and spilled:
             failed += 1
-            print(f"FAIL {name}: uses local memory (accumulators spilled out of registers)")
+            print(f"FAIL {name}: uses local memory (accumulators spilled out of registers) {sass}")
             continue
-        print(f"ok   {name}: {ptx.count(chr(10))} PTX lines")
+        detail = f", {sass[0]} registers, {sass[1]} B shared, {sass[2]} B spilled" if sass else ""
+        print(f"ok   {name}: {ptx.count(chr(10))} PTX lines{detail}")
     return 1 if failed else 0
 
 

@@ -48,14 +48,20 @@ def up(dev, a):
 # ---- GEMM --------------------------------------------------------------------------
 # (M, N, K): one partial tile; K spanning two BK slabs; two by two blocks of
 # 64 x 64 with ragged edges; realistic sizes on the GPU only.
-GEMM_SHAPES = [(5, 7, 9), (33, 20, 17), (70, 66, 20),
-               pytest.param((1000, 777, 513), marks=gpu), pytest.param((2048, 2048, 2048), marks=gpu)]
+
+
+# The large tiling (128 x 128, BK 8) runs the same code with other constants;
+# in the simulator it is checked on one block, K spanning three slabs.
+GEMM_CASES = [((5, 7, 9), "small"), ((33, 20, 17), "small"), ((70, 66, 20), "small"),
+              ((5, 7, 9), "large"), ((33, 20, 17), "large"),
+              pytest.param((1000, 777, 513), "small", marks=gpu), pytest.param((1000, 777, 513), "large", marks=gpu),
+              pytest.param((2048, 2048, 2048), "large", marks=gpu)]
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("trans_a", [False, True])
-@pytest.mark.parametrize("shape", GEMM_SHAPES)
-def test_gemm_float32_within_dot_product_bound(dev32, shape, trans_a, trans_b):
+@pytest.mark.parametrize("shape, tile", GEMM_CASES)
+def test_gemm_float32_within_dot_product_bound(dev32, shape, tile, trans_a, trans_b):
     M, N, K = shape
     r = rng_for(1, *shape, trans_a, trans_b)
     a = r.standard_normal((K, M) if trans_a else (M, K)).astype(np.float32)
@@ -66,10 +72,18 @@ def test_gemm_float32_within_dot_product_bound(dev32, shape, trans_a, trans_b):
     bound = 2 * (K + 2) * U32 * (np.abs(A) @ np.abs(B) + np.abs(c0))
     for accumulate in (False, True):
         c = up(dev32, c0)
-        linear.gemm_cuda(up(dev32, a), up(dev32, b), c, trans_a, trans_b, accumulate, stream=dev32.stream)
+        linear.gemm_cuda(up(dev32, a), up(dev32, b), c, trans_a, trans_b, accumulate, stream=dev32.stream,
+                         tile=tile)
         got = dev32.to_host(c)
         ref = A @ B + (c0 if accumulate else 0)
         assert np.all(np.abs(got - ref) <= bound), (accumulate, np.abs(got - ref).max())
+
+
+def test_gemm_takes_large_tiles_only_when_they_fill_the_gpu():
+    assert linear.choose_tile(256, 256) == "small"          # 4 large tiles: most SMs idle
+    assert linear.choose_tile(4096, 4096) == "large"        # 1024 large tiles
+    assert linear.choose_tile(128 * 22, 128 * 12) == "large"  # exactly 2 blocks per SM
+    assert linear.choose_tile(128 * 22, 128 * 11) == "small"  # one block per SM short
 
 
 def test_gemm_refuses_mismatched_shapes(dev32):

@@ -8,7 +8,7 @@ Layout of every op file (the llm.c convention):
   3. launchers (``<op>_cuda``) that pick grid and block and take the device's
      ``stream`` (and, where a kernel needs reusable scratch, ``scratch``).
 Where the math is elementwise, it is one plain Python function compiled for
-both targets (:mod:`.activations`, the optimizer updates), so the twin and the
+both targets (the activations in :mod:`.bias_act`, the optimizer updates), so the twin and the
 kernel cannot drift apart.
 A device (:mod:`hpctrain.device`) maps op names to the implementation it runs,
 so layers never ask which device they are on.

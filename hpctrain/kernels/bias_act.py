@@ -5,57 +5,118 @@ forward:  z (B, O) holds x @ w; z <- z + b (the pre-activation, kept for
 backward: dz <- dout * act'(z); db <- sum over rows of dz (or db += ... when
           ``accumulate``). ``dz`` may be ``dout`` (each element is read before
           it is written).
-act is "identity", "relu" or "gelu" (see :mod:`.activations`). Column sums
-accumulate in float64 so the bias gradient does not lose bits to B additions.
+act is "identity", "relu" or "gelu" (tanh approximation, as GPT-2 and llm.c:
+gelu(v) = 0.5 v (1 + tanh(k (v + 0.044715 v^3))), k = sqrt(2/pi); relu's
+subgradient at 0 is 0). Column sums accumulate in float64 so the bias
+gradient does not lose bits to B additions.
+
+The activations are plain Python functions compiled twice - ``numba.njit``
+for the twin, ``numba.cuda.jit(device=True)`` for the kernels - so both run
+the same math. They live in this file because numba's disk cache only notices
+edits to the file of the function it cached.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda, float64, njit
 
-from . import activations
 from .cuda_support import blocks_for
+
+# ---- activations (plain Python, compiled for both targets) -------------------------
+_K = math.sqrt(2.0 / math.pi)
+
+
+def _identity(v):
+    return v
+
+
+def _identity_grad(v):
+    return 1.0
+
+
+def _relu(v):
+    return v if v > 0 else 0.0
+
+
+def _relu_grad(v):
+    return 1.0 if v > 0 else 0.0
+
+
+def _gelu(v):
+    return 0.5 * v * (1.0 + math.tanh(_K * (v + 0.044715 * v * v * v)))
+
+
+def _gelu_grad(v):
+    t = math.tanh(_K * (v + 0.044715 * v * v * v))
+    dt = _K * (1.0 + 3.0 * 0.044715 * v * v)
+    return 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * dt
+
+
+ACTIVATIONS = {"identity": (_identity, _identity_grad), "relu": (_relu, _relu_grad), "gelu": (_gelu, _gelu_grad)}
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
-def _make_cpu(act, grad):
-    @njit
-    def forward(z, b, out):
-        B, O = z.shape
-        for r in range(B):
-            for c in range(O):
-                t = z[r, c] + b[c]
-                z[r, c] = t
-                out[r, c] = act(t)
+# One compiled function for every activation (selected by index, a per-element
+# branch the CPU predicts perfectly): module-level functions, so numba's disk
+# cache works (closures specialised per activation would recompile every run).
+_ACT_INDEX = {"identity": 0, "relu": 1, "gelu": 2}
+_relu_cpu, _relu_grad_cpu = njit(_relu), njit(_relu_grad)
+_gelu_cpu, _gelu_grad_cpu = njit(_gelu), njit(_gelu_grad)
 
-    @njit
-    def backward(dout, z, dz, db, accumulate):
-        B, O = z.shape
-        sums = np.zeros(O)  # float64
-        for r in range(B):
-            for c in range(O):
-                d = dout[r, c] * grad(z[r, c])
-                dz[r, c] = d
-                sums[c] += d
+
+@njit(cache=True)
+def _act(kind, v):
+    if kind == 1:
+        return _relu_cpu(v)
+    if kind == 2:
+        return _gelu_cpu(v)
+    return v
+
+
+@njit(cache=True)
+def _act_grad(kind, v):
+    if kind == 1:
+        return _relu_grad_cpu(v)
+    if kind == 2:
+        return _gelu_grad_cpu(v)
+    return 1.0
+
+
+@njit(cache=True)
+def _bias_act_forward(z, b, out, kind):
+    B, O = z.shape
+    for r in range(B):
         for c in range(O):
-            db[c] = db[c] + sums[c] if accumulate else sums[c]
+            t = z[r, c] + b[c]
+            z[r, c] = t
+            out[r, c] = _act(kind, t)
 
-    return forward, backward
 
-
-_CPU = {name: _make_cpu(*fs) for name, fs in activations.CPU.items()}
+@njit(cache=True)
+def _bias_act_backward(dout, z, dz, db, kind, accumulate):
+    B, O = z.shape
+    sums = np.zeros(O)  # float64
+    for r in range(B):
+        for c in range(O):
+            d = dout[r, c] * _act_grad(kind, z[r, c])
+            dz[r, c] = d
+            sums[c] += d
+    for c in range(O):
+        db[c] = db[c] + sums[c] if accumulate else sums[c]
 
 
 def bias_act_forward(z, b, out, act):
     """z (B, O) += b (O,); out (B, O) <- act(z). Returns out."""
-    _CPU[act][0](z, b, out)
+    _bias_act_forward(z, b, out, _ACT_INDEX[act])
     return out
 
 
 def bias_act_backward(dout, z, dz, db, act, accumulate=False):
     """dz (B, O) <- dout * act'(z); db (O,) <- (db +) column sums of dz. Returns dz."""
-    _CPU[act][1](dout, z, dz, db, bool(accumulate))
+    _bias_act_backward(dout, z, dz, db, _ACT_INDEX[act], bool(accumulate))
     return dz
 
 
@@ -120,7 +181,8 @@ def _sum_partials(partial, db, accumulate):
         db[c] = db[c] + s if accumulate else s
 
 
-_CUDA = {name: _make_cuda(*fs) for name, fs in activations.CUDA.items()}
+_CUDA = {name: _make_cuda(cuda.jit(device=True)(f), cuda.jit(device=True)(df))
+         for name, (f, df) in ACTIVATIONS.items()}
 
 
 # ---- launchers ---------------------------------------------------------------------

@@ -168,14 +168,23 @@ def _softmax_xent_backward_kernel(probs, labels, scale, dlogits):
 
 
 # ---- launchers ---------------------------------------------------------------------
-def softmax_xent_forward_cuda(logits, labels, probs, *, stream=0, scratch):
-    """As :func:`softmax_xent_forward`; copies two scalars to the host (a stream sync)."""
+def softmax_xent_totals_cuda(logits, labels, probs, *, stream=0, scratch):
+    """probs <- softmax(logits); returns a float64 device array [loss_sum, correct].
+
+    Queued on ``stream``, nothing copied to the host (the benchmark times this).
+    """
     B, _ = logits.shape
     row_loss = scratch("xent_row_loss", (B,), np.float64)
     row_correct = scratch("xent_row_correct", (B,), np.float64)
     totals = scratch("xent_totals", (2,), np.float64)
     _softmax_xent_rows_kernel[blocks_for(B, 1), ROW_THREADS, stream](logits, labels, probs, row_loss, row_correct)
     _sum_rows_kernel[1, THREADS, stream](row_loss, row_correct, totals)
+    return totals
+
+
+def softmax_xent_forward_cuda(logits, labels, probs, *, stream=0, scratch):
+    """As :func:`softmax_xent_forward`; copies the two totals to the host (a stream sync)."""
+    totals = softmax_xent_totals_cuda(logits, labels, probs, stream=stream, scratch=scratch)
     loss_sum, correct = totals.copy_to_host(stream=stream)
     stream_sync(stream)
     return float(loss_sum), int(correct)

@@ -1,0 +1,44 @@
+"""The benchmarks run and validate (smoke tests at tiny sizes; their numbers are
+not checked here: performance targets belong to the benchmarks themselves).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_kernel_benchmark_validates_every_kernel_on_the_simulator(tmp_path):
+    out = tmp_path / "kernels.json"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    proc = subprocess.run([sys.executable, "benchmarks/kernels.py", "--small", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAIL" not in proc.stdout and "simulator" in proc.stdout
+    doc = json.loads(out.read_text())
+    text = json.dumps(doc)
+    for kernel in ("gemm_nn", "gemm_tn", "gemm_nt", "bias_act_forward", "bias_act_backward",
+                   "softmax_xent_forward", "softmax_xent_backward", "sgd_step", "adamw_step", "scale"):
+        assert kernel in text, kernel
+
+
+def test_kernel_benchmark_without_gpu_or_simulator_exits_2():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "benchmarks/kernels.py"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_train_throughput_cuda_without_gpu_is_one_clear_error():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--device", "cuda", "--ranks", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no GPU is usable" in proc.stdout + proc.stderr
