@@ -111,9 +111,13 @@ def validate(dev, small, rng):
     for name, ta, tb in (("gemm_nn", False, False), ("gemm_tn", True, False), ("gemm_nt", False, True)):
         a, b = rnd(*((K, M) if ta else (M, K))), rnd(*((N, K) if tb else (K, N)))
         A, Bm = f64(a.T if ta else a), f64(b.T if tb else b)
-        c = dev.empty((M, N))
-        gemm_cuda(up(a), up(b), c, ta, tb, stream=dev.stream)
-        ok[name] = check(name, host(c), A @ Bm, 2 * (K + 2) * u * (np.abs(A) @ np.abs(Bm)))
+        passed = True
+        # both tilings: the timed 4096^3 rows run "large", the MLP shapes "small"
+        for tile in ("small", "large"):
+            c = dev.empty((M, N))
+            gemm_cuda(up(a), up(b), c, ta, tb, stream=dev.stream, tile=tile)
+            passed &= check(f"{name} ({tile} tiles)", host(c), A @ Bm, 2 * (K + 2) * u * (np.abs(A) @ np.abs(Bm)))
+        ok[name] = passed
     Bt, I, O = (17, 9, 12) if small else (256, 192, 160)
     x, w, dz, dw0 = rnd(Bt, I), rnd(I, O), rnd(Bt, O), rnd(I, O)
     X, W, DZ = f64(x), f64(w), f64(dz)

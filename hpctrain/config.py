@@ -61,6 +61,8 @@ class TrainConfig:
     eval_every: int = _f(0, "evaluate every k steps; 0 = only at the end")
     target_accuracy: float = _f(0.0, "final eval accuracy the run must reach (0 = no target); missing it exits 3")
     metrics: str = _f("", "per-step metrics as JSON lines, written by rank 0; empty = off")
+    grad_accum_steps: int = _f(1, "micro-batches per step: gradients accumulate locally and are "
+                               "communicated once, on the last (the per-rank batch must divide evenly)")
 
     def validate(self):
         if self.seed < 0:
@@ -71,6 +73,8 @@ class TrainConfig:
             raise ConfigError(f"train.steps={self.steps}: must be >= 0")
         if self.log_every < 1:
             raise ConfigError(f"train.log_every={self.log_every}: must be >= 1")
+        if self.grad_accum_steps < 1:
+            raise ConfigError(f"train.grad_accum_steps={self.grad_accum_steps}: must be >= 1")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0")
         if not 0.0 <= self.target_accuracy <= 1.0:  # also false for nan
@@ -119,13 +123,26 @@ class OptimConfig:
 
 @dataclass
 class DistConfig:
-    allreduce: str = _f("mpi", "gradient averaging strategy: mpi (MPI_Allreduce) | naive (reduce+bcast oracle)",
-                        choices=("mpi", "naive"))
+    allreduce: str = _f("mpi", "gradient averaging strategy: mpi (MPI_Allreduce) | naive (reduce+bcast oracle) "
+                        "| ring (reduce-scatter + all-gather) | rhd (recursive halving-doubling) "
+                        "| hierarchical (in node, across nodes, in node) | auto (fastest per size, measured)",
+                        choices=("mpi", "naive", "ring", "rhd", "hierarchical", "auto"))
+    hierarchical_inner: str = _f("mpi", "flat strategy hierarchical uses across nodes",
+                                 choices=("mpi", "naive", "ring", "rhd"))
+    auto_cache: str = _f("runs/allreduce-auto.json", "where auto keeps its measured alpha-beta fits; empty = "
+                         "measure every run")
+    bucket_mb: float = _f(25.0, "gradient bucket size (MB) reduced while backward runs (as PyTorch DDP); "
+                          "0 = one bucket after backward")
+    first_bucket_mb: float = _f(1.0, "the first bucket is small so communication starts early")
+    overlap: bool = _f(True, "reduce buckets on a communication thread during backward; false = after it")
     ranks_per_node: int = _f(0, "simulate nodes of k ranks on one machine; 0 = real nodes (shared memory)")
     cuda_aware_mpi: str = _f("auto", "hand GPU buffers to MPI directly: auto (ask the MPI library) | on | off "
                              "(copy through pinned host buffers)", choices=("auto", "on", "off"))
 
     def validate(self):
+        if not (self.bucket_mb >= 0 and self.first_bucket_mb > 0):  # also catches nan
+            raise ConfigError(f"dist.bucket_mb={self.bucket_mb} must be >= 0 and "
+                              f"dist.first_bucket_mb={self.first_bucket_mb} > 0")
         if self.ranks_per_node < 0:
             raise ConfigError(f"dist.ranks_per_node={self.ranks_per_node}: must be >= 0")
 

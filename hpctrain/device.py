@@ -10,6 +10,7 @@ and allocate through ``device.empty``/``device.zeros``. Both devices offer:
   copy_from_host(dst, src)   fill an existing device array
   to_host(array)             a host NumPy array (waits for the device)
   synchronize()              wait until every queued kernel has finished
+  thread_context()           (cuda only) a context manager making the device current in a new thread
   describe()                 one line for logs
 """
 
@@ -128,6 +129,10 @@ class CudaDevice:
 
     def synchronize(self):
         self.stream.synchronize()
+
+    def thread_context(self):
+        """Makes this GPU current in the calling thread (the communication thread needs it)."""
+        return self._cuda.gpus[self.gpu]
 
     def scratch(self, key, shape, dtype):
         """A device array lent to a launcher, reused by every call with the same key and shape.

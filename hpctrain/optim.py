@@ -1,8 +1,11 @@
 """Optimizers over the flat parameter buffer, and the learning-rate schedule.
 
 Each optimizer owns flat state buffers of P elements (momentum; Adam moments)
-and runs one device kernel per step. State is exposed by ``state()`` as named
-flat arrays so checkpoints can save and restore it.
+and runs one device kernel per step, or one per gradient bucket: ``begin_step()``
+then ``update(lr, lo, hi)`` for element ranges as their buckets are reduced
+(the update is elementwise, so slices give the same result as the whole).
+``step(lr)`` does both for the whole buffer. State is exposed by ``state()``
+as named flat arrays so checkpoints can save and restore it.
 """
 
 from __future__ import annotations
@@ -48,10 +51,18 @@ class SGD:
         self.device, self.flat, self.cfg = device, flat, cfg_optim
         self.momentum_buf = device.zeros(flat.size)
 
-    def step(self, lr: float):
-        c = self.cfg
-        self.device.ops.sgd_step(self.flat.data, self.flat.grad, self.momentum_buf, lr,
+    def begin_step(self):
+        """Nothing per step for SGD."""
+
+    def update(self, lr: float, lo: int = 0, hi: int | None = None):
+        c, f = self.cfg, self.flat
+        s = slice(lo, f.size if hi is None else hi)
+        self.device.ops.sgd_step(f.data[s], f.grad[s], self.momentum_buf[s], lr,
                                  c.momentum, c.weight_decay, c.nesterov)
+
+    def step(self, lr: float):
+        self.begin_step()
+        self.update(lr)
 
     def state(self) -> dict:
         return {"momentum": self.momentum_buf}
@@ -66,11 +77,18 @@ class AdamW:
         self.exp_avg_sq = device.zeros(flat.size)
         self.t = 0
 
-    def step(self, lr: float):
-        c = self.cfg
-        self.t += 1
-        self.device.ops.adamw_step(self.flat.data, self.flat.grad, self.exp_avg, self.exp_avg_sq,
+    def begin_step(self):
+        self.t += 1  # once per step, however many slices get updated
+
+    def update(self, lr: float, lo: int = 0, hi: int | None = None):
+        c, f = self.cfg, self.flat
+        s = slice(lo, f.size if hi is None else hi)
+        self.device.ops.adamw_step(f.data[s], f.grad[s], self.exp_avg[s], self.exp_avg_sq[s],
                                    self.t, lr, c.beta1, c.beta2, c.eps, c.weight_decay)
+
+    def step(self, lr: float):
+        self.begin_step()
+        self.update(lr)
 
     def state(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

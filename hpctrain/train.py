@@ -18,6 +18,8 @@ from .data import BatchReader, DistributedSampler, open_dataset, shard_range
 from .device import make_device
 from .errors import ConfigError, DataError
 from .dist import make_allreduce
+from .dist.buckets import BucketedAllreduce, layout_signature, plan_buckets
+from .dist.collectives import Collectives
 from .dist.staging import Staging
 from .guard import agree
 from .log import Log, Metrics, Timers, format_eta
@@ -40,9 +42,20 @@ class Trainer:
         # train on garbage or mismatch in Bcast; compare what each rank sees.
         seen = world.comm.allgather((self.train_ds.n, self.train_ds.dim, self.train_ds.n_classes))
         agree(world, _check_same_data, seen, cfg.data.train)
+        # Buckets reduced in a different order or size on some rank would pair
+        # collectives wrongly and hang: compare the layouts first.
+        layouts = world.comm.allgather(layout_signature(self.buckets, self.device.dtype))
+        agree(world, check_same_layout, layouts)
+        # strategies may run collectives while being built (auto measures), so
+        # only once every rank is known to have built everything else
+        self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device, self.staging,
+                                        inner=cfg.dist.hierarchical_inner, cache_path=cfg.dist.auto_cache,
+                                        log=self.log)
+        self.comm = BucketedAllreduce(self.allreduce, self.model.flat.grad, self.buckets, self.device,
+                                      overlap=cfg.dist.overlap)
         # data parallelism starts from identical weights: rank 0's
-        with self.staging.mpi_view(self.model.flat.data) as params:
-            self.world.comm.Bcast(params, root=0)
+        self.collectives = Collectives(world, self.device, self.staging)
+        self.collectives.Bcast(self.model.flat.data, root=0)
         self.timers = Timers(sync=self.device.synchronize)
         self.step = 0
 
@@ -64,7 +77,12 @@ class Trainer:
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
         self.schedule = LRSchedule(cfg.optim, peak, cfg.train.steps)
         self.staging = Staging(self.device, cfg.dist.cuda_aware_mpi)
-        self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device, self.staging)
+        self.buckets = plan_buckets(self.model.flat, self.device.dtype.itemsize, cfg.dist.bucket_mb,
+                                    cfg.dist.first_bucket_mb)
+        k = cfg.train.grad_accum_steps
+        if self.sampler.batch % k:
+            raise ConfigError(f"train.grad_accum_steps={k} does not divide the per-rank batch "
+                              f"{self.sampler.batch} (global {cfg.train.global_batch} / {world.size} ranks)")
         if cfg.optim.schedule == "cosine" and cfg.optim.min_lr > peak:
             raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds the peak lr {peak:g} "
                               f"(after the linear scaling rule); lower optim.min_lr")
@@ -73,19 +91,37 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------
     def train_step(self) -> tuple[float, int]:
-        """Run global step ``self.step`` on this rank; returns this rank's (loss_sum, correct)."""
-        t = self.timers
+        """Run global step ``self.step`` on this rank; returns this rank's (loss_sum, correct).
+
+        With k = grad_accum_steps, the rank's rows are k micro-batches whose
+        gradients add up locally; only the last backward feeds the buckets, and
+        the sum over ranks and micro-batches is scaled once by 1 / (size k).
+        """
+        t, k = self.timers, self.cfg.train.grad_accum_steps
         with t("data"):
-            x, y = self.reader.batch(self.step)
-            x, y = self.device.upload(x, "x"), self.device.upload(y, "y", np.int64)
-        with t("forward"):
-            loss_sum, correct = self.model.forward(x, y)
-        with t("backward"):
-            self.model.backward()
-        with t("allreduce"):
-            self.allreduce(self.model.flat.grad, "mean")
-        with t("optimizer"):
-            self.optimizer.step(self.schedule.lr(self.step))
+            x_all, y_all = self.reader.batch(self.step)
+        rows = len(y_all) // k
+        self.comm.start(scale=1.0 / (self.world.size * k))
+        loss_sum, correct = 0.0, 0
+        for micro in range(k):
+            last = micro == k - 1
+            with t("data"):
+                part = slice(micro * rows, (micro + 1) * rows)
+                x, y = self.device.upload(x_all[part], "x"), self.device.upload(y_all[part], "y", np.int64)
+            with t("forward"):
+                ls, c = self.model.forward(x, y)
+                loss_sum, correct = loss_sum + ls, correct + c
+            with t("backward"):
+                self.model.backward(accumulate=micro > 0, ready=self.comm.mark_ready if last else None)
+        # the optimizer waits for each bucket in turn and updates just its slice
+        # ("allreduce" is the exposed wait; the overlapped part hides in backward)
+        self.optimizer.begin_step()
+        lr = self.schedule.lr(self.step)
+        for bucket in self.buckets:
+            with t("allreduce"):
+                self.comm.wait(bucket)
+            with t("optimizer"):
+                self.optimizer.update(lr, bucket.lo, bucket.hi)
         self.step += 1
         return loss_sum, correct
 
@@ -109,7 +145,8 @@ class Trainer:
         tc, b = cfg.train, self.sampler.batch
         log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
                  f"device {self.device.describe()}, allreduce {cfg.dist.allreduce} "
-                 f"(MPI staging: {self.staging.mode}), "
+                 f"(MPI staging: {self.staging.mode}; {len(self.buckets)} bucket(s), "
+                 f"overlap {'on' if cfg.dist.overlap else 'off'}), "
                  f"global batch {tc.global_batch} = {b} x {world.size}, {self.model.flat.size:,} parameters, "
                  f"{self.sampler.steps_per_epoch} steps/epoch")
         window = np.zeros(3)  # loss_sum, correct, rows since the last progress line
@@ -128,7 +165,8 @@ class Trainer:
                 self.metrics.write(step=self.step, epoch=self.sampler.position(self.step - 1)[0],
                               loss=stats[0] / stats[2], accuracy=stats[1] / stats[2],
                               lr=self.schedule.lr(self.step - 1), step_time=step_time,
-                              comm_time=split.get("allreduce", 0.0),
+                              comm_time=self.comm.comm_s, exposed_comm_time=self.comm.exposed_s,
+                              bytes_reduced=self.comm.bytes, allreduce=cfg.dist.allreduce,
                               samples_per_s=tc.global_batch / step_time,
                               **{f"t_{k}": v for k, v in split.items()})
                 if self.step % tc.log_every == 0 or self.step == tc.steps:
@@ -158,6 +196,15 @@ class Trainer:
                           f"{'reached' if eval_acc >= tc.target_accuracy else 'NOT reached'})"
             log.info(f"final eval accuracy {100 * eval_acc:.2f}%{verdict}")
         return result
+
+
+def check_same_layout(layouts):
+    """Every rank must reduce the same gradient buckets in the same order."""
+    if len(set(layouts)) > 1:
+        detail = ", ".join(f"rank {r}: {h}" for r, h in enumerate(layouts))
+        raise ConfigError(f"ranks disagree on the gradient bucket layout ({detail}); every rank must build "
+                          f"the same model with the same dist.bucket_mb and train.dtype, or the all-reduce "
+                          f"would deadlock")
 
 
 def _check_same_data(seen, path):

@@ -136,7 +136,8 @@ def test_runs_without_a_launcher_as_one_rank(small_data, tmp_path):
     assert "1 rank(s) on 1 node(s)" in proc.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 21))
-    for key in ("loss", "accuracy", "lr", "step_time", "comm_time", "samples_per_s"):
+    for key in ("loss", "accuracy", "lr", "step_time", "comm_time", "exposed_comm_time", "bytes_reduced",
+                "allreduce", "samples_per_s"):
         assert all(key in r for r in records)
 
 

@@ -11,12 +11,15 @@ Three modes, chosen once per device by :func:`staging_mode`:
 
 In every mode the device's stream is synchronised before the MPI call, so MPI
 never reads a buffer a kernel is still writing.
+
+Strategies that reduce on the host (ring, rhd) need host memory even where MPI
+is CUDA-aware: :meth:`Staging.host_view` yields the buffer itself on the CPU
+and a pinned host copy of a CUDA buffer in every mode.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 
 
 def cuda_aware_mpi() -> tuple[bool, str]:
@@ -27,17 +30,34 @@ def cuda_aware_mpi() -> tuple[bool, str]:
     """
     from mpi4py import MPI  # noqa: F401 - loads libmpi into the process
 
-    lib = ctypes.CDLL(None)
-    query = getattr(lib, "MPIX_Query_cuda_support", None)
-    if query is not None:
-        query.restype = ctypes.c_int
-        return bool(query()), "MPIX_Query_cuda_support()"
-    query = getattr(lib, "MPIX_GPU_query_support", None)
-    if query is not None:
-        flag = ctypes.c_int(0)
-        query(ctypes.c_int(1), ctypes.byref(flag))  # MPIX_GPU_SUPPORT_CUDA = 1
-        return bool(flag.value), "MPIX_GPU_query_support(CUDA)"
+    for lib in _libmpi_handles():
+        query = getattr(lib, "MPIX_Query_cuda_support", None)
+        if query is not None:
+            query.restype = ctypes.c_int
+            return bool(query()), "MPIX_Query_cuda_support()"
+        query = getattr(lib, "MPIX_GPU_query_support", None)
+        if query is not None:
+            flag = ctypes.c_int(0)
+            query(ctypes.c_int(0), ctypes.byref(flag))  # MPIX_GPU_SUPPORT_CUDA = 0 in MPICH's mpi.h
+            return bool(flag.value), "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)"
     return False, "the MPI library offers no CUDA-support query"
+
+
+def _libmpi_handles():
+    """The process's global symbols, then every loaded libmpi* by path: mpi4py may
+    load libmpi RTLD_LOCAL, hiding its symbols from CDLL(None); opening the same
+    path again returns the already-loaded library."""
+    yield ctypes.CDLL(None)
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh if "/libmpi" in line}
+    except OSError:
+        return
+    for path in sorted(paths):
+        try:
+            yield ctypes.CDLL(path)
+        except OSError:
+            continue
 
 
 def staging_mode(device, setting: str = "auto") -> str:
@@ -48,14 +68,20 @@ def staging_mode(device, setting: str = "auto") -> str:
         return "device"
     if setting == "off":
         return "pinned"
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    from ..kernels.cuda_support import simulated
+
+    if simulated():
         # simulator arrays only pretend to be device memory; use the real path
         return "pinned"
     return "device" if cuda_aware_mpi()[0] else "pinned"
 
 
 class Staging:
-    """``with staging.mpi_view(buf) as mpi_buf: <MPI call>`` - results land in ``buf``."""
+    """``with staging.mpi_view(buf) as mpi_buf: <MPI call>`` - results land in ``buf``.
+
+    ``with staging.host_view(buf) as host: <host arithmetic and MPI calls>`` - the same,
+    but ``host`` is always host memory.
+    """
 
     def __init__(self, device, setting: str = "auto"):
         self.device = device
@@ -73,6 +99,18 @@ class Staging:
         if self.mode == "pinned":
             return _PinnedCopy(self.device, self._pinned_for(buf, slot), buf)
         return _Direct(buf)
+
+    def host_view(self, buf, slot=None):
+        """A context manager yielding ``buf`` in host memory, for host arithmetic and MPI.
+
+        CPU buffers are yielded as they are; CUDA buffers are copied into the
+        pinned host buffer for (slot, shape, dtype) - the one mpi_view uses in
+        pinned mode - whatever the mode, and copied back on a clean exit.
+        """
+        self.device.synchronize()  # every kernel that wrote buf has finished
+        if self.mode == "host":
+            return _Direct(buf)
+        return _PinnedCopy(self.device, self._pinned_for(buf, slot), buf)
 
     def _pinned_for(self, buf, slot):
         """The pinned host buffer for (slot, shape, dtype), allocated on first use and reused."""

@@ -13,6 +13,9 @@ kernel cannot drift apart.
 A device (:mod:`hpctrain.device`) maps op names to the implementation it runs,
 so layers never ask which device they are on.
 
+CPU twins that loop in numba are compiled ``nogil=True`` so the gradient
+communication thread can call MPI while the main thread computes.
+
 Shape legend: B = batch rows on this rank, I = input features, O = output
 features, C = classes, P = parameters in a flat buffer.
 Backward functions either overwrite or accumulate into gradient views of the

@@ -33,7 +33,7 @@ def _scalars(step, lr, beta1, beta2, eps, weight_decay):
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2):
     for i in range(p.size):
         p[i], m[i], v[i] = _update_cpu(p[i], g[i], m[i], v[i], lr, beta1, beta2, eps, weight_decay,

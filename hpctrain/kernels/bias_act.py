@@ -85,7 +85,7 @@ def _act_grad(kind, v):
     return 1.0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _bias_act_forward(z, b, out, kind):
     B, O = z.shape
     for r in range(B):
@@ -95,7 +95,7 @@ def _bias_act_forward(z, b, out, kind):
             out[r, c] = _act(kind, t)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _bias_act_backward(dout, z, dz, db, kind, accumulate):
     B, O = z.shape
     sums = np.zeros(O)  # float64
@@ -201,6 +201,8 @@ def bias_act_backward_cuda(dout, z, dz, db, act, accumulate=False, *, stream=0, 
     """As :func:`bias_act_backward`; ``scratch(key, shape, dtype)`` lends a reusable device array."""
     B, O = z.shape
     partial = scratch("bias_partial", partial_shape(B, O), np.float64)
+    if partial.shape[0] > 65535:  # gridDim.y limit
+        raise ValueError(f"bias_act_backward with B={B} rows exceeds {65535 * ROWS_PER_BLOCK}; split the batch")
     grid = (-(-O // COLS), partial.shape[0])
     _CUDA[act][1][grid, (COLS, LANES), stream](dout, z, dz, partial)
     _sum_partials[-(-O // 256), 256, stream](partial, db, bool(accumulate))

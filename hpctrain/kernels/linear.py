@@ -47,7 +47,7 @@ def linear_backward(dz, x, w, dx, dw, accumulate=False):
 #          instead of 2, for big products where the grid fills the GPU anyway.
 TILES = {"small": (64, 64, 16, 4, 4), "large": (128, 128, 8, 8, 8)}  # BM, BN, BK, TM, TN
 THREADS_X = THREADS_Y = 16
-LARGE_MIN_BLOCKS = 2 * 132   # large tiles once they still give 2 blocks per H200 SM
+MAX_GRID_Y = 65535           # CUDA's limit on gridDim.y (rows of tiles)
 
 
 @lru_cache(maxsize=None)
@@ -58,8 +58,10 @@ def _gemm_kernel(trans_a: bool, trans_b: bool, dtype_name: str, tile: str = "sma
     TX, TY = THREADS_X, THREADS_Y
     NT = TX * TY
     LOADS_A, LOADS_B = BM * BK // NT, BN * BK // NT
-    # +1 column of padding: the k-major stores of the loaders hit distinct banks
-    A_COLS, B_COLS = BM + 1, BN + 1
+    # Row stride BM + 32/BK: a warp's k-fast stores (BK consecutive k, then the
+    # next m) land on 32 distinct banks; m-fast stores and the compute loop's
+    # reads stay conflict-free (consecutive m) or broadcast (same address).
+    A_COLS, B_COLS = BM + 32 // BK, BN + 32 // BK
 
     @cuda.jit
     def gemm(a, b, c, accumulate):
@@ -133,10 +135,20 @@ def _gemm_kernel(trans_a: bool, trans_b: bool, dtype_name: str, tile: str = "sma
 
 
 # ---- launchers ---------------------------------------------------------------------
-def choose_tile(M: int, N: int) -> str:
-    """'large' when 128 x 128 tiles still give every SM two blocks, else 'small'."""
+def choose_tile(M: int, N: int, sms: int | None = None) -> str:
+    """'large' when 128 x 128 tiles still give each of the GPU's ``sms`` SMs two blocks, else 'small'."""
     bm, bn = TILES["large"][:2]
-    return "large" if -(-M // bm) * -(-N // bn) >= LARGE_MIN_BLOCKS else "small"
+    return "large" if -(-M // bm) * -(-N // bn) >= 2 * (sms or _sm_count()) else "small"
+
+
+@lru_cache(maxsize=None)
+def _sm_count() -> int:
+    """Multiprocessors of the current GPU (132 on an H200; also the simulator's stand-in)."""
+    from .cuda_support import simulated
+
+    if simulated():
+        return 132
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 def gemm_cuda(a, b, c, trans_a=False, trans_b=False, accumulate=False, *, stream=0, tile=None):
@@ -153,6 +165,8 @@ def gemm_cuda(a, b, c, trans_a=False, trans_b=False, accumulate=False, *, stream
         raise ValueError(f"gemm dtypes differ: {a.dtype}, {b.dtype}, {c.dtype}")
     tile = tile or choose_tile(M, N)
     bm, bn = TILES[tile][:2]
+    if -(-M // bm) > MAX_GRID_Y:
+        raise ValueError(f"gemm with M={M} rows needs more than {MAX_GRID_Y} tile rows; split the batch")
     kernel = _gemm_kernel(bool(trans_a), bool(trans_b), c.dtype.name, tile)
     kernel[(-(-N // bn), -(-M // bm)), (THREADS_X, THREADS_Y), stream](a, b, c, bool(accumulate))
     return c

@@ -24,7 +24,7 @@ _update_gpu = cuda.jit(device=True)(_update)
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _sgd_step(p, g, v, lr, momentum, weight_decay, nesterov):
     for i in range(p.size):
         p[i], v[i] = _update_cpu(p[i], g[i], v[i], lr, momentum, weight_decay, nesterov)

@@ -16,7 +16,7 @@ from .cuda_support import THREADS, blocks_for
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _softmax_xent_forward(logits, labels, probs):
     loss_sum = 0.0
     correct = 0
@@ -44,7 +44,7 @@ def _softmax_xent_forward(logits, labels, probs):
     return loss_sum, correct
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _softmax_xent_backward(probs, labels, scale, dlogits):
     B, C = probs.shape
     for r in range(B):
@@ -97,7 +97,10 @@ def _softmax_xent_rows_kernel(logits, labels, probs, row_loss, row_correct):
                     vmax[t], imax[t] = v, i
             cuda.syncthreads()
             half //= 2
-        m = logits[r, imax[0]]  # exact max in the input dtype
+        # no element beat -inf (a row of NaN or -inf, i.e. diverged training):
+        # take class 0, as the twin does, instead of reading past the row
+        best = imax[0] if imax[0] < C else 0
+        m = logits[r, best]  # exact max in the input dtype
         # exp(x - max) cannot overflow; the sum accumulates in float64
         s = 0.0
         c = t
@@ -123,7 +126,7 @@ def _softmax_xent_rows_kernel(logits, labels, probs, row_loss, row_correct):
         if t == 0:
             y = labels[r]
             row_loss[r] = math.log(total) + m - logits[r, y]
-            row_correct[r] = 1 if imax[0] == y else 0
+            row_correct[r] = 1 if best == y else 0
         cuda.syncthreads()  # shared arrays are reused by the next row
         r += cuda.gridDim.x
 
@@ -185,9 +188,9 @@ def softmax_xent_totals_cuda(logits, labels, probs, *, stream=0, scratch):
 def softmax_xent_forward_cuda(logits, labels, probs, *, stream=0, scratch):
     """As :func:`softmax_xent_forward`; copies the two totals to the host (a stream sync)."""
     totals = softmax_xent_totals_cuda(logits, labels, probs, stream=stream, scratch=scratch)
-    loss_sum, correct = totals.copy_to_host(stream=stream)
-    stream_sync(stream)
-    return float(loss_sum), int(correct)
+    host = totals.copy_to_host(stream=stream)
+    stream_sync(stream)  # before reading: the copy is only ordered on the stream
+    return float(host[0]), int(host[1])
 
 
 def softmax_xent_backward_cuda(probs, labels, scale, dlogits, *, stream=0):

@@ -40,10 +40,15 @@ class MLP:
             x = layer.forward(x)
         return self.loss.forward(x, y)
 
-    def backward(self, accumulate=False):
+    def backward(self, accumulate=False, ready=None):
+        """Gradients into ``flat.grad``; ``ready(name)`` is called for each parameter as
+        soon as its gradient is final (the bucketed all-reduce starts on it)."""
         dout = self.loss.backward()
         for layer in reversed(self.layers):
             dout = layer.backward(dout, accumulate)
+            if ready is not None:
+                for name, _ in layer.params:
+                    ready(name)
 
     def predict_correct(self, x, y) -> int:
         """Correctly classified rows of (x, y); no gradients are touched."""

@@ -1,0 +1,144 @@
+"""Gradient buckets reduced on a communication thread while backward runs.
+
+The flat gradient buffer is cut into buckets of about ``bucket_mb`` (the first
+one only ``first_bucket_mb``, so communication starts early) walking the
+parameters in reverse layer order, the order backward produces them. Buckets
+are slices of the flat buffer: nothing is copied to build them.
+
+During backward the model reports each parameter whose gradient is final
+(:meth:`BucketedAllreduce.mark_ready`); when a bucket's last parameter
+arrives, the bucket is queued, and the communication thread all-reduces
+it (any strategy) while the main thread computes the layers below. Open MPI
+grants MPI_THREAD_MULTIPLE, and a thread is needed: a nonblocking
+Iallreduce barely progresses unless some thread keeps calling into MPI.
+The optimizer then waits for each bucket in turn and updates that slice, so it
+waits only for what it needs.
+
+Every rank must reduce the same buckets in the same order, or the collectives
+pair up wrongly and hang: :func:`layout_signature` is compared across ranks
+before the first step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int          # reduction order: 0 holds the last layer's parameters
+    lo: int             # element range [lo, hi) of the flat buffer
+    hi: int
+    slots: tuple        # parameter names in the bucket
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+
+def plan_buckets(flat, itemsize: int, bucket_mb: float, first_bucket_mb: float = 1.0) -> list[Bucket]:
+    """Buckets over ``flat`` (a FlatParams) in reverse layer order.
+
+    A bucket closes once it holds at least its cap of bytes, so a parameter
+    larger than the cap gets a bucket of its own. ``bucket_mb <= 0`` means one
+    bucket for everything (no overlap possible: it is ready only at the end).
+    """
+    buckets, current, nbytes = [], [], 0
+    for slot in reversed(flat.slots):
+        current.append(slot)
+        nbytes += slot.size * itemsize
+        cap = (first_bucket_mb if not buckets else bucket_mb) * 2 ** 20
+        if bucket_mb > 0 and nbytes >= cap:
+            buckets.append(_bucket(len(buckets), current))
+            current, nbytes = [], 0
+    if current:
+        buckets.append(_bucket(len(buckets), current))
+    return buckets
+
+
+def _bucket(index, slots) -> Bucket:
+    # reversed slots are contiguous and descending: the range spans the last and first
+    return Bucket(index, slots[-1].offset, slots[0].offset + slots[0].size, tuple(s.name for s in slots))
+
+
+def layout_signature(buckets, dtype) -> str:
+    """A short hash of everything ranks must agree on: order, ranges, names, dtype."""
+    text = repr([(b.index, b.lo, b.hi, b.slots) for b in buckets]) + str(dtype)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class BucketedAllreduce:
+    """Reduces the buckets of ``grad`` with ``strategy`` (op sum, then one scale).
+
+    Per step: :meth:`start` (with the scale factor, 1 / (world size x
+    micro-steps)), :meth:`mark_ready` for every parameter during backward,
+    then :meth:`wait` for each bucket. With ``overlap=False`` buckets are
+    reduced on the calling thread inside :meth:`wait` (the baseline).
+    """
+
+    def __init__(self, strategy, grad, buckets, device, overlap: bool = True):
+        self.strategy, self.grad, self.buckets, self.device = strategy, grad, buckets, device
+        self.overlap = overlap
+        self._slot_bucket = {name: b.index for b in buckets for name in b.slots}
+        self._views = [grad[b.lo:b.hi] for b in buckets]
+        self._done = [threading.Event() for _ in buckets]
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error = None
+        self._thread = None
+        self.comm_s = self.exposed_s = 0.0
+        self.bytes = sum(v.nbytes for v in self._views)
+
+    def start(self, scale: float) -> None:
+        """Begin a step: every bucket pending; gradients will be scaled by ``scale``."""
+        self.scale = scale
+        self._remaining = [len(b.slots) for b in self.buckets]
+        for event in self._done:
+            event.clear()
+        self.comm_s = self.exposed_s = 0.0
+        if self.overlap and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hpctrain-comm", daemon=True)
+            self._thread.start()
+
+    def mark_ready(self, name: str) -> None:
+        """The gradient of parameter ``name`` is final for this step (called by backward)."""
+        i = self._slot_bucket[name]
+        self._remaining[i] -= 1
+        if self._remaining[i] == 0 and self.overlap:
+            self._queue.put(i)
+
+    def wait(self, bucket: Bucket) -> None:
+        """Block until ``bucket`` is reduced (reduce it here when not overlapping)."""
+        t0 = time.perf_counter()
+        if self.overlap:
+            self._done[bucket.index].wait()
+            if self._error is not None:
+                raise RuntimeError("gradient all-reduce failed on the communication thread") from self._error
+        else:
+            self._reduce(bucket.index)
+        self.exposed_s += time.perf_counter() - t0
+
+    def _reduce(self, i: int) -> None:
+        t0 = time.perf_counter()
+        view = self._views[i]
+        self.strategy(view, "sum")
+        if self.scale != 1.0:
+            self.device.ops.scale(view, self.scale)
+        self.comm_s += time.perf_counter() - t0
+
+    def _run(self) -> None:
+        ctx = getattr(self.device, "thread_context", contextlib.nullcontext)
+        with ctx():  # a CUDA device must be current in this thread too
+            while True:
+                i = self._queue.get()
+                try:
+                    if self._error is None:
+                        self._reduce(i)
+                except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                    self._error = exc
+                finally:
+                    self._done[i].set()

@@ -1,0 +1,79 @@
+"""Reduction ops of the all-reduce strategies: names, MPI handles, compiled host kernels.
+
+Ops are named "sum", "mean", "max", "min". A strategy reduces with the sum for
+"mean" and then scales once by 1/size (:func:`reduce_kind` maps one to the other).
+
+``reduce_into(dst, src, op)`` is the host reduction that ring and rhd apply to
+each received chunk: ``dst = dst <op> src`` element-wise, compiled by numba.
+
+NaN: a NaN on any rank makes the result NaN for every op (as ``numpy.maximum``
+and IEEE 754-2019 ``maximum`` do), on every rank alike. Open MPI's MAX/MIN are
+``a > b ? a : b``, so whether its result is NaN depends on the order in which
+ranks are combined; the sum propagates NaN in every implementation.
+"""
+
+import numpy as np
+from numba import njit
+
+OPS = ("sum", "mean", "max", "min")
+
+
+def reduce_kind(op: str) -> str:
+    """The reduction that ``op`` performs over ranks ("mean" is a sum); ValueError if unknown."""
+    if op not in OPS:
+        raise ValueError(f"all-reduce op {op!r}: choose one of {', '.join(OPS)}")
+    return "sum" if op == "mean" else op
+
+
+def mpi_op(op: str):
+    """The MPI handle for ``op`` (MPI.SUM for "mean"). Imports MPI on first use, never at import."""
+    from mpi4py import MPI
+
+    return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[reduce_kind(op)]
+
+
+# ---- kernels (numba): plain loops the compiler vectorises --------------------------
+@njit(cache=True)
+def _sum_into(dst, src):
+    for i in range(dst.size):
+        dst[i] += src[i]
+
+
+@njit(cache=True)
+def _max_into(dst, src):
+    for i in range(dst.size):
+        # b != b is "b is NaN": a NaN in src wins; a NaN in dst stays (b > NaN is False)
+        b = src[i]
+        if b > dst[i] or b != b:
+            dst[i] = b
+
+
+@njit(cache=True)
+def _min_into(dst, src):
+    for i in range(dst.size):
+        b = src[i]
+        if b < dst[i] or b != b:
+            dst[i] = b
+
+
+_KERNELS = {"sum": _sum_into, "max": _max_into, "min": _min_into}
+
+
+def reduce_into(dst, src, op: str):
+    """``dst = dst <op> src`` in place; returns ``dst``.
+
+    dst, src: 1-D C-contiguous host arrays (NumPy or pinned), the same length and
+    the same dtype, float32 or float64. ``op`` is any of :data:`OPS` ("mean"
+    reduces as "sum"). Called by the ring and rhd strategies on every rank.
+    """
+    kind = reduce_kind(op)
+    if dst.ndim != 1 or src.shape != dst.shape or src.dtype != dst.dtype:
+        raise ValueError(f"reduce_into: dst {dst.dtype}{dst.shape} and src {src.dtype}{src.shape} "
+                         f"must be 1-D arrays of one shape and dtype")
+    if dst.dtype not in (np.float32, np.float64):
+        raise ValueError(f"reduce_into: dtype {dst.dtype} unsupported; use float32 or float64")
+    if not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        raise ValueError("reduce_into: dst and src must be contiguous")
+    if dst.size:
+        _KERNELS[kind](dst, src)
+    return dst

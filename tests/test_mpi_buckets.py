@@ -1,0 +1,158 @@
+"""Buckets, the communication thread, gradient accumulation, strategy choice
+and layout agreement, in training (mpirun -n 1..4).
+
+float64 throughout: runs that differ only in summation order agree to ~1e-15
+per step, so rtol 1e-10 after a few steps leaves a wide margin while any
+real difference (a bucket reduced twice or not at all, a wrong scale) is O(1).
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from hpctrain.config import Config
+from hpctrain.errors import UserError
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
+
+
+def _config(train, size, **dist):
+    cfg = Config()
+    cfg.data.train, cfg.data.eval = train, ""
+    cfg.model.hidden = [32, 24, 16]
+    cfg.train.global_batch, cfg.train.dtype, cfg.train.steps, cfg.train.log_every = 8 * size, "float64", 6, 10**6
+    cfg.optim.name, cfg.optim.lr, cfg.optim.warmup_steps = "adamw", 0.003, 2
+    cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = 0.002, 0.001   # a few KB: one bucket per layer or so
+    cfg.dist.auto_cache = ""
+    for key, value in dist.items():
+        section, name = key.split("__") if "__" in key else ("dist", key)
+        setattr(getattr(cfg, section), name, value)
+    return cfg.validate()
+
+
+def _train(cfg, world):
+    from hpctrain.log import Log
+    from hpctrain.train import Trainer
+
+    trainer = Trainer(cfg, world, Log(False))
+    trainer.run()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def world():
+    from hpctrain.runtime import init_world
+
+    return init_world()
+
+
+def test_buckets_cover_the_gradient_in_reverse_layer_order(mpi_small_data, world):
+    trainer = _train(_config(mpi_small_data[0], world.size, train__steps=0), world)
+    buckets, flat = trainer.buckets, trainer.model.flat
+    assert len(buckets) > 2
+    assert buckets[0].slots[0] == flat.slots[-1].name          # last layer first
+    assert buckets[0].hi == flat.size and buckets[-1].lo == 0   # contiguous, complete, no overlap
+    assert all(a.lo == b.hi for a, b in zip(buckets, buckets[1:]))
+
+
+@pytest.mark.parametrize("allreduce", ["mpi", "naive", "ring", "rhd", "hierarchical", "auto"])
+def test_every_strategy_trains_like_mpi(mpi_small_data, world, allreduce):
+    from hpctrain.runtime import init_world
+
+    # hierarchical on simulated nodes of 2 ranks (2 + 1 at 3 ranks)
+    w = init_world(ranks_per_node=2) if allreduce == "hierarchical" else world
+    ref = _train(_config(mpi_small_data[0], world.size), world).model.flat.data
+    got = _train(_config(mpi_small_data[0], world.size, allreduce=allreduce), w).model.flat.data
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-13)
+
+
+def test_overlap_off_gives_the_same_bytes(mpi_small_data, world):
+    on = _train(_config(mpi_small_data[0], world.size), world).model.flat.data
+    off = _train(_config(mpi_small_data[0], world.size, overlap=False), world).model.flat.data
+    assert np.array_equal(on, off)   # same strategy, same buckets, same order: bitwise
+
+
+def test_gradient_accumulation_equals_the_large_batch(mpi_small_data, world):
+    big = _train(_config(mpi_small_data[0], world.size), world).model.flat.data
+    accum = _train(_config(mpi_small_data[0], world.size, train__grad_accum_steps=4), world).model.flat.data
+    np.testing.assert_allclose(accum, big, rtol=1e-10, atol=1e-13)
+
+
+def test_grad_accum_that_does_not_divide_the_batch_is_an_error(mpi_small_data, world):
+    with pytest.raises(UserError, match="grad_accum_steps=3 does not divide the per-rank batch 8"):
+        _train(_config(mpi_small_data[0], world.size, train__grad_accum_steps=3), world)
+
+
+def test_bucket_layout_mismatch_is_a_clear_error_not_a_hang(mpi_small_data, world):
+    if world.size < 2:
+        pytest.skip("a mismatch needs two ranks")
+    # rank 1 builds other buckets: without the check its collectives would pair wrongly
+    cfg = _config(mpi_small_data[0], world.size, bucket_mb=0.002 if world.rank != 1 else 25.0)
+    with pytest.raises(UserError, match="ranks disagree on the gradient bucket layout"):
+        _train(cfg, world)
+
+
+def test_overlap_hides_most_communication_behind_a_slow_backward(mpi_small_data, world, monkeypatch):
+    """Backward sleeps 120 ms per layer; buckets reduced meanwhile are not exposed.
+
+    Only the first layer's bucket (tiny: 8 inputs) is left after backward, so
+    the exposed share of the communication time must be small. A ratio, never
+    an absolute time; and only where every rank has a core of its own.
+    """
+    import os
+
+    if world.size < 2:
+        pytest.skip("a 1-rank all-reduce does no communication to hide")
+    if world.size > os.cpu_count():
+        pytest.skip(f"{world.size} ranks on {os.cpu_count()} cores: the communication "
+                    f"threads wait for CPU, not for the network, so the ratio says nothing")
+    from hpctrain.nn.layers import Linear
+
+    slow = Linear.backward
+
+    def backward(self, dout, accumulate=False):
+        time.sleep(0.12)
+        return slow(self, dout, accumulate)
+
+    monkeypatch.setattr(Linear, "backward", backward)
+    # 32 MB per hidden layer so bandwidth, not latency, dominates each bucket's
+    # reduction; the exposed remainder (the first layer's 150 KB) is mostly latency
+    cfg = _config(mpi_small_data[0], world.size, model__hidden=[2048, 2048, 2048], train__steps=3,
+                  bucket_mb=16.0, first_bucket_mb=16.0)
+    from hpctrain.log import Log
+    from hpctrain.train import Trainer
+
+    from mpi4py import MPI
+
+    def exposed_share(cfg):
+        trainer = Trainer(cfg, world, Log(False))
+        trainer.train_step()   # warm-up: the first large messages set up MPI's shared-memory paths
+        comm = exposed = 0.0
+        for _ in range(cfg.train.steps):
+            trainer.train_step()
+            comm, exposed = comm + trainer.comm.comm_s, exposed + trainer.comm.exposed_s
+        assert comm > 0
+        return world.comm.allreduce(exposed / comm, op=MPI.MAX)
+
+    ratio = exposed_share(cfg)
+    print(f"overlap: exposed / total communication = {ratio:.3f}")
+    assert ratio < 0.3
+    # the control: without the thread every bucket is reduced after backward, all exposed
+    cfg.dist.overlap = False
+    assert exposed_share(cfg) > 0.9
+
+
+def test_auto_picks_the_same_strategy_on_every_rank_and_caches_its_fit(mpi_shared_dir, world):
+    from hpctrain.device import CpuDevice
+    from hpctrain.dist import make_allreduce
+
+    path = f"{mpi_shared_dir}/auto-fit.json"
+    first = make_allreduce("auto", world, CpuDevice("float64"), cache_path=path)
+    again = make_allreduce("auto", world, CpuDevice("float64"), cache_path=path)
+    assert again.fits == first.fits                       # read back from the cache, not re-measured
+    picks = [first.choose(n) for n in (1 << 10, 1 << 16, 1 << 22, 1 << 26)]
+    assert len({tuple(p) for p in world.comm.allgather(picks)}) == 1
+    buf = world.rank + np.arange(1000.0)
+    first(buf, "sum")
+    np.testing.assert_array_equal(buf, world.size * np.arange(1000.0) + world.size * (world.size - 1) / 2)
