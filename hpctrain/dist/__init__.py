@@ -20,8 +20,8 @@ MPI only through :class:`~hpctrain.dist.staging.Staging`. Choose by name
 | hierarchical | reduce-scatter in the node, all-reduce  | across the link: 2N(n-1)/(n L) per | several nodes joined by a slower link than |
 |              | across nodes (``hierarchical_inner``),  | rank (n nodes, L ranks per node)   | shared memory: the link carries 1/L of a   |
 |              | all-gather in the node                  |                                    | flat ring's traffic                        |
-| auto         | per message size, the strategy an       | -                                  | when unsure: measured at start-up (cached  |
-|              | alpha-beta fit predicts fastest         |                                    | in ``dist.auto_cache``), logged once       |
+| auto         | per message size, the strategy alpha-   | -                                  | when unsure: measured at start-up (cached  |
+|              | beta lines between probes predict best  |                                    | in ``dist.auto_cache``), logged once       |
 
 ring and rhd reduce on the host (pinned copies of GPU buffers even with a
 CUDA-aware MPI) and give bitwise equal results on every rank; their summation

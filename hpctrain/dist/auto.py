@@ -1,10 +1,13 @@
 """``auto`` strategy: per message size, the strategy an alpha-beta model says is fastest.
 
 At start-up every candidate strategy is timed on the real world at a few
-message sizes (collectively, the slowest rank's time counts), and a line
-t(n) = alpha + beta * n (alpha: latency, beta: seconds per byte) is fitted by
-least squares per strategy. A call then runs the strategy with the smallest
-predicted time for ``buf.nbytes``. Rank 0 fits and broadcasts, so every rank
+message sizes (collectively, the slowest rank's time counts). Between each
+pair of neighbouring probe sizes the model is the line t(n) = alpha + beta * n
+(alpha: latency, beta: seconds per byte) through the two measurements; below
+the first and above the last probe the nearest segment extends. One line over
+all sizes was tried first and chose badly: MPI libraries switch algorithms
+with the message size, so no single alpha and beta fit both ends. A call runs
+the strategy with the smallest predicted time for ``buf.nbytes``. Rank 0 fits and broadcasts, so every rank
 picks the same strategy for the same size (they must: a mismatch would
 deadlock). The fit is cached in a JSON file keyed by everything it depends on
 (world shape, dtype, device, MPI library, candidates) and logged once.
@@ -18,7 +21,7 @@ import time
 
 import numpy as np
 
-PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)  # up to a 25 MB bucket
 CANDIDATES = ("mpi", "ring", "rhd", "hierarchical")
 REPEATS = 3
 
@@ -29,13 +32,14 @@ class AutoAllreduce:
 
         self.world, self.device = world, device
         self.names = [n for n in candidates if n in STRATEGIES]
+        self._picked: dict = {}
         self.strategies = {n: STRATEGIES[n](world, device, staging) for n in self.names}
         self.key = self._key()
         fits = _load(cache_path, self.key) if world.rank == 0 else None
         source = "cache " + cache_path if fits else "measured"
         if not world.comm.bcast(fits is not None, root=0):
             fits = self._measure()
-        self.fits = world.comm.bcast(fits, root=0)      # {name: (alpha_s, beta_s_per_byte)}
+        self.fits = world.comm.bcast(fits, root=0)      # {name: [(alpha_s, beta_s_per_byte) per segment]}
         if world.rank == 0:
             if source == "measured" and cache_path:
                 _save(cache_path, self.key, self.fits)
@@ -44,14 +48,19 @@ class AutoAllreduce:
 
     def choose(self, nbytes: int) -> str:
         """The name of the strategy predicted fastest for a message of ``nbytes``."""
-        return min(self.names, key=lambda n: self.fits[n][0] + self.fits[n][1] * nbytes)
+        seg = min(max(int(np.searchsorted(PROBE_BYTES, nbytes)) - 1, 0), len(PROBE_BYTES) - 2)
+        return min(self.names, key=lambda n: self.fits[n][seg][0] + self.fits[n][seg][1] * nbytes)
 
     def __call__(self, buf, op="mean"):
-        return self.strategies[self.choose(buf.nbytes)](buf, op)
+        # memoised per size: the model costs ~7 us, a 4 KB all-reduce ~35 us
+        strategy = self._picked.get(buf.nbytes)
+        if strategy is None:
+            strategy = self._picked[buf.nbytes] = self.strategies[self.choose(buf.nbytes)]
+        return strategy(buf, op)
 
     def describe(self) -> str:
-        parts = [f"{n} alpha {1e6 * a:.1f} us, {1e-9 / b if b > 0 else float('inf'):.2f} GB/s"
-                 for n, (a, b) in self.fits.items()]
+        # latency from the smallest segment, bandwidth from the largest
+        parts = [f"{n} alpha {1e6 * f[0][0]:.1f} us, {1e-9 / f[-1][1]:.2f} GB/s" for n, f in self.fits.items()]
         picks = ", ".join(f"{_human(s)}->{self.choose(s)}" for s in (4 << 10, 256 << 10, 4 << 20, 64 << 20))
         return "; ".join(parts) + f" | picks {picks}"
 
@@ -76,8 +85,7 @@ class AutoAllreduce:
                 times[name].append(float(np.median(samples)))
         if self.world.rank != 0:
             return None
-        sizes = np.array(PROBE_BYTES, dtype=float)
-        return {n: _fit(sizes, np.array(t)) for n, t in times.items()}
+        return {n: _segments(PROBE_BYTES, t) for n, t in times.items()}
 
     def _key(self) -> dict:
         from mpi4py import MPI
@@ -89,10 +97,17 @@ class AutoAllreduce:
                 "candidates": self.names, "probe_bytes": list(PROBE_BYTES)}
 
 
-def _fit(sizes, times) -> tuple[float, float]:
-    """Least-squares alpha + beta * n, clipped at 0 (noise can make either negative)."""
-    beta, alpha = np.polyfit(sizes, times, 1)
-    return max(float(alpha), 0.0), max(float(beta), 1e-15)
+def _segments(sizes, times) -> list[tuple[float, float]]:
+    """(alpha, beta) of the line through each pair of neighbouring measurements.
+
+    beta is kept >= 1e-15 s/byte and alpha >= 0: noise can make a segment
+    fall, which would predict ever faster transfers beyond the last probe.
+    """
+    out = []
+    for (n0, t0), (n1, t1) in zip(zip(sizes, times), zip(sizes[1:], times[1:])):
+        beta = max((t1 - t0) / (n1 - n0), 1e-15)
+        out.append((max(t1 - beta * n1, 0.0), beta))
+    return out
 
 
 def _load(path: str, key: dict):
@@ -105,7 +120,7 @@ def _load(path: str, key: dict):
         return None  # unreadable or corrupt: measure again and overwrite
     if doc.get("key") != key:
         return None
-    return {n: tuple(v) for n, v in doc["fits"].items()}
+    return {n: [tuple(seg) for seg in v] for n, v in doc["fits"].items()}
 
 
 def _save(path: str, key: dict, fits: dict) -> None:

@@ -33,13 +33,13 @@ def mpi_op(op: str):
 
 
 # ---- kernels (numba): plain loops the compiler vectorises --------------------------
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _sum_into(dst, src):
     for i in range(dst.size):
         dst[i] += src[i]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _max_into(dst, src):
     for i in range(dst.size):
         # b != b is "b is NaN": a NaN in src wins; a NaN in dst stays (b > NaN is False)
@@ -48,7 +48,7 @@ def _max_into(dst, src):
             dst[i] = b
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _min_into(dst, src):
     for i in range(dst.size):
         b = src[i]
