@@ -83,6 +83,15 @@ cap="capped at $rate each way"
 [[ $rate == none ]] && cap="uncapped"
 echo "emulated cluster: nodeA ($nsA, $net.1) <-> nodeB ($nsB, $net.2), link $cap;" \
      "mpirun -n $np, $per_node per node, mapped by node"
+# A caller that initialised MPI itself (a singleton: a test runner, a Python
+# session) leaves its job's identity in the environment (PMIX_*, OMPI_MCA_ess,
+# ORTE_*, ...); an mpirun inside the namespaces would try to join that job at
+# 127.0.0.1 of the host namespace and exit 1 without a word. Start clean.
+while IFS='=' read -r name _; do
+    case $name in
+        PMIX_*|ORTE_*|OMPI_APP_CTX_*|OMPI_COMM_WORLD_*|OMPI_MCA_ess*|OMPI_MCA_orte_*|OMPI_MCA_pmix*) unset "$name" ;;
+    esac
+done < <(env)
 export EMU_CLUSTER_HOSTS="$net.1=$nsA=nodeA $net.2=$nsB=nodeB"   # read by the agent
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
