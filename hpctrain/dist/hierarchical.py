@@ -21,19 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from .reduce_ops import reduce_into, reduce_kind
-from .ring import HostScratch
+from .ring import HostScratch, chunk_offsets, host_allreduce
 from .staging import Staging
 
 TAG = 0x48
-
-
-def chunk_counts(n: int, parts: int) -> list[int]:
-    """``n`` elements in ``parts`` near-equal contiguous chunks (the first n % parts one longer)."""
-    base, extra = divmod(n, parts)
-    return [base + (i < extra) for i in range(parts)]
 
 
 class HierarchicalAllreduce:
@@ -51,7 +43,6 @@ class HierarchicalAllreduce:
         # one agreed chunk count: the smallest node
         self.L = world.comm.allreduce(world.local_size, op=MPI.MIN)
         self.in_cross = world.local_rank < self.L
-        self._mpi_ops = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
         self._inner = self._single_node = None
         if world.n_nodes == 1:
             self._single_node = STRATEGIES[inner](world, device, self.staging)
@@ -63,23 +54,20 @@ class HierarchicalAllreduce:
         self._recv = HostScratch()
 
     def __call__(self, buf, op="mean"):
-        if op not in self._mpi_ops:
-            raise ValueError(f"all-reduce op {op!r}: choose sum, mean, max or min")
         if self._single_node is not None:
+            reduce_kind(op)  # the same ValueError as the multi-node path, before any MPI call
             return self._single_node(buf, op)
-        kind = reduce_kind(op)
-        with self.staging.host_view(buf) as host:
-            flat = host.reshape(-1)
-            counts = chunk_counts(flat.size, self.L) + [0] * (self.world.local_size - self.L)
-            offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
-            chunk = flat[offsets[self.world.local_rank]:offsets[self.world.local_rank + 1]]
-            self._reduce_scatter(flat, offsets, kind)          # 1. in the node
-            if self._inner is not None and chunk.size:         # 2. across nodes, every chunk at once
-                self._inner(chunk, "sum" if op == "mean" else op)
-            self._all_gather(flat, offsets)                    # 3. in the node
-        if op == "mean" and self.size > 1:
-            self.device.ops.scale(buf, 1.0 / self.size)
-        return buf
+        return host_allreduce(self, buf, op, self._hierarchical)
+
+    def _hierarchical(self, flat, kind):
+        w = self.world
+        # chunk c < L is local rank c's; ranks beyond the smallest node's size own nothing
+        offsets = chunk_offsets(flat.size, self.L) + [flat.size] * (w.local_size - self.L)
+        chunk = flat[offsets[w.local_rank]:offsets[w.local_rank + 1]]
+        self._reduce_scatter(flat, offsets, kind)          # 1. in the node
+        if self._inner is not None and chunk.size:         # 2. across nodes, every chunk at once
+            self._inner(chunk, kind)
+        self._all_gather(flat, offsets)                    # 3. in the node
 
     # Ring phases over the node with rank c owning chunk c (chunks may be empty).
     def _reduce_scatter(self, x, off, kind):

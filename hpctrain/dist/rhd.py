@@ -15,8 +15,8 @@ Each element is reduced by one rank and then copied, so every rank ends with
 the same bytes. Reductions run on the host (``Staging.host_view``).
 """
 
-from .reduce_ops import reduce_into, reduce_kind
-from .ring import HostScratch, chunk_offsets, flat_host
+from .reduce_ops import reduce_into
+from .ring import HostScratch, chunk_offsets, host_allreduce
 from .staging import Staging
 
 TAG = 0x48
@@ -34,14 +34,7 @@ class RhdAllreduce:
 
     def __call__(self, buf, op="mean"):
         """Reduce ``buf`` in place over all ranks (op: sum, mean, max, min); returns ``buf``."""
-        kind = reduce_kind(op)  # unknown ops fail here, before any MPI call
-        if self.size == 1 or buf.size == 0:
-            return buf  # nothing to exchange; the mean of one rank is itself
-        with self.staging.host_view(buf) as host:
-            self._rhd(flat_host(host), kind)
-        if op == "mean":
-            self.device.ops.scale(buf, 1.0 / self.size)
-        return buf
+        return host_allreduce(self, buf, op, self._rhd)
 
     def _real_rank(self, v: int) -> int:
         """World rank of the rank numbered ``v`` among the p2 that take part in the halving."""

@@ -46,6 +46,25 @@ def flat_host(host):
     return host.reshape(-1)
 
 
+def host_allreduce(strategy, buf, op, algorithm):
+    """The frame of every strategy that reduces on the host (ring, rhd, hierarchical).
+
+    Validates ``op`` before any MPI call, skips 1-rank worlds and empty
+    buffers (every rank makes the same choice), runs ``algorithm(x, kind)`` on
+    the flat host view from ``strategy.staging.host_view`` (kind: sum, max or
+    min), then applies mean's one scale to the device buffer. ``strategy``
+    provides ``size``, ``staging`` and ``device``.
+    """
+    kind = reduce_kind(op)  # unknown ops fail here, before any MPI call
+    if strategy.size == 1 or buf.size == 0:
+        return buf  # nothing to exchange; the mean of one rank is itself
+    with strategy.staging.host_view(buf) as host:
+        algorithm(flat_host(host), kind)
+    if op == "mean":
+        strategy.device.ops.scale(buf, 1.0 / strategy.size)
+    return buf
+
+
 class RingAllreduce:
     """Collective over ``world.comm``: every rank calls it with a buffer of one size and dtype."""
 
@@ -56,14 +75,7 @@ class RingAllreduce:
 
     def __call__(self, buf, op="mean"):
         """Reduce ``buf`` in place over all ranks (op: sum, mean, max, min); returns ``buf``."""
-        kind = reduce_kind(op)  # unknown ops fail here, before any MPI call
-        if self.size == 1 or buf.size == 0:
-            return buf  # nothing to exchange; the mean of one rank is itself
-        with self.staging.host_view(buf) as host:
-            self._ring(flat_host(host), kind)
-        if op == "mean":
-            self.device.ops.scale(buf, 1.0 / self.size)
-        return buf
+        return host_allreduce(self, buf, op, self._ring)
 
     def _ring(self, x, kind):
         p, r, comm = self.size, self.rank, self.comm
