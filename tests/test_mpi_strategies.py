@@ -110,6 +110,24 @@ def test_random_data_agrees_with_naive(world, node_world, name, dtype, n):
         assert_same_on_every_rank(comm, got)
 
 
+@pytest.mark.parametrize("inner", ["mpi", "ring"])  # mpi: nonblocking cross-node phase; ring: blocking
+@pytest.mark.parametrize("n", [5, 1001])
+def test_hierarchical_in_tiny_segments_has_closed_form_results(world, node_world, inner, n):
+    """Segments of 3 elements: many segments, most chunks of 0 or 1 element, several in flight."""
+    from hpctrain.dist.hierarchical import HierarchicalAllreduce
+
+    allreduce = HierarchicalAllreduce(node_world, CpuDevice("float32"), inner=inner, segment_bytes=12)
+    for op in OPS:
+        buf = (world.rank + np.arange(n)).astype(np.float32)
+        allreduce(buf, op)
+        expected = closed_form(op, world.size, n)
+        if op == "mean":
+            np.testing.assert_allclose(buf, expected, rtol=2 * np.finfo(np.float32).eps, err_msg=op)
+        else:
+            np.testing.assert_array_equal(buf, expected.astype(np.float32), err_msg=op)
+        assert_same_on_every_rank(world.comm, buf)
+
+
 def test_unknown_op_fails_before_any_communication(world, node_world):
     for name in NAMES + HIER:
         with pytest.raises(ValueError, match="prod"):
