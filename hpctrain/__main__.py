@@ -3,15 +3,19 @@
 Commands
   train   train a model data-parallel over all ranks of the launch
   data    make or inspect datasets (``data synth``, ``data info``)
+  ckpt    list, verify or inspect checkpoints (``ckpt ls DIR``, ``ckpt verify FILE``, ``ckpt inspect FILE``)
   info    per-rank topology, MPI library and thread level, h5py/HDF5, numba, CUDA
 
 Exit codes: 0 ok; 2 a user error (printed once by rank 0); 3 the run finished
-but missed train.target_accuracy; 1 anything else (all ranks are aborted).
+but missed train.target_accuracy; 75 stopped by SIGUSR1/SIGTERM after saving
+a checkpoint (run again with --resume auto); 1 anything else (all ranks are
+aborted).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from .runtime import launched_rank, limit_threads_per_rank
@@ -40,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="override one config value (repeatable), e.g. --set train.steps=500")
     t.add_argument("--ranks-per-node", type=int, metavar="K",
                    help="simulate nodes of K ranks on one machine (same as --set dist.ranks_per_node=K)")
+    t.add_argument("--resume", metavar="auto|PATH",
+                   help="continue from the newest valid checkpoint in checkpoint.dir (auto) or from PATH "
+                        "(same as --set checkpoint.resume=...)")
     t.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     t.set_defaults(func=cmd_train)
 
@@ -58,6 +65,19 @@ def _parser() -> argparse.ArgumentParser:
     di.add_argument("path")
     di.set_defaults(func=cmd_data_info)
 
+    c = sub.add_parser("ckpt", help="list, verify or inspect checkpoints (no MPI needed)")
+    csub = c.add_subparsers(dest="ckpt_command", required=True, metavar="action")
+    cl = csub.add_parser("ls", help="checkpoints in DIR, newest first")
+    cl.add_argument("dir")
+    cl.add_argument("--verify", action="store_true", help="also read every byte and check the checksums")
+    cl.set_defaults(func=lambda a: _ckpt("cmd_ls", a))
+    cv = csub.add_parser("verify", help="check every dataset's checksum; exit 1 if any file is invalid")
+    cv.add_argument("files", nargs="+", metavar="FILE")
+    cv.set_defaults(func=lambda a: _ckpt("cmd_verify", a))
+    ci = csub.add_parser("inspect", help="config, step, world size, datasets with shapes and sizes")
+    ci.add_argument("file")
+    ci.set_defaults(func=lambda a: _ckpt("cmd_inspect", a))
+
     i = sub.add_parser("info", help="print topology and library support per rank")
     i.add_argument("--ranks-per-node", type=int, default=0, metavar="K", help="simulate nodes of K ranks")
     i.set_defaults(func=cmd_info)
@@ -66,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from .config import describe, load_config
-    from .errors import EXIT_TARGET_MISSED
+    from .errors import EXIT_CHECKPOINTED, EXIT_TARGET_MISSED
     from .guard import agree
     from .runtime import init_world
     from .train import Trainer
@@ -77,6 +97,8 @@ def cmd_train(args) -> int:
     overrides = list(args.set)
     if args.ranks_per_node is not None:
         overrides.append(f"dist.ranks_per_node={args.ranks_per_node}")
+    if args.resume is not None:
+        overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
     world = init_world()
     cfg = agree(world, load_config, args.config, overrides)
     if cfg.dist.ranks_per_node:
@@ -84,6 +106,8 @@ def cmd_train(args) -> int:
     if world.is_root:
         print(f"resolved config ({args.config or 'defaults'}):\n{cfg.to_toml()}", flush=True)
     result = Trainer(cfg, world).run()
+    if result["stopped_by"]:
+        return EXIT_CHECKPOINTED
     acc = result["eval_accuracy"]
     if cfg.train.target_accuracy and (acc is None or acc < cfg.train.target_accuracy):
         return EXIT_TARGET_MISSED
@@ -110,6 +134,12 @@ def cmd_data_info(args) -> int:
         print(f"  {key} = {value}")
     ds.close()
     return 0
+
+
+def _ckpt(name, args) -> int:
+    from .ckpt import cli
+
+    return getattr(cli, name)(args)
 
 
 def cmd_info(args) -> int:

@@ -148,12 +148,36 @@ class DistConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    dir: str = _f("runs/ckpt", "where checkpoints ckpt-<step>.h5 go (created if missing; every rank must see it)")
+    every_steps: int = _f(0, "save every k steps; 0 = off")
+    every_minutes: float = _f(30.0, "save when this many minutes passed since the last save (rank 0's clock); "
+                              "0 = off")
+    keep_last: int = _f(3, "keep the newest k checkpoints, delete older ones after a save; 0 = keep all")
+    save_final: bool = _f(False, "save after the last step")
+    resume: str = _f("", "\"\" = fresh start | auto = newest valid checkpoint in dir (fresh if none) | a file path; "
+                     "also --resume")
+    collective_io: bool = _f(False, "MPI-IO collective transfers for the data writes (independent writes of "
+                             "large contiguous slices measured as fast here; try true on Lustre/GPFS)")
+
+    def validate(self):
+        if self.every_steps < 0 or self.keep_last < 0:
+            raise ConfigError(f"checkpoint.every_steps={self.every_steps} and checkpoint.keep_last="
+                              f"{self.keep_last} must be >= 0")
+        if not self.every_minutes >= 0 or math.isinf(self.every_minutes):  # also catches nan
+            raise ConfigError(f"checkpoint.every_minutes={self.every_minutes}: a finite number >= 0")
+        if not self.dir:
+            raise ConfigError("checkpoint.dir is empty; name a directory (signals always save there)")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> "Config":
         for section in dataclasses.fields(self):

@@ -7,6 +7,7 @@ Any other exception is a bug or a fault and aborts the whole MPI job.
 
 EXIT_USER_ERROR = 2
 EXIT_TARGET_MISSED = 3
+EXIT_CHECKPOINTED = 75  # stopped by SIGUSR1/SIGTERM after saving a checkpoint (EX_TEMPFAIL: run again)
 
 
 class UserError(Exception):

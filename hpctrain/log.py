@@ -34,6 +34,10 @@ class Log:
         self.stream.write(msg + "\n")
         self.stream.flush()
 
+    def warn(self, msg: str) -> None:
+        """A warning from rank 0, to stderr's neighbour: the same stream, prefixed."""
+        self.info(f"hpctrain: warning: {msg}")
+
     def progress(self, msg: str) -> None:
         """A line that overwrites itself on a TTY and is a plain line otherwise."""
         if not self.enabled:
@@ -70,12 +74,12 @@ def format_eta(seconds: float) -> str:
 class Metrics:
     """Per-step metrics as JSON lines, written by rank 0 (no-op elsewhere or when path is empty)."""
 
-    def __init__(self, path: str, is_root: bool):
+    def __init__(self, path: str, is_root: bool, append: bool = False):
         self._fh = None
         if path and is_root:
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                self._fh = open(path, "w", buffering=1 << 16)
+                self._fh = open(path, "a" if append else "w", buffering=1 << 16)
             except OSError as exc:
                 from .errors import ConfigError
 

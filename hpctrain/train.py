@@ -14,9 +14,12 @@ import time
 import numpy as np
 
 from . import __version__
+from .ckpt.manager import CheckpointManager, check_writable
+from .ckpt.signals import STOP_SIGNALS, StopSignal
+from .ckpt.state import fresh_rng
 from .data import BatchReader, DistributedSampler, open_dataset, shard_range
 from .device import make_device
-from .errors import ConfigError, DataError
+from .errors import EXIT_CHECKPOINTED, ConfigError, DataError
 from .dist import make_allreduce
 from .dist.buckets import BucketedAllreduce, layout_signature, plan_buckets
 from .dist.collectives import Collectives
@@ -58,6 +61,11 @@ class Trainer:
         self.collectives.Bcast(self.model.flat.data, root=0)
         self.timers = Timers(sync=self.device.synchronize)
         self.step = 0
+        # per-rank generator for anything stochastic per rank (saved under /rng)
+        self.rng = fresh_rng(cfg.train.seed, world.rank)
+        self.checkpoints = CheckpointManager(cfg, world, self.log)
+        self.checkpoints.resume(self)  # may restore parameters, optimizer state, step and RNG
+        self.stop_signal = StopSignal()
 
     def _build(self):
         cfg, world = self.cfg, self.world
@@ -86,8 +94,10 @@ class Trainer:
         if cfg.optim.schedule == "cosine" and cfg.optim.min_lr > peak:
             raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds the peak lr {peak:g} "
                               f"(after the linear scaling rule); lower optim.min_lr")
-        # opened here so an unwritable path is an agreed user error, not an abort
-        self.metrics = Metrics(cfg.train.metrics, world.is_root)
+        check_writable(cfg.checkpoint.dir)
+        # opened here so an unwritable path is an agreed user error, not an abort;
+        # a resumed run appends to the metrics of the run it continues
+        self.metrics = Metrics(cfg.train.metrics, world.is_root, append=bool(cfg.checkpoint.resume))
 
     # ---- one step ----------------------------------------------------------------
     def train_step(self) -> tuple[float, int]:
@@ -150,43 +160,63 @@ class Trainer:
                  f"global batch {tc.global_batch} = {b} x {world.size}, {self.model.flat.size:,} parameters, "
                  f"{self.sampler.steps_per_epoch} steps/epoch")
         window = np.zeros(3)  # loss_sum, correct, rows since the last progress line
-        stats = np.zeros(3)
+        # per step, summed over ranks: loss_sum, correct, rows, rank 0's "every_minutes
+        # is due", then per stop signal the ranks that got it (agreement at no extra collective)
+        stats = np.zeros(4 + len(STOP_SIGNALS))
         t_start = t_window = time.perf_counter()
+        first_step, stopped_by = self.step, None
         eval_acc = None
+        ckpt = self.checkpoints
         try:
-            while self.step < tc.steps:
-                t0 = time.perf_counter()
-                loss_sum, correct = self.train_step()
-                stats[:] = (loss_sum, correct, b)
-                world.comm.Allreduce(_in_place(), stats)  # global loss/accuracy of this step
-                window += stats
-                split = self.timers.pop()
-                step_time = time.perf_counter() - t0
-                self.metrics.write(step=self.step, epoch=self.sampler.position(self.step - 1)[0],
-                              loss=stats[0] / stats[2], accuracy=stats[1] / stats[2],
-                              lr=self.schedule.lr(self.step - 1), step_time=step_time,
-                              comm_time=self.comm.comm_s, exposed_comm_time=self.comm.exposed_s,
-                              bytes_reduced=self.comm.bytes, allreduce=cfg.dist.allreduce,
-                              samples_per_s=tc.global_batch / step_time,
-                              **{f"t_{k}": v for k, v in split.items()})
-                if self.step % tc.log_every == 0 or self.step == tc.steps:
-                    now = time.perf_counter()
-                    rate = window[2] / (now - t_window)
-                    eta = (now - t_start) / self.step * (tc.steps - self.step)
-                    log.progress(f"step {self.step:>6}/{tc.steps} | loss {window[0] / window[2]:.4f} | "
-                                 f"acc {100 * window[1] / window[2]:5.1f}% | {rate:,.0f} samples/s | "
-                                 f"lr {self.schedule.lr(self.step - 1):.4g} | ETA {format_eta(eta)}")
-                    window[:] = 0
-                    t_window = now
-                if self.eval_ds and tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
-                    log.info(f"eval at step {self.step}: accuracy {100 * self.evaluate():.2f}%")
+            with self.stop_signal:
+                while self.step < tc.steps:
+                    t0 = time.perf_counter()
+                    loss_sum, correct = self.train_step()
+                    stats[:] = (loss_sum, correct, b, world.is_root and ckpt.time_due(),
+                                *(self.stop_signal.received == name for name in STOP_SIGNALS))
+                    world.comm.Allreduce(_in_place(), stats)  # global loss/accuracy of this step
+                    window += stats[:3]
+                    signalled = {n: int(c) for n, c in zip(STOP_SIGNALS, stats[4:]) if c}
+                    if signalled or stats[3] or ckpt.step_due(self.step) or (tc.steps == self.step and
+                                                                          cfg.checkpoint.save_final):
+                        with self.timers("checkpoint"):
+                            ckpt.save(self)
+                    split = self.timers.pop()
+                    step_time = time.perf_counter() - t0
+                    self.metrics.write(step=self.step, epoch=self.sampler.position(self.step - 1)[0],
+                                       loss=stats[0] / stats[2], accuracy=stats[1] / stats[2],
+                                       lr=self.schedule.lr(self.step - 1), step_time=step_time,
+                                       comm_time=self.comm.comm_s, exposed_comm_time=self.comm.exposed_s,
+                                       bytes_reduced=self.comm.bytes, allreduce=cfg.dist.allreduce,
+                                       samples_per_s=tc.global_batch / step_time,
+                                       **{f"t_{k}": v for k, v in split.items()})
+                    if signalled:
+                        stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
+                        log.info(f"stopping at step {self.step}: {stopped_by}; checkpoint saved; exit code "
+                                 f"{EXIT_CHECKPOINTED} (resume with --resume auto)")
+                        break
+                    if self.step % tc.log_every == 0 or self.step == tc.steps:
+                        now = time.perf_counter()
+                        rate = window[2] / (now - t_window)
+                        eta = (now - t_start) / (self.step - first_step) * (tc.steps - self.step)
+                        log.progress(f"step {self.step:>6}/{tc.steps} | loss {window[0] / window[2]:.4f} | "
+                                     f"acc {100 * window[1] / window[2]:5.1f}% | {rate:,.0f} samples/s | "
+                                     f"lr {self.schedule.lr(self.step - 1):.4g} | ETA {format_eta(eta)}")
+                        window[:] = 0
+                        t_window = now
+                    if self.eval_ds and tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+                        log.info(f"eval at step {self.step}: accuracy {100 * self.evaluate():.2f}%")
         finally:
             self.metrics.close()
+        if stopped_by is not None:
+            elapsed = time.perf_counter() - t_start
+            return {"steps": self.step, "seconds": elapsed, "eval_accuracy": None, "stopped_by": stopped_by,
+                    "samples_per_s": (self.step - first_step) * tc.global_batch / elapsed if elapsed else 0.0}
         elapsed = time.perf_counter() - t_start
         if self.eval_ds:
             eval_acc = self.evaluate()
-        result = {"steps": self.step, "seconds": elapsed,
-                  "samples_per_s": self.step * tc.global_batch / elapsed if elapsed else 0.0,
+        result = {"steps": self.step, "seconds": elapsed, "stopped_by": None,
+                  "samples_per_s": (self.step - first_step) * tc.global_batch / elapsed if elapsed else 0.0,
                   "eval_accuracy": eval_acc}
         log.info(f"done: {self.step} steps in {elapsed:.1f} s ({result['samples_per_s']:,.0f} samples/s)")
         if eval_acc is not None:

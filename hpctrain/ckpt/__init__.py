@@ -1,0 +1,12 @@
+"""Parallel HDF5 checkpoints: atomic, verifiable, resumable at any world size.
+
+  format   file names, layout constants, CRC-32 and its combination
+  state    the trainer's state as named logical arrays, and back
+  write    the parallel write (h5py ``mpio``) and the atomic commit
+  read     verification and the parallel load
+  manager  when to save, what to resume from, keep_last
+  signals  SIGUSR1 / SIGTERM -> save and exit
+  cli      ``python -m hpctrain ckpt ls|verify|inspect``
+
+The file format is documented in docs/checkpoint-format.md.
+"""

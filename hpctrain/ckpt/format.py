@@ -1,0 +1,103 @@
+"""The checkpoint file format: names, layout constants and checksums (docs/checkpoint-format.md).
+
+One HDF5 file per checkpoint, ``ckpt-<step:08d>.h5``, written as
+``.ckpt-<step:08d>.h5.tmp`` and renamed when complete, so a name that matches
+:data:`NAME_RE` is a finished write (a crash leaves only a dot-file).
+
+Checksums: every dataset carries ``crc32``, the CRC-32 (zlib's) of the array's
+bytes in C order as stored (little-endian). Ranks write disjoint row slices, so
+each computes the CRC of its own slice and the slices' CRCs are joined with
+:func:`crc32_combine` (the GF(2) shift of zlib's ``crc32_combine``), which
+equals ``zlib.crc32`` of the whole array without any rank reading all of it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+
+import numpy as np
+
+FORMAT_NAME = "hpctrain-checkpoint"
+FORMAT_VERSION = 1
+NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
+# groups every checkpoint has (compress: per-rank compressor state, may be empty)
+GROUPS = ("model", "optim", "compress", "data", "rng")
+
+
+def file_name(step: int) -> str:
+    return f"ckpt-{step:08d}.h5"
+
+
+def temp_name(step: int) -> str:
+    """Where a checkpoint is written before the commit; never matches :data:`NAME_RE`."""
+    return f".ckpt-{step:08d}.h5.tmp"
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of every committed checkpoint name in ``directory``, newest first."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, n)) for n in names if (m := NAME_RE.match(n))]
+    return sorted(found, reverse=True)
+
+
+def row_range(rows: int, rank: int, size: int) -> tuple[int, int]:
+    """Rows [lo, hi) of a logical array that ``rank`` of ``size`` writes or reads (the first rows % size ranks take one more)."""
+    base, extra = divmod(rows, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def crc32_of(array: np.ndarray) -> int:
+    """zlib CRC-32 of the array's C-order bytes (made contiguous and little-endian first)."""
+    a = np.ascontiguousarray(array)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return zlib.crc32(a.reshape(-1).view(np.uint8)) & 0xFFFFFFFF
+
+
+# ---- crc32_combine: crc(A + B) from crc(A), crc(B) and len(B) ------------------------
+# Appending len(B) zero bytes to A is a linear map on the 32-bit CRC register over
+# GF(2); it is built by repeated squaring of the one-zero-bit operator.
+_POLY = 0xEDB88320
+
+
+def _times(matrix: list[int], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _square(matrix: list[int]) -> list[int]:
+    return [_times(matrix, matrix[n]) for n in range(32)]
+
+
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC-32 of A followed by B, given crc32(A), crc32(B) and B's length in bytes."""
+    if len_b <= 0:
+        return crc_a
+    one_bit = [_POLY] + [1 << n for n in range(31)]   # the register after one zero bit
+    op = _square(_square(_square(one_bit)))            # after one zero byte (8 bits)
+    while len_b:
+        if len_b & 1:
+            crc_a = _times(op, crc_a)
+        len_b >>= 1
+        if len_b:
+            op = _square(op)
+    return (crc_a ^ crc_b) & 0xFFFFFFFF
+
+
+def combine_parts(parts: list[tuple[int, int]]) -> int:
+    """The CRC-32 of consecutive parts given as (crc, n_bytes), in order."""
+    total = 0
+    for crc, n in parts:
+        total = crc32_combine(total, crc, n) if n else total
+    return total

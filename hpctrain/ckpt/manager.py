@@ -1,0 +1,132 @@
+"""When to save, where, what to resume from, and how many checkpoints to keep.
+
+``CheckpointManager`` is built by the trainer on every rank (all of its
+methods that touch files or MPI are collective):
+
+  * ``resume(trainer)``: ``checkpoint.resume`` = "" (fresh start), "auto" (the
+    newest checkpoint in ``checkpoint.dir`` that verifies; corrupt or truncated
+    ones are skipped with a warning; none means a fresh start) or a path;
+  * ``due(step)``: every ``every_steps`` steps; ``every_minutes`` is judged by
+    rank 0's clock and agreed in the trainer's per-step all-reduce;
+  * ``save(trainer)``: an atomic parallel write (:mod:`.write`), then the
+    oldest beyond ``keep_last`` are deleted by rank 0.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+from ..errors import UserError
+from ..guard import agree
+from .format import list_checkpoints
+from .read import CorruptCheckpoint, load_checkpoint
+from .state import restore, training_state
+from .write import write_checkpoint
+
+
+class CheckpointManager:
+    def __init__(self, cfg, world, log):
+        self.cfg, self.c, self.world, self.log = cfg, cfg.checkpoint, world, log
+        self.directory = self.c.dir
+        self._last_save = time.monotonic()
+        self.saved_step = None      # step of the newest checkpoint this run wrote or loaded
+        self.save_seconds = 0.0     # time of the last save
+
+    # ---- policy -------------------------------------------------------------------
+    def step_due(self, step: int) -> bool:
+        return bool(self.c.every_steps) and step % self.c.every_steps == 0
+
+    def time_due(self) -> bool:
+        """Rank 0's view of ``every_minutes`` (the trainer all-reduces it)."""
+        return bool(self.c.every_minutes) and time.monotonic() - self._last_save >= 60.0 * self.c.every_minutes
+
+    # ---- save ---------------------------------------------------------------------
+    def save(self, trainer) -> str:
+        t0 = time.perf_counter()
+        epoch = trainer.sampler.position(trainer.step)[0]
+        attrs = {"epoch": epoch, "config": self.cfg.to_toml(), "optimizer": self.cfg.optim.name,
+                 "dtype": self.cfg.train.dtype}
+        path = write_checkpoint(self.directory, trainer.step, training_state(trainer), attrs, self.world,
+                                log=self.log, collective=self.c.collective_io)
+        if self.world.is_root:
+            self._prune()
+        self.world.comm.Barrier()  # nobody returns while rank 0 may still delete
+        self._last_save = time.monotonic()
+        self.saved_step = trainer.step
+        self.save_seconds = time.perf_counter() - t0
+        self.log.info(f"checkpoint: saved {path} (step {trainer.step}, {self.save_seconds:.2f} s)")
+        return path
+
+    def _prune(self):
+        keep = self.c.keep_last
+        if keep <= 0:
+            return
+        for _, path in list_checkpoints(self.directory)[keep:]:
+            try:
+                os.remove(path)
+            except OSError as exc:
+                self.log.warn(f"could not delete old checkpoint {path}: {exc.strerror or exc}")
+
+    # ---- resume -------------------------------------------------------------------
+    def resume(self, trainer) -> None:
+        spec, world, log = self.c.resume, self.world, self.log
+        if world.is_root:
+            self._remove_stale_temporaries()
+        if not spec:
+            found = list_checkpoints(self.directory) if world.is_root else []
+            if found:
+                log.info(f"checkpoint: {self.directory} holds checkpoints up to step {found[0][0]}; starting "
+                         f"fresh (pass --resume auto to continue from them)")
+            return
+        if spec == "auto":
+            candidates = world.comm.bcast([p for _, p in list_checkpoints(self.directory)]
+                                          if world.is_root else None, root=0)
+            if not candidates:
+                log.info(f"checkpoint: none in {self.directory}; fresh start")
+                return
+        else:
+            agree(world, _check_exists, spec)
+            candidates = [spec]
+        for path in candidates:
+            try:
+                loaded = load_checkpoint(path, world)
+            except CorruptCheckpoint as exc:
+                if spec != "auto":
+                    raise
+                log.warn(f"skipping {path}: {exc}")
+                continue
+            agree(world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, log)
+            self.saved_step = trainer.step
+            log.info(f"checkpoint: resumed from {path} at step {trainer.step} (saved by "
+                     f"{loaded.world_size} rank(s), hpctrain {loaded.attrs.get('hpctrain_version')})")
+            return
+        log.warn(f"no checkpoint in {self.directory} verifies ({len(candidates)} skipped); fresh start")
+
+    def _remove_stale_temporaries(self):
+        """Temporary files of saves that crashed: never checkpoints, safe to delete before we write."""
+        for path in glob.glob(os.path.join(glob.escape(self.directory), ".ckpt-*.h5.tmp")):
+            try:
+                os.remove(path)
+                self.log.info(f"checkpoint: removed {path}, left by an interrupted save")
+            except OSError:
+                pass
+
+
+def _check_exists(path):
+    if not os.path.isfile(path):
+        raise UserError(f"--resume {path!r}: no such checkpoint file; use --resume auto to take the newest "
+                        f"valid one in checkpoint.dir, or list them with 'python -m hpctrain ckpt ls DIR'")
+
+
+def check_writable(directory: str) -> None:
+    """Make ``directory`` (every rank) and check it accepts files, before any training."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"checkpoint.dir={directory!r} cannot be created ({exc.strerror or exc}); "
+                        f"choose a writable directory (--set checkpoint.dir=PATH)") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UserError(f"checkpoint.dir={directory!r} is not writable; choose a writable directory "
+                        f"(--set checkpoint.dir=PATH)")

@@ -1,0 +1,143 @@
+"""What a checkpoint holds: the trainer's state as named logical arrays, and back.
+
+Every array is an :class:`Entry`: a path in the file, its full (logical)
+shape and dtype, and a function giving rows [lo, hi) as a host array. Two kinds:
+
+  * replicated (``per_rank=False``): identical on every rank (parameters,
+    optimizer state, data position). Written as disjoint row slices by all
+    ranks; on resume every rank gets the whole array, whatever the world size.
+  * per-rank (``per_rank=True``): a leading world dimension, row r belonging to
+    rank r (RNG state; compressor residuals under /compress). Resharding rule:
+    at a new world size rank r takes saved row r when r < saved world size and
+    starts fresh otherwise (a generator seeded from (train.seed, rank, step));
+    rows of ranks that no longer exist are dropped, with a log line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..errors import UserError
+
+# /data/position fields, in order (int64)
+POSITION_FIELDS = ("global_step", "epoch", "step_in_epoch", "global_batch", "shuffle_seed", "n_samples")
+RNG_FIELDS = ("state_hi", "state_lo", "inc_hi", "inc_lo", "has_uint32", "uinteger")  # PCG64, uint64
+
+
+class IncompatibleCheckpoint(UserError):
+    """The checkpoint verifies but does not fit this run (model shapes, optimizer)."""
+
+
+@dataclass
+class Entry:
+    path: str                                   # e.g. "/model/fc0/weight"
+    shape: tuple
+    dtype: np.dtype
+    rows: Callable[[int, int], np.ndarray]      # host rows [lo, hi); per-rank: called with (rank, rank + 1)
+    per_rank: bool = False
+
+
+def _flat_entry(path, device, buf, slot):
+    def rows(lo, hi, slot=slot, buf=buf):
+        row = slot.size // slot.shape[0]
+        part = buf[slot.offset + lo * row:slot.offset + hi * row]
+        return device.to_host(part).reshape((hi - lo,) + tuple(slot.shape[1:]))
+    return Entry(path, tuple(slot.shape), np.dtype(device.dtype), rows)
+
+
+def _host_entry(path, array, per_rank=False):
+    array = np.asarray(array)
+    if per_rank:
+        return Entry(path, (None,) + array.shape, array.dtype, lambda lo, hi: array[None], per_rank=True)
+    return Entry(path, array.shape, array.dtype, lambda lo, hi: array[lo:hi])
+
+
+def parameter_path(group: str, name: str) -> str:
+    """'fc0.weight' in group 'model' -> '/model/fc0/weight' (a group per layer)."""
+    return f"/{group}/" + "/".join(name.split("."))
+
+
+def rng_to_array(rng: np.random.Generator) -> np.ndarray:
+    s = rng.bit_generator.state
+    if s["bit_generator"] != "PCG64":
+        raise TypeError(f"only PCG64 generators are checkpointed, got {s['bit_generator']}")
+    st, inc, mask = s["state"]["state"], s["state"]["inc"], (1 << 64) - 1
+    return np.array([st >> 64, st & mask, inc >> 64, inc & mask, s["has_uint32"], s["uinteger"]], np.uint64)
+
+
+def rng_from_array(a) -> np.random.Generator:
+    v = [int(x) for x in a]
+    gen = np.random.Generator(np.random.PCG64())
+    gen.bit_generator.state = {"bit_generator": "PCG64", "state": {"state": (v[0] << 64) | v[1],
+                               "inc": (v[2] << 64) | v[3]}, "has_uint32": v[4], "uinteger": v[5]}
+    return gen
+
+
+def fresh_rng(seed: int, rank: int, step: int = 0) -> np.random.Generator:
+    """The per-rank generator of a fresh start (step 0) or of a rank that a resharded resume adds."""
+    return np.random.default_rng([seed, rank, step])
+
+
+def training_state(trainer) -> list[Entry]:
+    """Every array of ``trainer`` that a bit-exact restart needs, in file order."""
+    dev, flat, opt, sampler, cfg = trainer.device, trainer.model.flat, trainer.optimizer, trainer.sampler, trainer.cfg
+    entries = [_flat_entry(parameter_path("model", s.name), dev, flat.data, s) for s in flat.slots]
+    for state_name, buf in opt.state().items():
+        entries += [_flat_entry(parameter_path(f"optim/{state_name}", s.name), dev, buf, s) for s in flat.slots]
+    entries.append(_host_entry("/optim/step_count", np.array([getattr(opt, "t", 0)], np.int64)))
+    epoch, in_epoch = sampler.position(trainer.step)
+    entries.append(_host_entry("/data/position", np.array(
+        [trainer.step, epoch, in_epoch, cfg.train.global_batch, cfg.data.shuffle_seed, sampler.n], np.int64)))
+    entries.append(_host_entry("/rng/pcg64", rng_to_array(trainer.rng), per_rank=True))
+    return entries
+
+
+def check_compatible(trainer, shapes: dict) -> None:
+    """Raise :class:`IncompatibleCheckpoint` listing every parameter whose shape differs or is missing."""
+    flat, problems = trainer.model.flat, []
+    want = {parameter_path("model", s.name): tuple(s.shape) for s in flat.slots}
+    for path, shape in want.items():
+        if path not in shapes:
+            problems.append(f"{path}: missing in the checkpoint (model has {shape})")
+        elif tuple(shapes[path]) != shape:
+            problems.append(f"{path}: checkpoint {tuple(shapes[path])}, model {shape}")
+    extra = sorted(p for p in shapes if p.startswith("/model/") and p not in want)
+    problems += [f"{p}: in the checkpoint, not in the model" for p in extra]
+    if problems:
+        raise IncompatibleCheckpoint("the checkpoint does not fit this model (model.hidden or the dataset's "
+                                     "features/classes differ):\n  " + "\n  ".join(problems))
+    for state_name in trainer.optimizer.state():
+        missing = [s.name for s in flat.slots if parameter_path(f"optim/{state_name}", s.name) not in shapes]
+        if missing:
+            raise IncompatibleCheckpoint(f"the checkpoint has no optimizer state {state_name!r} (saved with another "
+                                         f"optim.name?); set optim.name as when it was saved")
+
+
+def restore(trainer, full: dict, own_rows: dict, saved_world: int, log) -> None:
+    """Load arrays read by :func:`~hpctrain.ckpt.read.load_checkpoint` into ``trainer``."""
+    check_compatible(trainer, {p: a.shape for p, a in full.items()})
+    dev, flat, opt = trainer.device, trainer.model.flat, trainer.optimizer
+    for s in flat.slots:
+        dev.copy_from_host(flat.view(flat.data, s.name), full[parameter_path("model", s.name)])
+    for state_name, buf in opt.state().items():
+        for s in flat.slots:
+            dev.copy_from_host(flat.view(buf, s.name), full[parameter_path(f"optim/{state_name}", s.name)])
+    if hasattr(opt, "t"):
+        opt.t = int(full["/optim/step_count"][0])
+    position = dict(zip(POSITION_FIELDS, (int(v) for v in full["/data/position"])))
+    trainer.step = position["global_step"]
+    if position["global_batch"] != trainer.cfg.train.global_batch:
+        log.warn(f"the checkpoint was saved with train.global_batch={position['global_batch']}, this run uses "
+                 f"{trainer.cfg.train.global_batch}: the data order continues from step {trainer.step} of the new "
+                 f"batch size, so some samples of the current epoch may repeat or be skipped")
+    rng = own_rows.get("/rng/pcg64")
+    trainer.rng = rng_from_array(rng) if rng is not None else fresh_rng(trainer.cfg.train.seed, trainer.world.rank,
+                                                                        trainer.step)
+    if saved_world != trainer.world.size:
+        log.info(f"resharded from {saved_world} to {trainer.world.size} rank(s): parameters and optimizer state "
+                 f"re-sliced; per-rank state (RNG) kept for ranks < {min(saved_world, trainer.world.size)}"
+                 + (f", fresh for ranks >= {saved_world}" if trainer.world.size > saved_world else
+                    f", dropped for saved ranks >= {trainer.world.size}"))

@@ -1,0 +1,247 @@
+"""Writing a checkpoint: every rank writes its slices in parallel, then an atomic commit.
+
+Protocol (collective over ``world.comm``):
+  1. rank 0 makes the directory; every rank opens ``.ckpt-<step>.h5.tmp`` with
+     h5py's ``mpio`` driver and creates every dataset (metadata calls are
+     collective in parallel HDF5, so all ranks make the same calls);
+  2. each rank writes its rows of every replicated array (``row_range``) and its
+     own row of every per-rank array, and computes the CRC-32 of what it wrote;
+     a failing write is caught and reported in step 4, so no rank leaves the
+     collective close below and the others never hang;
+  3. the CRCs are all-gathered and combined per dataset (identical on every
+     rank), set as attributes, the file is flushed (``MPI_File_sync``) and
+     closed; rank 0 fsyncs it;
+  4. the ranks agree on the outcome; on success rank 0 renames the file to
+     ``ckpt-<step>.h5`` and fsyncs the directory, then a barrier. On failure
+     rank 0 deletes the temporary file and every rank raises the same error.
+
+A crash at any point leaves only a dot-file that no reader takes for a
+checkpoint, and the previous checkpoints untouched. Without an MPI-enabled
+h5py the same file is written by rank 0 alone (per-rank rows gathered to it),
+with one warning.
+
+Fault injection for the tests: ``HPCTRAIN_CKPT_WRITE_DELAY_S`` sleeps between
+the data writes and the commit (only in the save of step
+``HPCTRAIN_CKPT_DELAY_STEP`` when that is set).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .. import __version__
+from ..errors import UserError
+from .format import FORMAT_NAME, FORMAT_VERSION, GROUPS, combine_parts, crc32_of, file_name, row_range, temp_name
+
+
+class CheckpointWriteError(UserError):
+    """A save that failed (disk full, directory not writable); the previous checkpoints stay valid."""
+
+
+def mpi_hdf5() -> bool:
+    """True when h5py was built against parallel HDF5 (driver="mpio" exists)."""
+    import h5py
+
+    return bool(h5py.get_config().mpi)
+
+
+def write_checkpoint(directory: str, step: int, entries, attrs: dict, world, log=None,
+                     collective: bool = False) -> str:
+    """Write ``entries`` (see :mod:`.state`) as checkpoint ``step`` in ``directory``; returns its path.
+
+    ``attrs``: extra root attributes (epoch, config text, ...), identical on
+    every rank. ``collective``: MPI-IO collective transfers for the data
+    writes (default independent: each rank's slices are large and contiguous).
+    Collective over ``world.comm``; raises :class:`CheckpointWriteError` on
+    every rank if any rank failed.
+    """
+    comm, rank, size = world.comm, world.rank, world.size
+    tmp, final = os.path.join(directory, temp_name(step)), os.path.join(directory, file_name(step))
+    parallel = mpi_hdf5()
+    if not parallel and log is not None:
+        log.warn("h5py lacks MPI support (parallel HDF5): rank 0 writes the checkpoint alone; "
+                 "rebuild h5py against the MPI in use (scripts/setup.sh) for parallel writes")
+    err = None
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            err = exc
+    err = _agree(comm, err)
+    if err is None:
+        if parallel:
+            err = _write_parallel(tmp, step, entries, attrs, world, collective)
+        else:
+            err = _write_serial(tmp, step, entries, attrs, world)
+        err = _agree(comm, err)
+    if err is None and rank == 0:
+        try:
+            os.replace(tmp, final)
+            _fsync_dir(directory)
+        except OSError as exc:
+            err = exc
+    err = _agree(comm, err)
+    if err is not None:
+        if rank == 0:
+            _remove_quietly(tmp)
+        failure = CheckpointWriteError(f"saving checkpoint step {step} to {directory!r} failed ({err}); "
+                                       f"the previous checkpoints are intact; free space or choose another "
+                                       f"checkpoint.dir")
+        failure.agreed = True  # raised on every rank alike
+        raise failure
+    return final
+
+
+def _root_attrs(step, attrs, size):
+    out = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "world_size": size,
+           "hpctrain_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    out.update(attrs)
+    return out
+
+
+def _create(f, step, entries, attrs, size):
+    for group in GROUPS:
+        f.require_group(group)
+    dsets = []
+    for e in entries:
+        shape = (size,) + tuple(e.shape[1:]) if e.per_rank else tuple(e.shape)
+        d = f.create_dataset(e.path, shape=shape, dtype=e.dtype)
+        d.attrs["per_rank"] = bool(e.per_rank)
+        dsets.append(d)
+    for key, value in _root_attrs(step, attrs, size).items():
+        f.attrs[key] = value
+    return dsets
+
+
+def _write_parallel(tmp, step, entries, attrs, world, collective):
+    import h5py
+
+    comm, rank, size = world.comm, world.rank, world.size
+    err, parts = None, []
+    try:
+        f = h5py.File(tmp, "w", driver="mpio", comm=comm)
+    except Exception as exc:  # noqa: BLE001 - agreed on by the caller
+        return exc
+    try:
+        dsets = _create(f, step, entries, attrs, size)
+        try:
+            for e, d in zip(entries, dsets):
+                lo, hi = (rank, rank + 1) if e.per_rank else row_range(d.shape[0], rank, size)
+                block = np.ascontiguousarray(e.rows(lo, hi), dtype=e.dtype) if hi > lo else None
+                _write_rows(d, lo, hi, block, collective)
+                parts.append((crc32_of(block), block.nbytes) if block is not None else (0, 0))
+            _inject_delay(step)
+        except Exception as exc:  # noqa: BLE001 - keep taking part in the collectives below
+            err, parts = exc, [(0, 0)] * len(entries)
+        all_parts = comm.allgather(parts)
+        for i, d in enumerate(dsets):
+            d.attrs["crc32"] = np.uint32(combine_parts([p[i] for p in all_parts]))
+        f.attrs["complete"] = True
+        f.flush()
+    except Exception as exc:  # noqa: BLE001
+        err = err or exc
+    finally:
+        try:
+            f.close()
+        except Exception as exc:  # noqa: BLE001
+            err = err or exc
+    if err is None and rank == 0:
+        try:
+            _fsync_file(tmp)
+        except OSError as exc:
+            err = exc
+    return err
+
+
+def _write_serial(tmp, step, entries, attrs, world):
+    import h5py
+
+    comm, rank, size = world.comm, world.rank, world.size
+    own = [e.rows(rank, rank + 1) for e in entries if e.per_rank]
+    gathered = comm.gather(own, root=0)
+    if rank != 0:
+        return None
+    try:
+        with h5py.File(tmp, "w") as f:
+            dsets = _create(f, step, entries, attrs, size)
+            per_rank = iter(range(len(own)))
+            for e, d in zip(entries, dsets):
+                if e.per_rank:
+                    k = next(per_rank)
+                    full = np.concatenate([np.asarray(g[k], dtype=e.dtype) for g in gathered])
+                else:
+                    full = np.ascontiguousarray(e.rows(0, d.shape[0]), dtype=e.dtype)
+                d[...] = full
+                d.attrs["crc32"] = np.uint32(crc32_of(full))
+            _inject_delay(step)
+            f.attrs["complete"] = True
+        _fsync_file(tmp)
+    except Exception as exc:  # noqa: BLE001 - agreed on by the caller
+        return exc
+    return None
+
+
+def _write_rows(dset, lo, hi, block, collective):
+    """Rows [lo, hi) of ``dset``; with ``collective`` every rank must call, an empty range included."""
+    if not collective:
+        if hi > lo:
+            dset[lo:hi] = block  # h5py's mpio default: an independent transfer
+        return
+    from h5py import h5fd, h5p, h5s
+
+    dxpl = h5p.create(h5p.DATASET_XFER)
+    dxpl.set_dxpl_mpio(h5fd.MPIO_COLLECTIVE)
+    fspace = dset.id.get_space()
+    if hi > lo:
+        fspace.select_hyperslab((lo,) + (0,) * (len(dset.shape) - 1), block.shape)
+        mspace = h5s.create_simple(block.shape)
+    else:
+        # h5py's high-level API skips empty selections, and a rank that skips a
+        # collective transfer hangs the others: select nothing explicitly
+        fspace.select_none()
+        mspace = h5s.create_simple((1,))
+        mspace.select_none()
+        block = np.zeros(1, dset.dtype)
+    dset.id.write(mspace, fspace, block, dxpl=dxpl)
+
+
+def _agree(comm, err):
+    """The first rank's error (as text), or None when every rank succeeded. Collective."""
+    errors = comm.allgather(None if err is None else f"{type(err).__name__}: {err}")
+    for r, e in enumerate(errors):
+        if e is not None:
+            return RuntimeError(e if comm.Get_size() == 1 else f"rank {r}: {e}")
+    return None
+
+
+def _inject_delay(step):
+    delay = float(os.environ.get("HPCTRAIN_CKPT_WRITE_DELAY_S", "0") or 0)
+    only = os.environ.get("HPCTRAIN_CKPT_DELAY_STEP", "")
+    if delay > 0 and (not only or int(only) == step):
+        time.sleep(delay)
+
+
+def _fsync_file(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(directory):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass

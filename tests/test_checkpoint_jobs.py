@@ -1,0 +1,176 @@
+"""Checkpoints as a user's job meets them: real mpirun jobs that are signalled or
+killed, then resumed; and the ``ckpt`` command line. Every launch has a timeout."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.timeout(240)
+
+EXIT_CHECKPOINTED = 75
+
+
+def _train_args(data, ckpt_dir, steps, *extra):
+    return ["-m", "hpctrain", "train", "--config", "examples/mlp.toml",
+            "--set", f"data.train={data}", "--set", "data.eval=", "--set", "train.metrics=",
+            "--set", "model.hidden=[64]", "--set", "train.global_batch=64", "--set", "train.target_accuracy=0",
+            "--set", f"train.steps={steps}", "--set", "train.log_every=1000000",
+            "--set", f"checkpoint.dir={ckpt_dir}", *extra]
+
+
+def _env(**extra):
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", **extra)
+
+
+def _start(n, args, **env):
+    return subprocess.Popen(["mpirun", "-n", str(n), "--oversubscribe", sys.executable, *args], cwd=REPO,
+                            env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _rank_pids(marker):
+    """Pids of the Python rank processes whose command line holds ``marker`` (not mpirun itself)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if any(marker.encode() in a for a in argv) and not any(a.endswith(b"mpirun") for a in argv[:1]):
+            if b"hpctrain" in argv:
+                pids.append(int(entry))
+    return sorted(pids)
+
+
+def _wait_for(predicate, timeout, what):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _ckpt(*args):
+    return subprocess.run([sys.executable, "-m", "hpctrain", "ckpt", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def _finish(proc, timeout=120):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"job did not end in {timeout} s:\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
+def test_signal_to_one_rank_saves_and_exits_75_then_resumes(small_data, tmp_path, signame):
+    ckpt = str(tmp_path / "ck")
+    # every_steps=2: wait for the first checkpoint, so the ranks are surely in the loop
+    proc = _start(2, _train_args(small_data[0], ckpt, 10**6, "--set", "checkpoint.every_steps=2",
+                                 "--set", "checkpoint.keep_last=1"))
+    try:
+        _wait_for(lambda: any(n.startswith("ckpt-") for n in os.listdir(ckpt)) if os.path.isdir(ckpt) else False,
+                  90, "the first checkpoint")
+        pids = _rank_pids(ckpt)
+        assert len(pids) == 2, pids
+        os.kill(pids[1], getattr(signal, signame))  # one rank only
+    finally:
+        code, out, err = _finish(proc)
+    assert code == EXIT_CHECKPOINTED, (code, out, err)
+    assert out.count("stopping at step") == 1 and f"{signame} received on 1 rank(s)" in out, out
+    assert "Traceback" not in err, err
+    listing = _ckpt("ls", ckpt, "--verify")
+    assert listing.returncode == 0 and "verified" in listing.stdout, listing.stdout
+    stopped_at = int(out.split("stopping at step ")[1].split(":")[0])
+    assert f"ckpt-{stopped_at:08d}.h5" in listing.stdout  # the save at the signal is the newest
+
+    # the requeued job: resume and finish a few steps later
+    done = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable,
+                           *_train_args(small_data[0], ckpt, stopped_at + 3, "--resume", "auto")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from {ckpt}/ckpt-{stopped_at:08d}.h5 at step {stopped_at}" in done.stdout
+    assert f"done: {stopped_at + 3} steps" in done.stdout
+
+
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint(small_data, tmp_path):
+    ckpt = str(tmp_path / "ck")
+    # step 4 saves normally; the save of step 8 sleeps 60 s before its commit, and is killed there
+    proc = _start(2, _train_args(small_data[0], ckpt, 100, "--set", "checkpoint.every_steps=4"),
+                  HPCTRAIN_CKPT_WRITE_DELAY_S="60", HPCTRAIN_CKPT_DELAY_STEP="8")
+    try:
+        _wait_for(lambda: os.path.exists(os.path.join(ckpt, ".ckpt-00000008.h5.tmp")), 90, "the save of step 8")
+        time.sleep(0.5)
+        for pid in _rank_pids(ckpt):
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        code, out, err = _finish(proc)
+    assert code != 0
+    names = sorted(os.listdir(ckpt))
+    assert names == [".ckpt-00000008.h5.tmp", "ckpt-00000004.h5"], names  # no half file named like a checkpoint
+    assert _ckpt("verify", os.path.join(ckpt, "ckpt-00000004.h5")).returncode == 0
+
+    done = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable,
+                           *_train_args(small_data[0], ckpt, 6, "--resume", "auto")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "removed" in done.stdout and ".ckpt-00000008.h5.tmp" in done.stdout
+    assert f"resumed from {ckpt}/ckpt-00000004.h5 at step 4" in done.stdout, done.stdout
+    assert not os.path.exists(os.path.join(ckpt, ".ckpt-00000008.h5.tmp"))
+
+
+def test_ckpt_command_line(small_data, tmp_path):
+    ckpt = str(tmp_path / "ck")
+    run = subprocess.run([sys.executable, *_train_args(small_data[0], ckpt, 6, "--set", "checkpoint.every_steps=3")],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    newest = os.path.join(ckpt, "ckpt-00000006.h5")
+    ls = _ckpt("ls", ckpt)
+    assert ls.returncode == 0 and ls.stdout.index("ckpt-00000006.h5") < ls.stdout.index("ckpt-00000003.h5")
+    inspect = _ckpt("inspect", newest)
+    assert inspect.returncode == 0
+    for fragment in ("step = 6", "world_size = 1", "crc32 0x", "[optim]", "/optim/momentum/fc1/bias"):
+        assert fragment in inspect.stdout, (fragment, inspect.stdout)
+    assert re.search(r"/model/fc0/weight +\(\d+, 64\) +float32", inspect.stdout), inspect.stdout
+    assert _ckpt("verify", newest).returncode == 0
+
+    with open(newest, "r+b") as fh:  # truncate: verify names the file and fails
+        fh.truncate(os.path.getsize(newest) // 3)
+    bad = _ckpt("verify", newest)
+    assert bad.returncode == 1 and "INVALID" in bad.stdout and "Traceback" not in bad.stderr
+    assert _ckpt("ls", ckpt, "--verify").returncode == 1
+    missing = _ckpt("ls", str(tmp_path / "nothing"))
+    assert missing.returncode == 0 and "no checkpoints" in missing.stdout
+
+
+def test_resume_from_a_missing_file_is_one_clear_error(small_data, tmp_path):
+    proc = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable,
+                           *_train_args(small_data[0], str(tmp_path / "ck"), 5, "--resume", "/no/such.h5")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if "hpctrain: error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "/no/such.h5" in errors[0], proc.stderr
+
+
+def test_unwritable_checkpoint_dir_is_one_clear_error(small_data, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable,
+                           *_train_args(small_data[0], str(blocker / "ck"), 5)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if "hpctrain: error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and "checkpoint.dir" in errors[0], proc.stderr

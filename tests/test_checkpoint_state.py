@@ -1,0 +1,155 @@
+"""Checkpoint pieces in one process: CRC combination, row split, RNG encoding, the
+write paths (independent, collective, serial fallback) and a CUDA -> CPU resume.
+
+The CUDA device here is numba's simulator (tests/conftest.py), so this runs in CI.
+"""
+
+import io
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from hpctrain.ckpt.format import combine_parts, crc32_combine, crc32_of, list_checkpoints, row_range
+from hpctrain.ckpt.state import fresh_rng, rng_from_array, rng_to_array
+from hpctrain.config import Config
+from hpctrain.device import cuda_status
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_crc32_combine_equals_zlib_of_the_concatenation():
+    rng = np.random.default_rng(0)
+    for la, lb in [(0, 0), (0, 7), (7, 0), (1, 1), (1000, 3), (4097, 65536)]:
+        a, b = rng.bytes(la), rng.bytes(lb)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b)
+    parts = [rng.bytes(n) for n in (5, 0, 300, 1, 0, 77)]
+    assert combine_parts([(zlib.crc32(p), len(p)) for p in parts]) == zlib.crc32(b"".join(parts))
+
+
+def test_crc32_of_is_the_c_order_little_endian_bytes():
+    a = np.arange(12, dtype=">f4").reshape(3, 4)
+    assert crc32_of(a) == zlib.crc32(a.astype("<f4").tobytes())
+    assert crc32_of(a.T) == zlib.crc32(np.ascontiguousarray(a.T).astype("<f4").tobytes())
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 10, 1001])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
+def test_row_ranges_tile_the_rows_in_rank_order(rows, size):
+    ranges = [row_range(rows, r, size) for r in range(size)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert max(hi - lo for lo, hi in ranges) - min(hi - lo for lo, hi in ranges) <= 1
+
+
+def test_rng_state_round_trip_continues_the_same_stream():
+    gen = fresh_rng(3, 1, 5)
+    gen.normal(size=7)  # has_uint32 / uinteger change with some draws
+    gen.integers(0, 2**31, size=3, dtype=np.uint32)
+    copy = rng_from_array(rng_to_array(gen))
+    np.testing.assert_array_equal(copy.random(100), gen.random(100))
+    assert rng_to_array(copy).dtype == np.uint64
+
+
+def test_list_checkpoints_ignores_temporaries_and_other_names(tmp_path):
+    for name in ("ckpt-00000002.h5", "ckpt-00000010.h5", ".ckpt-00000012.h5.tmp", "ckpt-3.h5", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [10, 2]
+    assert list_checkpoints(str(tmp_path / "missing")) == []
+
+
+# ---- whole saves in a 1-rank world --------------------------------------------------------
+def _config(train, ckpt_dir, device="cpu", resume="", collective=False):
+    cfg = Config()
+    cfg.data.train, cfg.data.eval = train, ""
+    cfg.model.hidden, cfg.model.activation = [16, 12], "gelu"
+    cfg.train.global_batch, cfg.train.dtype, cfg.train.device = 12, "float64", device
+    cfg.train.steps, cfg.train.log_every, cfg.train.metrics = 6, 10**6, ""
+    cfg.optim.name, cfg.optim.lr, cfg.optim.warmup_steps = "adamw", 0.01, 0
+    cfg.checkpoint.dir, cfg.checkpoint.resume, cfg.checkpoint.collective_io = ckpt_dir, resume, collective
+    return cfg.validate()
+
+
+def _trainer(cfg, out=None):
+    from mpi4py import MPI
+
+    from hpctrain.log import Log
+    from hpctrain.runtime import init_world
+    from hpctrain.train import Trainer
+
+    return Trainer(cfg, init_world(MPI.COMM_SELF), Log(out is not None, out))
+
+
+def _host_state(t):
+    dev = t.device
+    return {"params": dev.to_host(t.model.flat.data), "t": t.optimizer.t,
+            **{k: dev.to_host(v) for k, v in t.optimizer.state().items()}}
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("mode", ["independent", "collective", "serial-fallback"])
+def test_save_paths_round_trip(small_data, tmp_path, monkeypatch, mode):
+    from hpctrain.ckpt import write
+    from hpctrain.ckpt.read import verify_file
+
+    out = io.StringIO()
+    if mode == "serial-fallback":
+        monkeypatch.setattr(write, "mpi_hdf5", lambda: False)
+    t = _trainer(_config(small_data[0], str(tmp_path), collective=mode == "collective"), out)
+    for _ in range(3):
+        t.train_step()
+    path = t.checkpoints.save(t)
+    assert verify_file(path)["step"] == 3
+    assert ("lacks MPI support" in out.getvalue()) == (mode == "serial-fallback")
+    back = _trainer(_config(small_data[0], str(tmp_path), resume=path))
+    assert back.step == 3
+    _assert_same(_host_state(back), _host_state(t))
+
+
+@pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")
+def test_cuda_checkpoint_resumes_on_cpu_and_continues_alike(small_data, tmp_path):
+    """Saved from device arrays (simulated GPU), loaded into a CPU run: the same bytes,
+    and both continue to the same parameters (float64 twins agree to rounding)."""
+    gpu = _trainer(_config(small_data[0], str(tmp_path), device="cuda"))
+    for _ in range(2):
+        gpu.train_step()
+    path = gpu.checkpoints.save(gpu)
+    cpu = _trainer(_config(small_data[0], str(tmp_path), device="cpu", resume=path))
+    _assert_same(_host_state(cpu), _host_state(gpu))
+    gpu_again = _trainer(_config(small_data[0], str(tmp_path), device="cuda", resume=path))
+    _assert_same(_host_state(gpu_again), _host_state(gpu))  # and back onto the device
+    for t in (gpu, cpu):
+        t.train_step()
+    np.testing.assert_allclose(_host_state(cpu)["params"], _host_state(gpu)["params"], rtol=1e-10, atol=1e-13)
+
+
+def test_checkpoint_of_another_model_lists_the_mismatches(small_data, tmp_path):
+    from hpctrain.errors import UserError
+
+    t = _trainer(_config(small_data[0], str(tmp_path)))
+    path = t.checkpoints.save(t)
+    cfg = _config(small_data[0], str(tmp_path), resume=path)
+    cfg.model.hidden = [16, 10]
+    with pytest.raises(UserError) as err:
+        _trainer(cfg)
+    text = str(err.value)
+    assert "/model/fc1/weight: checkpoint (16, 12), model (16, 10)" in text
+    assert "/model/fc2/weight" in text and "/model/fc0/weight" not in text
+    sgd = _config(small_data[0], str(tmp_path), resume=path)
+    sgd.optim.name = "sgd"
+    with pytest.raises(UserError, match="momentum"):
+        _trainer(sgd)
+
+
+def test_keep_last_deletes_the_oldest(small_data, tmp_path):
+    cfg = _config(small_data[0], str(tmp_path))
+    cfg.checkpoint.every_steps, cfg.checkpoint.keep_last = 1, 2
+    _trainer(cfg).run()
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [6, 5]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
