@@ -26,7 +26,8 @@ class RecordingComm:
 
     def __getattr__(self, name):
         attr = getattr(self._comm, name)
-        if name in ("Allreduce", "Reduce", "Bcast", "Sendrecv", "Send", "Recv", "Reduce_scatter", "Allgatherv"):
+        if name in ("Allreduce", "Iallreduce", "Reduce", "Bcast", "Sendrecv", "Send", "Recv", "Isend", "Irecv",
+                    "Reduce_scatter", "Allgather", "Allgatherv"):
             def call(*args, **kw):
                 self.seen += [type(a).__name__ for a in args if hasattr(a, "shape")]
                 return attr(*args, **kw)
