@@ -80,18 +80,26 @@ def _square(matrix: list[int]) -> list[int]:
     return [_times(matrix, matrix[n]) for n in range(32)]
 
 
+_ZERO_BYTES_OPS: list = []  # [k]: the operator for 2^k zero bytes, built once (64 matrices)
+
+
+def _zero_bytes_op(k: int) -> list[int]:
+    if not _ZERO_BYTES_OPS:
+        op = _square(_square(_square([_POLY] + [1 << n for n in range(31)])))  # one zero byte (8 bits)
+        for _ in range(64):
+            _ZERO_BYTES_OPS.append(op)
+            op = _square(op)
+    return _ZERO_BYTES_OPS[k]
+
+
 def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC-32 of A followed by B, given crc32(A), crc32(B) and B's length in bytes."""
-    if len_b <= 0:
-        return crc_a
-    one_bit = [_POLY] + [1 << n for n in range(31)]   # the register after one zero bit
-    op = _square(_square(_square(one_bit)))            # after one zero byte (8 bits)
-    while len_b:
+    k = 0
+    while len_b > 0:
         if len_b & 1:
-            crc_a = _times(op, crc_a)
+            crc_a = _times(_zero_bytes_op(k), crc_a)
         len_b >>= 1
-        if len_b:
-            op = _square(op)
+        k += 1
     return (crc_a ^ crc_b) & 0xFFFFFFFF
 
 
