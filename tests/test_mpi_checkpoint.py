@@ -226,3 +226,43 @@ def test_file_reads_with_serial_h5py_and_h5dump(world, mpi_small_data):
         assert dump.returncode == 0 and "/model/fc0/weight" not in dump.stderr, dump.stderr
         assert 'DATASET "weight"' in dump.stdout and 'ATTRIBUTE "crc32"' in dump.stdout
     world.comm.Barrier()
+
+
+@pytest.mark.parametrize("collective", [False, True])
+def test_pieces_and_a_failing_rank(world, monkeypatch, collective):
+    """Slices written in many small pieces (as >2 GiB slices are) round-trip; a rank whose
+    data cannot be produced makes every rank raise one error, without a hang, and commits nothing."""
+    from hpctrain.ckpt import write
+    from hpctrain.ckpt.read import load_checkpoint, verify_file
+    from hpctrain.ckpt.state import Entry
+
+    monkeypatch.setattr(write, "PIECE_BYTES", 40)  # 2 rows of the (37, 5) float32 array per piece
+    rng = np.random.default_rng(7)
+    big, small = rng.standard_normal((37, 5)).astype(np.float32), rng.standard_normal(3)
+    mine = np.array([world.rank, 10 * world.rank], np.uint64)
+    entries = [Entry("/model/a/weight", big.shape, big.dtype, lambda lo, hi: big[lo:hi]),
+               Entry("/model/a/bias", small.shape, small.dtype, lambda lo, hi: small[lo:hi]),
+               Entry("/rng/pcg64", (None, 2), mine.dtype, lambda lo, hi: mine[None], per_rank=True)]
+    d = _fresh_dir(world, f"pieces-{collective}")
+    path = write.write_checkpoint(d, 1, entries, {"epoch": 0}, world, collective=collective)
+    loaded = load_checkpoint(path, world)
+    np.testing.assert_array_equal(loaded.full["/model/a/weight"], big)
+    np.testing.assert_array_equal(loaded.full["/model/a/bias"], small)
+    np.testing.assert_array_equal(loaded.own_rows["/rng/pcg64"], mine)
+    if world.rank == 0:
+        verify_file(path)
+
+    last = min(world.size, small.size) - 1  # the last rank that holds rows of the failing array
+
+    def failing(lo, hi):
+        if world.rank == last:
+            raise OSError(28, "No space left on device")
+        return small[lo:hi]
+    entries[1] = Entry("/model/a/bias", small.shape, small.dtype, failing)
+    with pytest.raises(write.CheckpointWriteError) as err:
+        write.write_checkpoint(d, 2, entries, {"epoch": 0}, world, collective=collective)
+    text = str(err.value)
+    assert "No space left" in text and text.count("rank ") <= 1, text
+    assert (f"rank {last}:" in text) == (world.size > 1), text
+    world.comm.Barrier()
+    assert sorted(os.listdir(d)) == ["ckpt-00000001.h5"]  # nothing committed, no temporary left
