@@ -1,0 +1,103 @@
+"""The compressor interface, error feedback and the payload's size.
+
+A compressor turns one bucket of gradients (a host float32 vector of n
+elements) into a *payload* (a dict of small numpy arrays) and back:
+
+    payload = c.compress(x, ctx)        # x is not modified
+    y       = c.decompress(payload, n, ctx)
+
+How payloads of several ranks combine is the compressor's ``combine``:
+
+  * "sum": payloads of all ranks add elementwise (fp16, bf16, random-k values
+    at indices every rank draws alike), so they can be all-reduced directly;
+  * "gather": payloads must be all-gathered and decoded one by one (top-k's
+    indices differ per rank; sign's packed bits do not add);
+  * "lowrank": PowerSGD's own two all-reduces (of P and Q), see powersgd.py.
+
+Error feedback (:class:`ErrorFeedback`) keeps, per rank and bucket, what
+compression dropped and adds it to the next step's gradient, so nothing is
+lost, only delayed: over any number of steps, the sum of what was sent plus
+the final residual equals the sum of the gradients (to rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a compressor may depend on besides the data: identical on every rank."""
+
+    step: int            # global optimizer step
+    bucket: int          # bucket index (buckets compress independently)
+    seed: int = 0        # run seed (train.seed): shared randomness (random-k) derives from it
+
+
+class Compressor:
+    """Base class; subclasses set ``name``, ``combine``, ``error_feedback`` and the two methods."""
+
+    name = "none"
+    combine = "sum"
+    error_feedback = False
+
+    def compress(self, x: np.ndarray, ctx: Context) -> dict:
+        raise NotImplementedError
+
+    def decompress(self, payload: dict, n: int, ctx: Context) -> np.ndarray:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+def payload_bytes(payload: dict) -> int:
+    """Bytes a payload puts on the wire: the sum of its arrays' sizes."""
+    return int(sum(np.asarray(a).nbytes for a in payload.values()))
+
+
+class ErrorFeedback:
+    """Per-rank residuals, one per bucket, for a compressor with ``error_feedback``.
+
+    ``step(x, bucket, ctx)`` compresses x + residual and keeps what the local
+    decompression misses as the next residual. Residuals are float32 vectors of
+    the bucket's length; ``state()`` / ``load_state()`` expose them for
+    checkpoints (as /compress/residual/<bucket>).
+    """
+
+    def __init__(self, compressor: Compressor):
+        self.compressor = compressor
+        self.residuals: dict[int, np.ndarray] = {}
+
+    def step(self, x: np.ndarray, ctx: Context) -> dict:
+        c = self.compressor
+        if not c.error_feedback:
+            return c.compress(x, ctx)
+        r = self.residuals.get(ctx.bucket)
+        if r is None or r.size != x.size:
+            r = self.residuals[ctx.bucket] = np.zeros(x.size, np.float32)
+        corrected = x.astype(np.float32) + r
+        payload = c.compress(corrected, ctx)
+        np.subtract(corrected, c.decompress(payload, x.size, ctx), out=r)
+        return payload
+
+    def state(self) -> dict:
+        return {f"residual/{b}": r for b, r in sorted(self.residuals.items())}
+
+    def load_state(self, state: dict) -> None:
+        self.residuals = {int(k.split("/")[1]): np.asarray(v, np.float32).copy()
+                          for k, v in state.items() if k.startswith("residual/")}
+
+
+class NoCompression(Compressor):
+    """The identity: the payload is the float32 vector itself."""
+
+    name, combine = "none", "sum"
+
+    def compress(self, x, ctx):
+        return {"values": np.asarray(x, np.float32)}
+
+    def decompress(self, payload, n, ctx):
+        return np.asarray(payload["values"], np.float32)

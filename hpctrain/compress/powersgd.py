@@ -1,0 +1,101 @@
+"""PowerSGD (Vogels et al. 2019): rank-r approximations of each layer's gradient matrix.
+
+For a layer's gradient M (n x m) on rank i, with error feedback
+(M_i = gradient + residual_i) and Q (m x r) kept from the previous step
+(warm start; the first Q is Gaussian, seeded alike on every rank):
+
+    P   = mean_i(M_i Q)            all-reduce of n x r
+    P^  = orthonormal basis of P   (QR; identical on every rank)
+    Q   = mean_i(M_i^T P^)         all-reduce of m x r
+    M~  = P^ Q^T                   the same on every rank
+    residual_i = M_i - M~
+
+So r (n + m) values travel instead of n m. Vectors (biases) and matrices that
+rank r would not shrink (r (n + m) >= n m) are all-reduced uncompressed, and
+so is everything before ``start_step`` (no error feedback then: PowerSGD's
+usual warm-up of exact steps). With r >= min(n, m), P^ spans the column space
+of mean(M), so M~ = mean(M) exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Compressor
+
+
+class PowerSGD(Compressor):
+    combine, error_feedback = "lowrank", True
+
+    def __init__(self, rank: int, start_step: int = 0):
+        if rank < 1 or start_step < 0:
+            raise ValueError(f"powersgd({rank}, {start_step}): rank >= 1 and start_step >= 0 required")
+        self.rank, self.start_step = rank, start_step
+        self.name = f"powersgd({rank},{start_step})"
+        self.q: dict = {}          # (bucket, layer) -> Q, kept between steps
+        self.residuals: dict = {}  # (bucket, layer) -> residual (n x m)
+
+    def compresses(self, shape) -> bool:
+        if len(shape) != 2:
+            return False
+        n, m = shape
+        r = min(self.rank, n, m)
+        return r * (n + m) < n * m
+
+    def reduce(self, matrices, ctx, allreduce_mean) -> list:
+        """Every rank calls this with its per-layer gradients (2-D or 1-D arrays) of one bucket.
+
+        ``allreduce_mean(a)`` must average ``a`` (float32) over ranks in place and
+        return it. Returns the averaged (approximated) gradient per layer.
+        """
+        out = []
+        for layer, g in enumerate(matrices):
+            g = np.asarray(g, np.float32)
+            if ctx.step < self.start_step or not self.compresses(g.shape):
+                out.append(allreduce_mean(g.copy()))
+                continue
+            key = (ctx.bucket, layer)
+            n, m = g.shape
+            r = min(self.rank, n, m)
+            resid = self.residuals.get(key)
+            if resid is None or resid.shape != g.shape:
+                resid = self.residuals[key] = np.zeros(g.shape, np.float32)
+            q = self.q.get(key)
+            if q is None or q.shape != (m, r):
+                q = self.q[key] = np.random.default_rng([ctx.seed, ctx.bucket, layer, 0x9D]) \
+                    .standard_normal((m, r)).astype(np.float32)
+            mat = g + resid
+            p = allreduce_mean(mat @ q)
+            p_hat = np.linalg.qr(p.astype(np.float64))[0].astype(np.float32)
+            q_new = allreduce_mean(mat.T @ p_hat)
+            approx = p_hat @ q_new.T
+            np.subtract(mat, approx, out=resid)
+            self.q[key] = q_new
+            out.append(approx)
+        return out
+
+    def payload_bytes(self, shapes, step) -> int:
+        """Bytes one rank sends for layers of these shapes at ``step`` (P and Q, or the raw layer)."""
+        total = 0
+        for shape in shapes:
+            if step >= self.start_step and self.compresses(shape):
+                r = min(self.rank, *shape)
+                total += 4 * r * (shape[0] + shape[1])
+            else:
+                total += 4 * int(np.prod(shape))
+        return total
+
+    def state(self) -> dict:
+        out = {}
+        for (b, layer), v in sorted(self.residuals.items()):
+            out[f"residual/{b}/{layer}"] = v
+        for (b, layer), v in sorted(self.q.items()):
+            out[f"q/{b}/{layer}"] = v
+        return out
+
+    def load_state(self, state: dict) -> None:
+        self.residuals, self.q = {}, {}
+        for k, v in state.items():
+            kind, b, layer = k.split("/")
+            target = self.residuals if kind == "residual" else self.q
+            target[(int(b), int(layer))] = np.asarray(v, np.float32).copy()

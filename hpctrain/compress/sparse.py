@@ -1,0 +1,78 @@
+"""Top-k and random-k sparsification, both with error feedback.
+
+topk(ratio): the k = ceil(ratio * n) entries of largest magnitude, sent as
+(int32 indices, float32 values): 8k bytes. Indices differ per rank, so
+payloads are all-gathered ("gather") and scattered-added. Selection on the
+CPU is exact (``numpy.argpartition``, O(n)); ties at the threshold are broken
+by position, deterministically.
+
+randk(ratio): k entries at indices drawn from a generator seeded by
+(seed, step, bucket), the same on every rank, so only the float32 values
+travel (4k bytes) and payloads add elementwise ("sum"). Values are sent
+unscaled: with error feedback the unsent part waits in the residual, which
+is what makes the estimate converge (no n/k rescaling, which would inflate
+the residual).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .base import Compressor
+
+
+def k_of(ratio: float, n: int) -> int:
+    """Entries kept of n: ceil(ratio * n), at least 1 (for n >= 1)."""
+    return min(n, max(1, math.ceil(ratio * n))) if n else 0
+
+
+class TopK(Compressor):
+    combine, error_feedback = "gather", True
+
+    def __init__(self, ratio: float):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"topk ratio {ratio}: must be in (0, 1]")
+        self.ratio = ratio
+        self.name = f"topk({ratio:g})"
+
+    def compress(self, x, ctx):
+        x = np.asarray(x, np.float32).reshape(-1)
+        k = k_of(self.ratio, x.size)
+        if k == x.size:
+            idx = np.arange(x.size, dtype=np.int32)
+        else:
+            # the k largest |x|; sorted so the payload does not depend on partition internals
+            idx = np.sort(np.argpartition(np.abs(x), x.size - k)[x.size - k:]).astype(np.int32)
+        return {"indices": idx, "values": x[idx]}
+
+    def decompress(self, payload, n, ctx):
+        out = np.zeros(n, np.float32)
+        out[payload["indices"]] = payload["values"]
+        return out
+
+
+class RandK(Compressor):
+    combine, error_feedback = "sum", True
+
+    def __init__(self, ratio: float):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"randk ratio {ratio}: must be in (0, 1]")
+        self.ratio = ratio
+        self.name = f"randk({ratio:g})"
+
+    def indices(self, n, ctx) -> np.ndarray:
+        """The same k indices on every rank for (seed, step, bucket), sorted."""
+        k = k_of(self.ratio, n)
+        rng = np.random.default_rng([ctx.seed, ctx.step, ctx.bucket, 0x5EED])
+        return np.sort(rng.choice(n, size=k, replace=False)).astype(np.int32)
+
+    def compress(self, x, ctx):
+        x = np.asarray(x, np.float32).reshape(-1)
+        return {"values": x[self.indices(x.size, ctx)]}
+
+    def decompress(self, payload, n, ctx):
+        out = np.zeros(n, np.float32)
+        out[self.indices(n, ctx)] = payload["values"]
+        return out

@@ -1,0 +1,148 @@
+"""Compressors one rank at a time: round-trip bounds, packing, overflow, error feedback,
+PowerSGD exactness. (Wiring into the all-reduce and multi-rank tests come with it.)"""
+
+import numpy as np
+import pytest
+
+from hpctrain.compress import (Bf16, Context, ErrorFeedback, Fp16, PowerSGD, RandK, Sign, TopK,
+                               make_compressor, payload_bytes)
+from hpctrain.compress.sparse import k_of
+
+CTX = Context(step=3, bucket=1, seed=7)
+
+
+def _x(n, seed=0, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("spec,cls", [("none", None), ("fp16", Fp16), ("bf16", Bf16), ("topk(0.01)", TopK),
+                                      ("randk(0.5)", RandK), ("sign", Sign), ("powersgd(4)", PowerSGD),
+                                      ("powersgd(4, 10)", PowerSGD)])
+def test_make_compressor_parses_specs(spec, cls):
+    c = make_compressor(spec)
+    assert cls is None or isinstance(c, cls)
+
+
+@pytest.mark.parametrize("bad", ["topk", "topk(0)", "topk(2)", "zip", "powersgd(0)", "randk(a)", "sign(3)"])
+def test_bad_specs_name_the_problem(bad):
+    with pytest.raises(ValueError, match="compressor"):
+        make_compressor(bad)
+
+
+def test_fp16_round_trip_bound_and_saturation():
+    c = Fp16()
+    x = _x(10001, scale=100.0)
+    y = c.decompress(c.compress(x, CTX), x.size, CTX)
+    # normal range: relative error <= 2^-11; below 2^-14 the spacing is absolute 2^-24
+    assert np.all(np.abs(y - x) <= np.maximum(np.abs(x) * 2.0**-11, 2.0**-24))
+    big = np.array([1e5, -7e4, 65504, 3.0, np.nan], np.float32)
+    y = c.decompress(c.compress(big, CTX), 5, CTX)
+    np.testing.assert_array_equal(y[:4], [65504, -65504, 65504, 3.0])  # saturated, not inf
+    assert np.isnan(y[4]) and c.saturated == 2
+    assert payload_bytes(c.compress(x, CTX)) == 2 * x.size
+
+
+def test_fp16_overflow_is_not_lost_with_error_feedback():
+    ef = ErrorFeedback(Fp16())
+    g = np.array([1e5, 1.0], np.float32)
+    sent = sum(Fp16().decompress(ef.step(g if s == 0 else np.zeros(2, np.float32), Context(s, 0)), 2, CTX)
+               for s in range(3))
+    np.testing.assert_allclose(sent, g, rtol=1e-6)  # 65504 + 34496 arrive over two steps
+
+
+def test_bf16_rounds_to_nearest_even_and_keeps_range():
+    c = Bf16()
+    x = np.concatenate([_x(5000, scale=1e30), _x(5000, scale=1e-30), [0.0, -0.0, 1.0, np.inf, -np.inf]]).astype(np.float32)
+    y = c.decompress(c.compress(x, CTX), x.size, CTX)
+    finite = np.isfinite(x)
+    assert np.all(np.abs(y[finite] - x[finite]) <= np.abs(x[finite]) * 2.0**-8)
+    np.testing.assert_array_equal(y[~finite], x[~finite])
+    # ties go to even: 1 + 2^-8 is halfway between 1 and 1 + 2^-7 -> 1 (even mantissa)
+    tie = np.array([1 + 2.0**-8, 1 + 3 * 2.0**-8], np.float32)
+    np.testing.assert_array_equal(c.decompress(c.compress(tie, CTX), 2, CTX), [1.0, 1 + 2.0**-6])
+    top = np.array([np.finfo(np.float32).max, np.nan], np.float32)
+    y = c.decompress(c.compress(top, CTX), 2, CTX)
+    assert np.isfinite(y[0]) and y[0] > 3.38e38 and np.isnan(y[1])  # saturated, NaN kept
+
+
+def test_topk_keeps_the_largest_magnitudes_exactly():
+    x = _x(1000)
+    c = TopK(0.05)
+    p = c.compress(x, CTX)
+    k = k_of(0.05, 1000)
+    assert p["indices"].size == k == 50 and payload_bytes(p) == 8 * k
+    y = c.decompress(p, x.size, CTX)
+    threshold = np.sort(np.abs(x))[-k]
+    assert np.all(np.abs(x[p["indices"]]) >= threshold)
+    np.testing.assert_array_equal(y[p["indices"]], x[p["indices"]])
+    assert np.count_nonzero(y) == k
+
+
+def test_randk_indices_agree_across_ranks_and_differ_across_steps():
+    a, b = RandK(0.1), RandK(0.1)  # two "ranks"
+    np.testing.assert_array_equal(a.indices(1000, CTX), b.indices(1000, CTX))
+    assert not np.array_equal(a.indices(1000, CTX), a.indices(1000, Context(4, 1, 7)))
+    x = _x(1000)
+    assert payload_bytes(a.compress(x, CTX)) == 4 * 100
+
+
+def test_sign_packing_is_exact_and_keeps_chunk_l1_norms():
+    c = Sign(chunk=64)
+    x = _x(1000)
+    p = c.compress(x, CTX)
+    assert p["bits"].size == 125 and p["scales"].size == 16
+    np.testing.assert_array_equal(np.unpackbits(p["bits"], count=1000).astype(bool), x < 0)
+    y = c.decompress(p, x.size, CTX)
+    np.testing.assert_array_equal(np.sign(y), np.where(x < 0, -1, 1))
+    for lo in range(0, 1000, 64):  # every chunk keeps its L1 norm
+        np.testing.assert_allclose(np.abs(y[lo:lo + 64]).sum(), np.abs(x[lo:lo + 64]).sum(), rtol=1e-5)
+    assert payload_bytes(Sign().compress(_x(1 << 20), CTX)) * 30 < 4 * (1 << 20)
+
+
+@pytest.mark.parametrize("make", [Fp16, Bf16, lambda: TopK(0.01), lambda: RandK(0.05), Sign])
+def test_error_feedback_invariant(make):
+    """Over several steps: sum(sent) + final residual == sum(gradients), to float32 rounding."""
+    c = make()
+    ef = ErrorFeedback(c)
+    grads = [_x(3000, seed=s) for s in range(12)]
+    sent = np.zeros(3000, np.float64)
+    for s, g in enumerate(grads):
+        ctx = Context(step=s, bucket=0, seed=1)
+        sent += c.decompress(ef.step(g, ctx), g.size, ctx)
+    total = np.sum(grads, axis=0, dtype=np.float64)
+    np.testing.assert_allclose(sent + ef.residuals[0], total, atol=1e-4 * np.abs(total).max())
+    # the checkpoint view round-trips
+    again = ErrorFeedback(c)
+    again.load_state(ef.state())
+    np.testing.assert_array_equal(again.residuals[0], ef.residuals[0])
+
+
+def test_powersgd_with_full_rank_reproduces_the_matrix():
+    m = np.random.default_rng(1).standard_normal((20, 12)).astype(np.float32)
+    c = PowerSGD(rank=12)
+    assert not c.compresses(m.shape)  # rank 12 would not shrink 20 x 12: sent as it is
+    c = PowerSGD(rank=4)
+    low = (np.random.default_rng(2).standard_normal((40, 3)) @ np.random.default_rng(3).standard_normal((3, 30)))
+    low = low.astype(np.float32)
+    (approx,) = c.reduce([low], Context(0, 0), lambda a: a)
+    np.testing.assert_allclose(approx, low, atol=1e-4 * np.abs(low).max())  # rank 3 <= 4: exact
+    assert np.abs(c.residuals[(0, 0)]).max() <= 1e-4 * np.abs(low).max()
+
+
+def test_powersgd_error_feedback_and_warm_start():
+    c = PowerSGD(rank=2, start_step=1)
+    grads = [np.random.default_rng(s).standard_normal((30, 20)).astype(np.float32) for s in range(8)]
+    bias = np.ones(5, np.float32)
+    sent = np.zeros((30, 20))
+    for s, g in enumerate(grads):
+        approx, b = c.reduce([g, bias], Context(s, 0), lambda a: a)
+        np.testing.assert_array_equal(b, bias)  # vectors travel uncompressed
+        sent += approx
+        if s == 0:
+            np.testing.assert_array_equal(approx, g)  # before start_step: exact, no residual
+            assert (0, 0) not in c.residuals
+    np.testing.assert_allclose(sent + c.residuals[(0, 0)], np.sum(grads, axis=0), atol=1e-3)
+    assert c.payload_bytes([(30, 20), (5,)], step=2) == 4 * 2 * 50 + 4 * 5
+    again = PowerSGD(rank=2, start_step=1)
+    again.load_state(c.state())
+    assert again.q.keys() == c.q.keys() and again.residuals.keys() == c.residuals.keys()
