@@ -28,14 +28,21 @@ def k_of(ratio: float, n: int) -> int:
     return min(n, max(1, math.ceil(ratio * n))) if n else 0
 
 
-class TopK(Compressor):
-    combine, error_feedback = "gather", True
+class _Sparse(Compressor):
+    """Keeps a fraction ``ratio`` of the entries; ``kind`` names it (topk, randk)."""
+
+    kind = "sparse"
+    error_feedback = True
 
     def __init__(self, ratio: float):
         if not 0 < ratio <= 1:
-            raise ValueError(f"topk ratio {ratio}: must be in (0, 1]")
+            raise ValueError(f"{self.kind} ratio {ratio}: must be in (0, 1]")
         self.ratio = ratio
-        self.name = f"topk({ratio:g})"
+        self.name = f"{self.kind}({ratio:g})"
+
+
+class TopK(_Sparse):
+    kind, combine = "topk", "gather"
 
     def compress(self, x, ctx):
         x = np.asarray(x, np.float32).reshape(-1)
@@ -53,14 +60,8 @@ class TopK(Compressor):
         return out
 
 
-class RandK(Compressor):
-    combine, error_feedback = "sum", True
-
-    def __init__(self, ratio: float):
-        if not 0 < ratio <= 1:
-            raise ValueError(f"randk ratio {ratio}: must be in (0, 1]")
-        self.ratio = ratio
-        self.name = f"randk({ratio:g})"
+class RandK(_Sparse):
+    kind, combine = "randk", "sum"
 
     def indices(self, n, ctx) -> np.ndarray:
         """The same k indices on every rank for (seed, step, bucket), sorted."""
