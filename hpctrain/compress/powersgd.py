@@ -4,17 +4,17 @@ For a layer's gradient M (n x m) on rank i, with error feedback
 (M_i = gradient + residual_i) and Q (m x r) kept from the previous step
 (warm start; the first Q is Gaussian, seeded alike on every rank):
 
-    P   = mean_i(M_i Q)            all-reduce of n x r
+    P   = sum_i(M_i Q)             all-reduce of n x r
     P^  = orthonormal basis of P   (QR; identical on every rank)
-    Q   = mean_i(M_i^T P^)         all-reduce of m x r
-    M~  = P^ Q^T                   the same on every rank
-    residual_i = M_i - M~
+    Q   = sum_i(M_i^T P^)          all-reduce of m x r
+    S~  = P^ Q^T                   approximates sum_i M_i, the same on every rank
+    residual_i = M_i - S~ / p      (the residuals add up to sum_i M_i - S~)
 
 So r (n + m) values travel instead of n m. Vectors (biases) and matrices that
 rank r would not shrink (r (n + m) >= n m) are all-reduced uncompressed, and
 so is everything before ``start_step`` (no error feedback then: PowerSGD's
-usual warm-up of exact steps). With r >= min(n, m), P^ spans the column space
-of mean(M), so M~ = mean(M) exactly.
+usual warm-up of exact steps). With r >= rank(sum M), P^ spans the column
+space of sum(M), so S~ = sum(M) exactly.
 """
 
 from __future__ import annotations
@@ -42,17 +42,17 @@ class PowerSGD(Compressor):
         r = min(self.rank, n, m)
         return r * (n + m) < n * m
 
-    def reduce(self, matrices, ctx, allreduce_mean) -> list:
+    def reduce(self, matrices, ctx, allreduce_sum, size: int = 1) -> list:
         """Every rank calls this with its per-layer gradients (2-D or 1-D arrays) of one bucket.
 
-        ``allreduce_mean(a)`` must average ``a`` (float32) over ranks in place and
-        return it. Returns the averaged (approximated) gradient per layer.
+        ``allreduce_sum(a)`` must sum ``a`` (float32) over the ``size`` ranks in
+        place and return it. Returns the summed (approximated) gradient per layer.
         """
         out = []
         for layer, g in enumerate(matrices):
             g = np.asarray(g, np.float32)
             if ctx.step < self.start_step or not self.compresses(g.shape):
-                out.append(allreduce_mean(g.copy()))
+                out.append(allreduce_sum(g.copy()))
                 continue
             key = (ctx.bucket, layer)
             n, m = g.shape
@@ -65,11 +65,11 @@ class PowerSGD(Compressor):
                 q = self.q[key] = np.random.default_rng([ctx.seed, ctx.bucket, layer, 0x9D]) \
                     .standard_normal((m, r)).astype(np.float32)
             mat = g + resid
-            p = allreduce_mean(mat @ q)
+            p = allreduce_sum(mat @ q)
             p_hat = np.linalg.qr(p.astype(np.float64))[0].astype(np.float32)
-            q_new = allreduce_mean(mat.T @ p_hat)
+            q_new = allreduce_sum(mat.T @ p_hat)
             approx = p_hat @ q_new.T
-            np.subtract(mat, approx, out=resid)
+            np.subtract(mat, approx / size, out=resid)
             self.q[key] = q_new
             out.append(approx)
         return out

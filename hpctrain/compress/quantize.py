@@ -25,19 +25,28 @@ BF16_MAX_BITS = 0x7F7F                        # largest finite bf16
 
 
 class Fp16(Compressor):
+    """``encode``/``decode`` map float32 to the 16-bit wire format (uint16 bits) and back;
+    decode(encode(decode(w))) == decode(w), so re-encoding a decoded value is exact."""
+
     name, combine, error_feedback = "fp16", "sum", True
 
     def __init__(self):
         self.saturated = 0
 
-    def compress(self, x, ctx):
+    def encode(self, x) -> np.ndarray:
         x = np.asarray(x, np.float32)
-        clipped = np.clip(x, -FP16_MAX, FP16_MAX)  # NaN passes through clip unchanged
         self.saturated = int(np.count_nonzero(np.abs(x) > FP16_MAX))
-        return {"values": clipped.astype(np.float16)}
+        return np.clip(x, -FP16_MAX, FP16_MAX).astype(np.float16).view(np.uint16)  # clip keeps NaN
+
+    @staticmethod
+    def decode(bits) -> np.ndarray:
+        return np.asarray(bits).view(np.float16).astype(np.float32)
+
+    def compress(self, x, ctx):
+        return {"values": self.encode(x)}
 
     def decompress(self, payload, n, ctx):
-        return payload["values"].astype(np.float32)
+        return self.decode(payload["values"])
 
 
 @njit(cache=True, nogil=True)
@@ -56,13 +65,23 @@ def _to_bf16(x, out):
 
 
 class Bf16(Compressor):
+    """As :class:`Fp16`: ``encode``/``decode`` between float32 and the uint16 bits."""
+
     name, combine, error_feedback = "bf16", "sum", True
 
-    def compress(self, x, ctx):
-        x = np.ascontiguousarray(x, np.float32)
+    @staticmethod
+    def encode(x) -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32).reshape(-1)
         out = np.empty(x.size, np.uint16)
-        _to_bf16(x.reshape(-1), out)
-        return {"values": out}
+        _to_bf16(x, out)
+        return out
+
+    @staticmethod
+    def decode(bits) -> np.ndarray:
+        return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+    def compress(self, x, ctx):
+        return {"values": self.encode(x)}
 
     def decompress(self, payload, n, ctx):
-        return (payload["values"].astype(np.uint32) << 16).view(np.float32)
+        return self.decode(payload["values"])
