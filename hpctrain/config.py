@@ -136,6 +136,10 @@ class DistConfig:
     first_bucket_mb: float = _f(1.0, "the first bucket is small so communication starts early")
     overlap: bool = _f(True, "reduce buckets on a communication thread during backward; false = after it")
     ranks_per_node: int = _f(0, "simulate nodes of k ranks on one machine; 0 = real nodes (shared memory)")
+    compress: str = _f("none", "gradient compression: none | fp16 | bf16 | topk(ratio) | randk(ratio) | sign | "
+                       "powersgd(rank[, start_step]); with error feedback except none (docs/dist.md)")
+    compress_scope: str = _f("all", "all = compress every bucket everywhere | inter = only hierarchical's "
+                             "cross-node phase (intra-node stays exact)", choices=("all", "inter"))
     cuda_aware_mpi: str = _f("auto", "hand GPU buffers to MPI directly: auto (ask the MPI library) | on | off "
                              "(copy through pinned host buffers)", choices=("auto", "on", "off"))
 
@@ -145,6 +149,11 @@ class DistConfig:
                               f"dist.first_bucket_mb={self.first_bucket_mb} > 0")
         if self.ranks_per_node < 0:
             raise ConfigError(f"dist.ranks_per_node={self.ranks_per_node}: must be >= 0")
+        from .compress import make_compressor
+        try:
+            make_compressor(self.compress)
+        except ValueError as exc:
+            raise ConfigError(f"dist.compress={self.compress!r}: {str(exc).split(': ', 1)[-1]}") from None
 
 
 @dataclass

@@ -23,6 +23,7 @@ from .errors import EXIT_CHECKPOINTED, ConfigError, DataError
 from .dist import make_allreduce
 from .dist.buckets import BucketedAllreduce, layout_signature, plan_buckets
 from .dist.collectives import Collectives
+from .dist.compression import GradientCompression
 from .dist.staging import Staging
 from .guard import agree
 from .log import Log, Metrics, Timers, format_eta
@@ -54,8 +55,13 @@ class Trainer:
         self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device, self.staging,
                                         inner=cfg.dist.hierarchical_inner, cache_path=cfg.dist.auto_cache,
                                         log=self.log)
+        self.compression = None
+        if cfg.dist.compress != "none":
+            self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, world,
+                                     self.staging, self.allreduce, self.buckets, self.model.flat, cfg.train.seed,
+                                     self.log)
         self.comm = BucketedAllreduce(self.allreduce, self.model.flat.grad, self.buckets, self.device,
-                                      overlap=cfg.dist.overlap)
+                                      overlap=cfg.dist.overlap, compression=self.compression)
         # data parallelism starts from identical weights: rank 0's
         self.collectives = Collectives(world, self.device, self.staging)
         self.collectives.Bcast(self.model.flat.data, root=0)
@@ -111,7 +117,7 @@ class Trainer:
         with t("data"):
             x_all, y_all = self.reader.batch(self.step)
         rows = len(y_all) // k
-        self.comm.start(scale=1.0 / (self.world.size * k))
+        self.comm.start(scale=1.0 / (self.world.size * k), step=self.step)
         loss_sum, correct = 0.0, 0
         for micro in range(k):
             last = micro == k - 1
@@ -135,6 +141,14 @@ class Trainer:
         self.step += 1
         return loss_sum, correct
 
+    def _compression_metrics(self) -> dict:
+        c = self.compression
+        if c is None:
+            return {}
+        return {"compress": self.cfg.dist.compress, "compress_scope": self.cfg.dist.compress_scope,
+                "bytes_sent": c.sent_bytes, "bytes_dense": c.dense_bytes, "compression_ratio": c.ratio,
+                "encode_time": c.encode_s, "decode_time": c.decode_s}
+
     def evaluate(self) -> float:
         """Accuracy on the eval set; each rank scores a contiguous shard. Collective."""
         ds = self.eval_ds
@@ -156,7 +170,9 @@ class Trainer:
         log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
                  f"device {self.device.describe()}, allreduce {cfg.dist.allreduce} "
                  f"(MPI staging: {self.staging.mode}; {len(self.buckets)} bucket(s), "
-                 f"overlap {'on' if cfg.dist.overlap else 'off'}), "
+                 f"overlap {'on' if cfg.dist.overlap else 'off'}"
+                 + (f", compress {cfg.dist.compress} scope {cfg.dist.compress_scope}" if self.compression else "")
+                 + "), "
                  f"global batch {tc.global_batch} = {b} x {world.size}, {self.model.flat.size:,} parameters, "
                  f"{self.sampler.steps_per_epoch} steps/epoch")
         window = np.zeros(3)  # loss_sum, correct, rows since the last progress line
@@ -188,6 +204,7 @@ class Trainer:
                                        lr=self.schedule.lr(self.step - 1), step_time=step_time,
                                        comm_time=self.comm.comm_s, exposed_comm_time=self.comm.exposed_s,
                                        bytes_reduced=self.comm.bytes, allreduce=cfg.dist.allreduce,
+                                       **self._compression_metrics(),
                                        samples_per_s=tc.global_batch / step_time,
                                        **{f"t_{k}": v for k, v in split.items()})
                     if signalled:

@@ -47,7 +47,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         epoch = trainer.sampler.position(trainer.step)[0]
         attrs = {"epoch": epoch, "config": self.cfg.to_toml(), "optimizer": self.cfg.optim.name,
-                 "dtype": self.cfg.train.dtype}
+                 "dtype": self.cfg.train.dtype, "compress": self.cfg.dist.compress,
+                 "compress_scope": self.cfg.dist.compress_scope}
         path = write_checkpoint(self.directory, trainer.step, training_state(trainer), attrs, self.world,
                                 log=self.log, collective=self.c.collective_io)
         if self.world.is_root:
@@ -97,7 +98,8 @@ class CheckpointManager:
                     raise
                 log.warn(f"skipping {path}: {exc}")
                 continue
-            agree(world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, log)
+            saved_compress = (loaded.attrs.get("compress", "none"), loaded.attrs.get("compress_scope", "all"))
+            agree(world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, log, saved_compress)
             self.saved_step = trainer.step
             log.info(f"checkpoint: resumed from {path} at step {trainer.step} (saved by "
                      f"{loaded.world_size} rank(s), hpctrain {loaded.attrs.get('hpctrain_version')})")

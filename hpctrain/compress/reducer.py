@@ -17,9 +17,11 @@ the rest per rank. By the compressor's ``combine``:
   * "lowrank" (PowerSGD): its two all-reduces per layer; ``shapes`` gives the
     layers' shapes in the bucket, in order.
 
-Counters (per call, for the step metrics): ``sent_bytes`` (the payload bytes
-this rank sent, counted from the real messages), ``dense_bytes`` (what float32
-would have been), ``encode_s`` and ``decode_s``.
+Counters (per call, for the step metrics): ``sent_bytes``, the payload bytes
+this rank sent, counted from the messages (for an ``MPI_Allreduce`` of a
+payload array: 2 (p-1)/p of its size, what a bandwidth-optimal all-reduce
+sends per rank); ``dense_bytes``, the same measure for the float32 bucket
+uncompressed; ``encode_s`` and ``decode_s``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class CompressedSum:
 
     def __call__(self, x: np.ndarray, ctx, shapes=None) -> np.ndarray:
         x = x.reshape(-1)
-        self.dense_bytes = x.nbytes
+        self.dense_bytes = self._allreduce_bytes(4 * x.size)
         if self.c.combine == "lowrank":
             return self._lowrank(x, ctx, shapes or [(x.size,)])
         t0 = time.perf_counter()
@@ -69,7 +71,7 @@ class CompressedSum:
                 a = np.ascontiguousarray(a, np.float32)
                 if self.size > 1:
                     self.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
-                    self.sent_bytes += a.nbytes  # what a bandwidth-optimal all-reduce moves, per rank
+                    self.sent_bytes += self._allreduce_bytes(a.nbytes)
                 summed[key] = a
         t0 = time.perf_counter()
         if any(a.dtype == np.uint16 for a in payload.values()):
@@ -139,7 +141,7 @@ class CompressedSum:
             a = np.ascontiguousarray(a, np.float32)
             if self.size > 1:
                 self.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
-                self.sent_bytes += a.nbytes
+                self.sent_bytes += self._allreduce_bytes(a.nbytes)
             return a
         layers, at = [], 0
         for shape in shapes:
@@ -153,6 +155,10 @@ class CompressedSum:
         self.encode_s, self.decode_s = time.perf_counter() - t0, 0.0
         x[:] = np.concatenate([o.reshape(-1) for o in out])
         return x
+
+    def _allreduce_bytes(self, nbytes: int) -> int:
+        """Bytes per rank of a bandwidth-optimal all-reduce of ``nbytes``: 2 (p-1)/p of them."""
+        return 2 * (self.size - 1) * nbytes // self.size
 
     def state(self) -> dict:
         """Per-rank compressor state for checkpoints (/compress)."""

@@ -81,9 +81,11 @@ class BucketedAllreduce:
     reduced on the calling thread inside :meth:`wait` (the baseline).
     """
 
-    def __init__(self, strategy, grad, buckets, device, overlap: bool = True):
+    def __init__(self, strategy, grad, buckets, device, overlap: bool = True, compression=None):
         self.strategy, self.grad, self.buckets, self.device = strategy, grad, buckets, device
         self.overlap = overlap
+        self.compression = compression  # a dist.compression.GradientCompression, or None
+        self.step = 0
         self._slot_bucket = {name: b.index for b in buckets for name in b.slots}
         self._views = [grad[b.lo:b.hi] for b in buckets]
         self._done = [threading.Event() for _ in buckets]
@@ -93,9 +95,11 @@ class BucketedAllreduce:
         self.comm_s = self.exposed_s = 0.0
         self.bytes = sum(v.nbytes for v in self._views)
 
-    def start(self, scale: float) -> None:
-        """Begin a step: every bucket pending; gradients will be scaled by ``scale``."""
-        self.scale = scale
+    def start(self, scale: float, step: int = 0) -> None:
+        """Begin global step ``step``: every bucket pending; gradients will be scaled by ``scale``."""
+        self.scale, self.step = scale, step
+        if self.compression is not None:
+            self.compression.begin_step()
         self._remaining = [len(b.slots) for b in self.buckets]
         for event in self._done:
             event.clear()
@@ -125,7 +129,10 @@ class BucketedAllreduce:
     def _reduce(self, i: int) -> None:
         t0 = time.perf_counter()
         view = self._views[i]
-        self.strategy(view, "sum")
+        if self.compression is not None:
+            self.compression.reduce(view, i, self.step)
+        else:
+            self.strategy(view, "sum")
         if self.scale != 1.0:
             self.device.ops.scale(view, self.scale)
         self.comm_s += time.perf_counter() - t0

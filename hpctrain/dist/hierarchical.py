@@ -35,6 +35,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy as np
+
 from .reduce_ops import mpi_op, reduce_into, reduce_kind
 from .ring import HostScratch, chunk_offsets, host_allreduce
 from .staging import Staging
@@ -70,6 +72,17 @@ class HierarchicalAllreduce:
         self._recv = HostScratch()
         self.segment_bytes = segment_bytes
         self._nonblocking = inner == "mpi"
+        # compress_scope = "inter": phase 2 sums through a compressor (compress_inter)
+        self.cross_compressed = None
+        self.compress_context = None
+
+    def compress_inter(self, make_sum):
+        """Sum phase 2 (op sum only) through ``make_sum(cross_comm)``, a CompressedSum; the
+        intra-node phases stay exact. The caller sets ``compress_context`` before each call.
+        Buffers then go unsegmented: error feedback keeps one residual per bucket chunk."""
+        if self.in_cross and self._single_node is None:
+            self.cross_compressed = make_sum(self.world.cross_comm)
+        self.segment_bytes = 0
 
     def __call__(self, buf, op="mean"):
         if self._single_node is not None:
@@ -101,6 +114,11 @@ class HierarchicalAllreduce:
         r = self.world.local_rank
         chunk = seg[offsets[r]:offsets[r + 1]]
         if self._inner is None or not chunk.size:
+            return None
+        if self.cross_compressed is not None and kind == "sum":
+            x = chunk.astype(np.float32)
+            self.cross_compressed(x, self.compress_context)
+            chunk[:] = x
             return None
         if self._nonblocking:
             from mpi4py import MPI

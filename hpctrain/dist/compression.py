@@ -1,0 +1,87 @@
+"""Compressed gradient buckets: ``dist.compress`` and ``dist.compress_scope`` (docs/dist.md).
+
+``GradientCompression.reduce(view, index, step)`` sums one gradient bucket
+(a slice of the flat device buffer) over ranks through the compressor:
+
+  * scope "all": the whole bucket is compressed on every rank and summed over
+    ``world.comm`` by a :class:`~hpctrain.compress.reducer.CompressedSum`;
+    the all-reduce strategy is not used for the bucket;
+  * scope "inter" (hierarchical only): the intra-node reduce-scatter and
+    all-gather stay exact, and only each rank's chunk crossing the node
+    boundary is compressed (hierarchical's phase 2). On one node nothing
+    crosses a node: no compression at all, which the log says.
+
+Compression runs in float32 on host memory (GPU buffers through the staging
+copies); a float64 run's gradients are rounded to float32 for the wire.
+Per-rank state (error-feedback residuals, PowerSGD's Q) is exposed by
+``state()`` for checkpoints.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..compress import Context, make_compressor
+from ..compress.reducer import CompressedSum
+from ..errors import ConfigError
+
+
+class GradientCompression:
+    def __init__(self, spec, scope, world, staging, strategy, buckets, flat, seed, log=None):
+        self.world, self.staging, self.strategy, self.seed = world, staging, strategy, seed
+        self.compressor = make_compressor(spec)
+        self.scope = scope
+        by_name = {s.name: s for s in flat.slots}
+        # layer shapes in memory order (buckets list their parameters in reverse)
+        self.shapes = [[tuple(by_name[n].shape) for n in reversed(b.slots)] for b in buckets]
+        self.sent_bytes = self.dense_bytes = 0
+        self.encode_s = self.decode_s = 0.0
+        self._sum = None
+        if scope == "inter":
+            if not hasattr(strategy, "compress_inter"):
+                raise ConfigError("dist.compress_scope = 'inter' needs dist.allreduce = 'hierarchical' "
+                                  "(it compresses only hierarchical's cross-node phase); use scope 'all'")
+            if self.compressor.combine == "lowrank":
+                raise ConfigError("powersgd compresses whole layers, but scope 'inter' hands it slices of "
+                                  "buckets; use dist.compress_scope = 'all' with powersgd")
+            compressor = self.compressor
+            strategy.compress_inter(lambda comm: CompressedSum(comm, compressor))
+            self._sum = strategy.cross_compressed
+            if world.n_nodes == 1 and log is not None:
+                log.info("compression: scope inter on a single node: nothing crosses a node, nothing is compressed")
+        else:
+            self._sum = CompressedSum(world.comm, self.compressor)
+
+    def begin_step(self):
+        self.sent_bytes = self.dense_bytes = 0
+        self.encode_s = self.decode_s = 0.0
+
+    def reduce(self, view, index: int, step: int) -> None:
+        """Replace bucket ``index`` (device slice ``view``) by its compressed sum over ranks. Collective."""
+        ctx = Context(step=step, bucket=index, seed=self.seed)
+        if self.scope == "inter":
+            self.strategy.compress_context = ctx
+            self.strategy(view, "sum")
+        else:
+            with self.staging.host_view(view) as host:
+                flat = host.reshape(-1)
+                x = flat.astype(np.float32)
+                self._sum(x, ctx, self.shapes[index])
+                flat[:] = x
+        s = self._sum
+        if s is not None:
+            self.sent_bytes += s.sent_bytes
+            self.dense_bytes += s.dense_bytes
+            self.encode_s += s.encode_s
+            self.decode_s += s.decode_s
+
+    @property
+    def ratio(self) -> float:
+        return self.dense_bytes / self.sent_bytes if self.sent_bytes else 0.0
+
+    def state(self) -> dict:
+        return self._sum.state() if self._sum is not None else {}
+
+    def load_state(self, state: dict) -> None:
+        if self._sum is not None:
+            self._sum.load_state(state)
