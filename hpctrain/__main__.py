@@ -99,13 +99,16 @@ def cmd_train(args) -> int:
         overrides.append(f"dist.ranks_per_node={args.ranks_per_node}")
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
+    from .ckpt.signals import StopSignal
+
+    stop = StopSignal().__enter__()  # from here on SIGUSR1/SIGTERM mean "save and stop", not death
     world = init_world()
     cfg = agree(world, load_config, args.config, overrides)
     if cfg.dist.ranks_per_node:
         world = init_world(ranks_per_node=cfg.dist.ranks_per_node)
     if world.is_root:
         print(f"resolved config ({args.config or 'defaults'}):\n{cfg.to_toml()}", flush=True)
-    result = Trainer(cfg, world).run()
+    result = Trainer(cfg, world, stop_signal=stop).run()
     if result["stopped_by"]:
         return EXIT_CHECKPOINTED
     acc = result["eval_accuracy"]

@@ -9,6 +9,7 @@ one rank with batch N*b (up to floating-point summation order).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -36,7 +37,10 @@ EVAL_CHUNK_ROWS = 8192  # rows per forward pass during evaluation (bounded memor
 class Trainer:
     """Everything a run needs, built collectively over ``world`` (all ranks construct it)."""
 
-    def __init__(self, cfg, world, log: Log | None = None):
+    def __init__(self, cfg, world, log: Log | None = None, stop_signal: StopSignal | None = None):
+        """``stop_signal``: an already installed :class:`StopSignal` (the CLI installs one
+        before anything else, so a signal during start-up is not fatal); by default
+        run() installs its own for its duration."""
         self.cfg, self.world = cfg, world
         self.log = log or Log(world.is_root)
         # Set-up checks may fail on some ranks only (a file missing on one node):
@@ -71,7 +75,8 @@ class Trainer:
         self.rng = fresh_rng(cfg.train.seed, world.rank)
         self.checkpoints = CheckpointManager(cfg, world, self.log)
         self.checkpoints.resume(self)  # may restore parameters, optimizer state, step and RNG
-        self.stop_signal = StopSignal()
+        self._own_signal = stop_signal is None
+        self.stop_signal = stop_signal or StopSignal()
 
     def _build(self):
         cfg, world = self.cfg, self.world
@@ -184,7 +189,7 @@ class Trainer:
         eval_acc = None
         ckpt = self.checkpoints
         try:
-            with self.stop_signal:
+            with self.stop_signal if self._own_signal else contextlib.nullcontext():
                 while self.step < tc.steps:
                     t0 = time.perf_counter()
                     loss_sum, correct = self.train_step()
@@ -207,7 +212,7 @@ class Trainer:
                                        **self._compression_metrics(),
                                        samples_per_s=tc.global_batch / step_time,
                                        **{f"t_{k}": v for k, v in split.items()})
-                    if signalled:
+                    if signalled and self.step < tc.steps:  # at the last step: finished, exit normally
                         stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
                         log.info(f"stopping at step {self.step}: {stopped_by}; checkpoint saved; exit code "
                                  f"{EXIT_CHECKPOINTED} (resume with --resume auto)")

@@ -77,8 +77,10 @@ def _finish(proc, timeout=120):
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
-def test_signal_to_one_rank_saves_and_exits_75_then_resumes(small_data, tmp_path, signame):
+@pytest.mark.parametrize("signame,target", [("SIGUSR1", "rank"), ("SIGTERM", "rank"), ("SIGUSR1", "mpirun")])
+def test_signal_to_one_rank_saves_and_exits_75_then_resumes(small_data, tmp_path, signame, target):
+    """SIGUSR1/SIGTERM to one rank's pid (as srun or a scheduler delivers), or SIGUSR1 to
+    mpirun, which forwards it to every rank (mpirun turns SIGTERM into a kill: docs)."""
     ckpt = str(tmp_path / "ck")
     # every_steps=2: wait for the first checkpoint, so the ranks are surely in the loop
     proc = _start(2, _train_args(small_data[0], ckpt, 10**6, "--set", "checkpoint.every_steps=2",
@@ -88,11 +90,12 @@ def test_signal_to_one_rank_saves_and_exits_75_then_resumes(small_data, tmp_path
                   90, "the first checkpoint")
         pids = _rank_pids(ckpt)
         assert len(pids) == 2, pids
-        os.kill(pids[1], getattr(signal, signame))  # one rank only
+        os.kill(pids[1] if target == "rank" else proc.pid, getattr(signal, signame))
     finally:
         code, out, err = _finish(proc)
     assert code == EXIT_CHECKPOINTED, (code, out, err)
-    assert out.count("stopping at step") == 1 and f"{signame} received on 1 rank(s)" in out, out
+    ranks = 1 if target == "rank" else 2
+    assert out.count("stopping at step") == 1 and f"{signame} received on {ranks} rank(s)" in out, out
     assert "Traceback" not in err, err
     listing = _ckpt("ls", ckpt, "--verify")
     assert listing.returncode == 0 and "verified" in listing.stdout, listing.stdout

@@ -153,3 +153,58 @@ def test_keep_last_deletes_the_oldest(small_data, tmp_path):
     _trainer(cfg).run()
     assert [s for s, _ in list_checkpoints(str(tmp_path))] == [6, 5]
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_keep_last_never_deletes_this_runs_save_among_newer_files(small_data, tmp_path):
+    """A fresh run in a directory holding another run's higher-numbered checkpoints keeps its own."""
+    a = _config(small_data[0], str(tmp_path))
+    a.train.steps, a.checkpoint.every_steps = 6, 2
+    _trainer(a).run()                       # run A: 6, 4, 2
+    b = _config(small_data[0], str(tmp_path))
+    b.train.steps, b.checkpoint.every_steps, b.checkpoint.keep_last, b.train.seed = 3, 1, 2, 5
+    _trainer(b).run()                       # run B saves 1, 2 (replacing A's 2), 3
+    steps = [s for s, _ in list_checkpoints(str(tmp_path))]
+    assert steps == [6, 4, 3, 2], steps     # A's newer files untouched; B keeps its newest 2 below...
+    # ...and nothing of B newer than what it saved was deleted: its last save is there
+    from hpctrain.ckpt.read import verify_file
+    assert verify_file(str(tmp_path / "ckpt-00000003.h5"))["step"] == 3
+
+
+def test_auto_resume_stops_when_every_checkpoint_is_corrupt(small_data, tmp_path):
+    from hpctrain.errors import UserError
+
+    cfg = _config(small_data[0], str(tmp_path))
+    cfg.train.steps, cfg.checkpoint.every_steps = 4, 2
+    _trainer(cfg).run()
+    for _, path in list_checkpoints(str(tmp_path)):
+        with open(path, "r+b") as fh:
+            fh.truncate(100)
+    with pytest.raises(UserError, match="none verifies"):
+        _trainer(_config(small_data[0], str(tmp_path), resume="auto"))
+
+
+def test_ckpt_cli_survives_malformed_files(tmp_path):
+    import subprocess
+    import sys
+
+    import h5py
+
+    from conftest import REPO
+
+    bad = tmp_path / "ckpt-00000001.h5"
+    with h5py.File(bad, "w") as f:  # hpctrain-looking header with wrong types
+        f.attrs["format"], f.attrs["format_version"] = "hpctrain-checkpoint", 1
+        f.attrs["complete"], f.attrs["step"], f.attrs["world_size"], f.attrs["config"] = [1, 1], 1, 1, 7
+        f.create_dataset("model/x", shape=(1 << 40,), dtype="f8", chunks=(1 << 20,))  # huge, no storage
+    (tmp_path / "ckpt-00000002.h5").symlink_to(tmp_path / "missing.h5")  # pruned while listing
+    garbage = tmp_path / "ckpt-00000003.h5"
+    garbage.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(200))
+    for args in (["ls", str(tmp_path)], ["ls", str(tmp_path), "--verify"], ["verify", str(bad), str(garbage)],
+                 ["inspect", str(bad)], ["inspect", str(garbage)]):
+        proc = subprocess.run([sys.executable, "-m", "hpctrain", "ckpt", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, (args, proc.stderr)
+        assert proc.returncode in (0, 1), (args, proc.returncode, proc.stderr)
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "ckpt", "verify", str(bad)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "INVALID" in proc.stdout

@@ -266,3 +266,28 @@ def test_pieces_and_a_failing_rank(world, monkeypatch, collective):
     assert (f"rank {last}:" in text) == (world.size > 1), text
     world.comm.Barrier()
     assert sorted(os.listdir(d)) == ["ckpt-00000001.h5"]  # nothing committed, no temporary left
+
+
+@pytest.mark.parametrize("stage", ["_plan", "_checksum_while_syncing"])
+def test_one_rank_failing_outside_the_data_writes_does_not_hang(world, monkeypatch, stage):
+    """An exception on one rank while planning the file or checksumming: every rank raises one
+    error naming that rank, promptly (the test's timeout is the hang detector), nothing committed."""
+    from hpctrain.ckpt import write
+    from hpctrain.ckpt.state import Entry
+
+    real = getattr(write, stage)
+    last = world.size - 1
+
+    def failing(*args, **kwargs):
+        if world.rank == last:
+            raise MemoryError("injected")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(write, stage, failing)
+    a = np.arange(40, dtype=np.float32).reshape(10, 4)
+    d = _fresh_dir(world, f"fail-{stage}")
+    with pytest.raises(write.CheckpointWriteError, match="MemoryError: injected") as err:
+        write.write_checkpoint(d, 3, [Entry("/model/a/weight", a.shape, a.dtype, lambda lo, hi: a[lo:hi])],
+                               {}, world)
+    assert (f"rank {last}:" in str(err.value)) == (world.size > 1)
+    world.comm.Barrier()
+    assert not [n for n in os.listdir(d) if n.startswith("ckpt-")]

@@ -5,11 +5,13 @@ methods that touch files or MPI are collective):
 
   * ``resume(trainer)``: ``checkpoint.resume`` = "" (fresh start), "auto" (the
     newest checkpoint in ``checkpoint.dir`` that verifies; corrupt or truncated
-    ones are skipped with a warning; none means a fresh start) or a path;
+    ones are skipped with a warning; no checkpoint means a fresh start, but if
+    there are some and none verifies the run stops rather than lose them) or a
+    path;
   * ``due(step)``: every ``every_steps`` steps; ``every_minutes`` is judged by
     rank 0's clock and agreed in the trainer's per-step all-reduce;
-  * ``save(trainer)``: an atomic parallel write (:mod:`.write`), then the
-    oldest beyond ``keep_last`` are deleted by rank 0.
+  * ``save(trainer)``: an atomic parallel write (:mod:`.write`), then rank 0
+    deletes checkpoints older than it beyond ``keep_last`` (never newer ones).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class CheckpointManager:
         path = write_checkpoint(self.directory, trainer.step, training_state(trainer), attrs, self.world,
                                 log=self.log, collective=self.c.collective_io)
         if self.world.is_root:
-            self._prune()
+            self._prune(trainer.step)
         self.world.comm.Barrier()  # nobody returns while rank 0 may still delete
         self._last_save = time.monotonic()
         self.saved_step = trainer.step
@@ -60,11 +62,14 @@ class CheckpointManager:
         self.log.info(f"checkpoint: saved {path} (step {trainer.step}, {self.save_seconds:.2f} s)")
         return path
 
-    def _prune(self):
+    def _prune(self, saved: int):
+        """Keep the checkpoint just saved and the keep_last - 1 newest before it. Files with a
+        higher step (another run's, or ones this run resumed behind) are never touched."""
         keep = self.c.keep_last
         if keep <= 0:
             return
-        for _, path in list_checkpoints(self.directory)[keep:]:
+        older = [path for step, path in list_checkpoints(self.directory) if step < saved]
+        for path in older[keep - 1:]:
             try:
                 os.remove(path)
             except OSError as exc:
@@ -90,13 +95,15 @@ class CheckpointManager:
         else:
             agree(world, _check_exists, spec)
             candidates = [spec]
+        skipped = []
         for path in candidates:
             try:
                 loaded = load_checkpoint(path, world)
-            except CorruptCheckpoint as exc:
+            except CorruptCheckpoint as exc:  # UnreadableCheckpoint (permissions, a missing mount) stops the run
                 if spec != "auto":
                     raise
                 log.warn(f"skipping {path}: {exc}")
+                skipped.append(path)
                 continue
             saved_compress = (loaded.attrs.get("compress", "none"), loaded.attrs.get("compress_scope", "all"))
             agree(world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, log, saved_compress)
@@ -104,7 +111,12 @@ class CheckpointManager:
             log.info(f"checkpoint: resumed from {path} at step {trainer.step} (saved by "
                      f"{loaded.world_size} rank(s), hpctrain {loaded.attrs.get('hpctrain_version')})")
             return
-        log.warn(f"no checkpoint in {self.directory} verifies ({len(candidates)} skipped); fresh start")
+        err = UserError(f"checkpoint.dir {self.directory!r} holds {len(skipped)} checkpoint(s) and none verifies "
+                        f"(see the warnings above; 'python -m hpctrain ckpt ls {self.directory} --verify' lists "
+                        f"them); starting fresh would lose that run: move them away or pass --resume '' to "
+                        f"start fresh on purpose")
+        err.agreed = True  # every rank reached the same verdicts
+        raise err
 
     def _remove_stale_temporaries(self):
         """Temporary files of saves that crashed: never checkpoints, safe to delete before we write."""

@@ -18,7 +18,12 @@ VERIFY_BLOCK_BYTES = 64 << 20  # serial verification reads this much at a time
 
 
 class CorruptCheckpoint(UserError):
-    """A checkpoint that cannot be used: unreadable, truncated, incomplete or failing a checksum."""
+    """A checkpoint that cannot be used: truncated, incomplete, malformed or failing a checksum."""
+
+
+class UnreadableCheckpoint(UserError):
+    """A file the operating system will not let us read (permissions, missing on this node):
+    not evidence of corruption, so ``--resume auto`` stops instead of skipping it."""
 
 
 @dataclass
@@ -64,10 +69,10 @@ def header(f, path: str) -> dict:
     if attrs.get("format_version") != FORMAT_VERSION:
         raise CorruptCheckpoint(f"{path}: checkpoint format version {attrs.get('format_version')!r}; this "
                                 f"hpctrain reads version {FORMAT_VERSION}")
-    if not attrs.get("complete"):
+    if attrs.get("complete") is not True:
         raise CorruptCheckpoint(f"{path}: incomplete (the writer did not finish)")
     for key in ("step", "world_size"):
-        if not isinstance(attrs.get(key), int) or attrs[key] < 0:
+        if not isinstance(attrs.get(key), int) or isinstance(attrs[key], bool) or attrs[key] < 0:
             raise CorruptCheckpoint(f"{path}: root attribute {key}={attrs.get(key)!r} is not a valid count")
     return attrs
 
@@ -76,9 +81,27 @@ def _open(path: str):
     import h5py
 
     try:
-        return h5py.File(path, "r")
+        with open(path, "rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        raise UnreadableCheckpoint(f"{path}: cannot be read ({exc.strerror or exc}); check that it exists on "
+                                   f"every node and is readable") from None
+    try:
+        # no HDF5 file locks: readers never conflict, and Lustre/NFS often refuse flock
+        return h5py.File(path, "r", locking=False)
     except (OSError, ValueError) as exc:
         raise CorruptCheckpoint(f"{path}: cannot be opened as HDF5 ({exc}); truncated or overwritten?") from None
+
+
+def _check_dataset(d, path, name):
+    """A plain numeric array of native byte order whose storage is all there (the writer
+    never compresses: storage must equal the logical size, so a forged huge shape with
+    no data behind it is refused before anything is read or allocated)."""
+    if d.ndim == 0 or d.dtype.kind not in "fiub" or d.dtype.byteorder not in "=<|":
+        raise CorruptCheckpoint(f"{path}: dataset {name} is not a little-endian numeric array ({d.dtype})")
+    if d.id.get_storage_size() != d.size * d.dtype.itemsize or d.chunks is not None:
+        raise CorruptCheckpoint(f"{path}: dataset {name} declares {d.size * d.dtype.itemsize} bytes but stores "
+                                f"{d.id.get_storage_size()}: not written by hpctrain, or damaged")
 
 
 def _stored_crc(d, path, name) -> int:
@@ -97,8 +120,7 @@ def verify_file(path: str) -> dict:
         try:
             attrs = header(f, path)
             for name, d in datasets(f):
-                if d.ndim == 0 or d.dtype.kind not in "fiub":
-                    raise CorruptCheckpoint(f"{path}: dataset {name} is not a numeric array")
+                _check_dataset(d, path, name)
                 row_bytes = max(1, d.dtype.itemsize * int(np.prod(d.shape[1:])))
                 step = max(1, VERIFY_BLOCK_BYTES // row_bytes)
                 parts = [(crc32_of(b), b.nbytes) for b in (d[lo:lo + step] for lo in range(0, d.shape[0], step))]
@@ -107,7 +129,7 @@ def verify_file(path: str) -> dict:
                     raise CorruptCheckpoint(f"{path}: dataset {name} fails its checksum (stored crc32 "
                                             f"{want:#010x}, computed {got:#010x}): the file is corrupt")
             return attrs
-        except CorruptCheckpoint:
+        except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - any read failure means an unusable file
             raise CorruptCheckpoint(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
@@ -122,8 +144,7 @@ def _read_share(path: str, rank: int, size: int):
         attrs = header(f, path)
         slices, parts, own, meta = {}, [], {}, []
         for name, d in datasets(f):
-            if d.ndim == 0 or d.dtype.kind not in "fiub":
-                raise CorruptCheckpoint(f"{path}: dataset {name} is not a numeric array")
+            _check_dataset(d, path, name)
             per_rank = bool(d.attrs.get("per_rank", False))
             lo, hi = row_range(d.shape[0], rank, size)
             block = d[lo:hi]
@@ -135,7 +156,7 @@ def _read_share(path: str, rank: int, size: int):
             else:
                 slices[name] = block
         return attrs, meta, parts, slices, own
-    except CorruptCheckpoint:
+    except UserError:
         raise
     except Exception as exc:  # noqa: BLE001
         raise CorruptCheckpoint(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
@@ -155,12 +176,16 @@ def load_checkpoint(path: str, world) -> LoadedCheckpoint:
     try:
         attrs, meta, parts, slices, own = _read_share(path, rank, size)
         failure = None
-    except CorruptCheckpoint as exc:
-        attrs, meta, parts, slices, own, failure = None, None, None, None, None, str(exc)
+    except UnreadableCheckpoint as exc:
+        attrs, meta, parts, slices, own, failure = None, None, None, None, None, ("unreadable", str(exc))
+    except Exception as exc:  # noqa: BLE001 - any other failure: this rank cannot use the file
+        text = str(exc) if isinstance(exc, CorruptCheckpoint) else f"{path}: {type(exc).__name__}: {exc}"
+        attrs, meta, parts, slices, own, failure = None, None, None, None, None, ("corrupt", text)
     everyone = comm.allgather((failure, meta, parts))
     failures = [f for f, _, _ in everyone if f]
     if failures:
-        raise _agreed(CorruptCheckpoint(failures[0]))
+        kind, text = failures[0]
+        raise _agreed((UnreadableCheckpoint if kind == "unreadable" else CorruptCheckpoint)(text))
     metas = [m for _, m, _ in everyone]
     if any(m != metas[0] for m in metas):
         raise _agreed(CorruptCheckpoint(f"{path}: ranks read different contents (is the file being overwritten?)"))
@@ -171,21 +196,47 @@ def load_checkpoint(path: str, world) -> LoadedCheckpoint:
                                             f"{want:#010x}, computed {got:#010x}): the file is corrupt"))
     out = LoadedCheckpoint(path, attrs, own_rows=own)
     for name, shape, dtype, _, per_rank in meta:
-        if per_rank:
-            continue
-        row = int(np.prod(shape[1:]))
-        counts = [(hi - lo) * row for lo, hi in (row_range(shape[0], r, size) for r in range(size))]
-        full = np.empty(int(np.prod(shape)), dtype=np.dtype(dtype))
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-        comm.Allgatherv(np.ascontiguousarray(slices[name]).reshape(-1), [full, (counts, displs)])
-        out.full[name] = full.reshape(shape)
+        if not per_rank:
+            out.full[name] = _allgather_rows(comm, slices[name], shape, np.dtype(dtype))
     return out
+
+
+def _allgather_rows(comm, mine, shape, dtype):
+    """The whole array from every rank's row slice; counted in rows (an MPI contiguous type
+    of one row), so arrays of 2^31 elements or more gather too."""
+    from mpi4py import MPI
+
+    size = comm.Get_size()
+    row = int(np.prod(shape[1:]))
+    counts = [hi - lo for lo, hi in (row_range(shape[0], r, size) for r in range(size))]
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+    full = np.empty(shape, dtype=dtype)
+    row_type = MPI._typedict[dtype.char].Create_contiguous(row).Commit()
+    try:
+        comm.Allgatherv([np.ascontiguousarray(mine), counts[comm.Get_rank()], row_type],
+                        [full, (counts, displs), row_type])
+    finally:
+        row_type.Free()
+    return full
 
 
 def _agreed(exc):
     """Mark an error that every rank raises alike (printed once by rank 0, no MPI_Abort)."""
     exc.agreed = True
     return exc
+
+
+def header_of(path: str) -> dict:
+    """The checked header of ``path`` (no data read); CorruptCheckpoint / UnreadableCheckpoint otherwise."""
+    f = _open(path)
+    try:
+        return header(f, path)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptCheckpoint(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+    finally:
+        f.close()
 
 
 def inspect_file(path: str) -> tuple[dict, list]:

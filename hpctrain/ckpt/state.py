@@ -187,6 +187,15 @@ def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_co
         opt.t = int(full["/optim/step_count"][0])
     position = dict(zip(POSITION_FIELDS, (int(v) for v in full["/data/position"])))
     trainer.step = position["global_step"]
+    cfg = trainer.cfg
+    if (position["shuffle_seed"], position["n_samples"]) != (cfg.data.shuffle_seed, trainer.sampler.n):
+        log.warn(f"the checkpoint was saved with data.shuffle_seed={position['shuffle_seed']} on "
+                 f"{position['n_samples']} samples, this run has {cfg.data.shuffle_seed} on {trainer.sampler.n}: "
+                 f"the data order differs from the saved run's from here on (not a bit-exact continuation)")
+    saved_dtype = full[parameter_path("model", flat.slots[0].name)].dtype
+    if saved_dtype != np.dtype(dev.dtype):
+        log.warn(f"the checkpoint holds {saved_dtype} parameters, this run computes in {np.dtype(dev.dtype)}: "
+                 f"parameters and optimizer state are cast")
     if position["global_batch"] != trainer.cfg.train.global_batch:
         log.warn(f"the checkpoint was saved with train.global_batch={position['global_batch']}, this run uses "
                  f"{trainer.cfg.train.global_batch}: the data order continues from step {trainer.step} of the new "

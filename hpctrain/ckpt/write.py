@@ -6,13 +6,15 @@ Protocol (collective over ``world.comm``):
      collective in parallel HDF5, so all ranks make the same calls);
   2. each rank writes its rows of every replicated array (``row_range``) and its
      own row of every per-rank array, and computes the CRC-32 of what it wrote;
-     a failing write is caught and reported in step 4, so no rank leaves the
-     collective close below and the others never hang;
+     a failing write is caught and reported in step 4; every stage with
+     collective calls (open, create, attributes, close) starts only after the
+     ranks agreed on the stage before, so one rank's exception never leaves the
+     others waiting;
   3. each rank fsyncs the file on a thread while it computes the CRC-32 of
      what it wrote (the disk wait hides the CRC); the CRCs are all-gathered and
      combined per dataset (identical on every rank), set as attributes, the
-     file is closed (``MPI_File_close`` synchronises it); rank 0 fsyncs it again
-     for the metadata the close wrote;
+     file is closed, and every rank fsyncs it again for the metadata the close
+     may have written (MPI_File_close does not sync in ROMIO or ompio);
   4. the ranks agree on the outcome; on success rank 0 renames the file to
      ``ckpt-<step>.h5`` and fsyncs the directory, then a barrier. On failure
      rank 0 deletes the temporary file and every rank raises the same error.
@@ -79,16 +81,23 @@ def write_checkpoint(directory: str, step: int, entries, attrs: dict, world, log
         except OSError as exc:
             err = exc
     err = _agree(comm, err)
-    if err is None:  # each _agree leaves the same err on every rank: agree once per stage
+    # every rank must write identical attribute values: rank 0's clock for all
+    attrs = dict(attrs, created=comm.bcast(time.strftime("%Y-%m-%dT%H:%M:%S%z") if rank == 0 else None, root=0))
+    if err is None:  # an agreed error is the same object text on every rank: agree once per stage
         write = _write_parallel if parallel else _write_serial
         err = _agree(comm, write(tmp, step, entries, attrs, world, collective))
         if err is None:
             if rank == 0:
                 try:
                     os.replace(tmp, final)
-                    _fsync_dir(directory)
                 except OSError as exc:
                     err = exc
+                else:
+                    try:
+                        _fsync_dir(directory)
+                    except OSError as exc:  # committed; only the rename's durability is in doubt
+                        if log is not None:
+                            log.warn(f"fsync of {directory!r} after committing {final} failed: {exc}")
             err = _agree(comm, err)
     if err is not None:
         if rank == 0:
@@ -103,59 +112,98 @@ def write_checkpoint(directory: str, step: int, entries, attrs: dict, world, log
 
 def _root_attrs(step, attrs, size):
     out = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "world_size": size,
-           "hpctrain_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+           "hpctrain_version": __version__}
     out.update(attrs)
     return out
 
 
-def _create(f, step, entries, attrs, size):
+def _plan(step, entries, attrs, size):
+    """Everything the file will hold except the data: [(path, shape, dtype, per_rank)] and root attributes.
+
+    Pure Python, computed before any HDF5 call, so a failure here can be agreed
+    on before the collective dataset creation (which communicates inside HDF5)."""
+    layout = [(e.path, (size,) + tuple(e.shape[1:]) if e.per_rank else tuple(e.shape), np.dtype(e.dtype),
+               bool(e.per_rank)) for e in entries]
+    return layout, _root_attrs(step, attrs, size)
+
+
+def _create(f, plan):
+    """Groups, datasets and root attributes of ``plan``: only HDF5 calls, the same on every rank."""
+    layout, root = plan
     for group in GROUPS:
         f.require_group(group)
     dsets = []
-    for e in entries:
-        shape = (size,) + tuple(e.shape[1:]) if e.per_rank else tuple(e.shape)
-        d = f.create_dataset(e.path, shape=shape, dtype=e.dtype)
-        d.attrs["per_rank"] = bool(e.per_rank)
+    for path, shape, dtype, per_rank in layout:
+        d = f.create_dataset(path, shape=shape, dtype=dtype)
+        d.attrs["per_rank"] = per_rank
         dsets.append(d)
-    for key, value in _root_attrs(step, attrs, size).items():
+    for key, value in root.items():
         f.attrs[key] = value
     return dsets
 
 
 def _write_parallel(tmp, step, entries, attrs, world, collective):
+    """The parallel write; returns an error agreed by every rank, or None.
+
+    Every stage that makes collective calls (open, dataset creation, attributes,
+    close) is entered by all ranks or by none: the outcome of the stage before
+    is agreed first, so an exception on one rank never leaves the others
+    waiting in a collective.
+    """
     import h5py
 
     comm, rank, size = world.comm, world.rank, world.size
-    err, parts = None, []
+    f = err = plan = None
+    try:
+        plan = _plan(step, entries, attrs, size)
+    except Exception as exc:  # noqa: BLE001
+        err = exc
+    err = _agree(comm, err)
+    if err is not None:
+        return err
     try:
         f = h5py.File(tmp, "w", driver="mpio", comm=comm)
-    except Exception as exc:  # noqa: BLE001 - agreed on by the caller
-        return exc
+    except Exception as exc:  # noqa: BLE001
+        err = exc
+    err = _agree(comm, err)
+    if err is not None:
+        return err  # a handle open on some ranks only is left to the process exit: closing it is collective
+    dsets = None
     try:
-        dsets = _create(f, step, entries, attrs, size)
+        # HDF5 calls only: parallel HDF5 communicates inside them, so an error raised
+        # by HDF5 on one rank alone cannot be recovered here (the watchdog's case)
+        dsets = _create(f, plan)
+    except Exception as exc:  # noqa: BLE001
+        err = exc
+    err = _agree(comm, err)
+    parts = [(0, 0)] * len(entries)
+    if err is None:
         blocks, err = _write_slices(entries, dsets, rank, size, collective)
-        parts = [(0, 0)] * len(entries)
         if err is None:
             try:
                 parts = _checksum_while_syncing(tmp, blocks)
                 _inject_delay(step)
             except Exception as exc:  # noqa: BLE001
-                err, parts = exc, [(0, 0)] * len(entries)
+                err = exc
         del blocks
-        all_parts = comm.allgather(parts)
-        for i, d in enumerate(dsets):
-            d.attrs["crc32"] = np.uint32(combine_parts([p[i] for p in all_parts]))
-        f.attrs["complete"] = True
-        # no f.flush(): MPI_File_close synchronises the file state (MPI standard), and
-        # each extra MPI_File_sync is one more fsync (~5 ms here)
+        everyone = comm.allgather((parts, None if err is None else _text(err)))
+        failed = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
+        if failed:
+            err = _agreed_error(failed[0][1] if size == 1 else f"rank {failed[0][0]}: {failed[0][1]}")
+        else:
+            try:
+                for i, d in enumerate(dsets):
+                    d.attrs["crc32"] = np.uint32(combine_parts([p[i] for p, _ in everyone]))
+                f.attrs["complete"] = True
+            except Exception as exc:  # noqa: BLE001
+                err = exc
+    try:
+        f.close()
     except Exception as exc:  # noqa: BLE001
         err = err or exc
-    finally:
-        try:
-            f.close()
-        except Exception as exc:  # noqa: BLE001
-            err = err or exc
-    if err is None and rank == 0:
+    if err is None:
+        # MPI_File_close need not sync (ROMIO and ompio do not), and HDF5 lets every
+        # rank write metadata at close: each rank fsyncs what it may have written
         try:
             _fsync_file(tmp)
         except OSError as exc:
@@ -163,17 +211,34 @@ def _write_parallel(tmp, step, entries, attrs, world, collective):
     return err
 
 
+def _text(exc) -> str:
+    return getattr(exc, "agreed_text", None) or f"{type(exc).__name__}: {exc}"
+
+
+def _agreed_error(text):
+    err = RuntimeError(text)
+    err.agreed_text = text
+    return err
+
+
 def _write_serial(tmp, step, entries, attrs, world, collective=False):
     import h5py
 
     comm, rank, size = world.comm, world.rank, world.size
-    own = [e.rows(rank, rank + 1) for e in entries if e.per_rank]
+    try:
+        own = [e.rows(rank, rank + 1) for e in entries if e.per_rank]
+    except Exception as exc:  # noqa: BLE001 - still take part in the gather
+        own = _text(exc)
     gathered = comm.gather(own, root=0)
     if rank != 0:
         return None
+    failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, str)]
+    if failed:
+        return _agreed_error(f"rank {failed[0][0]}: {failed[0][1]}" if size > 1 else failed[0][1])
+    own = gathered[0]
     try:
         with h5py.File(tmp, "w") as f:
-            dsets = _create(f, step, entries, attrs, size)
+            dsets = _create(f, _plan(step, entries, attrs, size))
             per_rank = iter(range(len(own)))
             for e, d in zip(entries, dsets):
                 if e.per_rank:
@@ -267,11 +332,13 @@ def _write_rows(dset, lo, hi, block, collective):
 
 
 def _agree(comm, err):
-    """The first rank's error (as text), or None when every rank succeeded. Collective."""
-    errors = comm.allgather(None if err is None else f"{type(err).__name__}: {err}")
+    """The first failing rank's error (as text, naming the rank), or None when every rank
+    succeeded. Collective. An error that is already agreed passes through unchanged."""
+    errors = comm.allgather(None if err is None else (getattr(err, "agreed_text", None), _text(err)))
     for r, e in enumerate(errors):
         if e is not None:
-            return RuntimeError(e if comm.Get_size() == 1 else f"rank {r}: {e}")
+            agreed, text = e
+            return _agreed_error(agreed or (text if comm.Get_size() == 1 else f"rank {r}: {text}"))
     return None
 
 
