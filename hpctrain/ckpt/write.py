@@ -13,8 +13,9 @@ Protocol (collective over ``world.comm``):
   3. each rank fsyncs the file on a thread while it computes the CRC-32 of
      what it wrote (the disk wait hides the CRC); the CRCs are all-gathered and
      combined per dataset (identical on every rank), set as attributes, the
-     file is closed, and every rank fsyncs it again for the metadata the close
-     may have written (MPI_File_close does not sync in ROMIO or ompio);
+     file is closed, and one rank per node fsyncs it again for the metadata
+     the close may have written (MPI_File_close does not sync in ROMIO or
+     ompio; a node's ranks share its page cache or file-system client);
   4. the ranks agree on the outcome; on success rank 0 renames the file to
      ``ckpt-<step>.h5`` and fsyncs the directory, then a barrier. On failure
      rank 0 deletes the temporary file and every rank raises the same error.
@@ -201,9 +202,10 @@ def _write_parallel(tmp, step, entries, attrs, world, collective):
         f.close()
     except Exception as exc:  # noqa: BLE001
         err = err or exc
-    if err is None:
+    if err is None and getattr(world, "local_rank", 0) == 0:
         # MPI_File_close need not sync (ROMIO and ompio do not), and HDF5 lets every
-        # rank write metadata at close: each rank fsyncs what it may have written
+        # rank write metadata at close: one rank per node fsyncs (a node's ranks
+        # share its page cache or file-system client, so one fsync covers them)
         try:
             _fsync_file(tmp)
         except OSError as exc:
