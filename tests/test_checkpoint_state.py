@@ -208,3 +208,16 @@ def test_ckpt_cli_survives_malformed_files(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "ckpt", "verify", str(bad)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "INVALID" in proc.stdout
+
+
+def test_every_minutes_saves_on_rank_0s_clock(small_data, tmp_path, monkeypatch):
+    from hpctrain.ckpt import manager
+
+    clock = iter(range(0, 10**6, 25))  # each call to the clock advances 25 s
+    monkeypatch.setattr(manager.time, "monotonic", lambda: float(next(clock)))
+    cfg = _config(small_data[0], str(tmp_path))
+    cfg.checkpoint.every_minutes, cfg.checkpoint.keep_last = 1.0, 0  # due after 60 s: every third call
+    _trainer(cfg).run()
+    steps = [s for s, _ in list_checkpoints(str(tmp_path))]
+    # step k asks at 25 k s; a save resets the clock: due at 75 s (step 3), then 75 s after 100 (step 6)
+    assert steps == [6, 3], steps
