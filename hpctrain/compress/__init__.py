@@ -1,4 +1,4 @@
-"""Gradient compressors with error feedback (docs/compress.md, to come with the wiring).
+"""Gradient compressors with error feedback (docs/dist.md, "Gradient compression").
 
   base      the interface, error feedback, payload sizes
   quantize  fp16, bf16
@@ -6,8 +6,10 @@
   sign      1-bit sign with a scale per chunk
   powersgd  powersgd(rank, start_step)
 
-:func:`make_compressor` builds one from its config text, e.g. ``"topk(0.01)"``.
-Not yet wired into the all-reduce path: this package is the tested core.
+:func:`make_compressor` builds one from its config text, e.g. ``"topk(0.01)"``;
+``reducer.CompressedSum`` sums a bucket over ranks through one, and
+:mod:`hpctrain.dist.compression` applies it to the gradient buckets
+(``dist.compress``, ``dist.compress_scope``).
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ class CompressedSum:
         self.dense_bytes = self._allreduce_bytes(4 * x.size)
         if self.c.combine == "lowrank":
             return self._lowrank(x, ctx, shapes or [(x.size,)])
+        self.encode_s = self.decode_s = 0.0
         t0 = time.perf_counter()
         payload = self.ef.step(x, ctx)
         self.encode_s = time.perf_counter() - t0
@@ -75,15 +76,15 @@ class CompressedSum:
                 summed[key] = a
         t0 = time.perf_counter()
         if any(a.dtype == np.uint16 for a in payload.values()):
-            out = summed["values"]  # the ring already decoded to float32 sums
+            out = summed["values"]  # the ring already decoded to float32 sums (timed there)
         else:
             out = self.c.decompress(summed, n, ctx)
-        self.decode_s = time.perf_counter() - t0
+        self.decode_s += time.perf_counter() - t0
         return out
 
     def _ring16(self, bits):
         """Sum over ranks of decode(bits), as float32, through 16-bit messages (see module doc)."""
-        enc, dec = self.c.encode, self.c.decode
+        enc, dec = self._timed(self.c.encode, "encode_s"), self._timed(self.c.decode, "decode_s")
         acc = dec(bits).copy()
         p, r = self.size, self.rank
         if p == 1:
@@ -136,11 +137,14 @@ class CompressedSum:
         from mpi4py import MPI
 
         self.sent_bytes = 0
+        comm_s = [0.0]
 
         def allreduce_sum(a):
             a = np.ascontiguousarray(a, np.float32)
             if self.size > 1:
+                t = time.perf_counter()
                 self.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+                comm_s[0] += time.perf_counter() - t
                 self.sent_bytes += self._allreduce_bytes(a.nbytes)
             return a
         layers, at = [], 0
@@ -152,9 +156,19 @@ class CompressedSum:
             raise ValueError(f"layer shapes cover {at} elements, the bucket has {x.size}")
         t0 = time.perf_counter()
         out = self.c.reduce(layers, ctx, allreduce_sum, self.size)
-        self.encode_s, self.decode_s = time.perf_counter() - t0, 0.0
+        # the products and the QR: PowerSGD's whole compute, its two all-reduces taken out
+        self.encode_s, self.decode_s = time.perf_counter() - t0 - comm_s[0], 0.0
         x[:] = np.concatenate([o.reshape(-1) for o in out])
         return x
+
+    def _timed(self, fn, counter):
+        """``fn`` that adds its run time to the counter ``counter`` (the ring's 16-bit conversions)."""
+        def run(a):
+            t0 = time.perf_counter()
+            out = fn(a)
+            setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
+            return out
+        return run
 
     def _allreduce_bytes(self, nbytes: int) -> int:
         """Bytes per rank of a bandwidth-optimal all-reduce of ``nbytes``: 2 (p-1)/p of them."""

@@ -76,8 +76,9 @@ class GradientCompression:
             self.decode_s += s.decode_s
 
     @property
-    def ratio(self) -> float:
-        return self.dense_bytes / self.sent_bytes if self.sent_bytes else 0.0
+    def ratio(self):
+        """dense / sent bytes of this step; None when nothing was sent (1 rank, or scope inter on one node)."""
+        return self.dense_bytes / self.sent_bytes if self.sent_bytes else None
 
     def state(self) -> dict:
         return self._sum.state() if self._sum is not None else {}
