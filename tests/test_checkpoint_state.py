@@ -210,14 +210,14 @@ def test_ckpt_cli_survives_malformed_files(tmp_path):
     assert proc.returncode == 1 and "INVALID" in proc.stdout
 
 
-def test_every_minutes_saves_on_rank_0s_clock(small_data, tmp_path, monkeypatch):
-    from hpctrain.ckpt import manager
-
-    clock = iter(range(0, 10**6, 25))  # each call to the clock advances 25 s
-    monkeypatch.setattr(manager.time, "monotonic", lambda: float(next(clock)))
+def test_every_minutes_saves_on_rank_0s_clock(small_data, tmp_path):
     cfg = _config(small_data[0], str(tmp_path))
-    cfg.checkpoint.every_minutes, cfg.checkpoint.keep_last = 1.0, 0  # due after 60 s: every third call
-    _trainer(cfg).run()
+    cfg.checkpoint.every_minutes, cfg.checkpoint.keep_last = 1.0, 0  # due after 60 s
+    t = _trainer(cfg)
+    clock = iter(range(0, 10**6, 25))  # each reading of the manager's clock advances 25 s
+    t.checkpoints.clock = lambda: float(next(clock))
+    t.checkpoints._last_save = t.checkpoints.clock()  # 0 s
+    t.run()
     steps = [s for s, _ in list_checkpoints(str(tmp_path))]
     # step k asks at 25 k s; a save resets the clock: due at 75 s (step 3), then 75 s after 100 (step 6)
     assert steps == [6, 3], steps

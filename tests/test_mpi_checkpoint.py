@@ -232,11 +232,11 @@ def test_file_reads_with_serial_h5py_and_h5dump(world, mpi_small_data):
 def test_pieces_and_a_failing_rank(world, monkeypatch, collective):
     """Slices written in many small pieces (as >2 GiB slices are) round-trip; a rank whose
     data cannot be produced makes every rank raise one error, without a hang, and commits nothing."""
-    from hpctrain.ckpt import write
+    from hpctrain.ckpt import slices, write
     from hpctrain.ckpt.read import load_checkpoint, verify_file
     from hpctrain.ckpt.state import Entry
 
-    monkeypatch.setattr(write, "PIECE_BYTES", 40)  # 2 rows of the (37, 5) float32 array per piece
+    monkeypatch.setattr(slices, "PIECE_BYTES", 40)  # 2 rows of the (37, 5) float32 array per piece
     rng = np.random.default_rng(7)
     big, small = rng.standard_normal((37, 5)).astype(np.float32), rng.standard_normal(3)
     mine = np.array([world.rank, 10 * world.rank], np.uint64)

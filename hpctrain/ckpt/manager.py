@@ -32,7 +32,8 @@ class CheckpointManager:
     def __init__(self, cfg, world, log):
         self.cfg, self.c, self.world, self.log = cfg, cfg.checkpoint, world, log
         self.directory = self.c.dir
-        self._last_save = time.monotonic()
+        self.clock = time.monotonic  # rank 0's clock for every_minutes (tests substitute one)
+        self._last_save = self.clock()
         self.saved_step = None      # step of the newest checkpoint this run wrote or loaded
         self.save_seconds = 0.0     # time of the last save
 
@@ -42,7 +43,7 @@ class CheckpointManager:
 
     def time_due(self) -> bool:
         """Rank 0's view of ``every_minutes`` (the trainer all-reduces it)."""
-        return bool(self.c.every_minutes) and time.monotonic() - self._last_save >= 60.0 * self.c.every_minutes
+        return bool(self.c.every_minutes) and self.clock() - self._last_save >= 60.0 * self.c.every_minutes
 
     # ---- save ---------------------------------------------------------------------
     def save(self, trainer) -> str:
@@ -56,7 +57,7 @@ class CheckpointManager:
         if self.world.is_root:
             self._prune(trainer.step)
         self.world.comm.Barrier()  # nobody returns while rank 0 may still delete
-        self._last_save = time.monotonic()
+        self._last_save = self.clock()
         self.saved_step = trainer.step
         self.save_seconds = time.perf_counter() - t0
         self.log.info(f"checkpoint: saved {path} (step {trainer.step}, {self.save_seconds:.2f} s)")

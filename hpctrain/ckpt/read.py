@@ -7,6 +7,7 @@ executed or unpickled: only numeric datasets and plain attributes are read.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,32 +116,37 @@ def verify_file(path: str) -> dict:
 
     Raises :class:`CorruptCheckpoint` naming the first problem.
     """
+    with _reading(path) as f:
+        attrs = header(f, path)
+        for name, d in datasets(f):
+            _check_dataset(d, path, name)
+            row_bytes = max(1, d.dtype.itemsize * int(np.prod(d.shape[1:])))
+            step = max(1, VERIFY_BLOCK_BYTES // row_bytes)
+            parts = [(crc32_of(b), b.nbytes) for b in (d[lo:lo + step] for lo in range(0, d.shape[0], step))]
+            got, want = combine_parts(parts), _stored_crc(d, path, name)
+            if got != want:
+                raise CorruptCheckpoint(f"{path}: dataset {name} fails its checksum (stored crc32 "
+                                        f"{want:#010x}, computed {got:#010x}): the file is corrupt")
+        return attrs
+
+
+@contextlib.contextmanager
+def _reading(path: str):
+    """The open file; any failure inside that is not already a UserError becomes CorruptCheckpoint."""
     f = _open(path)
     try:
-        try:
-            attrs = header(f, path)
-            for name, d in datasets(f):
-                _check_dataset(d, path, name)
-                row_bytes = max(1, d.dtype.itemsize * int(np.prod(d.shape[1:])))
-                step = max(1, VERIFY_BLOCK_BYTES // row_bytes)
-                parts = [(crc32_of(b), b.nbytes) for b in (d[lo:lo + step] for lo in range(0, d.shape[0], step))]
-                got, want = combine_parts(parts), _stored_crc(d, path, name)
-                if got != want:
-                    raise CorruptCheckpoint(f"{path}: dataset {name} fails its checksum (stored crc32 "
-                                            f"{want:#010x}, computed {got:#010x}): the file is corrupt")
-            return attrs
-        except UserError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any read failure means an unusable file
-            raise CorruptCheckpoint(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+        yield f
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any read failure means an unusable file
+        raise CorruptCheckpoint(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
     finally:
         f.close()
 
 
 def _read_share(path: str, rank: int, size: int):
     """This rank's slices of every dataset, their CRC parts and its own per-rank rows."""
-    f = _open(path)
-    try:
+    with _reading(path) as f:
         attrs = header(f, path)
         slices, parts, own, meta = {}, [], {}, []
         for name, d in datasets(f):
@@ -156,12 +162,6 @@ def _read_share(path: str, rank: int, size: int):
             else:
                 slices[name] = block
         return attrs, meta, parts, slices, own
-    except UserError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise CorruptCheckpoint(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
-    finally:
-        f.close()
 
 
 def load_checkpoint(path: str, world) -> LoadedCheckpoint:
@@ -228,27 +228,15 @@ def _agreed(exc):
 
 def header_of(path: str) -> dict:
     """The checked header of ``path`` (no data read); CorruptCheckpoint / UnreadableCheckpoint otherwise."""
-    f = _open(path)
-    try:
+    with _reading(path) as f:
         return header(f, path)
-    except UserError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise CorruptCheckpoint(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
-    finally:
-        f.close()
 
 
 def inspect_file(path: str) -> tuple[dict, list]:
     """Root attributes and (path, shape, dtype, bytes, crc32, per_rank) per dataset, without reading data."""
-    f = _open(path)
-    try:
+    with _reading(path) as f:
         attrs = {k: _attr(v) for k, v in f.attrs.items()}
         rows = [(name, tuple(d.shape), str(d.dtype), int(d.size) * d.dtype.itemsize,
                  int(d.attrs["crc32"]) if "crc32" in d.attrs else None, bool(d.attrs.get("per_rank", False)))
                 for name, d in datasets(f)]
         return attrs, rows
-    except Exception as exc:  # noqa: BLE001
-        raise CorruptCheckpoint(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
-    finally:
-        f.close()

@@ -34,18 +34,14 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from .. import __version__
 from ..errors import UserError
-from .format import FORMAT_NAME, FORMAT_VERSION, GROUPS, combine_parts, crc32_of, file_name, row_range, temp_name
-
-
-# HDF5 1.10's MPI-IO driver passes a transfer's size as a C int: a slice over
-# 2 GiB fails ("can't convert from size to size_i"), so slices go in pieces
-PIECE_BYTES = 1 << 30
+from .format import FORMAT_NAME, FORMAT_VERSION, GROUPS, combine_parts, crc32_of, file_name, temp_name
+from .slices import checksum_while_syncing as _checksum_while_syncing  # a module global: tests replace it
+from .slices import fsync, write_slices
 
 
 class CheckpointWriteError(UserError):
@@ -95,7 +91,7 @@ def write_checkpoint(directory: str, step: int, entries, attrs: dict, world, log
                     err = exc
                 else:
                     try:
-                        _fsync_dir(directory)
+                        fsync(directory)
                     except OSError as exc:  # committed; only the rename's durability is in doubt
                         if log is not None:
                             log.warn(f"fsync of {directory!r} after committing {final} failed: {exc}")
@@ -179,7 +175,7 @@ def _write_parallel(tmp, step, entries, attrs, world, collective):
     err = _agree(comm, err)
     parts = [(0, 0)] * len(entries)
     if err is None:
-        blocks, err = _write_slices(entries, dsets, rank, size, collective)
+        blocks, err = write_slices(entries, dsets, rank, size, collective)
         if err is None:
             try:
                 parts = _checksum_while_syncing(tmp, blocks)
@@ -207,7 +203,7 @@ def _write_parallel(tmp, step, entries, attrs, world, collective):
         # rank write metadata at close: one rank per node fsyncs (a node's ranks
         # share its page cache or file-system client, so one fsync covers them)
         try:
-            _fsync_file(tmp)
+            fsync(tmp)
         except OSError as exc:
             err = exc
     return err
@@ -252,85 +248,10 @@ def _write_serial(tmp, step, entries, attrs, world, collective=False):
                 d.attrs["crc32"] = np.uint32(crc32_of(full))
             _inject_delay(step)
             f.attrs["complete"] = True
-        _fsync_file(tmp)
+        fsync(tmp)
     except Exception as exc:  # noqa: BLE001 - agreed on by the caller
         return exc
     return None
-
-
-def _write_slices(entries, dsets, rank, size, collective):
-    """This rank's rows of every dataset, in pieces of at most PIECE_BYTES.
-
-    Returns (blocks, error): ``blocks[i]`` is the list of host arrays written
-    for dataset i (their CRCs are computed later, while the disk syncs). A
-    failure stops this rank's writes but, with ``collective``, not its calls:
-    every rank makes the same number of transfer calls per dataset (empty ones
-    after a failure), or the others would hang.
-    """
-    blocks, err = [], None
-    for e, d in zip(entries, dsets):
-        lo, hi = (rank, rank + 1) if e.per_rank else row_range(d.shape[0], rank, size)
-        row_bytes = max(1, d.dtype.itemsize * int(np.prod(d.shape[1:])))
-        per = max(1, PIECE_BYTES // row_bytes)
-        pieces = [(a, min(a + per, hi)) for a in range(lo, hi, per)]
-        most = 1 if e.per_rank else row_range(d.shape[0], 0, size)[1]  # rank 0 has the most rows
-        calls = max(len(pieces), -(-most // per)) if collective else len(pieces)
-        written = []
-        for i in range(calls):
-            called = False
-            try:
-                if err is None and i < len(pieces):
-                    a, b = pieces[i]
-                    block = np.ascontiguousarray(e.rows(a, b), dtype=e.dtype)
-                    called = True
-                    _write_rows(d, a, b, block, collective)
-                    written.append(block)
-            except Exception as exc:  # noqa: BLE001 - keep taking part in the collectives
-                err = exc
-            if collective and not called:
-                _write_rows(d, 0, 0, None, True)
-        blocks.append(written)
-    return blocks, err
-
-
-def _checksum_while_syncing(path, blocks):
-    """(crc, bytes) of each dataset's blocks, computed while a thread fsyncs ``path``.
-
-    The sync waits on the disk and zlib's CRC releases the GIL, so the CRC
-    (~4 GB/s here) hides behind the flush even on a rank bound to one core;
-    computed during the writes it added ~0.25 s per GB (h5py keeps the GIL
-    while it writes, and under mpirun a rank has one core).
-    """
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        sync = pool.submit(_fsync_file, path)
-        parts = [(combine_parts([(crc32_of(b), b.nbytes) for b in written]), sum(b.nbytes for b in written))
-                 for written in blocks]
-        sync.result()
-    return parts
-
-
-def _write_rows(dset, lo, hi, block, collective):
-    """Rows [lo, hi) of ``dset``; with ``collective`` every rank must call, an empty range included."""
-    if not collective:
-        if hi > lo:
-            dset[lo:hi] = block  # h5py's mpio default: an independent transfer
-        return
-    from h5py import h5fd, h5p, h5s
-
-    dxpl = h5p.create(h5p.DATASET_XFER)
-    dxpl.set_dxpl_mpio(h5fd.MPIO_COLLECTIVE)
-    fspace = dset.id.get_space()
-    if hi > lo:
-        fspace.select_hyperslab((lo,) + (0,) * (len(dset.shape) - 1), block.shape)
-        mspace = h5s.create_simple(block.shape)
-    else:
-        # h5py's high-level API skips empty selections, and a rank that skips a
-        # collective transfer hangs the others: select nothing explicitly
-        fspace.select_none()
-        mspace = h5s.create_simple((1,))
-        mspace.select_none()
-        block = np.zeros(1, dset.dtype)
-    dset.id.write(mspace, fspace, block, dxpl=dxpl)
 
 
 def _agree(comm, err):
@@ -349,22 +270,6 @@ def _inject_delay(step):
     only = os.environ.get("HPCTRAIN_CKPT_DELAY_STEP", "")
     if delay > 0 and (not only or int(only) == step):
         time.sleep(delay)
-
-
-def _fsync_file(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory):
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_quietly(path):
