@@ -2,7 +2,8 @@
 
   format   file names, layout constants, CRC-32 and its combination
   state    the trainer's state as named logical arrays, and back
-  write    the parallel write (h5py ``mpio``) and the atomic commit
+  write    the parallel write protocol (h5py ``mpio``) and the atomic commit
+  slices   a rank's share of the data: pieces, transfers, checksums while syncing
   read     verification and the parallel load
   manager  when to save, what to resume from, keep_last
   signals  SIGUSR1 / SIGTERM -> save and exit
