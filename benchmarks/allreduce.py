@@ -104,37 +104,50 @@ def topology(world, MPI) -> dict:
             "python": platform.python_version()}
 
 
-def validate(world, MPI, np, reduce, count, dtype) -> int:
-    """Wrong elements, summed over ranks, after one sum of x = rank + (index mod PERIOD)."""
+def validate(world, MPI, np, reduce, count, dtype, alloc=None) -> int:
+    """Wrong elements, summed over ranks, after one sum of x = rank + (index mod PERIOD)
+    (in a buffer from ``alloc(count, dtype)`` when given)."""
     n, comm = world.size, world.comm
     pattern = np.arange(PERIOD, dtype=np.float64)
     buf = np.resize((pattern + world.rank).astype(dtype), count)
+    if alloc is not None:
+        target = alloc(count, dtype)
+        target[:] = buf
+        buf = target
     reduce(buf)
     expected = np.resize((n * pattern + n * (n - 1) / 2).astype(dtype), count)
     return comm.allreduce(int(np.count_nonzero(buf != expected)), op=MPI.SUM)
 
 
-def measure(world, MPI, np, reducers, size, dtype, args) -> list[dict]:
+def measure(world, MPI, np, reducers, size, dtype, args, allocs=None) -> list[dict]:
     """Rows for every reducer at ``size`` bytes: validate each, then time the valid ones.
+
+    ``allocs[name](count, dtype)``: where that reducer's buffer lives (shm's
+    zero-copy row reduces a slice of its shared window); others use a plain array.
 
     Timed calls take turns (strategy A, B, ..., A, B, ...) so that a change in
     the machine's load during the run hits every strategy alike, not one.
     """
     n, comm = world.size, world.comm
     count = size // np.dtype(dtype).itemsize
-    wrong = {name: validate(world, MPI, np, reduce, count, dtype) for name, reduce in reducers.items()}
+    allocs = allocs or {}
+    wrong = {name: validate(world, MPI, np, reduce, count, dtype, allocs.get(name))
+             for name, reduce in reducers.items()}
     timed = [name for name in reducers if not wrong[name]]  # an invalid result is not worth timing
-    buf = np.zeros(count, dtype)
+    plain = np.zeros(count, dtype)
+    bufs = {name: allocs[name](count, dtype) if name in allocs else plain for name in timed}
+    for buf in bufs.values():
+        buf[:] = 0
     warmup, iters = iterations(args, size)
     for name in timed:
         for _ in range(warmup):
-            reducers[name](buf)
+            reducers[name](bufs[name])
     times = np.empty((len(timed), iters))
     for i in range(iters):
         for j, name in enumerate(timed):
             comm.Barrier()  # all ranks start together, so one late rank is not timed as slow network
             t0 = MPI.Wtime()
-            reducers[name](buf)
+            reducers[name](bufs[name])
             times[j, i] = MPI.Wtime() - t0
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # once, after timing, not inside the loop
     rows = []
@@ -206,6 +219,7 @@ def main(argv=None) -> int:
 
     from hpctrain import dist
     from hpctrain.device import CpuDevice
+    from hpctrain.errors import UserError
     from hpctrain.runtime import init_world
 
     world = init_world(ranks_per_node=args.ranks_per_node)
@@ -239,10 +253,19 @@ def main(argv=None) -> int:
         print(f"{info['mpi']}; strategies: {', '.join(names + [YARDSTICK])}; validation: closed form "
               f"x = rank + (index mod {PERIOD}), op sum", flush=True)
 
-    reducers, pickers = {}, {}
+    reducers, pickers, allocs = {}, {}, {}
     for name in names:
-        strategy = dist.make_allreduce(name, world, device)  # collective (auto measures here)
+        try:
+            strategy = dist.make_allreduce(name, world, device)  # collective (auto measures here)
+        except UserError as exc:  # shm across nodes: the same verdict on every rank
+            if world.is_root:
+                print(f"{name}: skipped: {exc}", flush=True)
+            continue
         reducers[name] = lambda buf, strategy=strategy: strategy(buf, "sum")
+        if hasattr(strategy, "allocate"):  # shm: also as the trainer uses it, on a slice of its window
+            window = strategy.allocate(max(sizes) // np.dtype(args.dtype).itemsize, args.dtype)
+            reducers[name + " zero-copy"] = reducers[name]
+            allocs[name + " zero-copy"] = lambda count, dtype, window=window: window[:count]
         if hasattr(strategy, "choose"):  # auto: the table says which strategy it ran per size
             pickers[name] = strategy.choose
             if world.is_root:
@@ -251,7 +274,7 @@ def main(argv=None) -> int:
     rows = []
     t_start = time.time()
     for size in sizes:
-        rows += measure(world, MPI, np, reducers, size, args.dtype, args)
+        rows += measure(world, MPI, np, reducers, size, args.dtype, args, allocs)
         for row in rows[-len(reducers):]:
             if row["strategy"] in pickers:
                 row["picked"] = pickers[row["strategy"]](size)

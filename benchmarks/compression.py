@@ -258,7 +258,7 @@ def part_b(args) -> int:
                  target_s=None if hit is None else float(sum(st[:hit + args.window])), train_s=float(sum(st)),
                  loss_vs_none=r["final_loss"] / base if base and r["final_loss"] else None)
     info = {"launcher": args.launcher, "config": args.config, "seed": cfg["train"].get("seed", 0),
-            "steps": cfg["train"].get("steps"), "extra_set": args.set, "window": args.window, "target_loss": target,
+            "steps": max((r["n_steps"] for r in runs), default=0) or cfg["train"].get("steps"), "extra_set": args.set, "window": args.window, "target_loss": target,
             "target_factor": None if args.target_loss else args.target_factor,
             "loadavg_1min_start": load0, "loadavg_1min_end": os.getloadavg()[0], "cores": os.cpu_count()}
     print(table_b(runs, info))
@@ -270,7 +270,7 @@ def table_b(runs, info) -> str:
     r0 = runs[0]
     by = f" = {info['target_factor']} x none's final" if info["target_factor"] else ""
     lines = [f"time to smoothed loss < {info['target_loss']:.4f}{by} ({info['window']}-step mean), {info['config']}, "
-             f"train.seed {info['seed']}, {info['steps']} steps, {r0['ranks']} ranks on {r0['nodes']} node(s) via "
+             f"{''.join(f'--set {x}, ' for x in info['extra_set'])}train.seed {info['seed']}, {info['steps']} steps, {r0['ranks']} ranks on {r0['nodes']} node(s) via "
              f"`{info['launcher']}`; load average {info['loadavg_1min_start']:.1f} -> {info['loadavg_1min_end']:.1f} "
              f"on {info['cores']} cores", "",
              "| compressor | steps to target | s to target | train s | final loss | x none | sent/rank MB "

@@ -125,8 +125,9 @@ class OptimConfig:
 class DistConfig:
     allreduce: str = _f("mpi", "gradient averaging strategy: mpi (MPI_Allreduce) | naive (reduce+bcast oracle) "
                         "| ring (reduce-scatter + all-gather) | rhd (recursive halving-doubling) "
-                        "| hierarchical (in node, across nodes, in node) | auto (fastest per size, measured)",
-                        choices=("mpi", "naive", "ring", "rhd", "hierarchical", "auto"))
+                        "| hierarchical (in node, across nodes, in node) | shm (one machine: shared-memory "
+                        "window, zero copy) | auto (fastest per size, measured)",
+                        choices=("mpi", "naive", "ring", "rhd", "hierarchical", "shm", "auto"))
     hierarchical_inner: str = _f("mpi", "flat strategy hierarchical uses across nodes",
                                  choices=("mpi", "naive", "ring", "rhd"))
     auto_cache: str = _f("runs/allreduce-auto.json", "where auto keeps its measured alpha-beta fits; empty = "

@@ -59,6 +59,9 @@ class Trainer:
         self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device, self.staging,
                                         inner=cfg.dist.hierarchical_inner, cache_path=cfg.dist.auto_cache,
                                         log=self.log)
+        if hasattr(self.allreduce, "allocate") and self.device.name == "cpu":
+            # shm: the gradients live in its shared window, so buckets are reduced without copies
+            self.model.use_grad_buffer(self.allreduce.allocate(self.model.flat.size, self.device.dtype))
         self.compression = None
         if cfg.dist.compress != "none":
             self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, world,

@@ -268,7 +268,7 @@ def test_pieces_and_a_failing_rank(world, monkeypatch, collective):
     assert sorted(os.listdir(d)) == ["ckpt-00000001.h5"]  # nothing committed, no temporary left
 
 
-@pytest.mark.parametrize("stage", ["_plan", "_checksum_while_syncing"])
+@pytest.mark.parametrize("stage", ["_plan", "_checksums"])
 def test_one_rank_failing_outside_the_data_writes_does_not_hang(world, monkeypatch, stage):
     """An exception on one rank while planning the file or checksumming: every rank raises one
     error naming that rank, promptly (the test's timeout is the hang detector), nothing committed."""

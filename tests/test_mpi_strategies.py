@@ -19,7 +19,7 @@ from hpctrain.dist.staging import Staging
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
-NAMES = ["mpi", "naive", "ring", "rhd"]
+NAMES = ["mpi", "naive", "ring", "rhd", "shm"]
 # hierarchical on simulated nodes of 2 ranks (3 ranks: nodes of 2 + 1), with
 # its cross-node phase done by each flat strategy in turn
 HIER = ["hierarchical/mpi", "hierarchical/ring", "hierarchical/rhd"]
@@ -41,6 +41,10 @@ def node_world():
 
 
 def build(name, world, node_world, device):
+    if name == "shm":  # 64 KB segments: buffers of 2^20 + 3 elements take many (tests/test_mpi_shm.py: zero copy)
+        from hpctrain.dist.shm import ShmAllreduce
+
+        return ShmAllreduce(world, device, segment_bytes=64 << 10)
     if name.startswith("hierarchical/"):
         return make_allreduce("hierarchical", node_world, device, inner=name.split("/")[1])
     return make_allreduce(name, world, device)
@@ -80,7 +84,7 @@ def test_rank_plus_index_has_closed_form_results(world, node_world, name, dtype,
             np.testing.assert_array_equal(buf, expected.astype(dtype), err_msg=op)
 
 
-@pytest.mark.parametrize("name", ["mpi", "ring", "rhd"] + HIER)
+@pytest.mark.parametrize("name", ["mpi", "ring", "rhd", "shm"] + HIER)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 1023, 2**20 + 3])
 def test_random_data_agrees_with_naive(world, node_world, name, dtype, n):

