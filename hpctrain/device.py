@@ -80,6 +80,9 @@ class CudaDevice:
     def __init__(self, dtype="float32", gpu: int = 0):
         from numba import cuda
 
+        from .kernels.cuda_support import serialize_simulator_launches
+
+        serialize_simulator_launches()  # the simulator runs one launch at a time; a GPU is untouched
         self._cuda = cuda
         self.dtype = np.dtype(dtype)
         self.gpu = gpu

@@ -29,7 +29,9 @@ from numba.types import Array, boolean, float32, float64, int64
 CC = (9, 0)  # sm_90: H100 / H200
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=CC)
 
-from hpctrain.kernels import adamw, bias_act, linear, scale, sgd, softmax_xent  # noqa: E402
+from hpctrain.kernels import (adamw, bias_act, ef, gather_scatter, linear, quantize16, scale, sgd,  # noqa: E402
+                              sign_pack, softmax_xent, topk_threshold)
+from numba.types import int32, uint8, uint16  # noqa: E402
 
 
 def arr(dtype, ndim):
@@ -58,6 +60,33 @@ def kernels():
         yield f"scale {dt}", scale._scale_kernel, (v, dt), False
         yield f"bias partial sums -> {dt}", bias_act._sum_partials, (arr(float64, 2), v, boolean), False
     yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3, False
+    yield from compression_kernels()
+
+
+def compression_kernels():
+    """The gradient compressors' kernels (hpctrain/compress/device.py): float32 residuals and
+    payloads, buckets (x, out) of either dtype."""
+    f32 = arr(float32, 1)
+    for dt in (float32, float64):
+        bucket = arr(dt, 1)
+        yield f"quantize16 encode_ef {dt}", quantize16._encode_ef_kernel, (bucket, f32, arr(uint16, 1), int64), False
+        yield f"quantize16 decode -> {dt}", quantize16._decode_kernel, (arr(uint16, 1), bucket, int64), False
+        yield f"ef_correct {dt}", ef._ef_correct_kernel, (bucket, f32), False
+        yield f"cast_copy float32 -> {dt}", ef._cast_copy_kernel, (f32, bucket), False
+        if dt is float64:
+            yield "cast_copy float64 -> float32", ef._cast_copy_kernel, (bucket, f32), False
+        yield f"fill {dt}", ef._fill_kernel, (bucket, dt), False
+        yield f"sparse_scatter -> {dt}", gather_scatter._sparse_scatter_kernel, (bucket, arr(int32, 1), f32, boolean), \
+            False
+        yield f"sign chunk_scales_ef {dt}", sign_pack._chunk_scales_ef_kernel, (bucket, f32, int64, f32), False
+        yield f"sign unpack_sum -> {dt}", sign_pack._unpack_sum_kernel, \
+            (arr(uint8, 2), arr(float32, 2), int64, bucket), False
+    yield "lowrank_residual", ef._lowrank_residual_kernel, (f32, f32, float32), False
+    yield "sparse_take", gather_scatter._sparse_take_kernel, (f32, arr(int32, 1), f32), False
+    yield "sign pack_ef", sign_pack._pack_ef_kernel, (f32, f32, int64, arr(uint8, 1)), False
+    yield "topk sample_abs", topk_threshold._sample_abs_kernel, (f32, int64, f32), False
+    yield "topk threshold_compact", topk_threshold._threshold_compact_kernel, \
+        (f32, float32, arr(int32, 1), f32, arr(int32, 1)), False
 
 
 def find_ptxas():

@@ -42,6 +42,11 @@ class PowerSGD(Compressor):
         r = min(self.rank, n, m)
         return r * (n + m) < n * m
 
+    @staticmethod
+    def initial_q(ctx, layer, m, r) -> np.ndarray:
+        """The first Q (m x r) of a layer: Gaussian, the same on every rank (and on every device)."""
+        return np.random.default_rng([ctx.seed, ctx.bucket, layer, 0x9D]).standard_normal((m, r)).astype(np.float32)
+
     def reduce(self, matrices, ctx, allreduce_sum, size: int = 1) -> list:
         """Every rank calls this with its per-layer gradients (2-D or 1-D arrays) of one bucket.
 
@@ -62,8 +67,7 @@ class PowerSGD(Compressor):
                 resid = self.residuals[key] = np.zeros(g.shape, np.float32)
             q = self.q.get(key)
             if q is None or q.shape != (m, r):
-                q = self.q[key] = np.random.default_rng([ctx.seed, ctx.bucket, layer, 0x9D]) \
-                    .standard_normal((m, r)).astype(np.float32)
+                q = self.q[key] = self.initial_q(ctx, layer, m, r)
             mat = g + resid
             p = allreduce_sum(mat @ q)
             p_hat = np.linalg.qr(p.astype(np.float64))[0].astype(np.float32)

@@ -62,6 +62,18 @@ class CompressedSum:
 
     # ---- "sum": payloads add -------------------------------------------------------
     def _sum(self, payload, n, ctx):
+        summed = self._sum_payload(payload)
+        t0 = time.perf_counter()
+        if any(a.dtype == np.uint16 for a in payload.values()):
+            out = self.c.decode(summed["values"])  # the ring's final 16-bit sums
+        else:
+            out = self.c.decompress(summed, n, ctx)
+        self.decode_s += time.perf_counter() - t0
+        return out
+
+    def _sum_payload(self, payload) -> dict:
+        """Each payload array summed over ranks: float32 arrays by ``MPI_Allreduce``, 16-bit
+        ones by the ring (whose result is again 16-bit bits, the same on every rank)."""
         from mpi4py import MPI
 
         summed, self.sent_bytes = {}, 0
@@ -74,21 +86,17 @@ class CompressedSum:
                     self.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
                     self.sent_bytes += self._allreduce_bytes(a.nbytes)
                 summed[key] = a
-        t0 = time.perf_counter()
-        if any(a.dtype == np.uint16 for a in payload.values()):
-            out = summed["values"]  # the ring already decoded to float32 sums (timed there)
-        else:
-            out = self.c.decompress(summed, n, ctx)
-        self.decode_s += time.perf_counter() - t0
-        return out
+        return summed
 
     def _ring16(self, bits):
-        """Sum over ranks of decode(bits), as float32, through 16-bit messages (see module doc)."""
+        """The 16-bit encoding of the sum over ranks of decode(bits), through 16-bit messages
+        (see module doc); identical on every rank."""
         enc, dec = self._timed(self.c.encode, "encode_s"), self._timed(self.c.decode, "decode_s")
-        acc = dec(bits).copy()
         p, r = self.size, self.rank
         if p == 1:
-            return acc
+            return bits
+        acc = dec(bits).copy()
+        final = np.empty_like(bits)
         off = chunk_offsets(acc.size, p)
         right, left = (r + 1) % p, (r - 1) % p
         recv = np.empty(off[1] - off[0], np.uint16)
@@ -99,19 +107,27 @@ class CompressedSum:
             self.comm.Sendrecv(out, right, TAG, recv[:n_r], left, TAG)
             self.sent_bytes += out.nbytes
             acc[off[cr]:off[cr + 1]] += dec(recv[:n_r])
-        mine = (r + 1) % p  # the finished chunk: round it as the others will see it
-        acc[off[mine]:off[mine + 1]] = dec(enc(acc[off[mine]:off[mine + 1]]))
-        for s in range(p - 1):  # all-gather of the rounded chunks
+        mine = (r + 1) % p  # the finished chunk, rounded once, as every rank will see it
+        final[off[mine]:off[mine + 1]] = enc(acc[off[mine]:off[mine + 1]])
+        for s in range(p - 1):  # all-gather of the rounded chunks, forwarded as they came
             cs, cr = (r + 1 - s) % p, (r - s) % p
-            n_r = off[cr + 1] - off[cr]
-            out = enc(acc[off[cs]:off[cs + 1]])
-            self.comm.Sendrecv(out, right, TAG, recv[:n_r], left, TAG)
+            out = final[off[cs]:off[cs + 1]]
+            self.comm.Sendrecv(out, right, TAG, final[off[cr]:off[cr + 1]], left, TAG)
             self.sent_bytes += out.nbytes
-            acc[off[cr]:off[cr + 1]] = dec(recv[:n_r])
-        return acc
+        return final
 
     # ---- "gather": payloads are all-gathered and decoded one by one -----------------
     def _gather(self, payload, n, ctx):
+        parts = self._allgather(payload)
+        t0 = time.perf_counter()
+        total = np.zeros(n, np.float32)
+        for part in parts:  # rank order: the same additions on every rank
+            total += self.c.decompress(part, n, ctx)
+        self.decode_s = time.perf_counter() - t0
+        return total
+
+    def _allgather(self, payload) -> list[dict]:
+        """Every rank's payload, in rank order, as dicts of views into one received buffer."""
         keys = sorted(payload)
         mine = np.concatenate([np.ascontiguousarray(payload[k]).reshape(-1).view(np.uint8) for k in keys])
         everyone = np.empty((self.size, mine.size), np.uint8)
@@ -120,33 +136,21 @@ class CompressedSum:
         else:
             everyone[0] = mine
         self.sent_bytes = mine.nbytes * (self.size - 1)  # a ring all-gather forwards p - 1 payloads
-        t0 = time.perf_counter()
-        total = np.zeros(n, np.float32)
-        for row in everyone:  # rank order: the same additions on every rank
-            at, parts = 0, {}
+        parts = []
+        for row in everyone:
+            at, part = 0, {}
             for k in keys:
                 a = payload[k]
-                parts[k] = row[at:at + a.nbytes].view(a.dtype).reshape(a.shape)
+                part[k] = row[at:at + a.nbytes].view(a.dtype).reshape(a.shape)
                 at += a.nbytes
-            total += self.c.decompress(parts, n, ctx)
-        self.decode_s = time.perf_counter() - t0
-        return total
+            parts.append(part)
+        return parts
 
     # ---- "lowrank": PowerSGD -----------------------------------------------------------
     def _lowrank(self, x, ctx, shapes):
-        from mpi4py import MPI
-
         self.sent_bytes = 0
         comm_s = [0.0]
-
-        def allreduce_sum(a):
-            a = np.ascontiguousarray(a, np.float32)
-            if self.size > 1:
-                t = time.perf_counter()
-                self.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
-                comm_s[0] += time.perf_counter() - t
-                self.sent_bytes += self._allreduce_bytes(a.nbytes)
-            return a
+        allreduce_sum = self._allreduce_sum(comm_s)
         layers, at = [], 0
         for shape in shapes:
             size = int(np.prod(shape))
@@ -160,6 +164,21 @@ class CompressedSum:
         self.encode_s, self.decode_s = time.perf_counter() - t0 - comm_s[0], 0.0
         x[:] = np.concatenate([o.reshape(-1) for o in out])
         return x
+
+    def _allreduce_sum(self, comm_s):
+        """PowerSGD's ``allreduce_sum(a)``: a float32 host array summed in place; adds its
+        bytes to ``sent_bytes`` and its time to ``comm_s[0]``."""
+        from mpi4py import MPI
+
+        def allreduce_sum(a):
+            a = np.ascontiguousarray(a, np.float32)
+            if self.size > 1:
+                t = time.perf_counter()
+                self.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+                comm_s[0] += time.perf_counter() - t
+                self.sent_bytes += self._allreduce_bytes(a.nbytes)
+            return a
+        return allreduce_sum
 
     def _timed(self, fn, counter):
         """``fn`` that adds its run time to the counter ``counter`` (the ring's 16-bit conversions)."""

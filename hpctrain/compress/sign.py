@@ -3,16 +3,19 @@
 Each chunk of ``CHUNK`` values is sent as its signs, packed 8 per byte (bit
 set = negative; numpy's big-endian bit order within a byte), and one float32
 scale: the chunk's mean |x|, so a chunk decodes to scale * sign(x) and keeps
-its L1 norm. n values cost ceil(n / 8) + 4 ceil(n / CHUNK) bytes: ~1/30 of
-float32 at CHUNK = 4096. Zeros decode as +scale (1 bit has no zero); error
-feedback returns the difference next step. Packed bits do not add, so
-payloads are all-gathered ("gather").
+its L1 norm (summed in float64 in a fixed order that the CUDA kernel follows
+too, hpctrain/kernels/sign_pack.py, so both give the same bits). n values
+cost ceil(n / 8) + 4 ceil(n / CHUNK) bytes: ~1/30 of float32 at CHUNK = 4096.
+Zeros decode as +scale (1 bit has no zero); error feedback returns the
+difference next step. Packed bits do not add, so payloads are all-gathered
+("gather").
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.sign_pack import chunk_scales
 from .base import Compressor
 
 CHUNK = 4096
@@ -25,14 +28,8 @@ class Sign(Compressor):
         self.chunk = chunk
 
     def compress(self, x, ctx):
-        x = np.asarray(x, np.float32).reshape(-1)
-        n, c = x.size, self.chunk
-        pad = (-n) % c
-        a = np.abs(np.concatenate([x, np.zeros(pad, np.float32)])).reshape(-1, c) if n else np.zeros((0, c))
-        counts = np.full(a.shape[0], c, np.float64)
-        if pad:
-            counts[-1] = c - pad
-        scales = (a.sum(axis=1, dtype=np.float64) / counts).astype(np.float32)
+        x = np.ascontiguousarray(x, np.float32).reshape(-1)
+        scales = chunk_scales(x, self.chunk, np.empty(-(-x.size // self.chunk), np.float32))
         return {"bits": np.packbits(x < 0), "scales": scales}
 
     def decompress(self, payload, n, ctx):

@@ -2,9 +2,11 @@
 
 topk(ratio): the k = ceil(ratio * n) entries of largest magnitude, sent as
 (int32 indices, float32 values): 8k bytes. Indices differ per rank, so
-payloads are all-gathered ("gather") and scattered-added. Selection on the
-CPU is exact (``numpy.argpartition``, O(n)); ties at the threshold are broken
-by position, deterministically.
+payloads are all-gathered ("gather") and scattered-added. Selection is exact
+and the same on every target: larger |x| first, NaN above every number, equal
+|x| by smaller index (:func:`hpctrain.kernels.topk_threshold.topk_select`,
+O(n) with ``numpy.partition``); the device path selects the same set by a
+sampled threshold (hpctrain/compress/device.py).
 
 randk(ratio): k entries at indices drawn from a generator seeded by
 (seed, step, bucket), the same on every rank, so only the float32 values
@@ -20,6 +22,7 @@ import math
 
 import numpy as np
 
+from ..kernels.topk_threshold import topk_select
 from .base import Compressor
 
 
@@ -46,12 +49,7 @@ class TopK(_Sparse):
 
     def compress(self, x, ctx):
         x = np.asarray(x, np.float32).reshape(-1)
-        k = k_of(self.ratio, x.size)
-        if k == x.size:
-            idx = np.arange(x.size, dtype=np.int32)
-        else:
-            # the k largest |x|; sorted so the payload does not depend on partition internals
-            idx = np.sort(np.argpartition(np.abs(x), x.size - k)[x.size - k:]).astype(np.int32)
+        idx = topk_select(x, k_of(self.ratio, x.size)).astype(np.int32)
         return {"indices": idx, "values": x[idx]}
 
     def decompress(self, payload, n, ctx):

@@ -11,10 +11,24 @@
     boundary is compressed (hierarchical's phase 2). On one node nothing
     crosses a node: no compression at all, which the log says.
 
-Compression runs in float32 on host memory (GPU buffers through the staging
-copies); a float64 run's gradients are rounded to float32 for the wire.
-Per-rank state (error-feedback residuals, PowerSGD's Q) is exposed by
-``state()`` for checkpoints.
+Where it runs (``on_device``):
+
+  * cpu device: on the host, in float32 (:class:`CompressedSum`);
+  * cuda device, scope "all": on the device
+    (:class:`~hpctrain.compress.device.DeviceCompressedSum`): error feedback,
+    encoding and decoding run as kernels, residuals stay in device memory,
+    and only the payload is copied to the host for MPI. Results equal the
+    host path's bit for bit (PowerSGD: to float32 rounding, its GEMMs sum
+    in another order);
+  * cuda device, scope "inter": still on the host. The hierarchical strategy
+    stages the bucket to the host for its intra-node phases anyway, and
+    hands the compressor a host chunk of it; a device path there would
+    need a device-side hierarchical strategy first.
+
+A float64 run's gradients are rounded to float32 for the wire on either
+path. Per-rank state (error-feedback residuals, PowerSGD's Q) is exposed by
+``state()`` for checkpoints, as host arrays under the same keys on every
+path, so a checkpoint written on one path resumes on the other.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compress import Context, make_compressor
+from ..compress.device import DeviceCompressedSum
 from ..compress.reducer import CompressedSum
 from ..errors import ConfigError
 
@@ -37,6 +52,7 @@ class GradientCompression:
         self.sent_bytes = self.dense_bytes = 0
         self.encode_s = self.decode_s = 0.0
         self._sum = None
+        self.on_device = scope != "inter" and staging.device.name == "cuda"
         if scope == "inter":
             if not hasattr(strategy, "compress_inter"):
                 raise ConfigError("dist.compress_scope = 'inter' needs dist.allreduce = 'hierarchical' "
@@ -49,6 +65,8 @@ class GradientCompression:
             self._sum = strategy.cross_compressed
             if world.n_nodes == 1 and log is not None:
                 log.info("compression: scope inter on a single node: nothing crosses a node, nothing is compressed")
+        elif self.on_device:
+            self._sum = DeviceCompressedSum(world.comm, self.compressor, staging.device)
         else:
             self._sum = CompressedSum(world.comm, self.compressor)
 
@@ -62,6 +80,8 @@ class GradientCompression:
         if self.scope == "inter":
             self.strategy.compress_context = ctx
             self.strategy(view, "sum")
+        elif self.on_device:
+            self._sum(view, ctx, self.shapes[index])
         else:
             with self.staging.host_view(view) as host:
                 flat = host.reshape(-1)

@@ -9,6 +9,7 @@ imported.
 from __future__ import annotations
 
 import math
+import threading
 
 from numba import config
 
@@ -28,3 +29,34 @@ def blocks_for(n: int, threads: int = THREADS) -> int:
     """Blocks for a grid-stride loop over ``n`` items (at least one)."""
     cap = SIM_MAX_BLOCKS if simulated() else MAX_BLOCKS
     return max(1, min(cap, math.ceil(n / threads)))
+
+
+_sim_lock = threading.Lock()
+
+
+def serialize_simulator_launches() -> None:
+    """Under the simulator, let one kernel launch run at a time, process-wide. Idempotent.
+
+    The simulator keeps the running kernel in one module global, so a launch
+    from a second thread (the bucket thread's scale and compression kernels
+    while backward launches its own) is taken for a device-function call
+    inside the first kernel and runs with the wrong grid. A GPU has no such
+    limit (one stream per rank orders the work), so nothing changes there.
+    Called by ``CudaDevice`` when it is created, not at import.
+    """
+    if not simulated():
+        return
+    from numba.cuda.simulator import kernel as sim
+
+    kernel = sim.FakeCUDAKernel
+    if getattr(kernel, "_hpctrain_serialized", False):
+        return
+    launch = kernel.__call__
+
+    def serialized(self, *args):
+        if self._device:  # device functions run inside a launch (on its threads): no lock
+            return launch(self, *args)
+        with _sim_lock:
+            return launch(self, *args)
+    kernel.__call__ = serialized
+    kernel._hpctrain_serialized = True

@@ -1,0 +1,97 @@
+"""Elementwise steps of error feedback on flat vectors (the device path of hpctrain/compress).
+
+  ef_correct        r <- float32(x) + r           x (n,) float32|float64, r (n,) float32: r now holds
+                                                   the corrected gradient the compressor encodes
+  lowrank_residual  m <- m - a / float32(size)    PowerSGD: m (n,) holds M_i, a the summed
+                                                   approximation; m becomes the residual
+  cast_copy         dst <- src                    between float32 and the bucket's dtype
+  fill              dst <- value
+
+Each is the same float32 operation as the host compressors' NumPy (one rounding
+per element), so both give the same bits. Launchers take arrays of any shape
+with a contiguous layout and flatten them (views, no copies).
+"""
+
+import numpy as np
+from numba import cuda
+
+from .cuda_support import THREADS, blocks_for
+
+
+# ---- CPU twins (NumPy) -------------------------------------------------------------
+def ef_correct(x, r):
+    r += np.asarray(x, np.float32).reshape(r.shape)
+    return r
+
+
+def lowrank_residual(m, a, size):
+    np.subtract(m, a / np.float32(size), out=m)
+    return m
+
+
+def cast_copy(src, dst):
+    dst[...] = src
+    return dst
+
+
+def fill(dst, value):
+    dst[...] = value
+    return dst
+
+
+# ---- CUDA kernels ------------------------------------------------------------------
+@cuda.jit
+def _ef_correct_kernel(x, r):
+    i = cuda.grid(1)
+    while i < r.size:
+        r[i] = np.float32(x[i]) + r[i]
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def _lowrank_residual_kernel(m, a, size):
+    i = cuda.grid(1)
+    while i < m.size:
+        m[i] = m[i] - a[i] / size
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def _cast_copy_kernel(src, dst):
+    i = cuda.grid(1)
+    while i < dst.size:
+        dst[i] = src[i]
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def _fill_kernel(dst, value):
+    i = cuda.grid(1)
+    while i < dst.size:
+        dst[i] = value
+        i += cuda.gridsize(1)
+
+
+# ---- launchers ---------------------------------------------------------------------
+def _flat(a):
+    return a.reshape(a.size)
+
+
+def ef_correct_cuda(x, r, *, stream=0):
+    _ef_correct_kernel[blocks_for(r.size), THREADS, stream](_flat(x), _flat(r))
+    return r
+
+
+def lowrank_residual_cuda(m, a, size, *, stream=0):
+    _lowrank_residual_kernel[blocks_for(m.size), THREADS, stream](_flat(m), _flat(a), np.float32(size))
+    return m
+
+
+def cast_copy_cuda(src, dst, *, stream=0):
+    _cast_copy_kernel[blocks_for(dst.size), THREADS, stream](_flat(src), _flat(dst))
+    return dst
+
+
+def fill_cuda(dst, value, *, stream=0):
+    _fill_kernel[blocks_for(dst.size), THREADS, stream](_flat(dst), np.dtype(dst.dtype).type(value))
+    return dst

@@ -1,0 +1,67 @@
+"""Sparse payloads (top-k, random-k): take k entries with their error feedback, and scatter them back.
+
+  sparse_take     r (n,) float32 corrected gradient, idx (k,) int32 distinct:
+                  values[j] = r[idx[j]];  r[idx[j]] -= values[j]
+                  r becomes the residual: corrected - decode(payload), which is
+                  r itself off the indices and r - r (0, or NaN for inf/NaN) on them
+  sparse_scatter  out[idx[j]] = values[j], or += with ``accumulate`` (decode of one
+                  rank's payload; idx distinct, so no two threads touch one element)
+
+The host compressors decode by scattering into zeros and subtracting/adding the
+whole vector; the entries off the indices then get x - 0 and x + 0, which leave
+x as it is (x + 0 could only change a -0.0, and a sum started from +0.0 never
+is one), so the sparse forms here give the same bits.
+"""
+
+from numba import cuda
+
+from .cuda_support import THREADS, blocks_for
+
+
+# ---- CPU twins (NumPy) -------------------------------------------------------------
+def sparse_take(r, idx, values):
+    values[:] = r[idx]
+    r[idx] -= values
+    return values
+
+
+def sparse_scatter(out, idx, values, accumulate=False):
+    if accumulate:
+        out[idx] += values
+    else:
+        out[idx] = values
+    return out
+
+
+# ---- CUDA kernels ------------------------------------------------------------------
+@cuda.jit
+def _sparse_take_kernel(r, idx, values):
+    j = cuda.grid(1)
+    while j < idx.size:
+        i = idx[j]
+        v = r[i]
+        values[j] = v
+        r[i] = v - v
+        j += cuda.gridsize(1)
+
+
+@cuda.jit
+def _sparse_scatter_kernel(out, idx, values, accumulate):
+    j = cuda.grid(1)
+    while j < idx.size:
+        if accumulate:
+            out[idx[j]] += values[j]
+        else:
+            out[idx[j]] = values[j]
+        j += cuda.gridsize(1)
+
+
+# ---- launchers ---------------------------------------------------------------------
+def sparse_take_cuda(r, idx, values, *, stream=0):
+    _sparse_take_kernel[blocks_for(idx.size), THREADS, stream](r, idx, values)
+    return values
+
+
+def sparse_scatter_cuda(out, idx, values, accumulate=False, *, stream=0):
+    _sparse_scatter_kernel[blocks_for(idx.size), THREADS, stream](out, idx, values, bool(accumulate))
+    return out

@@ -1,0 +1,169 @@
+"""Top-k selection by threshold: the device half of hpctrain/compress/sparse.py's TopK.
+
+The order (both targets, and the host TopK): larger |x| first, NaN above every
+number (NumPy's sort puts NaN last); equal |x| by smaller index. The top k of
+that order, indices sorted ascending, is "the" top-k: no partition internals.
+
+  topk_select        host (NumPy): positions of the top k of a vector, O(n) (partition)
+  sample_abs         out[j] = |x[j * stride]|: a deterministic, strided sample
+  threshold_compact  every i with |x[i]| >= t (or NaN) -> (cand_idx, cand_val) through an
+                     atomic counter; ``count`` = how many passed, even beyond capacity
+  topk_cuda          the whole selection for a device vector x (n,) float32:
+    1. sample SAMPLE entries; pick t so that about 2k of n pass (never 0: zeros
+       need not pass, which makes a mostly-zero bucket cheap);
+    2. compact on the device; if k <= count <= cap (4k + 64), the top k are all
+       among the candidates (everything with |x| >= the k-th largest passed), so
+       copying just the candidates to the host and running topk_select on them
+       (k is small) gives the exact answer;
+    3. too few pass: a lower t (4x the target); too many: a higher one; at most
+       MAX_PASSES compactions, then the fallback: the whole vector to the host.
+The compaction order is nondeterministic (atomics), so candidates are sorted by
+index on the host before the selection: results do not depend on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+
+import numpy as np
+from numba import cuda, njit
+
+from .cuda_support import THREADS, blocks_for
+
+SAMPLE = 4096        # sampled entries: the threshold's passing count is within ~15 % at k/n = 1 %
+MAX_PASSES = 4       # compactions before the whole vector goes to the host
+TINY = np.float32(np.finfo(np.float32).smallest_subnormal)   # the lowest threshold: excludes zeros
+
+TopkResult = namedtuple("TopkResult", "indices values passes fallback")
+
+
+def capacity(n: int, k: int) -> int:
+    """Candidates kept per compaction."""
+    return min(n, 4 * k + 64)
+
+
+# ---- CPU twins and the host selection (NumPy, numba) ----------------------------------
+def topk_select(x, k):
+    """Positions (int64, ascending) of the top k of ``x`` in the order above."""
+    n = x.size
+    if k >= n:
+        return np.arange(n)
+    if k <= 0:
+        return np.zeros(0, np.int64)
+    a = np.abs(x)
+    kth = np.partition(a, n - k)[n - k]       # the k-th largest magnitude (NaN sorts last)
+    if np.isnan(kth):
+        return np.flatnonzero(np.isnan(a))[:k]
+    above = np.flatnonzero((a > kth) | np.isnan(a))   # fewer than k
+    ties = np.flatnonzero(a == kth)[:k - above.size]  # the smallest indices of the k-th magnitude
+    return np.sort(np.concatenate([above, ties]))
+
+
+def sample_abs(x, s):
+    """|x| at s evenly strided positions (stride n // s)."""
+    return np.abs(x[::x.size // s][:s]) if s else np.zeros(0, x.dtype)
+
+
+@njit(cache=True, nogil=True)
+def threshold_compact(x, t, cand_idx, cand_val):
+    """The twin of the kernel, in index order; returns how many passed."""
+    count = 0
+    for i in range(x.size):
+        a = abs(x[i])
+        if a >= t or a != a:
+            if count < cand_idx.size:
+                cand_idx[count] = i
+                cand_val[count] = x[i]
+            count += 1
+    return count
+
+
+def threshold_for(sorted_sample, n, want):
+    """t such that about ``want`` of n entries have |x| >= t, from the ascending sample (NaN as inf)."""
+    s = sorted_sample.size
+    m = min(s, max(1, math.ceil(want * s / n)))
+    return max(np.float32(sorted_sample[s - m]), TINY)
+
+
+# ---- CUDA kernels ------------------------------------------------------------------
+@cuda.jit
+def _sample_abs_kernel(x, stride, out):
+    j = cuda.grid(1)
+    while j < out.size:
+        out[j] = abs(x[j * stride])
+        j += cuda.gridsize(1)
+
+
+@cuda.jit
+def _threshold_compact_kernel(x, t, cand_idx, cand_val, count):
+    i = cuda.grid(1)
+    while i < x.size:
+        v = x[i]
+        a = abs(v)
+        if a >= t or a != a:
+            slot = cuda.atomic.add(count, 0, 1)
+            if slot < cand_idx.size:
+                cand_idx[slot] = i
+                cand_val[slot] = v
+        i += cuda.gridsize(1)
+
+
+# ---- launchers ---------------------------------------------------------------------
+def _alloc(scratch, key, shape, dtype):
+    return scratch(key, shape, dtype) if scratch is not None else cuda.device_array(shape, dtype)
+
+
+def threshold_compact_cuda(x, t, cand_idx, cand_val, count, *, stream=0):
+    """Launch the compaction; ``count`` (1,) int32 must hold 0. Returns nothing (read count after a sync)."""
+    _threshold_compact_kernel[blocks_for(x.size), THREADS, stream](x, np.float32(t), cand_idx, cand_val, count)
+
+
+def topk_cuda(x, k, *, stream=0, scratch=None) -> TopkResult:
+    """The top k of the device vector x (n,) float32: host int32 indices (ascending) and float32 values.
+
+    ``passes`` counts compactions, ``fallback`` says the whole vector went to the host.
+    Synchronises ``stream`` (the host needs the counts).
+    """
+    n = x.size
+    if k >= n:
+        return TopkResult(np.arange(n, dtype=np.int32), x.copy_to_host(stream=stream), 0, False)
+    s = min(n, SAMPLE)
+    sample = _alloc(scratch, "topk_sample", (s,), np.float32)
+    _sample_abs_kernel[blocks_for(s), THREADS, stream](x, n // s, sample)
+    host = sample.copy_to_host(stream=stream)
+    _sync(stream)
+    ordered = np.sort(np.where(np.isnan(host), np.float32(np.inf), host))
+    cap = capacity(n, k)
+    cand_idx = _alloc(scratch, "topk_idx", (cap,), np.int32)
+    cand_val = _alloc(scratch, "topk_val", (cap,), np.float32)
+    count = _alloc(scratch, "topk_count", (1,), np.int32)
+    want, tried = 2.0 * k, set()
+    for passes in range(1, MAX_PASSES + 1):
+        t = threshold_for(ordered, n, want)
+        if t in tried:          # the sample cannot tell thresholds apart any finer (ties, zeros)
+            break
+        tried.add(t)
+        count.copy_to_device(np.zeros(1, np.int32), stream=stream)
+        threshold_compact_cuda(x, t, cand_idx, cand_val, count, stream=stream)
+        c = int(count.copy_to_host(stream=stream)[0])
+        _sync(stream)
+        if k <= c <= cap:
+            ci, cv = cand_idx[:c].copy_to_host(stream=stream), cand_val[:c].copy_to_host(stream=stream)
+            _sync(stream)
+            order = np.argsort(ci, kind="stable")
+            ci, cv = ci[order], cv[order]
+            pos = topk_select(cv, k)
+            return TopkResult(ci[pos], cv[pos], passes, False)
+        want = want * 4 if c < k else want / 4
+    values = x.copy_to_host(stream=stream)
+    _sync(stream)
+    pos = topk_select(values, k)
+    return TopkResult(pos.astype(np.int32), values[pos], len(tried), True)
+
+
+def _sync(stream):
+    if stream != 0:
+        stream.synchronize()
+    else:
+        cuda.synchronize()

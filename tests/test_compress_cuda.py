@@ -1,0 +1,175 @@
+"""The device path of gradient compression (hpctrain/compress/device.py) against the host
+path (compress/reducer.py), one rank (MPI.COMM_SELF), on numba's CUDA simulator.
+
+Contract: for every compressor but PowerSGD the device path returns the host
+path's bits, step after step, and keeps the same residuals (compared bit for
+bit through the checkpoint view, ``state()``). PowerSGD's products run through
+the GEMM kernels, which sum in another order than BLAS: held to float32
+rounding of the products (rtol 1e-5 of the largest entry). Multi-rank sums:
+tests/test_mpi_compress_cuda.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpctrain.compress import Context, make_compressor
+from hpctrain.compress.device import DeviceCompressedSum
+from hpctrain.compress.reducer import CompressedSum
+from hpctrain.device import CudaDevice, cuda_status
+
+pytestmark = [pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}"),
+              pytest.mark.timeout(300)]
+
+EXACT = ["none", "fp16", "bf16", "topk(0.02)", "randk(0.1)", "sign"]
+SHAPES = [(40, 30), (30,), (30, 5)]     # one bucket of three layers: 1380 values
+N = sum(int(np.prod(s)) for s in SHAPES)
+
+
+@pytest.fixture(scope="module")
+def comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+def grads(step, n=N, dtype="float64"):
+    g = np.random.default_rng([91, step]).standard_normal(n) * 2.0 ** (step % 5 - 2)
+    g[::97] = 0.0
+    return g.astype(dtype)
+
+
+def run_host(host, g, ctx, shapes=SHAPES):
+    x = g.astype(np.float32)           # what GradientCompression does with a host bucket
+    host(x, ctx, shapes)
+    return x.astype(g.dtype)
+
+
+def run_device(dev, dsum, g, ctx, shapes=SHAPES):
+    view = dev.from_host(g, g.dtype)
+    dsum(view, ctx, shapes)
+    return dev.to_host(view)
+
+
+def same_bits(a, b):
+    return np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("spec", EXACT)
+def test_device_path_equals_host_path_bitwise(comm, spec, dtype):
+    dev = CudaDevice(dtype)
+    host, dsum = CompressedSum(comm, make_compressor(spec)), DeviceCompressedSum(comm, make_compressor(spec), dev)
+    for step in range(2):
+        ctx = Context(step=step, bucket=2, seed=5)
+        g = grads(step, dtype=dtype)
+        assert same_bits(run_device(dev, dsum, g, ctx), run_host(host, g, ctx)), (spec, step)
+    hs, ds = host.state(), dsum.state()
+    assert sorted(hs) == sorted(ds) == ([] if spec == "none" else ["residual/2"])
+    assert all(same_bits(ds[k], hs[k]) for k in hs)
+    assert dsum.dense_bytes == host.dense_bytes and dsum.sent_bytes == host.sent_bytes == 0  # one rank
+
+
+def test_powersgd_device_path_is_the_host_path_to_rounding(comm):
+    dev = CudaDevice("float32")
+    spec = "powersgd(2, 1)"               # step 0 exact (no residual), then compressed
+    host, dsum = CompressedSum(comm, make_compressor(spec)), DeviceCompressedSum(comm, make_compressor(spec), dev)
+    for step in range(3):
+        ctx = Context(step=step, bucket=0, seed=5)
+        g = grads(step, dtype="float32")
+        got, ref = run_device(dev, dsum, g, ctx), run_host(host, g, ctx)
+        if step == 0:
+            assert same_bits(got, ref) and dsum.state() == {}
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    hs, ds = host.state(), dsum.state()
+    assert sorted(hs) == sorted(ds) == ["q/0/0", "q/0/2", "residual/0/0", "residual/0/2"]  # (30,) is a vector
+    for k in hs:
+        np.testing.assert_allclose(ds[k], hs[k], rtol=0, atol=1e-4 * np.abs(hs[k]).max())
+
+
+@pytest.mark.parametrize("spec", ["fp16", "topk(0.01)", "randk(0.05)", "sign"])   # bf16: fp16's kernel
+def test_error_feedback_invariant_through_the_device_path(comm, spec):
+    """sum(sent) + final residual == sum(gradients), to float32 rounding (as test_compress_core's)."""
+    dev = CudaDevice("float32")
+    dsum = DeviceCompressedSum(comm, make_compressor(spec), dev)
+    n, sent, total = 3000, np.zeros(3000), np.zeros(3000)
+    for step in range(4):
+        g = grads(step, n, "float32")
+        sent += run_device(dev, dsum, g, Context(step=step, bucket=0, seed=1), [(n,)])
+        total += g
+    np.testing.assert_allclose(sent + dsum.state()["residual/0"], total, atol=1e-4 * np.abs(total).max())
+    if spec.startswith("topk"):
+        assert dsum.topk_passes >= 4 and dsum.topk_fallbacks == 0   # the threshold road, not the fallback
+
+
+@pytest.mark.parametrize("spec", ["topk(0.02)", "sign", "powersgd(2)"])
+def test_checkpointed_state_moves_between_device_and_host_paths(comm, spec):
+    """state() of one path, loaded into the other, continues as the saving path would have."""
+    dev = CudaDevice("float32")
+    host, dsum = CompressedSum(comm, make_compressor(spec)), DeviceCompressedSum(comm, make_compressor(spec), dev)
+    ctx = Context(step=0, bucket=0, seed=3)   # a device run and a host run, one step to a checkpoint
+    run_device(dev, dsum, grads(0, dtype="float32"), ctx)
+    run_host(host, grads(0, dtype="float32"), ctx)
+    to_host = CompressedSum(comm, make_compressor(spec))
+    to_device = DeviceCompressedSum(comm, make_compressor(spec), dev)
+    to_host.load_state(dsum.state())      # a device checkpoint resumed on the host ...
+    to_device.load_state(host.state())    # ... and a host checkpoint on the device
+    ctx = Context(step=1, bucket=0, seed=3)
+    g = grads(1, dtype="float32")
+    pairs = [(run_host(to_host, g, ctx), run_device(dev, dsum, g, ctx)),
+             (run_device(dev, to_device, g, ctx), run_host(host, g, ctx))]
+    for (resumed, straight), (a, b) in zip(pairs, [(to_host, dsum), (to_device, host)]):
+        if spec.startswith("powersgd"):   # GEMM vs BLAS: rounding apart
+            np.testing.assert_allclose(resumed, straight, rtol=0, atol=1e-5 * np.abs(straight).max())
+        else:
+            assert same_bits(resumed, straight)
+            sa, sb = a.state(), b.state()
+            assert sorted(sa) == sorted(sb) and all(same_bits(sa[k], sb[k]) for k in sa)
+
+
+def test_unknown_compressors_have_no_device_path(comm):
+    from hpctrain.compress import Compressor
+
+    with pytest.raises(TypeError, match="no device path"):
+        DeviceCompressedSum(comm, Compressor(), CudaDevice("float32"))
+
+
+# ---- inside the trainer ------------------------------------------------------------------------
+def _config(train_path, spec):
+    from hpctrain.config import Config
+
+    cfg = Config()
+    cfg.data.train, cfg.data.eval = train_path, ""
+    cfg.model.hidden = [16, 12]
+    cfg.train.global_batch, cfg.train.dtype, cfg.train.device = 4, "float64", "cuda"  # a block per row in softmax
+    cfg.optim.name, cfg.optim.lr, cfg.optim.warmup_steps = "adamw", 0.01, 0
+    cfg.dist.compress, cfg.dist.bucket_mb = spec, 0        # one bucket: every launch costs ~0.1 s here
+    # overlap on (the default): the communication thread launches the compression kernels
+    # while backward may launch its own; CudaDevice serialises simulator launches
+    # (kernels/cuda_support.py), a GPU queues both on the device's one stream
+    return cfg.validate()
+
+
+def test_trainer_on_cuda_compresses_on_the_device_like_the_host_path(small_data, spec="topk(0.05)"):
+    from mpi4py import MPI
+
+    from hpctrain.compress.reducer import CompressedSum
+    from hpctrain.log import Log
+    from hpctrain.runtime import init_world
+    from hpctrain.train import Trainer
+
+    world = init_world(MPI.COMM_SELF)
+    params = {}
+    for path in ("device", "host"):
+        t = Trainer(_config(small_data[0], spec), world, Log(False))
+        c = t.compression
+        assert c.on_device and isinstance(c._sum, DeviceCompressedSum)
+        if path == "host":                # the staging copies and the host compressor, as before
+            c._sum, c.on_device = CompressedSum(world.comm, c.compressor), False
+        for _ in range(2):
+            t.train_step()
+        params[path] = t.device.to_host(t.model.flat.data), {k: v.copy() for k, v in c.state().items()}
+    (p_dev, s_dev), (p_host, s_host) = params["device"], params["host"]
+    assert same_bits(p_dev, p_host)
+    assert sorted(s_dev) == sorted(s_host) == ["residual/0"] and all(same_bits(s_dev[k], s_host[k]) for k in s_dev)
