@@ -4,6 +4,8 @@ Commands
   train   train a model data-parallel over all ranks of the launch
   data    make or inspect datasets (``data synth``, ``data info``)
   ckpt    list, verify or inspect checkpoints (``ckpt ls DIR``, ``ckpt verify FILE``, ``ckpt inspect FILE``)
+  trace   join the per-rank timelines of ``train --trace DIR`` (``trace merge DIR -o FILE``)
+  bench   rebuild a benchmark's table and plots from its JSON (``bench report DIR``)
   info    per-rank topology, MPI library and thread level, h5py/HDF5, numba, CUDA
 
 Exit codes: 0 ok; 2 a user error (printed once by rank 0); 3 the run finished
@@ -47,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="auto|PATH",
                    help="continue from the newest valid checkpoint in checkpoint.dir (auto) or from PATH "
                         "(same as --set checkpoint.resume=...)")
+    t.add_argument("--trace", metavar="DIR", help="write a Chrome trace per rank into DIR (same as --set "
+                   "train.trace=DIR); join them with: python -m hpctrain trace merge DIR")
     t.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     t.set_defaults(func=cmd_train)
 
@@ -78,6 +82,19 @@ def _parser() -> argparse.ArgumentParser:
     ci.add_argument("file")
     ci.set_defaults(func=lambda a: _ckpt("cmd_inspect", a))
 
+    tr = sub.add_parser("trace", help="timelines written by train --trace (no MPI needed)")
+    trsub = tr.add_subparsers(dest="trace_command", required=True, metavar="action")
+    tm = trsub.add_parser("merge", help="one Chrome trace with a track per rank (Perfetto, chrome://tracing)")
+    tm.add_argument("dir", help="the --trace directory (trace-rank*.json)")
+    tm.add_argument("-o", "--output", metavar="FILE", help="merged file (default DIR/trace.json)")
+    tm.set_defaults(func=lambda a: _lazy("trace", "cmd_merge", a))
+
+    b = sub.add_parser("bench", help="benchmark reports (no MPI needed)")
+    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="action")
+    br = bsub.add_parser("report", help="rebuild the Markdown table and PNG plots from DIR/scaling.json")
+    br.add_argument("dir", help="the output directory of benchmarks/scaling.py")
+    br.set_defaults(func=lambda a: _lazy("bench_report", "cmd_report", a))
+
     i = sub.add_parser("info", help="print topology and library support per rank")
     i.add_argument("--ranks-per-node", type=int, default=0, metavar="K", help="simulate nodes of K ranks")
     i.set_defaults(func=cmd_info)
@@ -99,6 +116,8 @@ def cmd_train(args) -> int:
         overrides.append(f"dist.ranks_per_node={args.ranks_per_node}")
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
+    if args.trace is not None:
+        overrides.append(f"train.trace={json.dumps(args.trace)}")
     from .ckpt.signals import StopSignal
 
     stop = StopSignal().__enter__()  # from here on SIGUSR1/SIGTERM mean "save and stop", not death
@@ -106,9 +125,17 @@ def cmd_train(args) -> int:
     cfg = agree(world, load_config, args.config, overrides)
     if cfg.dist.ranks_per_node:
         world = init_world(ranks_per_node=cfg.dist.ranks_per_node)
+    from . import slurm
+    from .config import CheckpointConfig
+
+    job = slurm.current()  # inside SLURM the default checkpoint.dir is per job (runs/ckpt/<job>)
+    cfg.checkpoint.dir = slurm.checkpoint_dir(cfg.checkpoint.dir, CheckpointConfig().dir)
     if world.is_root:
         print(f"resolved config ({args.config or 'defaults'}):\n{cfg.to_toml()}", flush=True)
+        if job:
+            print(slurm.describe(job), flush=True)
     result = Trainer(cfg, world, stop_signal=stop).run()
+    stop.ignore_late()  # nothing left to stop: a late SIGUSR1/SIGTERM must not change the exit code
     if result["stopped_by"]:
         return EXIT_CHECKPOINTED
     acc = result["eval_accuracy"]
@@ -143,6 +170,13 @@ def _ckpt(name, args) -> int:
     from .ckpt import cli
 
     return getattr(cli, name)(args)
+
+
+def _lazy(module, name, args) -> int:
+    """Run ``hpctrain.<module>.<name>(args)``, importing the module only when asked."""
+    import importlib
+
+    return getattr(importlib.import_module(f".{module}", __package__), name)(args)
 
 
 def cmd_info(args) -> int:

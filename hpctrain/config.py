@@ -63,6 +63,8 @@ class TrainConfig:
     metrics: str = _f("", "per-step metrics as JSON lines, written by rank 0; empty = off")
     grad_accum_steps: int = _f(1, "micro-batches per step: gradients accumulate locally and are "
                                "communicated once, on the last (the per-rank batch must divide evenly)")
+    trace: str = _f("", "write a Chrome trace per rank into this directory (also --trace; merge with "
+                    "python -m hpctrain trace merge DIR); empty = off, no cost")
 
     def validate(self):
         if self.seed < 0:

@@ -48,13 +48,16 @@ def _device_choice(local_rank: int) -> tuple[str, str]:
 
 def print_info(world) -> None:
     """Collective: every rank reports; rank 0 prints a table in rank order."""
+    from . import slurm
+
     device, cuda_line = _device_choice(world.local_rank)
+    job = slurm.current()
     mine = {"rank": world.rank, "host": socket.gethostname(), "pid": os.getpid(),
             "local": f"{world.local_rank}/{world.local_size}", "node": f"{world.node_rank}/{world.n_nodes}",
             "device": device, "CUDA": cuda_line,
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
             "threads": os.environ.get("OMP_NUM_THREADS", "-"),
-            "slurm_job": os.environ.get("SLURM_JOB_ID", "-")}
+            "slurm_job": job.tag if job else "-", "slurm_node": (job and job.node_name) or "-"}
     rows = world.comm.gather(mine, root=0)
     libs = _libraries() if world.is_root else None
     if not world.is_root:
@@ -62,9 +65,12 @@ def print_info(world) -> None:
     from . import __version__
 
     print(f"hpctrain {__version__}: {world.size} rank(s), {world.n_nodes} node(s)")
+    if job:
+        print(f"  {slurm.describe(job)}")
     for key, value in libs.items():
         print(f"  {key:<17} {value}")
-    cols = ["rank", "host", "pid", "local", "node", "device", "CUDA", "CUDA_VISIBLE_DEVICES", "threads", "slurm_job"]
+    cols = ["rank", "host", "pid", "local", "node", "device", "CUDA", "CUDA_VISIBLE_DEVICES", "threads", "slurm_job",
+            "slurm_node"]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  " + "  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:

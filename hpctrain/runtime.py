@@ -83,10 +83,20 @@ def launched_ranks_on_node() -> int:
 
     Read before numpy is imported, to size each rank's BLAS thread pool.
     """
-    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+    from .slurm import step_tasks_on_node
+
+    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
         value = os.environ.get(var, "")
-        if value.split("(")[0].isdigit():
-            return max(1, int(value.split("(")[0]))
+        if value.isdigit():
+            return max(1, int(value))
+    # srun: the step's count on this node (srun -n 2 sets no SLURM_NTASKS_PER_NODE;
+    # missing it gave 2 ranks x 2 spinning threads on 2 cores, ~70x slower steps)
+    step = step_tasks_on_node()
+    if step:
+        return step
+    value = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    if value.split("(")[0].isdigit():
+        return max(1, int(value.split("(")[0]))
     return 1
 
 

@@ -73,6 +73,14 @@ class Trainer:
         self.collectives = Collectives(world, self.device, self.staging)
         self.collectives.Bcast(self.model.flat.data, root=0)
         self.timers = Timers(sync=self.device.synchronize)
+        self.tracer = None  # hpctrain.trace.Tracer when train.trace is set: spans per phase, layer, bucket
+        if cfg.train.trace:
+            from .trace import TracedTimers, Tracer
+
+            self.tracer = Tracer(cfg.train.trace, world, sync=self.device.synchronize)
+            self.timers = TracedTimers(self.tracer, sync=self.device.synchronize)
+            self.model.tracer = self.comm.tracer = self.tracer
+            self.comm.trace_args = {"strategy": cfg.dist.allreduce, "compress": cfg.dist.compress}
         self.step = 0
         # per-rank generator for anything stochastic per rank (saved under /rng)
         self.rng = fresh_rng(cfg.train.seed, world.rank)
@@ -109,6 +117,10 @@ class Trainer:
             raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds the peak lr {peak:g} "
                               f"(after the linear scaling rule); lower optim.min_lr")
         check_writable(cfg.checkpoint.dir)
+        if cfg.train.trace:
+            from .trace import make_trace_dir
+
+            make_trace_dir(cfg.train.trace)
         # opened here so an unwritable path is an agreed user error, not an abort;
         # a resumed run appends to the metrics of the run it continues
         self.metrics = Metrics(cfg.train.metrics, world.is_root, append=bool(cfg.checkpoint.resume))
@@ -208,6 +220,8 @@ class Trainer:
                             ckpt.save(self)
                     split = self.timers.pop()
                     step_time = time.perf_counter() - t0
+                    if self.tracer is not None:
+                        self.tracer.complete("step", t0, "step", {"step": self.step})  # as in the metrics
                     self.metrics.write(step=self.step, epoch=self.sampler.position(self.step - 1)[0],
                                        loss=stats[0] / stats[2], accuracy=stats[1] / stats[2],
                                        lr=self.schedule.lr(self.step - 1), step_time=step_time,
@@ -234,6 +248,8 @@ class Trainer:
                         log.info(f"eval at step {self.step}: accuracy {100 * self.evaluate():.2f}%")
         finally:
             self.metrics.close()
+            if self.tracer is not None:
+                self.tracer.save()
         if stopped_by is not None:
             elapsed = time.perf_counter() - t_start
             return {"steps": self.step, "seconds": elapsed, "eval_accuracy": None, "stopped_by": stopped_by,

@@ -101,3 +101,7 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: str = REPO, env_
                OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
     cmd = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable, *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# the local SLURM cluster of the tests marked slurm (session scope; tests/slurm_cluster.py)
+from slurm_cluster import slurm_cluster  # noqa: E402,F401

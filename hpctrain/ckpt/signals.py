@@ -34,6 +34,17 @@ class StopSignal:
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
+    def ignore_late(self) -> None:
+        """After the last step: ignore further stop signals (the CLI calls this once the run returned).
+
+        Python restores the default action (termination) while it shuts down, and
+        MPI_Finalize may wait for slower ranks meanwhile; a signal arriving then, such
+        as SLURM's time-limit warning just after a run finished, would turn exit
+        code 0 or 75 into death by signal (measured: exit 138 after a finished run).
+        """
+        for name in STOP_SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)

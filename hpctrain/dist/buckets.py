@@ -94,6 +94,7 @@ class BucketedAllreduce:
         self._thread = None
         self.comm_s = self.exposed_s = 0.0
         self.bytes = sum(v.nbytes for v in self._views)
+        self.tracer, self.trace_args = None, {}  # set by the trainer when tracing (hpctrain.trace)
 
     def start(self, scale: float, step: int = 0) -> None:
         """Begin global step ``step``: every bucket pending; gradients will be scaled by ``scale``."""
@@ -112,6 +113,8 @@ class BucketedAllreduce:
         """The gradient of parameter ``name`` is final for this step (called by backward)."""
         i = self._slot_bucket[name]
         self._remaining[i] -= 1
+        if self._remaining[i] == 0 and self.tracer is not None:
+            self.tracer.instant("bucket ready", "comm", {"bucket": i, "bytes": self._views[i].nbytes})
         if self._remaining[i] == 0 and self.overlap:
             self._queue.put(i)
 
@@ -136,6 +139,8 @@ class BucketedAllreduce:
         if self.scale != 1.0:
             self.device.ops.scale(view, self.scale)
         self.comm_s += time.perf_counter() - t0
+        if self.tracer is not None:
+            self.tracer.complete(f"comm bucket {i}", t0, "comm", dict(self.trace_args, bucket=i, bytes=view.nbytes))
 
     def _run(self) -> None:
         ctx = getattr(self.device, "thread_context", contextlib.nullcontext)

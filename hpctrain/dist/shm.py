@@ -41,30 +41,40 @@ from .staging import Staging
 SEGMENT_BYTES = 4 << 20  # scratch arena per slot, for buffers outside an arena
 
 
+TILE = 2048  # elements folded at a time: the tile stays in L1 while every slot's piece is read
+
+
 @njit(cache=True, nogil=True)
 def _fold(slots, lo, hi, kind):
-    """slots[:, lo:hi] = reduction over the rows, in row order; kind 0 sum, 1 max, 2 min (NaN wins)."""
+    """slots[:, lo:hi] = reduction over the rows, in row order; kind 0 sum, 1 max, 2 min (NaN wins).
+
+    Tile by tile: the p pieces of a tile are folded into the first row's piece
+    (contiguous loops the compiler vectorises), then copied to the other rows
+    while still in cache, so memory sees each element read once and written
+    once per row."""
     p = slots.shape[0]
     out = slots[0]
-    for j in range(1, p):      # row by row: contiguous loops the compiler vectorises
-        src = slots[j]
-        if kind == 0:
-            for i in range(lo, hi):
-                out[i] += src[i]
-        elif kind == 1:
-            for i in range(lo, hi):
-                b = src[i]
-                if b > out[i] or b != b:
-                    out[i] = b
-        else:
-            for i in range(lo, hi):
-                b = src[i]
-                if b < out[i] or b != b:
-                    out[i] = b
-    for j in range(1, p):
-        dst = slots[j]
-        for i in range(lo, hi):
-            dst[i] = out[i]
+    for t in range(lo, hi, TILE):
+        e = min(hi, t + TILE)
+        for j in range(1, p):
+            src = slots[j]
+            if kind == 0:
+                for i in range(t, e):
+                    out[i] += src[i]
+            elif kind == 1:
+                for i in range(t, e):
+                    b = src[i]
+                    if b > out[i] or b != b:
+                        out[i] = b
+            else:
+                for i in range(t, e):
+                    b = src[i]
+                    if b < out[i] or b != b:
+                        out[i] = b
+        for j in range(1, p):
+            dst = slots[j]
+            for i in range(t, e):
+                dst[i] = out[i]
 
 
 _KIND = {"sum": 0, "max": 1, "min": 2}

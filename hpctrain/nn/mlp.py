@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .flat import FlatParams
@@ -27,6 +29,7 @@ class MLP:
         self.flat = FlatParams(device, [p for layer in self.layers for p in layer.params])
         for layer in self.layers:
             layer.bind(self.flat)
+        self.tracer = None  # an hpctrain.trace.Tracer: a span per layer in forward and backward
 
     def use_grad_buffer(self, buf):
         """Keep the gradients in ``buf`` (P elements on this device, e.g. a slot of the shm
@@ -45,16 +48,31 @@ class MLP:
         self.device.copy_from_host(self.flat.data, host)
 
     def forward(self, x, y):
+        tr = self.tracer
         for layer in self.layers:
+            t0 = tr and time.perf_counter()
             x = layer.forward(x)
-        return self.loss.forward(x, y)
+            if tr is not None:
+                tr.complete(f"forward {layer.name}", t0, "layer", sync=True)
+        t0 = tr and time.perf_counter()
+        out = self.loss.forward(x, y)
+        if tr is not None:
+            tr.complete("forward loss", t0, "layer", sync=True)
+        return out
 
     def backward(self, accumulate=False, ready=None):
         """Gradients into ``flat.grad``; ``ready(name)`` is called for each parameter as
         soon as its gradient is final (the bucketed all-reduce starts on it)."""
+        tr = self.tracer
+        t0 = tr and time.perf_counter()
         dout = self.loss.backward()
+        if tr is not None:
+            tr.complete("backward loss", t0, "layer", sync=True)
         for layer in reversed(self.layers):
+            t0 = tr and time.perf_counter()
             dout = layer.backward(dout, accumulate)
+            if tr is not None:
+                tr.complete(f"backward {layer.name}", t0, "layer", sync=True)
             if ready is not None:
                 for name, _ in layer.params:
                     ready(name)

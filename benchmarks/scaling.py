@@ -1,0 +1,316 @@
+"""Strong and weak scaling over rank counts, per model size, with PyTorch DDP in the same run.
+
+    python benchmarks/scaling.py                                    # 1 2 4 ranks, small mid large, ~10 min here
+    python benchmarks/scaling.py --ranks 1 2 --models mid --modes weak
+    python benchmarks/scaling.py --launcher "srun --mpi=pmix -n {n}" --ranks 1 2 4 8 16   # in an allocation
+    python -m hpctrain bench report runs/bench/scaling                   # table + plots again from the JSON
+
+A plain-python driver (never under mpirun itself): per configuration it runs
+``<launcher> python -m hpctrain train --set ...`` (``{n}`` in ``--launcher`` is
+the rank count) and reads the per-step metrics JSON lines of rank 0, leaving
+out ``--warmup`` steps (JIT compilation, first touch, the first read-ahead).
+
+* weak: per-rank batch ``--batch`` fixed, global batch = batch x ranks;
+  strong: global batch ``--strong-batch`` fixed (default batch x max ranks).
+* models: presets ``small`` (latency-bound), ``mid``, ``large`` (4096-wide,
+  compute-bound), or ``name=DIM-H1-H2...`` (e.g. ``tiny=8-16``).
+* every rank gets ``--threads-per-rank`` BLAS/numba/torch threads in every
+  configuration (default cores // max ranks, at least 1), so a rank has the same
+  resources at 1 rank as at N and the runs measure scaling, not thread count.
+* peer (``--peer-models``, default mid): ``benchmarks/peers/torch_ddp.py`` right
+  after the hpctrain run of the same configuration, from the same step-0
+  checkpoint (``benchmarks/peers/init_checkpoint.py``; hpctrain resumes from
+  it), same data order, batch and optimizer; the first ``--compare-steps``
+  global losses of the two must agree within ``--loss-rtol`` (relative).
+* timeline (``--trace-config MODEL:N``, default mid:2): one more short hpctrain
+  run with ``--trace``, merged (``python -m hpctrain trace merge``), and the
+  peer's ``torch.profiler`` trace of the same configuration.
+* ``--repeats R``: R whole sweeps one after another; each configuration
+  reports its run with the median samples/s (all runs stay in the JSON).
+
+Output in ``--out`` (default runs/bench/scaling): scaling.json (rows, machine,
+arguments), scaling.md and the PNG plots (``hpctrain.bench_report``), metrics
+per run in ``runs/``. Exit 0; 1 if a run failed or the losses disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from hpctrain import bench_report  # noqa: E402 - no MPI, no numpy at import
+
+PRESETS = {  # name: (input features, hidden widths); 10 classes
+    "small": (32, [128, 128]),      # 22 k parameters: per-step overheads and latency dominate
+    "mid": (256, [1024, 1024]),     # 1.3 M parameters (5.3 MB of gradients)
+    "large": (1024, [4096, 4096]),  # 21 M parameters (84 MB): GEMM-bound
+}
+STEPS = {"small": (200, 20), "mid": (60, 10), "large": (6, 2)}  # default (timed, warm-up) steps
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+SINGLETON_VARS = ("PMIX_", "ORTE_", "OMPI_APP_CTX_", "OMPI_COMM_WORLD_", "OMPI_MCA_ess", "OMPI_MCA_orte_",
+                  "OMPI_MCA_pmix")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--models", default="small,mid,large", help="presets or name=DIM-H1-H2..., comma-separated")
+    p.add_argument("--modes", default="strong,weak")
+    p.add_argument("--batch", type=int, default=256, help="per-rank batch of weak scaling (256)")
+    p.add_argument("--strong-batch", type=int, default=0, help="global batch of strong scaling (batch x max ranks)")
+    p.add_argument("--steps", type=int, default=0, help="timed steps (0: per model: small 200, mid 60, large 6)")
+    p.add_argument("--warmup", type=int, default=-1, help="steps left out first (-1: small 20, mid 10, large 2)")
+    p.add_argument("--repeats", type=int, default=1, help="sweeps; a configuration reports its median run (1)")
+    p.add_argument("--samples", type=int, default=16384, help="synthetic samples per dataset (16384)")
+    p.add_argument("--threads-per-rank", type=int, default=0, help="0: cores // max ranks, at least 1")
+    p.add_argument("--launcher", default="mpirun -n {n} --oversubscribe", help="command prefix; {n} = ranks")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="train.device (cpu)")
+    p.add_argument("--set", action="append", default=[], help="extra --set for every run (both trainers)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint.every_steps in the hpctrain runs (0 off)")
+    p.add_argument("--peer-models", default="mid", help="models the PyTorch peer also runs ('' none)")
+    p.add_argument("--peer-modes", default="weak", help="modes the PyTorch peer also runs")
+    p.add_argument("--compare-steps", type=int, default=10, help="first steps whose losses must agree (10)")
+    p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance (float32: 1e-4)")
+    p.add_argument("--trace-config", default="mid:2", help="MODEL:N traced once more ('' none)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "scaling"))
+    return p.parse_args(argv)
+
+
+def parse_models(text: str) -> dict:
+    models = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, spec = item.partition("=")
+        if spec:
+            dims = [int(v) for v in spec.split("-")]
+            models[name] = (dims[0], dims[1:])
+        elif name in PRESETS:
+            models[name] = PRESETS[name]
+        else:
+            raise ValueError(f"unknown model {name!r}: use {', '.join(PRESETS)} or name=DIM-H1-H2")
+    return models
+
+
+def params(dim, hidden, classes=10) -> int:
+    w = [dim, *hidden, classes]
+    return sum(w[i] * w[i + 1] + w[i + 1] for i in range(len(w) - 1))
+
+
+class Runner:
+    """Launches runs with a fixed environment and records their rows."""
+
+    def __init__(self, args):
+        self.args, self.rows, self.failed = args, [], []
+        cores = len(os.sched_getaffinity(0))
+        self.threads = args.threads_per_rank or max(1, cores // max(args.ranks))
+        # a calling MPI singleton (e.g. a test process) leaves its job identity in the environment,
+        # and an mpirun started with it fails at once: drop it, as emulated_cluster.sh does
+        env = {k: v for k, v in os.environ.items() if not k.startswith(SINGLETON_VARS)}
+        self.env = dict(env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                        PYTHONUNBUFFERED="1", HPCTRAIN_PROGRESS="lines",
+                        **{v: str(self.threads) for v in THREAD_VARS})
+
+    def launch(self, n, argv, log):
+        cmd = shlex.split(self.args.launcher.format(n=n)) + [sys.executable, *argv]
+        t0 = time.time()
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True,
+                                  timeout=self.args.timeout)
+            rc, text = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, text = 124, f"timed out after {exc.timeout} s"
+        with open(log, "w") as fh:
+            fh.write(f"$ {shlex.join(cmd)}\n{text}")
+        return rc, text, time.time() - t0
+
+    def run(self, trainer, model, mode, n, batch, sets, init, warmup, rep=0):
+        a = self.args
+        tag = f"{trainer}-{model}-{mode}-n{n}" + (f"-r{rep}" if a.repeats > 1 else "")
+        metrics = os.path.join(a.out, "runs", tag + ".jsonl")
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        sets = sets + [f"train.global_batch={batch}", f'train.metrics="{metrics}"']
+        argv = (["-m", "hpctrain", "train"] if trainer == "hpctrain" else
+                [os.path.join(REPO, "benchmarks", "peers", "torch_ddp.py")])
+        argv += [x for s in sets for x in ("--set", s)] + ["--resume", init]
+        print(f"  {tag} (global batch {batch}) ...", file=sys.stderr, flush=True)
+        rc, text, wall = self.launch(n, argv, metrics.replace(".jsonl", ".log"))
+        steps = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+        nodes = re.search(r"(\d+) rank\(s\) on (\d+) node", text)
+        row = {"trainer": trainer, "model": model, "mode": mode, "ranks": n, "global_batch": batch, "repeat": rep,
+               "nodes": int(nodes.group(2)) if nodes else None,
+               "per_rank_batch": batch // n, "rc": rc, "wall_s": wall, "metrics": os.path.relpath(metrics, a.out),
+               "threads_per_rank": self.threads, **summarise(steps, warmup, a.compare_steps)}
+        if rc == 77 and trainer != "hpctrain":
+            return None, text.strip().splitlines()[-1] if text.strip() else "skipped"
+        if rc or not steps:
+            self.failed.append(tag)
+            print(f"  {tag}: exit {rc}\n{text[-2000:]}", file=sys.stderr)
+        self.rows.append(row)
+        return row, ""
+
+
+def summarise(steps, warmup, compare) -> dict:
+    """Medians, percentiles and mean phase times (ms) over the steps after ``warmup``."""
+    import numpy as np
+
+    timed = steps[warmup:]
+    if not timed:
+        return {"steps_timed": 0, "losses": [s["loss"] for s in steps[:compare]]}
+    st = 1e3 * np.array([s["step_time"] for s in timed])
+    mean = lambda key: 1e3 * float(np.mean([s.get(key, 0.0) for s in timed]))  # noqa: E731
+    split = {"data": mean("t_data"), "forward": mean("t_forward"), "backward": mean("t_backward"),
+             "exposed_comm": mean("t_allreduce"), "optimizer": mean("t_optimizer"),
+             "checkpoint": mean("t_checkpoint")}
+    split["other"] = float(st.mean()) - sum(split.values())
+    has_comm = "comm_time" in timed[0]
+    return {"steps_timed": len(timed), "warmup": warmup,
+            "step_ms": {"median": float(np.median(st)), "p10": float(np.percentile(st, 10)),
+                        "p90": float(np.percentile(st, 90)), "mean": float(st.mean())},
+            "split_ms": split, "comm_ms": mean("comm_time") if has_comm else None,
+            "losses": [s["loss"] for s in steps[:compare]]}
+
+
+def prepare(runner, name, dim, hidden, data_dir) -> tuple[list, str]:
+    """The dataset and step-0 checkpoint of one model; returns (--set list, checkpoint path)."""
+    a = runner.args
+    data = os.path.join(data_dir, f"synth-d{dim}.h5")
+    if not os.path.exists(data):
+        subprocess.run([sys.executable, "-m", "hpctrain", "data", "synth", "--out", data, "--n", str(a.samples),
+                        "--dim", str(dim), "--seed", "1"], cwd=REPO, env=runner.env, check=True,
+                       capture_output=True)
+    sets = [f'data.train="{data}"', 'data.eval=""', f"model.hidden={json.dumps(hidden)}",
+            f'train.device="{a.device}"', "train.target_accuracy=0", "train.log_every=1000000",
+            "checkpoint.every_minutes=0", f'checkpoint.dir="{os.path.join(a.out, "ckpt", name)}"',
+            f"checkpoint.keep_last={1 if a.ckpt_every else 0}", *a.set]
+    init_dir = os.path.join(a.out, "init", name)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "peers", "init_checkpoint.py"),
+                           "--dir", init_dir, *[x for s in sets + [f"train.global_batch={a.batch}"]
+                                                for x in ("--set", s)]],
+                          cwd=REPO, env=runner.env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"step-0 checkpoint for {name} failed:\n{proc.stdout}{proc.stderr}")
+    return sets, proc.stdout.strip().splitlines()[-1]
+
+
+def machine(runner) -> dict:
+    mpi = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()
+    versions = {}
+    for pkg in ("numpy", "numba", "mpi4py", "h5py", "torch"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return {"host": platform.node(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+            "mpi": mpi[0] if mpi else "?", "python": platform.python_version(),
+            "versions": {"python": platform.python_version(), **versions}, "loadavg_start": os.getloadavg()[0]}
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    try:
+        models = parse_models(a.models)
+        modes = [m for m in a.modes.split(",") if m]
+        if set(modes) - {"weak", "strong"} or not a.ranks or min(a.ranks) < 1 or a.repeats < 1:
+            raise ValueError("--modes takes weak,strong; --ranks positive counts; --repeats >= 1")
+    except ValueError as exc:
+        print(f"scaling.py: error: {exc}", file=sys.stderr)
+        return 2
+    a.out = os.path.abspath(a.out)
+    a.strong_batch = a.strong_batch or a.batch * max(a.ranks)
+    os.makedirs(os.path.join(a.out, "runs"), exist_ok=True)
+    runner = Runner(a)
+    info = machine(runner)
+    peer_models = {m for m in a.peer_models.split(",") if m}
+    peer_modes = {m for m in a.peer_modes.split(",") if m}
+    peer_skipped, traces = "", []
+    plans = {}
+    for name, (dim, hidden) in models.items():
+        steps, warmup = STEPS.get(name, (20, 3))
+        steps, warmup = a.steps or steps, warmup if a.warmup < 0 else a.warmup
+        print(f"{name}: {dim}-{'-'.join(map(str, hidden))}-10, {steps} timed + {warmup} warm-up steps",
+              file=sys.stderr, flush=True)
+        sets, init = prepare(runner, name, dim, hidden, os.path.join(a.out, "data"))
+        sets = sets + [f"train.steps={steps + warmup}"]
+        hp_sets = sets + ([f"checkpoint.every_steps={a.ckpt_every}"] if a.ckpt_every else [])
+        plans[name] = sets, hp_sets, init, warmup
+    for rep in range(a.repeats):  # whole sweeps in turn: a burst of load hits one run of each, not all
+        for name, (sets, hp_sets, init, warmup) in plans.items():
+            for mode in modes:
+                for n in sorted(a.ranks):
+                    batch = a.batch * n if mode == "weak" else a.strong_batch
+                    if batch % n:
+                        print(f"  skip {name} {mode} n{n}: {n} does not divide the global batch {batch}",
+                              file=sys.stderr)
+                        continue
+                    runner.run("hpctrain", name, mode, n, batch, hp_sets, init, warmup, rep)
+                    if name in peer_models and mode in peer_modes and not peer_skipped:
+                        _, peer_skipped = runner.run(bench_report.PEER, name, mode, n, batch, sets, init, warmup,
+                                                     rep)
+    model_n = a.trace_config.split(":") if a.trace_config else []
+    if len(model_n) == 2 and model_n[0] in plans and int(model_n[1]) in a.ranks:
+        sets, hp_sets, init, _ = plans[model_n[0]]
+        traces = trace(runner, model_n[0], int(model_n[1]), hp_sets, sets, init,
+                       peer_skipped or model_n[0] not in peer_models)
+    info["loadavg_end"] = os.getloadavg()[0]
+    doc = {"benchmark": "scaling", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": info,
+           "command": shlex.join(["python", "benchmarks/scaling.py", *(sys.argv[1:] if argv is None else argv)]),
+           "args": {**vars(a), "threads_per_rank": runner.threads},
+           "models": {n: {"dim": d, "hidden": h, "classes": 10, "params": params(d, h)}
+                      for n, (d, h) in models.items()},
+           "rows": runner.rows, "peer_skipped": peer_skipped, "traces": traces}
+    with open(os.path.join(a.out, "scaling.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    text, pngs = bench_report.report(a.out)
+    print(text)
+    print(f"\njson: {os.path.join(a.out, 'scaling.json')}; table: {os.path.join(a.out, 'scaling.md')}; plots: "
+          + (", ".join(pngs) if pngs else "skipped (no matplotlib: pip install matplotlib, setup.cfg extra plot)"))
+    disagree = [c for c in bench_report.comparisons(doc, bench_report.derive(doc)) if not c["agree"]]
+    for c in disagree:
+        print(f"scaling.py: FAIL: losses of hpctrain and PyTorch differ by {c['loss_rel_diff']} (> {a.loss_rtol}) "
+              f"for {c['model']} {c['mode']} n{c['ranks']}", file=sys.stderr)
+    if runner.failed:
+        print(f"scaling.py: FAIL: runs failed: {', '.join(runner.failed)} (logs in {a.out}/runs)", file=sys.stderr)
+    return 1 if runner.failed or disagree else 0
+
+
+def trace(runner, name, n, hp_sets, sets, init, no_peer) -> list[str]:
+    """A short traced run of hpctrain (merged) and of the peer at ``n`` ranks; paths relative to --out."""
+    a, out = runner.args, []
+    common = [f"train.global_batch={a.batch * n}", "train.steps=20"]  # the weak configuration
+    steps = [s for s in hp_sets if not s.startswith("train.steps=")] + common
+    tdir = os.path.join(a.out, "trace", f"hpctrain-{name}-n{n}")
+    argv = ["-m", "hpctrain", "train", *[x for s in steps for x in ("--set", s)], "--resume", init, "--trace", tdir]
+    rc, text, _ = runner.launch(n, argv, tdir + ".log")
+    if rc == 0:
+        merged = tdir + ".json"
+        subprocess.run([sys.executable, "-m", "hpctrain", "trace", "merge", tdir, "-o", merged], cwd=REPO,
+                       env=runner.env, capture_output=True)
+        out.append(os.path.relpath(merged, a.out))
+    else:
+        runner.failed.append(f"trace {name} n{n}")
+    if not no_peer:
+        pdir = os.path.join(a.out, "trace", f"torch_ddp-{name}-n{n}")
+        argv = [os.path.join(REPO, "benchmarks", "peers", "torch_ddp.py"),
+                *[x for s in [s for s in sets if not s.startswith("train.steps=")] + common
+                  for x in ("--set", s)], "--resume", init, "--trace", pdir]
+        if runner.launch(n, argv, pdir + ".log")[0] == 0:
+            out.append(os.path.relpath(pdir, a.out))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

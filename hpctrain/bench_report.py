@@ -1,0 +1,291 @@
+"""Tables and plots of ``benchmarks/scaling.py``, rebuilt from its JSON alone.
+
+``python -m hpctrain bench report DIR`` reads ``DIR/scaling.json`` (or joins
+``DIR/*/scaling.json``, e.g. one per task of a job array) and writes
+``DIR/scaling.md`` (the Markdown tables the benchmark printed) and, when
+matplotlib is installed (setup.cfg extra ``plot``), ``DIR/scaling.png``
+(throughput and speedup against ranks) and ``DIR/split.png`` (where each step's
+time goes). Everything derived (speedup, efficiency, comm/compute, the
+hpctrain / PyTorch ratio, loss agreement) is computed here from the raw rows,
+so a report is the same whether printed by the run or rebuilt later.
+
+A row of ``scaling.json`` (one training run; times in ms, from the per-step
+metrics of rank 0, warm-up steps left out): trainer (hpctrain | torch_ddp),
+model, mode (weak | strong), ranks, global_batch, step_ms {median, p10, p90,
+mean}, split_ms {data, forward, backward, exposed_comm, optimizer, checkpoint,
+other}, comm_ms (the communication thread's time, overlapped or not; hpctrain
+only), losses (the first steps' global losses), rc.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+PHASES = ("data", "forward", "backward", "exposed_comm", "optimizer", "checkpoint", "other")
+PEER = "torch_ddp"
+
+
+def samples_per_s(row) -> float | None:
+    m = row.get("step_ms", {}).get("median")
+    return row["global_batch"] / (m / 1e3) if m else None
+
+
+def _series(r) -> tuple:
+    """Runs that form one scaling curve: same trainer, model, mode and the batch the mode keeps fixed."""
+    return r["trainer"], r["model"], r["mode"], r["per_rank_batch"] if r["mode"] == "weak" else r["global_batch"]
+
+
+def _median_runs(rows: list[dict]) -> list[dict]:
+    """One row per configuration: with several runs (--repeats), the one with the median samples/s
+    (the lower middle for an even count); failed runs only when no run of it succeeded."""
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        groups.setdefault((r["trainer"], r["model"], r["mode"], r["ranks"], r["global_batch"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        ok = sorted((r for r in runs if not r.get("rc") and samples_per_s(r)), key=samples_per_s)
+        pick = dict(ok[(len(ok) - 1) // 2]) if ok else dict(runs[0])
+        pick["runs"] = len(runs)
+        out.append(pick)
+    return out
+
+
+def derive(doc: dict) -> list[dict]:
+    """Rows with speedup (samples/s over the fewest-ranks run of the same series), efficiency
+    (speedup / rank ratio), comm/compute and an oversubscription flag (ranks per node > cores)."""
+    rows = _median_runs([dict(r) for r in doc["rows"]])
+    cores = doc["machine"]["cores"]
+    for r in rows:
+        r["samples_per_s"] = samples_per_s(r)
+        r["oversubscribed"] = r["ranks"] > cores * (r.get("nodes") or 1)
+        s = r.get("split_ms") or {}
+        compute = sum(s.get(k, 0.0) for k in ("forward", "backward", "optimizer"))
+        r["comm_compute"] = r["comm_ms"] / compute if r.get("comm_ms") is not None and compute else None
+    for r in rows:
+        group = [q for q in rows if _series(q) == _series(r) and q["samples_per_s"]]
+        base = min(group, key=lambda q: q["ranks"]) if group else None
+        if base and r["samples_per_s"]:
+            r["speedup"] = r["samples_per_s"] / base["samples_per_s"]
+            r["efficiency"] = r["speedup"] / (r["ranks"] / base["ranks"])
+        else:
+            r["speedup"] = r["efficiency"] = None
+    return rows
+
+
+def comparisons(doc: dict, rows: list[dict]) -> list[dict]:
+    """hpctrain against the peer for every (model, mode, ranks) run by both."""
+    tol = doc.get("args", {}).get("loss_rtol", 1e-4)
+    out = []
+    for h in rows:
+        if h["trainer"] != "hpctrain":
+            continue
+        p = next((q for q in rows if q["trainer"] == PEER and
+                  (q["model"], q["mode"], q["ranks"]) == (h["model"], h["mode"], h["ranks"])), None)
+        if p is None:
+            continue
+        a, b = h.get("losses") or [], p.get("losses") or []
+        k = min(len(a), len(b))
+        diff = max((abs(x - y) / abs(x) for x, y in zip(a[:k], b[:k])), default=None)
+        ratio = h["samples_per_s"] / p["samples_per_s"] if h["samples_per_s"] and p["samples_per_s"] else None
+        out.append({"model": h["model"], "mode": h["mode"], "ranks": h["ranks"], "hpctrain": h["samples_per_s"],
+                    "torch": p["samples_per_s"], "ratio": ratio, "steps_compared": k, "loss_rel_diff": diff,
+                    "loss_rtol": tol, "agree": diff is not None and k > 0 and diff <= tol})
+    return out
+
+
+def _f(v, spec=".2f", none="-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def machine_line(doc: dict) -> str:
+    m = doc["machine"]
+    libs = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items() if v)
+    return (f"{doc.get('date', '')} on {m.get('host', '?')}: {m.get('cpu', '?')}, {m['cores']} cores; "
+            f"{m.get('mpi', '')}; {libs}; {doc['args'].get('threads_per_rank')} thread(s) per rank; load average "
+            f"{m.get('loadavg_start', 0):.1f} -> {m.get('loadavg_end', 0):.1f}")
+
+
+def tables(doc: dict) -> str:
+    rows, a = derive(doc), doc["args"]
+    out = ["# Scaling: hpctrain and PyTorch DDP", "", machine_line(doc), "",
+           f"`{doc.get('command', '')}`", "", "Models (float32, 10 classes):", "",
+           "| model | layers | parameters | gradient MB |", "|---|---|---:|---:|"]
+    for name, m in doc["models"].items():
+        out.append(f"| {name} | {'-'.join(map(str, [m['dim'], *m['hidden'], m['classes']]))} | "
+                   f"{m['params']:,} | {4 * m['params'] / 1e6:.2f} |")
+    head = ("| model | trainer | ranks | global batch | samples/s | step ms | p10-p90 | data | forward | backward "
+            "| exposed comm | optimizer | checkpoint | other | comm ms | comm/compute | speedup | efficiency |")
+    for mode, what in (("strong", f"global batch fixed ({a.get('strong_batch')})"),
+                       ("weak", f"per-rank batch fixed ({a.get('batch')})")):
+        sel = [r for r in rows if r["mode"] == mode]
+        if not sel:
+            continue
+        out += ["", f"## {mode.capitalize()} scaling: {what}", "", head, "|---" * (head.count("|") - 1) + "|"]
+        for r in sorted(sel, key=lambda r: (list(doc["models"]).index(r["model"]), r["trainer"], r["ranks"])):
+            if r.get("rc"):
+                out.append(f"| {r['model']} | {r['trainer']} | {r['ranks']} | {r['global_batch']} | failed "
+                           f"(exit {r['rc']}) |" + " |" * 13)
+                continue
+            s, st = r["split_ms"], r["step_ms"]
+            phases = " | ".join(_f(s.get(k)) for k in PHASES)
+            star = "*" if r["oversubscribed"] else ""
+            out.append(f"| {r['model']} | {r['trainer']} | {r['ranks']}{star} | {r['global_batch']} | "
+                       f"{_f(r['samples_per_s'], ',.0f')} | {st['median']:.2f} | {st['p10']:.2f}-{st['p90']:.2f} | "
+                       f"{phases} | {_f(r.get('comm_ms'))} | {_f(r['comm_compute'])} | {_f(r['speedup'])}x | "
+                       f"{_f(r['efficiency'])} |")
+    comp = comparisons(doc, rows)
+    if comp:
+        out += ["", "## hpctrain / PyTorch DDP (same model, initial weights, data order, batch, optimizer)", "",
+                "| model | mode | ranks | hpctrain samples/s | PyTorch samples/s | ratio | loss rel. diff "
+                "(first steps) | tolerance | agree |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        for c in comp:
+            out.append(f"| {c['model']} | {c['mode']} | {c['ranks']} | {_f(c['hpctrain'], ',.0f')} | "
+                       f"{_f(c['torch'], ',.0f')} | {_f(c['ratio'])}x | {_f(c['loss_rel_diff'], '.1e')} "
+                       f"({c['steps_compared']}) | {c['loss_rtol']:.0e} | {'yes' if c['agree'] else 'NO'} |")
+    skipped = doc.get("peer_skipped")
+    if skipped:
+        out += ["", f"PyTorch peer skipped: {skipped}"]
+    runs = max((r["runs"] for r in rows), default=1)
+    if runs > 1:
+        out += ["", f"Each row: the run with the median samples/s of {runs} (--repeats; every run is in the JSON)."]
+    if doc.get("traces"):
+        out += ["", "Timelines: " + ", ".join(f"`{t}`" for t in doc["traces"])]
+    out += ["", "samples/s = global batch / median step time; step ms median and 10th-90th percentile; phase "
+            "columns are means in ms per step on rank 0 (they add up to the mean step); exposed comm = waiting "
+            "for gradient buckets after backward (hpctrain; PyTorch's is inside backward); comm ms = the "
+            "communication thread's time per step, overlapped or not; comm/compute = comm ms / (forward + "
+            "backward + optimizer); speedup = samples/s over the 1-rank run of the same trainer, model and "
+            "mode; efficiency = speedup / ranks; * = more ranks than cores (oversubscribed, not a scaling "
+            "result)."]
+    return "\n".join(out)
+
+
+def plots(doc: dict, directory: str) -> list[str]:
+    """scaling.png and split.png; [] when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return []
+    rows = [r for r in derive(doc) if r["samples_per_s"]]
+    if not rows:
+        return []
+    models = list(doc["models"])
+    colors = dict(zip(models, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    modes = [m for m in ("weak", "strong") if any(r["mode"] == m for r in rows)]
+    comp = [c for c in comparisons(doc, rows) if c["ratio"]]
+    fig, axes = plt.subplots(1, len(modes) + bool(comp), figsize=(5.2 * (len(modes) + bool(comp)), 4.2),
+                             squeeze=False)
+    axes = list(axes[0])
+    for ax, mode in zip(axes, modes):
+        for model in models:
+            for trainer, style in (("hpctrain", "-o"), (PEER, "--s")):
+                sel = sorted((r for r in rows if (r["mode"], r["model"], r["trainer"]) == (mode, model, trainer)),
+                             key=lambda r: r["ranks"])
+                if sel:
+                    ax.plot([r["ranks"] for r in sel], [r["speedup"] for r in sel], style, color=colors[model],
+                            label=f"{model} {'hpctrain' if trainer == 'hpctrain' else 'PyTorch DDP'}")
+        ranks = sorted({r["ranks"] for r in rows})
+        ax.plot(ranks, [n / ranks[0] for n in ranks], ":", color="gray", label="ideal")
+        if doc["machine"]["cores"] < ranks[-1]:
+            ax.axvspan(doc["machine"]["cores"] + 0.05, ranks[-1] + 0.5, color="gray", alpha=0.12,
+                       label="ranks > cores")
+        ax.set_xticks(ranks)
+        ax.set_title(f"{mode} scaling: samples/s over 1 rank", fontsize=10)
+        ax.set_xlabel("ranks")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if comp:
+        ax = axes[-1]
+        labels = [f"{c['model']} {c['mode'][0]} n{c['ranks']}" for c in comp]
+        ratios = [c["ratio"] for c in comp]
+        bars = ax.bar(range(len(comp)), ratios, color=[colors[c["model"]] for c in comp])
+        ax.bar_label(bars, labels=[f"{v:.2f}x" for v in ratios], fontsize=7)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(comp)))
+        ax.set_xticklabels(labels, rotation=60, fontsize=7)
+        if max(ratios) / min(ratios) > 10:  # tiny models: PyTorch's per-step overhead dwarfs the rest
+            ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.set_title("hpctrain / PyTorch DDP samples/s (w = weak, s = strong)", fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(machine_line(doc), fontsize=6, wrap=True)
+    fig.tight_layout()
+    paths = [os.path.join(directory, "scaling.png")]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    sel = sorted(rows, key=lambda r: (r["mode"], models.index(r["model"]), r["ranks"], r["trainer"]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * len(sel) + 2), 4.2))
+    bottom = [0.0] * len(sel)
+    for phase in PHASES:
+        frac = [r["split_ms"].get(phase, 0.0) / max(1e-12, r["step_ms"]["mean"]) for r in sel]
+        ax.bar(range(len(sel)), frac, bottom=bottom, label=phase.replace("_", " "))
+        bottom = [b + f for b, f in zip(bottom, frac)]
+    ax.set_xticks(range(len(sel)))
+    ax.set_xticklabels([f"{r['mode'][0]} {r['model']} {'hp' if r['trainer'] == 'hpctrain' else 'pt'} "
+                        f"n{r['ranks']}" for r in sel], rotation=90, fontsize=7)
+    ax.set_ylabel("fraction of the mean step")
+    ax.set_title("step split (w/s = weak/strong, hp = hpctrain, pt = PyTorch DDP)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    paths.append(os.path.join(directory, "split.png"))
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def load(directory: str) -> dict:
+    """DIR/scaling.json, or else the runs of DIR/*/scaling.json joined (e.g. one per task of a job
+    array over rank counts: give every task the same --strong-batch so its rows form one series)."""
+    path = os.path.join(directory, "scaling.json")
+    if os.path.exists(path):
+        with open(path) as fh:
+            return json.load(fh)
+    parts = sorted(glob.glob(os.path.join(directory, "*", "scaling.json")))
+    if not parts:
+        raise FileNotFoundError(f"no scaling.json in {directory!r} or its subdirectories")
+    docs = []
+    for part in parts:
+        with open(part) as fh:
+            docs.append(json.load(fh))
+    doc = dict(docs[0], rows=[], models={}, traces=[], parts=[os.path.relpath(p, directory) for p in parts])
+    for part, d in zip(parts, docs):
+        sub = os.path.relpath(os.path.dirname(part), directory)
+        doc["rows"] += [dict(r, metrics=os.path.join(sub, r["metrics"])) for r in d["rows"]]
+        doc["models"].update(d["models"])
+        doc["traces"] += [os.path.join(sub, t) for t in d.get("traces", [])]
+    loads = [d["machine"].get("loadavg_start", 0) for d in docs] + [d["machine"].get("loadavg_end", 0) for d in docs]
+    doc["machine"] = dict(docs[0]["machine"], loadavg_start=min(loads), loadavg_end=max(loads))
+    doc["command"] = " ; ".join(dict.fromkeys(d.get("command", "") for d in docs))
+    return doc
+
+
+def report(directory: str) -> tuple[str, list[str]]:
+    """Write DIR/scaling.md and the plots from DIR/scaling.json (or DIR/*/scaling.json joined);
+    returns (markdown, png paths)."""
+    doc = load(directory)
+    text = tables(doc)
+    with open(os.path.join(directory, "scaling.md"), "w") as fh:
+        fh.write(text + "\n")
+    return text, plots(doc, directory)
+
+
+def cmd_report(args) -> int:
+    """``python -m hpctrain bench report DIR``."""
+    try:
+        text, pngs = report(args.dir)
+    except (OSError, KeyError, ValueError) as exc:
+        print(f"hpctrain: error: bench report: cannot read {os.path.join(args.dir, 'scaling.json')} ({exc}); "
+              f"run benchmarks/scaling.py --out {args.dir} first", file=sys.stderr)
+        return 2
+    print(text)
+    print(f"\nwrote {os.path.join(args.dir, 'scaling.md')}" + (f", {', '.join(pngs)}" if pngs else
+          "; plots skipped: matplotlib is not installed (pip install matplotlib: setup.cfg extra plot)"))
+    return 0

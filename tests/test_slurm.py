@@ -1,0 +1,173 @@
+"""The jobs/ templates and srun on a real (local) SLURM cluster: nodes n1 and n2 on this host.
+
+The cluster (tests/slurm_cluster.py) is started once and always stopped. Every
+wait has a timeout after which the job is cancelled. Single-node jobs use Open
+MPI's defaults; jobs over both simulated nodes use TCP on lo (the nodes share a
+hostname, so shared memory would collide between them).
+"""
+
+import json
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+JOBS = os.path.join(REPO, "jobs")
+
+
+def _small_args(train: str, steps: int, *extra: str) -> list[str]:
+    """hpctrain train arguments for the small test set: no eval, no metrics, no accuracy target."""
+    return ["--config", os.path.join(REPO, "examples", "mlp.toml"), "--set", f"data.train={train}",
+            "--set", "data.eval=", "--set", "train.metrics=", "--set", "train.target_accuracy=0",
+            "--set", f"train.steps={steps}", "--set", "train.log_every=1000000", *extra]
+
+
+def _read(path) -> str:
+    with open(path, errors="replace") as fh:
+        return fh.read()
+
+
+@pytest.mark.timeout(660)
+def test_train_sbatch_unmodified_trains_the_example(slurm_cluster, tmp_path):
+    """`sbatch jobs/train.sbatch` as shipped: the example MLP, its data made by the job, 4 ranks on n1."""
+    os.makedirs(tmp_path / "examples")
+    shutil.copy(os.path.join(REPO, "examples", "mlp.toml"), tmp_path / "examples")
+    out = tmp_path / "train.out"
+    job = slurm_cluster.sbatch([f"--output={out}", os.path.join(JOBS, "train.sbatch")], cwd=tmp_path)
+    (record,) = slurm_cluster.wait(job, 600, str(out))
+    text = _read(out)
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert f"slurm: job {job} (hpctrain), 1 node(s) n1" in text and "4 rank(s) on 1 node(s)" in text, text
+    accuracy = float(re.search(r"final eval accuracy ([\d.]+)%", text).group(1))
+    assert accuracy >= 90.0 and "step   1500/1500" in text, text
+    # inside SLURM the default checkpoint directory is per job
+    assert os.path.isdir(tmp_path / "runs" / "ckpt" / job)
+
+
+@pytest.mark.timeout(420)
+def test_srun_two_nodes_hierarchical(slurm_cluster, small_data, tmp_path):
+    """`srun -N 2 -n 4`: ranks on both nodes (3 + 1: block distribution), hierarchical sees 2 nodes."""
+    env = slurm_cluster.env(two_nodes=True)
+    srun = ["srun", "-N", "2", "-n", "4", sys.executable, "-m", "hpctrain"]
+    info = slurm_cluster.run([*srun, "info"], timeout=180, env=env, cwd=tmp_path)
+    assert info.returncode == 0, info.stdout + info.stderr
+    assert "4 rank(s), 2 node(s)" in info.stdout, info.stdout
+    lines = info.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "host"])
+    starts = [m.start() for m in re.finditer(r"\S+", lines[header])]  # columns are padded (values have spaces)
+    cols = lines[header].split()
+    rows = [{c: line[a:b].strip() for c, a, b in zip(cols, starts, starts[1:] + [None])}
+            for line in lines[header + 1:header + 5]]
+    assert sorted(r["slurm_node"] for r in rows) == ["n1", "n1", "n1", "n2"], info.stdout
+    assert {r["node"] for r in rows} == {"0/2", "1/2"}, info.stdout
+
+    train = slurm_cluster.run([*srun, "train", *_small_args(small_data[0], 60, "--set", "dist.allreduce=hierarchical",
+                                                               "--set", f"checkpoint.dir={tmp_path / 'ckpt'}")],
+                              timeout=300, env=env, cwd=tmp_path)
+    assert train.returncode == 0, train.stdout + train.stderr
+    assert "4 rank(s) on 2 node(s)" in train.stdout and "allreduce hierarchical" in train.stdout, train.stdout
+    assert "done: 60 steps" in train.stdout and "slurm: job" in train.stdout, train.stdout
+
+
+REQUEUE_MODEL = ["--set", "model.hidden=[256,256]", "--set", "train.global_batch=512",
+                 "--set", "checkpoint.every_minutes=0", "--set", "checkpoint.save_final=true"]
+REQUEUE_SECONDS = 70  # of training: the signal comes 20-50 s after each start (--time=2 --signal=B:USR1@70)
+
+
+def _datasets(path: str) -> dict:
+    import h5py
+
+    out = {}
+    with h5py.File(path, "r") as fh:
+        fh.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def _steps_for(seconds: float, text: str) -> int:
+    """Steps that take ``seconds`` at the rate a run's 'done: N steps in X s' line shows."""
+    steps, took = re.search(r"done: (\d+) steps in ([\d.]+) s", text).groups()
+    return int(min(1_000_000, max(5_000, seconds * int(steps) / max(float(took), 1e-3))))
+
+
+@pytest.mark.timeout(1200)
+def test_requeue_template_survives_its_time_limit(slurm_cluster, small_data, tmp_path):
+    """requeue.sbatch with a 2-minute limit: SIGUSR1 before the limit, checkpoint, requeue, resume, finish;
+    the final state equals an uninterrupted run's, bit for bit."""
+    env = slurm_cluster.env(HPCTRAIN_HOME=str(tmp_path), HPCTRAIN_MAX_RESTARTS="8")
+    srun = ["srun", "-n", "2", sys.executable, "-m", "hpctrain", "train"]
+    # steps for ~REQUEUE_SECONDS of training, so that the first start meets the signal
+    calib = slurm_cluster.run([*srun, *_small_args(small_data[0], 1000, *REQUEUE_MODEL, "--set",
+                                                   f"checkpoint.dir={tmp_path / 'calib'}")],
+                              timeout=300, env=env, cwd=tmp_path)
+    assert calib.returncode == 0, calib.stdout + calib.stderr
+    steps = _steps_for(REQUEUE_SECONDS, calib.stdout)
+    for attempt in (1, 2):
+        args = _small_args(small_data[0], steps, *REQUEUE_MODEL)
+        out = tmp_path / f"requeue-{attempt}.out"
+        job = slurm_cluster.sbatch(["--time=2", "--signal=B:USR1@70", "--ntasks-per-node=2", f"--output={out}",
+                                    os.path.join(JOBS, "requeue.sbatch"), *args], env=env, cwd=tmp_path)
+        (record,) = slurm_cluster.wait(job, 540, str(out))
+        text = _read(out)
+        assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), text
+        if int(record["Restarts"]) or attempt == 2:
+            break
+        # the machine got faster than the calibration said (other load ended): measure it in the job
+        print(f"\nrequeue test: {steps} steps finished before the signal; again at the job's own rate")
+        steps = _steps_for(REQUEUE_SECONDS * 1.5, text)
+    print(f"\nrequeue test: {steps} steps; scontrol: "
+          + " ".join(f"{k}={record[k]}" for k in ("JobId", "JobState", "Restarts", "ExitCode", "RunTime", "TimeLimit")))
+    print("jobcomp (the sacct records of the starts):\n" + "\n".join(slurm_cluster.jobcomp(job)))
+    print("\n".join(line for line in text.splitlines() if line.startswith(("requeue.sbatch", "checkpoint", "stopping"))))
+    restarts = int(record["Restarts"])
+    assert restarts >= 1, f"never requeued (training too fast for the signal?)\n{text}"
+    assert text.count("got SIGUSR1") >= restarts and text.count(f"requeueing job {job}") == restarts, text
+    assert len(re.findall(rf"resumed from runs/ckpt/{job}/ckpt-\d+\.h5", text)) >= 1, text
+    assert f"training finished after {restarts} restart(s)" in text, text
+
+    # the same run without interruption (same launcher, same 2 ranks)
+    ref = slurm_cluster.run([*srun, *args, "--set", f"checkpoint.dir={tmp_path / 'ref'}"], timeout=600, env=env,
+                            cwd=tmp_path)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    final = f"ckpt-{steps:08d}.h5"
+    got, want = _datasets(str(tmp_path / "runs" / "ckpt" / job / final)), _datasets(str(tmp_path / "ref" / final))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.timeout(420)
+def test_scaling_array_one_result_per_task(slurm_cluster, tmp_path):
+    """scaling.sbatch as a 2-task array over rank counts 1 and 2: one JSON per task."""
+    env = slurm_cluster.env(HPCTRAIN_HOME=REPO, HPCTRAIN_RANK_COUNTS="1 2", HPCTRAIN_OUT=str(tmp_path / "res"))
+    job = slurm_cluster.sbatch(["--array=0-1", f"--output={tmp_path}/%x-%A_%a.out", os.path.join(JOBS, "scaling.sbatch"),
+                                "--n", "4096", "--dim", "8", "--width", "32", "--batch", "64", "--steps", "20",
+                                "--warmup", "2"], env=env, cwd=tmp_path)
+    records = slurm_cluster.wait(job, 360, str(tmp_path / f"hpctrain-scaling-{job}_0.out"))
+    assert sorted(r.get("ArrayTaskId") for r in records) == ["0", "1"]
+    assert all((r["JobState"], r["ExitCode"]) == ("COMPLETED", "0:0") for r in records), records
+    for ranks in (1, 2):
+        with open(tmp_path / "res" / f"ranks-{ranks}.json") as fh:
+            result = json.load(fh)
+        assert result["ranks"] == ranks and result["steps"] == 20 and result["samples_per_s"] > 0, result
+
+
+@pytest.mark.timeout(300)
+def test_allreduce_sbatch_across_two_nodes(slurm_cluster, tmp_path):
+    """allreduce.sbatch over n1 and n2 (one rank each), tiny sizes: validated and timed."""
+    env = slurm_cluster.env(two_nodes=True, HPCTRAIN_HOME=REPO, HPCTRAIN_OUT=str(tmp_path / "allreduce.json"))
+    out = tmp_path / "allreduce.out"
+    job = slurm_cluster.sbatch(["--ntasks-per-node=1", f"--output={out}", os.path.join(JOBS, "allreduce.sbatch"),
+                                "--max", "16K", "--strategies", "hierarchical,ring", "--iters", "3", "--warmup", "1"],
+                               env=env, cwd=tmp_path)
+    (record,) = slurm_cluster.wait(job, 240, str(out))
+    text = _read(out)
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "2 ranks on 2 node(s)" in text or "n_nodes=2" in text, text
+    with open(tmp_path / "allreduce.json") as fh:
+        assert json.load(fh)
