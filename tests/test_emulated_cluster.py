@@ -24,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 from hpctrain import dist
 from hpctrain.device import CpuDevice
+from hpctrain.errors import LaunchError
 from hpctrain.runtime import init_world
 
 world = init_world()
@@ -38,6 +39,18 @@ if world.rank == 0:
     print("topology:", sorted(placed), flush=True)
 for name in {names!r}:
     bad, error = 0, ""
+    if name in {one_machine!r}:  # must refuse two nodes, on every rank, with one clear error
+        try:
+            dist.make_allreduce(name, world, CpuDevice("float32"))
+            error = "accepted a world across nodes"
+        except LaunchError as exc:
+            error = "" if "one machine" in str(exc) else repr(exc)
+        errors = [e for e in world.comm.allgather(error) if e]
+        if errors:
+            problems.append(f"{{name}}: {{errors}}")
+        elif world.rank == 0:
+            print("refused across nodes:", name, flush=True)
+        continue
     try:
         for dtype in ("float32", "float64"):
             allreduce = dist.make_allreduce(name, world, CpuDevice(dtype))  # once: auto measures here
@@ -68,6 +81,9 @@ def strategy_names():
     return sorted(dist.STRATEGIES) + (["auto"] if hasattr(dist, "AutoAllreduce") else [])
 
 
+ONE_MACHINE = ["shm"]  # strategies that need every rank on one machine (they refuse two nodes)
+
+
 def run_script(args, timeout):
     """Run emulated_cluster.sh; on timeout send SIGTERM first so its trap tears the cluster down."""
     proc = subprocess.Popen(["bash", "benchmarks/emulated_cluster.sh", *args], cwd=REPO, text=True,
@@ -86,13 +102,14 @@ def run_script(args, timeout):
 def test_every_strategy_on_an_emulated_two_node_cluster(tmp_path):
     names = strategy_names()
     program = tmp_path / "two_nodes.py"
-    program.write_text(PROGRAM.format(repo=REPO, names=names))
+    program.write_text(PROGRAM.format(repo=REPO, names=names, one_machine=ONE_MACHINE))
     status, out = run_script(["--np", "4", "--", sys.executable, str(program)], timeout=270)
     if status == 77:
         pytest.skip(next((line for line in out.splitlines() if "skipped:" in line), out.strip()))
     assert status == 0, out[-4000:]
     for name in names:
-        assert f"ok: {name}" in out, out[-4000:]
+        expected = f"refused across nodes: {name}" if name in ONE_MACHINE else f"ok: {name}"
+        assert expected in out, out[-4000:]
     # torn down: neither namespace outlives the run
     down = [line for line in out.splitlines() if line.startswith("emulated cluster: torn down")]
     assert down, out[-2000:]
@@ -108,6 +125,7 @@ def test_allreduce_benchmark_validates_every_strategy_and_the_yardstick(tmp_path
     rows = json.loads(out.read_text())["rows"]
     for size in (4096, 16384, 65536):
         names = {r["strategy"] for r in rows if r["size"] == size}
-        assert names == set(strategy_names()) | {"MPI_Allreduce"}, (size, names)
+        # shm also as the trainer uses it: on a slice of its shared window
+        assert names == set(strategy_names()) | {"MPI_Allreduce", "shm zero-copy"}, (size, names)
     assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
     assert "| MPI_Allreduce |" in proc.stdout

@@ -119,10 +119,13 @@ class ShmAllreduce:
         self.staging = staging or Staging(device)
         node = world.comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
         together = node.Get_size() == world.size
-        node.Free()
         if not together:
+            node.Free()
             raise LaunchError("dist.allreduce = 'shm' needs every rank on one machine; across nodes use "
                               "hierarchical (or mpi, ring, rhd)")
+        # windows are made on this communicator: world.comm's ranks in world.comm's order
+        # (key = rank), always a real MPI communicator (world.comm may be a wrapper)
+        self._node = node
         self.segment_bytes = max(64, segment_bytes)
         self.arenas: list[_Arena] = []
         self._scratch: dict = {}  # dtype -> arena of segment_bytes per slot
@@ -131,7 +134,7 @@ class ShmAllreduce:
         """This rank's slot (zeroed) of a new arena of ``n`` elements per rank. Collective.
 
         Slices of the returned array are all-reduced without copies."""
-        arena = _Arena(self.comm, n, dtype)
+        arena = _Arena(self._node, n, dtype)
         self.arenas.append(arena)
         arena.mine[:] = 0
         return arena.mine
@@ -149,7 +152,7 @@ class ShmAllreduce:
         key = np.dtype(x.dtype).str
         if key not in self._scratch:  # making it is collective: every rank must be here too
             self._agree(-1, 0, x.size)
-            self._scratch[key] = _Arena(self.comm, self.segment_bytes // x.itemsize, x.dtype)
+            self._scratch[key] = _Arena(self._node, self.segment_bytes // x.itemsize, x.dtype)
         scratch = self._scratch[key]
         per = scratch.mine.size
         for lo in range(0, x.size, per):
@@ -186,3 +189,6 @@ class ShmAllreduce:
         for arena in self.arenas + list(self._scratch.values()):
             arena.free()
         self.arenas, self._scratch = [], {}
+        if self._node is not None:
+            self._node.Free()
+            self._node = None
