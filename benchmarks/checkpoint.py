@@ -55,6 +55,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def training_attrs() -> dict:
+    """The root attributes a training run stores with the AdamW state above (the readers check a
+    training checkpoint's attributes against its stored config)."""
+    from hpctrain.config import Config
+
+    cfg = Config()
+    cfg.optim.name = "adamw"
+    return {"epoch": 0, "config": cfg.to_toml(), "optimizer": "adamw", "dtype": "float32", "compress": "none",
+            "compress_scope": "all"}
+
+
 def synthetic_state(np, nbytes: int, rank: int):
     """(arrays by path, this rank's RNG row, Entries): model and two moments, LAYERS float32
     matrices of WIDTH-wide rows and a bias each, about ``nbytes`` in all; step count, data
@@ -71,7 +82,8 @@ def synthetic_state(np, nbytes: int, rank: int):
         w = np.arange(WIDTH, dtype=np.float32) + (row_id % 1021 + 1021 * k)[:, None]  # (rows, WIDTH)
         arrays[path + "/weight"], arrays[path + "/bias"] = w, np.arange(WIDTH, dtype=np.float32) - k
     arrays["/optim/step_count"] = np.array([1000], np.int64)
-    arrays["/data/position"] = np.arange(6, dtype=np.int64)
+    # global step 1 (the file's step), epoch 0, step in epoch 1, the default config's batch and seed
+    arrays["/data/position"] = np.array([1, 0, 1, 256, 1234, 65536], dtype=np.int64)
     entries = [Entry(p, a.shape, a.dtype, lambda lo, hi, a=a: a[lo:hi]) for p, a in arrays.items()]
     rng = np.arange(6, dtype=np.uint64) + np.uint64(rank)
     entries.append(Entry("/rng/pcg64", (None, 6), rng.dtype, lambda lo, hi: rng[None], per_rank=True))
@@ -183,10 +195,11 @@ def measure(np, world, MPI, size: int, args, info) -> tuple[list[dict], int]:
     arrays, rng, entries = synthetic_state(np, size, world.rank)
     nbytes = sum(a.nbytes for a in arrays.values()) + rng.nbytes * world.size
     raw, ckpt = os.path.join(args.dir, "raw.bin"), os.path.join(args.dir, "ckpt-00000001.h5")
+    attrs = training_attrs()
     ops = {"raw write": (raw, (lambda: raw_write(raw, arrays)) if root else (lambda: None)),
            "raw pwrite": (raw, lambda: raw_pwrite(world, raw, arrays)),
-           "save": (ckpt, lambda: write_checkpoint(args.dir, 1, entries, {}, world)),
-           "save coll.": (ckpt, lambda: write_checkpoint(args.dir, 1, entries, {}, world, collective=True)),
+           "save": (ckpt, lambda: write_checkpoint(args.dir, 1, entries, attrs, world)),
+           "save coll.": (ckpt, lambda: write_checkpoint(args.dir, 1, entries, attrs, world, collective=True)),
            "raw read": (None, (lambda: raw_read(np, raw, arrays)) if root else (lambda: None)),
            "raw pread": (None, lambda: raw_pread(np, world, MPI, raw, arrays)),
            "load": (None, lambda: load_checkpoint(ckpt, world))}

@@ -9,14 +9,16 @@ Commands
   info    per-rank topology, MPI library and thread level, h5py/HDF5, numba, CUDA
 
 Exit codes: 0 ok; 2 a user error (printed once by rank 0); 3 the run finished
-but missed train.target_accuracy; 75 stopped by SIGUSR1/SIGTERM after saving
-a checkpoint (run again with --resume auto); 1 anything else (all ranks are
-aborted).
+but missed train.target_accuracy; 4 the watchdog ended a stalled collective
+(dist.comm_timeout); 5 NaN/Inf or loss spikes the numerical guard may not skip
+(guard.nonfinite); 75 stopped by SIGUSR1/SIGTERM after saving a checkpoint
+(run again with --resume auto); 1 anything else (all ranks are aborted).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 
@@ -190,13 +192,33 @@ def cmd_info(args) -> int:
 
 def main(argv=None) -> int:
     limit_threads_per_rank()  # before numpy is imported by any command
+    # a fatal signal (SIGSEGV in native code, SIGBUS, SIGFPE, SIGABRT, SIGILL) prints every thread's
+    # Python stack before the process dies; the launcher then names the rank and the signal
+    faulthandler.enable(all_threads=True)
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
     except Exception as exc:  # noqa: BLE001 - every failure leaves through one door
         from .guard import report_and_exit
 
-        return report_and_exit(exc, _current_world())
+        code = report_and_exit(exc, _current_world())
+        _exit_now_if_hdf5_cannot_close(code)
+        return code
+
+
+def _exit_now_if_hdf5_cannot_close(code: int) -> None:
+    """End the process at once, output flushed, when a failed checkpoint save left a file HDF5
+    cannot close (hpctrain.ckpt.write.files_left_open): HDF5 closes open files again when MPI is
+    finalized (and Python at exit), and that crashes in the mpio driver (SIGSEGV, measured with a
+    full disk). Leaving without MPI_Finalize skips it; the launcher may add a line about that."""
+    write = sys.modules.get("hpctrain.ckpt.write")
+    if write is None or not write.files_left_open():
+        return
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _current_world():

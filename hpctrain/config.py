@@ -145,13 +145,21 @@ class DistConfig:
                              "cross-node phase (intra-node stays exact)", choices=("all", "inter"))
     cuda_aware_mpi: str = _f("auto", "hand GPU buffers to MPI directly: auto (ask the MPI library) | on | off "
                              "(copy through pinned host buffers)", choices=("auto", "on", "off"))
+    comm_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the watchdog "
+                             "reports which ranks are missing and aborts the job (checkpoint saves and "
+                             "evaluation get 10x); 0 = off")
 
     def validate(self):
-        if not (self.bucket_mb >= 0 and self.first_bucket_mb > 0):  # also catches nan
-            raise ConfigError(f"dist.bucket_mb={self.bucket_mb} must be >= 0 and "
-                              f"dist.first_bucket_mb={self.first_bucket_mb} > 0")
+        if not self.bucket_mb >= 0:  # also catches nan
+            raise ConfigError(f"dist.bucket_mb={self.bucket_mb}: a size in MB >= 0 (e.g. 25; 0 = one bucket "
+                              f"reduced after backward)")
+        if not self.first_bucket_mb > 0:
+            raise ConfigError(f"dist.first_bucket_mb={self.first_bucket_mb}: a size in MB > 0 (e.g. 1: a small "
+                              f"first bucket starts communication early)")
         if self.ranks_per_node < 0:
             raise ConfigError(f"dist.ranks_per_node={self.ranks_per_node}: must be >= 0")
+        if not 0 <= self.comm_timeout < math.inf:  # also catches nan
+            raise ConfigError(f"dist.comm_timeout={self.comm_timeout}: seconds >= 0 (0 = no watchdog)")
         from .compress import make_compressor
         try:
             make_compressor(self.compress)
@@ -183,6 +191,27 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    nonfinite: str = _f("abort", "a NaN/Inf loss or gradient (or a loss spike): abort (exit 5, nothing saved) | "
+                        "skip (drop the step's update) | rollback (reload the last checkpoint, skip that batch)",
+                        choices=("abort", "skip", "rollback"))
+    check_grads: bool = _f(True, "also check the averaged gradients, not only the loss (one read of each bucket "
+                           "on the communication thread)")
+    spike_zscore: float = _f(0.0, "treat a step whose loss is this many standard deviations above the last "
+                             "spike_window steps' as bad; 0 = off")
+    spike_window: int = _f(100, "accepted steps the spike statistics look back on (no verdict before it fills)")
+    max_bad_steps: int = _f(20, "abort (exit 5) once this many steps of the run were skipped or rolled back")
+
+    def validate(self):
+        if not 0 <= self.spike_zscore < math.inf:
+            raise ConfigError(f"guard.spike_zscore={self.spike_zscore}: a number of standard deviations > 0, "
+                              f"or 0 = off")
+        if self.spike_window < 2 or self.max_bad_steps < 1:
+            raise ConfigError(f"guard.spike_window={self.spike_window} must be >= 2 and guard.max_bad_steps="
+                              f"{self.max_bad_steps} >= 1")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -190,6 +219,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def validate(self) -> "Config":
         for section in dataclasses.fields(self):
@@ -239,17 +269,35 @@ def _coerce(where: str, value, typ):
     if origin is list:
         (item,) = typing.get_args(typ)
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list of {item.__name__}, got {value!r}")
+            raise ConfigError(f"{where}: expected a list of {item.__name__}, got {repr(value)[:80]}")
         return [_coerce(f"{where}[{i}]", x, item) for i, x in enumerate(value)]
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:76] + " ..."  # a pasted blob must not flood the log
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > 1e300:  # float() would raise OverflowError; no setting needs such a number
+            raise ConfigError(f"{where}: {shown} is too large; give a number below 1e300")
         return float(value)
     if typ is int and isinstance(value, bool) or not isinstance(value, typ):
-        raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {shown}")
+    if typ is int and not -2**63 <= value < 2**63:  # numpy and MPI counts are 64-bit
+        raise ConfigError(f"{where}: {shown} does not fit in 64 bits; give a smaller number")
+    if typ is str:
+        # paths reach open() and checkpoints store the config as UTF-8: a NUL or a lone surrogate
+        # (non-UTF-8 bytes on the command line) would fail there, far from the cause
+        if "\x00" in value:
+            raise ConfigError(f"{where}: {shown} contains a NUL character; remove it")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{where}: {shown} is not valid UTF-8 text; use UTF-8 names (rename the "
+                              f"file or directory if it has a non-UTF-8 name)") from None
     return value
 
 
 def _apply(cfg: Config, section: str, key: str, value, origin: str):
     sections = {f.name: f for f in dataclasses.fields(cfg)}
+    # names from a file may be anything (a newline, a megabyte): shown plainly only when plain
+    section, key = (n if n.isidentifier() else repr(n[:60]) for n in (section, key))
     if section not in sections:
         raise ConfigError(f"{origin}: unknown section [{section}]{_suggest(section, sections)}; "
                           f"sections are {', '.join(sections)}")
@@ -264,13 +312,18 @@ def _apply(cfg: Config, section: str, key: str, value, origin: str):
 def _parse_override(text: str):
     """``section.key=value`` -> (section, key, value); the value is read as TOML, else as a string."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set optim.lr=0.05")
+        raise ConfigError(f"--set {text[:80]!r}: expected section.key=value, e.g. --set optim.lr=0.05")
     lhs, raw = text.split("=", 1)
     section, key = lhs.strip().split(".", 1)
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        doc = tomllib.loads(f"v = {raw}")
+        # "1\n[optim]\nlr = 5" parses as more than v: a string then, never a silently dropped rest
+        value = doc["v"] if len(doc) == 1 else raw
     except tomllib.TOMLDecodeError:
         value = raw  # bare words such as adamw or a path
+    except (ValueError, RecursionError) as exc:  # an integer of > 4300 digits, nesting beyond the stack
+        raise ConfigError(f"--set {text[:80]!r}: the value cannot be read ({type(exc).__name__}); "
+                          f"give a plain number, string or short list") from None
     return section, key, value
 
 
@@ -279,8 +332,13 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     cfg = Config()
     if path:
         try:
+            limit = 1 << 20  # configs are a few KB; /dev/zero or a dataset passed by mistake must not fill memory
             with open(path, "rb") as fh:
-                doc = tomllib.load(fh)
+                text = fh.read(limit + 1)
+            if len(text) > limit:
+                raise ConfigError(f"config file {path!r} is larger than 1 MiB, so not a config; pass the "
+                                  f"TOML file to --config")
+            doc = tomllib.loads(text.decode("utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} not found; pass an existing file to --config") from None
         except OSError as exc:
@@ -288,13 +346,17 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
                               f"pass a readable TOML file to --config") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # > 4300-digit integers, nesting beyond the stack
+            raise ConfigError(f"config file {path!r} cannot be read as a config ({type(exc).__name__}: "
+                              f"{str(exc).split(':')[0][:120]}); use plain numbers, strings and short lists") from None
         for section, table in doc.items():
             if not isinstance(table, dict):
-                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+                raise ConfigError(f"{path}: top-level key {section[:60]!r} must be a [section] table")
             for key, value in table.items():
                 _apply(cfg, section, key, value, path)
     for text in overrides:
-        _apply(cfg, *_parse_override(text), origin=f"--set {text}")
+        shown = text if text.isprintable() and len(text) <= 80 else repr(text[:76]) + (" ..." if len(text) > 76 else "")
+        _apply(cfg, *_parse_override(text), origin=f"--set {shown}")  # one line, whatever was typed
     return cfg.validate()
 
 

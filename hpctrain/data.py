@@ -64,17 +64,20 @@ def open_dataset(path: str, what: str = "data.train") -> Dataset:
                             f"expected /x float [N, D] and /y integer [N] (docs/data-format.md)")
         x, y = f["x"], f["y"]
         if x.ndim != 2 or x.dtype.kind != "f":
-            raise DataError(f"{what}: {path}:/x must be a 2-D float array [N, D], got shape {x.shape} {x.dtype}")
+            raise DataError(f"{what}: {path}:/x must be a 2-D float array [N, D], got shape {x.shape} {x.dtype}; "
+                            + _fix(x, "x", "float32 features (x.astype('float32'); encode text or categories "
+                                   "as numbers first)"))
         if y.ndim != 1 or y.dtype.kind not in "iu":
-            raise DataError(f"{what}: {path}:/y must be a 1-D integer array [N], got shape {y.shape} {y.dtype}")
+            raise DataError(f"{what}: {path}:/y must be a 1-D integer array [N], got shape {y.shape} {y.dtype}; "
+                            + _fix(y, "y", "0-based class indices as integers (y.astype('int64'))"))
         if len(y) != len(x):
             raise DataError(f"{what}: {path}: /x has {len(x)} rows but /y has {len(y)}; they must match")
+        if x.shape[1] == 0:
+            raise DataError(f"{what}: {path}:/x has 0 features per sample; store at least one column")
         if "n_classes" not in f.attrs:
             raise DataError(f"{what}: {path} has no root attribute n_classes; add it "
                             f"(h5py: f.attrs['n_classes'] = C)")
-        n_classes = int(f.attrs["n_classes"])
-        if n_classes < 2:
-            raise DataError(f"{what}: {path}: n_classes={n_classes}, need at least 2")
+        n_classes = _n_classes(f.attrs["n_classes"], f"{what}: {path}")
         if len(y) == 0:
             raise DataError(f"{what}: {path} has no samples")
         lo, hi = _label_range(y)
@@ -85,6 +88,32 @@ def open_dataset(path: str, what: str = "data.train") -> Dataset:
     except DataError:
         f.close()
         raise
+
+
+def _fix(d, name: str, want: str) -> str:
+    """The fix for a dataset of the wrong shape or type, worded for what it is."""
+    if d.ndim == 2 and name == "y" and d.shape[1] == 1:
+        return "store it flat (y.reshape(-1)), as 0-based class indices"
+    if d.ndim == 2 and name == "y":
+        return "store the class index per sample (e.g. one-hot rows -> y.argmax(axis=1)) as integers"
+    if d.ndim != 2 and name == "x":
+        return "store one row per sample (x.reshape(len(x), -1))"
+    return f"store {want}, or regenerate the file ('python -m hpctrain data synth')"
+
+
+MAX_CLASSES = 2**31 - 1  # labels index the logits with 32-bit ints in the kernels
+
+
+def _n_classes(value, where: str) -> int:
+    """The n_classes attribute as an int in [2, MAX_CLASSES], or a DataError saying how to set it."""
+    v = value.item() if isinstance(value, np.ndarray) and value.size == 1 else value
+    v = v.item() if isinstance(v, np.generic) else v
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not 2 <= v <= MAX_CLASSES:
+        raise DataError(f"{where}: root attribute n_classes={v!r} must be an integer from 2 to {MAX_CLASSES}; "
+                        f"set it to the number of classes (h5py: f.attrs['n_classes'] = C)")
+    return v
 
 
 def _label_range(y, rows_per_read: int = 1 << 20) -> tuple[int, int]:

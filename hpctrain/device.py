@@ -22,14 +22,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .kernels import adamw, bias_act, linear, scale, sgd, softmax_xent
+from .kernels import adamw, bias_act, finite, linear, scale, sgd, softmax_xent
 
 CPU_OPS = SimpleNamespace(
     linear_forward=linear.linear_forward, linear_backward=linear.linear_backward,
     bias_act_forward=bias_act.bias_act_forward, bias_act_backward=bias_act.bias_act_backward,
     softmax_xent_forward=softmax_xent.softmax_xent_forward,
     softmax_xent_backward=softmax_xent.softmax_xent_backward,
-    sgd_step=sgd.sgd_step, adamw_step=adamw.adamw_step, scale=scale.scale,
+    sgd_step=sgd.sgd_step, adamw_step=adamw.adamw_step, scale=scale.scale, all_finite=finite.all_finite,
 )
 
 
@@ -100,7 +100,7 @@ class CudaDevice:
             softmax_xent_forward=p(softmax_xent.softmax_xent_forward_cuda, **s, scratch=self.scratch),
             softmax_xent_backward=p(softmax_xent.softmax_xent_backward_cuda, **s),
             sgd_step=p(sgd.sgd_step_cuda, **s), adamw_step=p(adamw.adamw_step_cuda, **s),
-            scale=p(scale.scale_cuda, **s),
+            scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s),
         )
 
     def empty(self, shape, dtype=None):

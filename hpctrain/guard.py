@@ -54,7 +54,7 @@ def report_and_exit(exc: BaseException, world) -> int:
     """
     agreed = getattr(exc, "agreed", False) or world is None or world.size == 1
     if isinstance(exc, UserError):
-        code, text = EXIT_USER_ERROR, f"hpctrain: error: {exc}"
+        code, text = getattr(exc, "exit_code", EXIT_USER_ERROR), f"hpctrain: error: {exc}"
     elif agreed:
         code, text = 1, f"hpctrain: internal error: {exc}"
     else:

@@ -1,6 +1,6 @@
-"""The training loop, readable top to bottom.
+"""The trainer: everything a run needs, built collectively, and one training step.
 
-One step on every rank: read this rank's rows of the global batch -> forward
+(The loop over steps is :mod:`hpctrain.loop`.) One step on every rank: read this rank's rows of the global batch -> forward
 -> backward into the flat gradient -> average the gradient over ranks ->
 optimizer update. Because every rank starts from rank 0's parameters and
 applies the same averaged gradient, N ranks with batch b train exactly like
@@ -9,27 +9,28 @@ one rank with batch N*b (up to floating-point summation order).
 
 from __future__ import annotations
 
-import contextlib
-import time
+import math
 
 import numpy as np
 
-from . import __version__
 from .ckpt.manager import CheckpointManager, check_writable
-from .ckpt.signals import STOP_SIGNALS, StopSignal
+from .ckpt.signals import StopSignal
 from .ckpt.state import fresh_rng
 from .data import BatchReader, DistributedSampler, open_dataset, shard_range
 from .device import make_device
-from .errors import EXIT_CHECKPOINTED, ConfigError, DataError
+from .errors import ConfigError, DataError
 from .dist import make_allreduce
 from .dist.buckets import BucketedAllreduce, layout_signature, plan_buckets
 from .dist.collectives import Collectives
 from .dist.compression import GradientCompression
 from .dist.staging import Staging
+from .faults import Faults
 from .guard import agree
-from .log import Log, Metrics, Timers, format_eta
+from .log import Log, Metrics, Timers
 from .nn import MLP
+from .numguard import NumericGuard
 from .optim import LRSchedule, make_optimizer, peak_lr
+from .watchdog import Watchdog
 
 EVAL_CHUNK_ROWS = 8192  # rows per forward pass during evaluation (bounded memory)
 
@@ -67,8 +68,14 @@ class Trainer:
             self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, world,
                                      self.staging, self.allreduce, self.buckets, self.model.flat, cfg.train.seed,
                                      self.log)
+        self.guard = NumericGuard(cfg.guard, self.log)
         self.comm = BucketedAllreduce(self.allreduce, self.model.flat.grad, self.buckets, self.device,
-                                      overlap=cfg.dist.overlap, compression=self.compression)
+                                      overlap=cfg.dist.overlap, compression=self.compression,
+                                      check_finite=cfg.guard.check_grads)
+        self._bucket_names = [f"bucket {b.index + 1} of {len(self.buckets)}, "
+                              f"{b.size * self.device.dtype.itemsize / 1e6:.2f} MB" for b in self.buckets]
+        self.watchdog = Watchdog(world.comm, cfg.dist.comm_timeout, self.log)  # collective (a Dup)
+        self.faults = Faults(world.rank)
         # data parallelism starts from identical weights: rank 0's
         self.collectives = Collectives(world, self.device, self.staging)
         self.collectives.Bcast(self.model.flat.data, root=0)
@@ -85,7 +92,12 @@ class Trainer:
         # per-rank generator for anything stochastic per rank (saved under /rng)
         self.rng = fresh_rng(cfg.train.seed, world.rank)
         self.checkpoints = CheckpointManager(cfg, world, self.log)
-        self.checkpoints.resume(self)  # may restore parameters, optimizer state, step and RNG
+        self.watchdog.start()  # a rank that stops while the others load a checkpoint must not hang them
+        try:
+            with self.watchdog.watch("checkpoint load", "resume", slack=10):
+                self.checkpoints.resume(self)  # may restore parameters, optimizer state, step and RNG
+        finally:
+            self.watchdog.stop()
         self._own_signal = stop_signal is None
         self.stop_signal = stop_signal or StopSignal()
 
@@ -127,15 +139,25 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------
     def train_step(self) -> tuple[float, int]:
-        """Run global step ``self.step`` on this rank; returns this rank's (loss_sum, correct).
+        """Run global step ``self.step`` whole (update included, no verdict); returns this rank's
+        (loss_sum, correct). The run loop uses :meth:`compute_step` and judges first."""
+        loss_sum, correct, _ = self.compute_step(update=True)
+        self.step += 1
+        return loss_sum, correct
+
+    def compute_step(self, update: bool) -> tuple[float, int, tuple[bool, bool]]:
+        """Forward, backward and all-reduce of global step ``self.step`` on this rank, and with
+        ``update`` the optimizer step too; returns (loss_sum, correct, (loss is not finite,
+        averaged gradient is not finite)).
 
         With k = grad_accum_steps, the rank's rows are k micro-batches whose
         gradients add up locally; only the last backward feeds the buckets, and
         the sum over ranks and micro-batches is scaled once by 1 / (size k).
         """
-        t, k = self.timers, self.cfg.train.grad_accum_steps
+        t, k, wd = self.timers, self.cfg.train.grad_accum_steps, self.watchdog
         with t("data"):
             x_all, y_all = self.reader.batch(self.step)
+            x_all = self.faults.before_step(self.step, x_all)
         rows = len(y_all) // k
         self.comm.start(scale=1.0 / (self.world.size * k), step=self.step)
         loss_sum, correct = 0.0, 0
@@ -151,15 +173,24 @@ class Trainer:
                 self.model.backward(accumulate=micro > 0, ready=self.comm.mark_ready if last else None)
         # the optimizer waits for each bucket in turn and updates just its slice
         # ("allreduce" is the exposed wait; the overlapped part hides in backward)
+        if update:
+            self.optimizer.begin_step()
+        lr = self.schedule.lr(self.step)
+        for bucket, name in zip(self.buckets, self._bucket_names):
+            with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {self.step}", self.step):
+                self.comm.wait(bucket)
+            if update:
+                with t("optimizer"):
+                    self.optimizer.update(lr, bucket.lo, bucket.hi)
+        return loss_sum, correct, (not math.isfinite(loss_sum), self.comm.nonfinite)
+
+    def apply_update(self) -> None:
+        """The optimizer step of a judged step whose buckets are all reduced (deferred guard policies)."""
         self.optimizer.begin_step()
         lr = self.schedule.lr(self.step)
-        for bucket in self.buckets:
-            with t("allreduce"):
-                self.comm.wait(bucket)
-            with t("optimizer"):
+        with self.timers("optimizer"):
+            for bucket in self.buckets:
                 self.optimizer.update(lr, bucket.lo, bucket.hi)
-        self.step += 1
-        return loss_sum, correct
 
     def _compression_metrics(self) -> dict:
         c = self.compression
@@ -181,93 +212,16 @@ class Trainer:
             y = self.device.upload(ds.y[lo:hi], "eval_y", np.int64)
             correct += self.model.predict_correct(x, y)
         totals = np.array([correct, stop - start], dtype=np.float64)
-        self.world.comm.Allreduce(_in_place(), totals)
+        with self.watchdog.watch("evaluation all-reduce", f"step {self.step}", self.step, 10):
+            self.world.comm.Allreduce(_in_place(), totals)
         return float(totals[0] / totals[1])
 
     # ---- the run -------------------------------------------------------------------
     def run(self) -> dict:
-        cfg, world, log = self.cfg, self.world, self.log
-        tc, b = cfg.train, self.sampler.batch
-        log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
-                 f"device {self.device.describe()}, allreduce {cfg.dist.allreduce} "
-                 f"(MPI staging: {self.staging.mode}; {len(self.buckets)} bucket(s), "
-                 f"overlap {'on' if cfg.dist.overlap else 'off'}"
-                 + (f", compress {cfg.dist.compress} scope {cfg.dist.compress_scope}" if self.compression else "")
-                 + "), "
-                 f"global batch {tc.global_batch} = {b} x {world.size}, {self.model.flat.size:,} parameters, "
-                 f"{self.sampler.steps_per_epoch} steps/epoch")
-        window = np.zeros(3)  # loss_sum, correct, rows since the last progress line
-        # per step, summed over ranks: loss_sum, correct, rows, rank 0's "every_minutes
-        # is due", then per stop signal the ranks that got it (agreement at no extra collective)
-        stats = np.zeros(4 + len(STOP_SIGNALS))
-        t_start = t_window = time.perf_counter()
-        first_step, stopped_by = self.step, None
-        eval_acc = None
-        ckpt = self.checkpoints
-        try:
-            with self.stop_signal if self._own_signal else contextlib.nullcontext():
-                while self.step < tc.steps:
-                    t0 = time.perf_counter()
-                    loss_sum, correct = self.train_step()
-                    stats[:] = (loss_sum, correct, b, world.is_root and ckpt.time_due(),
-                                *(self.stop_signal.received == name for name in STOP_SIGNALS))
-                    world.comm.Allreduce(_in_place(), stats)  # global loss/accuracy of this step
-                    window += stats[:3]
-                    signalled = {n: int(c) for n, c in zip(STOP_SIGNALS, stats[4:]) if c}
-                    if signalled or stats[3] or ckpt.step_due(self.step) or (tc.steps == self.step and
-                                                                          cfg.checkpoint.save_final):
-                        with self.timers("checkpoint"):
-                            ckpt.save(self)
-                    split = self.timers.pop()
-                    step_time = time.perf_counter() - t0
-                    if self.tracer is not None:
-                        self.tracer.complete("step", t0, "step", {"step": self.step})  # as in the metrics
-                    self.metrics.write(step=self.step, epoch=self.sampler.position(self.step - 1)[0],
-                                       loss=stats[0] / stats[2], accuracy=stats[1] / stats[2],
-                                       lr=self.schedule.lr(self.step - 1), step_time=step_time,
-                                       comm_time=self.comm.comm_s, exposed_comm_time=self.comm.exposed_s,
-                                       bytes_reduced=self.comm.bytes, allreduce=cfg.dist.allreduce,
-                                       **self._compression_metrics(),
-                                       samples_per_s=tc.global_batch / step_time,
-                                       **{f"t_{k}": v for k, v in split.items()})
-                    if signalled and self.step < tc.steps:  # at the last step: finished, exit normally
-                        stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
-                        log.info(f"stopping at step {self.step}: {stopped_by}; checkpoint saved; exit code "
-                                 f"{EXIT_CHECKPOINTED} (resume with --resume auto)")
-                        break
-                    if self.step % tc.log_every == 0 or self.step == tc.steps:
-                        now = time.perf_counter()
-                        rate = window[2] / (now - t_window)
-                        eta = (now - t_start) / (self.step - first_step) * (tc.steps - self.step)
-                        log.progress(f"step {self.step:>6}/{tc.steps} | loss {window[0] / window[2]:.4f} | "
-                                     f"acc {100 * window[1] / window[2]:5.1f}% | {rate:,.0f} samples/s | "
-                                     f"lr {self.schedule.lr(self.step - 1):.4g} | ETA {format_eta(eta)}")
-                        window[:] = 0
-                        t_window = now
-                    if self.eval_ds and tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
-                        log.info(f"eval at step {self.step}: accuracy {100 * self.evaluate():.2f}%")
-        finally:
-            self.metrics.close()
-            if self.tracer is not None:
-                self.tracer.save()
-        if stopped_by is not None:
-            elapsed = time.perf_counter() - t_start
-            return {"steps": self.step, "seconds": elapsed, "eval_accuracy": None, "stopped_by": stopped_by,
-                    "samples_per_s": (self.step - first_step) * tc.global_batch / elapsed if elapsed else 0.0}
-        elapsed = time.perf_counter() - t_start
-        if self.eval_ds:
-            eval_acc = self.evaluate()
-        result = {"steps": self.step, "seconds": elapsed, "stopped_by": None,
-                  "samples_per_s": (self.step - first_step) * tc.global_batch / elapsed if elapsed else 0.0,
-                  "eval_accuracy": eval_acc}
-        log.info(f"done: {self.step} steps in {elapsed:.1f} s ({result['samples_per_s']:,.0f} samples/s)")
-        if eval_acc is not None:
-            verdict = ""
-            if tc.target_accuracy:
-                verdict = f" (target {100 * tc.target_accuracy:.1f}%: " \
-                          f"{'reached' if eval_acc >= tc.target_accuracy else 'NOT reached'})"
-            log.info(f"final eval accuracy {100 * eval_acc:.2f}%{verdict}")
-        return result
+        """Train to ``train.steps`` (or a stop signal); collective. See :mod:`hpctrain.loop`."""
+        from .loop import run
+
+        return run(self)
 
 
 def check_same_layout(layouts):

@@ -25,56 +25,12 @@ def _train_args(data, ckpt_dir, steps, *extra):
             "--set", f"checkpoint.dir={ckpt_dir}", *extra]
 
 
-def _env(**extra):
-    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", **extra)
-
-
-def _start(n, args, **env):
-    return subprocess.Popen(["mpirun", "-n", str(n), "--oversubscribe", sys.executable, *args], cwd=REPO,
-                            env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def _rank_pids(marker):
-    """Pids of the Python rank processes whose command line holds ``marker`` (not mpirun itself)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                argv = fh.read().split(b"\0")
-        except OSError:
-            continue
-        if any(marker.encode() in a for a in argv) and not any(a.endswith(b"mpirun") for a in argv[:1]):
-            if b"hpctrain" in argv:
-                pids.append(int(entry))
-    return sorted(pids)
-
-
-def _wait_for(predicate, timeout, what):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _ckpt(*args):
-    return subprocess.run([sys.executable, "-m", "hpctrain", "ckpt", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
-
-
-def _finish(proc, timeout=120):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"job did not end in {timeout} s:\n{out}\n{err}")
-    return proc.returncode, out, err
+from mpi_jobs import ckpt_command as _ckpt  # noqa: E402
+from mpi_jobs import env as _env  # noqa: E402
+from mpi_jobs import finish as _finish  # noqa: E402
+from mpi_jobs import rank_pids as _rank_pids  # noqa: E402
+from mpi_jobs import start as _start  # noqa: E402
+from mpi_jobs import wait_for as _wait_for  # noqa: E402
 
 
 @pytest.mark.parametrize("signame,target", [("SIGUSR1", "rank"), ("SIGTERM", "rank"), ("SIGUSR1", "mpirun")])

@@ -20,7 +20,8 @@ def test_every_kernel_compiles_to_ptx_for_sm90():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "ptx_compile.py")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    # 2 dtypes x (8 GEMMs + 6 bias_act + 2 softmax + sgd + adamw + scale + partial sums) + row sums
+    # 2 dtypes x (8 GEMMs + 6 bias_act + 2 softmax + sgd + adamw + scale + all_finite + partial sums)
+    # + row sums
     # + 22 compression kernels (2 dtypes x 8, cast f64->f32, lowrank_residual, sparse_take, pack_ef,
     # sample_abs, compact)
-    assert proc.stdout.count("\nok ") == 2 * 20 + 1 + 22, proc.stdout
+    assert proc.stdout.count("\nok ") == 2 * 21 + 1 + 22, proc.stdout

@@ -269,6 +269,18 @@ def test_scale_matches_twin_exactly(dtype):
     np.testing.assert_array_equal(dev.to_host(X), scale.scale(x.copy(), 1.0 / 3.0))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [0, 517, 999])
+def test_all_finite_matches_numpy(dtype, bad, where):
+    dev = CudaDevice(dtype)
+    x = rng_for(9).standard_normal(1000).astype(dtype)
+    if bad is not None:
+        x[where] = bad
+    # the grid-stride loop must reach the last element too (2 blocks x 256 threads < 1000 in the simulator)
+    assert dev.ops.all_finite(up(dev, x)) is bool(np.isfinite(x).all())
+
+
 # ---- a whole model -------------------------------------------------------------------
 def test_mlp_step_on_cuda_equals_cpu_step(dev64):
     """forward, backward and an SGD update of a 2-hidden-layer MLP, float64."""

@@ -419,3 +419,21 @@ def test_bias_act_writes_through_strided_views(act):
     z, backing = z0.copy(), np.full((6, 4), np.nan)
     bias_act_forward(z, b, backing.T, act)
     np.testing.assert_allclose(backing.T, ACT_REF[act](z0 + b), rtol=1e-13, atol=1e-15)
+
+
+# ---- finiteness check (numerical guard) ---------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_all_finite_twin(dtype):
+    from hpctrain.kernels.finite import all_finite
+
+    x = np.random.default_rng(3).standard_normal(4099).astype(dtype)
+    assert all_finite(x) is True
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[4098] = bad
+        assert all_finite(y) is False
+    # finite values whose squares overflow to inf are still finite: the exact test decides
+    big = np.full(8, np.sqrt(np.finfo(dtype).max) * 2, dtype)
+    assert not np.isfinite(np.dot(big, big)) and all_finite(big) is True
+    # +inf and -inf whose sum is nan, and a 2-D buffer
+    assert all_finite(np.array([[np.inf, -np.inf]], dtype)) is False

@@ -86,13 +86,13 @@ def test_signal_then_resume_is_bit_exact(world, mpi_small_data, optim):
     straight.run()
 
     first = _trainer(_config(mpi_small_data[0], d, world.size, n_steps, optim), world)
-    train_step = first.train_step
+    compute_step = first.compute_step
 
-    def step_with_signal():
+    def step_with_signal(update):
         if first.step == k - 1 and world.rank == 0:
             os.kill(os.getpid(), signal.SIGUSR1)  # arrives mid-step, on one rank only
-        return train_step()
-    first.train_step = step_with_signal
+        return compute_step(update)
+    first.compute_step = step_with_signal
     result = first.run()
     assert result["stopped_by"] is not None and first.step == k  # every rank stopped at the same step
 

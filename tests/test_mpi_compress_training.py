@@ -101,13 +101,13 @@ def test_resume_with_compression_is_bit_exact(node_world, mpi_small_data, spec, 
     straight = _trainer(_config(mpi_small_data[0], spec, allreduce, scope, n_steps), world)
     straight.run()
     first = _trainer(_config(mpi_small_data[0], spec, allreduce, scope, n_steps, ckpt_dir=d), world)
-    step = first.train_step
+    step = first.compute_step
 
-    def signalled():
+    def signalled(update):
         if first.step == k - 1 and world.rank == world.size - 1:
             os.kill(os.getpid(), signal.SIGUSR1)
-        return step()
-    first.train_step = signalled
+        return step(update)
+    first.compute_step = signalled
     assert first.run()["stopped_by"]
     assert [s for s, _ in list_checkpoints(d)] == [k]
     resumed = _trainer(_config(mpi_small_data[0], spec, allreduce, scope, n_steps, ckpt_dir=d, resume="auto"), world)

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -171,3 +172,31 @@ def test_allreduce_sbatch_across_two_nodes(slurm_cluster, tmp_path):
     assert "2 ranks on 2 node(s)" in text or "n_nodes=2" in text, text
     with open(tmp_path / "allreduce.json") as fh:
         assert json.load(fh)
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_of_one_rank_ends_the_train_sbatch_job(slurm_cluster, small_data, tmp_path):
+    """train.sbatch with 3 ranks; one rank is killed with SIGKILL mid-training: srun --kill-on-bad-exit
+    ends the others, and the job is FAILED well within 60 s instead of hanging in a collective."""
+    from mpi_jobs import alive, metrics_steps, rank_pids, wait_for
+
+    marker = str(tmp_path / "ck-slurm-kill")
+    metrics = tmp_path / "metrics.jsonl"
+    out = tmp_path / "kill.out"
+    args = _small_args(small_data[0], 1_000_000, "--set", f"checkpoint.dir={marker}", "--set",
+                       f"train.metrics={metrics}", "--set", "train.global_batch=63", "--set", "model.hidden=[64]")
+    job = slurm_cluster.sbatch(["-n", "3", f"--output={out}", os.path.join(JOBS, "train.sbatch"), *args],
+                               env=slurm_cluster.env(HPCTRAIN_HOME=REPO), cwd=tmp_path)
+    try:
+        wait_for(lambda: metrics_steps(metrics) >= 20, 180, "20 training steps")
+        pids = rank_pids(marker)
+        assert len(pids) == 3, pids
+        os.kill(pids[-1], 9)
+        t0 = time.monotonic()
+        (record,) = slurm_cluster.wait(job, 60, str(out))
+        took = time.monotonic() - t0
+    finally:
+        slurm_cluster.run(["scancel", job], timeout=15)
+    wait_for(lambda: not alive(pids), 10, "every rank to be gone")
+    assert record["JobState"] == "FAILED" and record["ExitCode"] != "0:0", (record, _read(out)[-3000:])
+    print(f"\nslurm kill -9: job {job} {record['JobState']} {record['ExitCode']} {took:.1f} s after the kill")

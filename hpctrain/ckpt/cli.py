@@ -1,11 +1,20 @@
-"""``python -m hpctrain ckpt ls DIR | verify FILE... | inspect FILE``: serial, no MPI needed."""
+"""``python -m hpctrain ckpt ls DIR | verify FILE... | inspect FILE``: serial, no MPI needed.
+
+Every file is read in a child process (:func:`.probe.run_isolated`): HDF5 may crash or loop on a
+corrupt file, and these commands exist to look at files that may be corrupt."""
 
 from __future__ import annotations
 
 import os
 
 from .format import list_checkpoints
-from .read import header_of, inspect_file, verify_file
+from .probe import run_isolated
+
+
+def _why(path: str, exc: Exception) -> str:
+    """The error's text on one line, without the file name the line already starts with."""
+    text = " ".join(str(exc).split("\n"))
+    return text[len(path) + 2:] if text.startswith(f"{path}: ") else text
 
 
 def _size(n: int) -> str:
@@ -26,12 +35,12 @@ def cmd_ls(args) -> int:
     print(f"{'step':>10}  {'ranks':>5}  {'size':>9}  {'created':<24}  {'status':<8}  file")
     for step, path in found:
         try:
-            attrs = verify_file(path) if args.verify else header_of(path)
+            attrs = run_isolated("verify_file" if args.verify else "header_of", path)
             status = "verified" if args.verify else "ok"
             ranks, created = attrs.get("world_size", "?"), attrs.get("created", "?")
         except Exception as exc:  # noqa: BLE001 - one bad file must not stop the listing
             status, ranks, created, bad = "CORRUPT", "?", "?", bad + 1
-            print(f"  ! {exc}")
+            print(f"  ! {os.path.basename(path)}: {_why(path, exc)}")
         try:
             size = _size(os.path.getsize(path))
         except OSError:
@@ -45,10 +54,10 @@ def cmd_verify(args) -> int:
     bad = 0
     for path in args.files:
         try:
-            attrs = verify_file(path)
+            attrs = run_isolated("verify_file", path)
             print(f"{path}: OK (step {attrs['step']}, saved by {attrs['world_size']} rank(s))")
         except Exception as exc:  # noqa: BLE001 - UserErrors name the problem; anything else too
-            print(f"{path}: INVALID: {exc}")
+            print(f"{path}: INVALID: {_why(path, exc)}")
             bad += 1
     return 1 if bad else 0
 
@@ -56,9 +65,9 @@ def cmd_verify(args) -> int:
 def cmd_inspect(args) -> int:
     """Header, the stored config, and every dataset with shape, dtype, bytes and checksum (no data read)."""
     try:
-        attrs, rows = inspect_file(args.file)
+        attrs, rows = run_isolated("inspect_file", args.file)
     except Exception as exc:  # noqa: BLE001
-        print(f"{args.file}: INVALID: {exc}")
+        print(f"{args.file}: INVALID: {_why(args.file, exc)}")
         return 1
     config = str(attrs.pop("config", ""))
     print(f"{args.file}")
@@ -67,7 +76,7 @@ def cmd_inspect(args) -> int:
     print(f"  datasets ({len(rows)}, {_size(sum(r[3] for r in rows))}):")
     for name, shape, dtype, nbytes, crc, per_rank in rows:
         crc_text = f"{crc:#010x}" if crc is not None else "none"
-        print(f"    {name:<32} {str(shape):<16} {dtype:<8} {_size(nbytes):>9}  crc32 {crc_text}"
+        print(f"    {name:<32} {str(tuple(shape)):<16} {dtype:<8} {_size(nbytes):>9}  crc32 {crc_text}"
               f"{'  (per rank)' if per_rank else ''}")
     if config:
         print("  config:")

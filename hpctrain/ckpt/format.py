@@ -33,6 +33,16 @@ FORMAT_VERSION = 1
 NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 # groups every checkpoint has (compress: per-rank compressor state, may be empty)
 GROUPS = ("model", "optim", "compress", "data", "rng")
+PER_RANK_GROUPS = ("rng", "compress")  # arrays of one row per saved rank (ckpt/state.py); the rest are replicated
+# what every training run's checkpoint holds besides /model/* (ckpt/state.py training_state), and the
+# /optim/<state>/* groups of each optim.name (hpctrain/optim.py state()); the readers check both are there
+TRAINER_DATASETS = ("/data/position", "/optim/step_count", "/rng/pcg64")
+# their dtypes, and those of /compress (float32 residuals, int64 lengths); /model and /optim/<state>
+# hold train.dtype (the root attribute dtype). A flipped bit can turn a float type into an integer
+# type of the same size, which the CRC of the unchanged bytes cannot see: the readers check these.
+TRAINER_DTYPES = {"/data/position": "int64", "/optim/step_count": "int64", "/rng/pcg64": "uint64",
+                  "/compress/lengths": "int64", "/compress/*": "float32"}
+OPTIMIZER_STATES = {"sgd": ("momentum",), "adamw": ("exp_avg", "exp_avg_sq")}
 
 
 def file_name(step: int) -> str:

@@ -35,6 +35,7 @@ class CheckpointManager:
         self.clock = time.monotonic  # rank 0's clock for every_minutes (tests substitute one)
         self._last_save = self.clock()
         self.saved_step = None      # step of the newest checkpoint this run wrote or loaded
+        self.saved_path = None      # and its file (what guard.nonfinite = rollback reloads)
         self.save_seconds = 0.0     # time of the last save
 
     # ---- policy -------------------------------------------------------------------
@@ -58,7 +59,7 @@ class CheckpointManager:
             self._prune(trainer.step)
         self.world.comm.Barrier()  # nobody returns while rank 0 may still delete
         self._last_save = self.clock()
-        self.saved_step = trainer.step
+        self.saved_step, self.saved_path = trainer.step, path
         self.save_seconds = time.perf_counter() - t0
         self.log.info(f"checkpoint: saved {path} (step {trainer.step}, {self.save_seconds:.2f} s)")
         return path
@@ -108,7 +109,7 @@ class CheckpointManager:
                 continue
             saved_compress = (loaded.attrs.get("compress", "none"), loaded.attrs.get("compress_scope", "all"))
             agree(world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, log, saved_compress)
-            self.saved_step = trainer.step
+            self.saved_step, self.saved_path = trainer.step, path
             log.info(f"checkpoint: resumed from {path} at step {trainer.step} (saved by "
                      f"{loaded.world_size} rank(s), hpctrain {loaded.attrs.get('hpctrain_version')})")
             return
@@ -118,6 +119,14 @@ class CheckpointManager:
                         f"start fresh on purpose")
         err.agreed = True  # every rank reached the same verdicts
         raise err
+
+    def rollback(self, trainer) -> None:
+        """Reload the newest checkpoint this run saved or loaded (guard.nonfinite = rollback). Collective."""
+        loaded = load_checkpoint(self.saved_path, self.world)
+        saved_compress = (loaded.attrs.get("compress", "none"), loaded.attrs.get("compress_scope", "all"))
+        agree(self.world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, self.log,
+              saved_compress)
+        self.log.info(f"guard: rolled back to {self.saved_path} (step {trainer.step})")
 
     def _remove_stale_temporaries(self):
         """Temporary files of saves that crashed: never checkpoints, safe to delete before we write."""

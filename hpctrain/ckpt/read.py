@@ -2,7 +2,13 @@
 
 Reads use plain serial h5py on every rank (read-only opens may share a file),
 so resuming works with or without parallel HDF5. Nothing in a file is ever
-executed or unpickled: only numeric datasets and plain attributes are read.
+executed or unpickled: only numeric datasets and plain attributes are read
+(the stored config is parsed as TOML data).
+
+The CRCs cover the arrays' bytes; the rest of a file is HDF5 metadata, which a
+corrupt file may damage in ways HDF5 cannot tell: so the layout is checked too
+(:mod:`.checks`), and a child process decodes all metadata before this process
+opens the file (:mod:`.probe`), since HDF5 can crash or loop on it.
 """
 
 from __future__ import annotations
@@ -13,18 +19,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserError
-from .format import FORMAT_NAME, FORMAT_VERSION, combine_parts, crc32_of, row_range
+from .checks import (CorruptCheckpoint, UnreadableCheckpoint, attr_value, check_dataset, check_layout, check_step,
+                     datasets, header, stored_crc)
+from .format import combine_parts, crc32_of, row_range
+
+__all__ = ["CorruptCheckpoint", "UnreadableCheckpoint", "LoadedCheckpoint", "verify_file", "load_checkpoint",
+           "header_of", "inspect_file"]
 
 VERIFY_BLOCK_BYTES = 64 << 20  # serial verification reads this much at a time
-
-
-class CorruptCheckpoint(UserError):
-    """A checkpoint that cannot be used: truncated, incomplete, malformed or failing a checksum."""
-
-
-class UnreadableCheckpoint(UserError):
-    """A file the operating system will not let us read (permissions, missing on this node):
-    not evidence of corruption, so ``--resume auto`` stops instead of skipping it."""
+ISOLATE = True  # decode metadata in a child first (.probe); off only where the caller isolates itself
 
 
 @dataclass
@@ -43,72 +46,29 @@ class LoadedCheckpoint:
         return int(self.attrs["world_size"])
 
 
-def _attr(value):
-    """An HDF5 attribute as a plain Python value (bytes decoded, numpy scalars unwrapped)."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def datasets(f) -> list:
-    """Every dataset in the file as (path, dataset), sorted by path (the same order on every rank)."""
-    import h5py
-
-    found = []
-    f.visititems(lambda name, obj: found.append(("/" + name, obj)) if isinstance(obj, h5py.Dataset) else None)
-    return sorted(found, key=lambda t: t[0])
-
-
-def header(f, path: str) -> dict:
-    """Root attributes after checking format, version and completeness; CorruptCheckpoint otherwise."""
-    attrs = {k: _attr(v) for k, v in f.attrs.items()}
-    if attrs.get("format") != FORMAT_NAME:
-        raise CorruptCheckpoint(f"{path}: not an hpctrain checkpoint (root attribute format="
-                                f"{attrs.get('format')!r}, expected {FORMAT_NAME!r})")
-    if attrs.get("format_version") != FORMAT_VERSION:
-        raise CorruptCheckpoint(f"{path}: checkpoint format version {attrs.get('format_version')!r}; this "
-                                f"hpctrain reads version {FORMAT_VERSION}")
-    if attrs.get("complete") is not True:
-        raise CorruptCheckpoint(f"{path}: incomplete (the writer did not finish)")
-    for key in ("step", "world_size"):
-        if not isinstance(attrs.get(key), int) or isinstance(attrs[key], bool) or attrs[key] < 0:
-            raise CorruptCheckpoint(f"{path}: root attribute {key}={attrs.get(key)!r} is not a valid count")
-    return attrs
-
-
-def _open(path: str):
-    import h5py
-
+def _readable(path: str, isolate: bool) -> None:
+    """UnreadableCheckpoint if the OS refuses the file; then, when isolating, the metadata probe."""
     try:
         with open(path, "rb") as fh:
             fh.read(1)
     except OSError as exc:
         raise UnreadableCheckpoint(f"{path}: cannot be read ({exc.strerror or exc}); check that it exists on "
                                    f"every node and is readable") from None
+    if isolate and ISOLATE:
+        from .probe import probe
+
+        probe(path)  # CorruptCheckpoint if HDF5 crashes, loops or fails on the metadata
+
+
+def _open(path: str, isolate: bool):
+    import h5py
+
+    _readable(path, isolate)
     try:
         # no HDF5 file locks: readers never conflict, and Lustre/NFS often refuse flock
         return h5py.File(path, "r", locking=False)
     except (OSError, ValueError) as exc:
         raise CorruptCheckpoint(f"{path}: cannot be opened as HDF5 ({exc}); truncated or overwritten?") from None
-
-
-def _check_dataset(d, path, name):
-    """A plain numeric array of native byte order whose storage is all there (the writer
-    never compresses: storage must equal the logical size, so a forged huge shape with
-    no data behind it is refused before anything is read or allocated)."""
-    if d.ndim == 0 or d.dtype.kind not in "fiub" or d.dtype.byteorder not in "=<|":
-        raise CorruptCheckpoint(f"{path}: dataset {name} is not a little-endian numeric array ({d.dtype})")
-    if d.id.get_storage_size() != d.size * d.dtype.itemsize or d.chunks is not None:
-        raise CorruptCheckpoint(f"{path}: dataset {name} declares {d.size * d.dtype.itemsize} bytes but stores "
-                                f"{d.id.get_storage_size()}: not written by hpctrain, or damaged")
-
-
-def _stored_crc(d, path, name) -> int:
-    if "crc32" not in d.attrs:
-        raise CorruptCheckpoint(f"{path}: dataset {name} has no crc32 attribute")
-    return int(d.attrs["crc32"])
 
 
 def verify_file(path: str) -> dict:
@@ -118,22 +78,27 @@ def verify_file(path: str) -> dict:
     """
     with _reading(path) as f:
         attrs = header(f, path)
-        for name, d in datasets(f):
-            _check_dataset(d, path, name)
+        dsets = datasets(f, path)
+        for name, d in dsets:
+            check_dataset(d, path, name)
+        check_layout(path, attrs, dsets)
+        for name, d in dsets:
             row_bytes = max(1, d.dtype.itemsize * int(np.prod(d.shape[1:])))
             step = max(1, VERIFY_BLOCK_BYTES // row_bytes)
             parts = [(crc32_of(b), b.nbytes) for b in (d[lo:lo + step] for lo in range(0, d.shape[0], step))]
-            got, want = combine_parts(parts), _stored_crc(d, path, name)
+            got, want = combine_parts(parts), stored_crc(d, path, name)
             if got != want:
                 raise CorruptCheckpoint(f"{path}: dataset {name} fails its checksum (stored crc32 "
                                         f"{want:#010x}, computed {got:#010x}): the file is corrupt")
+        position = dict(dsets).get("/data/position")
+        check_step(path, attrs, None if position is None else position[:1])  # its bytes were just verified
         return attrs
 
 
 @contextlib.contextmanager
-def _reading(path: str):
+def _reading(path: str, isolate: bool = True):
     """The open file; any failure inside that is not already a UserError becomes CorruptCheckpoint."""
-    f = _open(path)
+    f = _open(path, isolate)
     try:
         yield f
     except UserError:
@@ -146,16 +111,19 @@ def _reading(path: str):
 
 def _read_share(path: str, rank: int, size: int):
     """This rank's slices of every dataset, their CRC parts and its own per-rank rows."""
-    with _reading(path) as f:
+    with _reading(path, isolate=False) as f:  # load_checkpoint has rank 0 probe the file first
         attrs = header(f, path)
         slices, parts, own, meta = {}, [], {}, []
-        for name, d in datasets(f):
-            _check_dataset(d, path, name)
+        dsets = datasets(f, path)
+        for name, d in dsets:
+            check_dataset(d, path, name)
+        check_layout(path, attrs, dsets)
+        for name, d in dsets:
             per_rank = bool(d.attrs.get("per_rank", False))
             lo, hi = row_range(d.shape[0], rank, size)
             block = d[lo:hi]
             parts.append((crc32_of(block), block.nbytes))
-            meta.append((name, d.shape, d.dtype.str, _stored_crc(d, path, name), per_rank))
+            meta.append((name, d.shape, d.dtype.str, stored_crc(d, path, name), per_rank))
             if per_rank:
                 if rank < d.shape[0]:
                     own[name] = d[rank]
@@ -173,9 +141,19 @@ def load_checkpoint(path: str, world) -> LoadedCheckpoint:
     rank if any part fails.
     """
     comm, rank, size = world.comm, world.rank, world.size
+    failure = None
+    if rank == 0:  # one probe for all: the ranks read the same file
+        try:
+            _readable(path, isolate=True)
+        except UnreadableCheckpoint as exc:
+            failure = ("unreadable", str(exc))
+        except CorruptCheckpoint as exc:
+            failure = ("corrupt", str(exc))
+    failure = comm.bcast(failure, root=0)
+    if failure:
+        raise _agreed((UnreadableCheckpoint if failure[0] == "unreadable" else CorruptCheckpoint)(failure[1]))
     try:
         attrs, meta, parts, slices, own = _read_share(path, rank, size)
-        failure = None
     except UnreadableCheckpoint as exc:
         attrs, meta, parts, slices, own, failure = None, None, None, None, None, ("unreadable", str(exc))
     except Exception as exc:  # noqa: BLE001 - any other failure: this rank cannot use the file
@@ -198,6 +176,10 @@ def load_checkpoint(path: str, world) -> LoadedCheckpoint:
     for name, shape, dtype, _, per_rank in meta:
         if not per_rank:
             out.full[name] = _allgather_rows(comm, slices[name], shape, np.dtype(dtype))
+    try:
+        check_step(path, attrs, out.full.get("/data/position"))
+    except CorruptCheckpoint as exc:
+        raise _agreed(exc) from None  # the same gathered data on every rank: the same verdict
     return out
 
 
@@ -235,8 +217,8 @@ def header_of(path: str) -> dict:
 def inspect_file(path: str) -> tuple[dict, list]:
     """Root attributes and (path, shape, dtype, bytes, crc32, per_rank) per dataset, without reading data."""
     with _reading(path) as f:
-        attrs = {k: _attr(v) for k, v in f.attrs.items()}
+        attrs = {k: attr_value(v) for k, v in f.attrs.items()}
         rows = [(name, tuple(d.shape), str(d.dtype), int(d.size) * d.dtype.itemsize,
                  int(d.attrs["crc32"]) if "crc32" in d.attrs else None, bool(d.attrs.get("per_rank", False)))
-                for name, d in datasets(f)]
+                for name, d in datasets(f, path)]
         return attrs, rows

@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import UserError
+from .format import OPTIMIZER_STATES
 
 # /data/position fields, in order (int64)
 POSITION_FIELDS = ("global_step", "epoch", "step_in_epoch", "global_batch", "shuffle_seed", "n_samples")
@@ -164,14 +165,33 @@ def check_compatible(trainer, shapes: dict) -> None:
             problems.append(f"{path}: checkpoint {tuple(shapes[path])}, model {shape}")
     extra = sorted(p for p in shapes if p.startswith("/model/") and p not in want)
     problems += [f"{p}: in the checkpoint, not in the model" for p in extra]
+    fresh = "or start fresh (--resume '' or another checkpoint.dir)"
     if problems:
-        raise IncompatibleCheckpoint("the checkpoint does not fit this model (model.hidden or the dataset's "
-                                     "features/classes differ):\n  " + "\n  ".join(problems))
+        hidden = saved_hidden(shapes)
+        if hidden is not None and hidden != list(trainer.cfg.model.hidden):
+            fix = f"resume with --set model.hidden={hidden} as it was saved, {fresh}"
+        else:  # the same widths: the dataset's features or classes changed
+            fix = f"resume with the model.hidden and dataset it was saved with (ckpt inspect shows its config), {fresh}"
+        raise IncompatibleCheckpoint(f"the checkpoint does not fit this model (model.hidden or the dataset's "
+                                     f"features/classes differ); {fix}:\n  " + "\n  ".join(problems))
     for state_name in trainer.optimizer.state():
         missing = [s.name for s in flat.slots if parameter_path(f"optim/{state_name}", s.name) not in shapes]
         if missing:
-            raise IncompatibleCheckpoint(f"the checkpoint has no optimizer state {state_name!r} (saved with another "
-                                         f"optim.name?); set optim.name as when it was saved")
+            saved = [n for n, states in OPTIMIZER_STATES.items()
+                     if all(parameter_path(f"optim/{s}", missing[0]) in shapes for s in states)]
+            name = f"optim.name={saved[0]}" if saved else "the optim.name it was saved with"
+            raise IncompatibleCheckpoint(f"the checkpoint has no optimizer state {state_name!r} for optim.name="
+                                         f"{trainer.cfg.optim.name!r}: it was saved with another optimizer; resume "
+                                         f"with --set {name}, {fresh}")
+
+
+def saved_hidden(shapes: dict):
+    """model.hidden of the MLP a checkpoint was saved from (/model/fc<i>/weight is (in, out)), or None."""
+    layers = sorted((int(p.split("/")[2][2:]), shape) for p, shape in shapes.items()
+                    if p.startswith("/model/fc") and p.endswith("/weight") and p.split("/")[2][2:].isdigit())
+    if not layers or [i for i, _ in layers] != list(range(len(layers))) or any(len(s) != 2 for _, s in layers):
+        return None
+    return [int(s[1]) for _, s in layers[:-1]]
 
 
 def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_compress=None) -> None:

@@ -99,12 +99,28 @@ def write_checkpoint(directory: str, step: int, entries, attrs: dict, world, log
     if err is not None:
         if rank == 0:
             _remove_quietly(tmp)
-        failure = CheckpointWriteError(f"saving checkpoint step {step} to {directory!r} failed ({err}); "
-                                       f"the previous checkpoints are intact; free space or choose another "
-                                       f"checkpoint.dir")
+        failure = CheckpointWriteError(f"saving checkpoint step {step} to {directory!r} failed ({err})"
+                                       f"{_space_note(directory, entries, size)}; the previous checkpoints are "
+                                       f"intact; free space or choose another checkpoint.dir")
         failure.agreed = True  # raised on every rank alike
         raise failure
     return final
+
+
+def _space_note(directory, entries, size) -> str:
+    """For the error message: the file system's free space, and whether the checkpoint fits in it
+    (HDF5 reports a full disk only as "file write failed")."""
+    try:
+        st = os.statvfs(directory)
+        need = sum(int(np.prod(e.shape[1:] if e.per_rank else e.shape)) * (size if e.per_rank else 1)
+                   * np.dtype(e.dtype).itemsize for e in entries)
+    except Exception:  # noqa: BLE001 - only a hint; never hide the failure itself
+        return ""
+    free = st.f_bavail * st.f_frsize
+    mib = 1 << 20
+    if free < need:
+        return f"; the disk is full: {free / mib:.1f} MiB free, the checkpoint needs {need / mib:.1f} MiB"
+    return f" ({free / mib:.1f} MiB free on its file system)"
 
 
 def _root_attrs(step, attrs, size):
@@ -198,6 +214,7 @@ def _write_parallel(tmp, step, entries, attrs, world, collective):
         f.close()
     except Exception as exc:  # noqa: BLE001
         err = err or exc
+        LEFT_OPEN.append(f)  # see files_left_open
     if err is None and getattr(world, "local_rank", 0) == 0:
         # the only flush: MPI_File_close need not sync (ROMIO and ompio do not), and
         # HDF5 lets every rank write metadata at close; one rank per node fsyncs (a
@@ -207,6 +224,22 @@ def _write_parallel(tmp, step, entries, attrs, world, collective):
         except OSError as exc:
             err = exc
     return err
+
+
+LEFT_OPEN: list = []  # h5py files whose close failed (a full disk while HDF5 flushed its metadata)
+
+
+def files_left_open() -> bool:
+    """True when a failed save left a file that HDF5 could not close.
+
+    HDF5 keeps such a file open; Python would close it again during its final
+    garbage collection, after mpi4py's MPI_Finalize, and the mpio driver then
+    crashes the process (SIGSEGV: exit 139 instead of the agreed error's 2;
+    seen with a full disk). The command line therefore ends such a process
+    with MPI_Finalize and ``os._exit`` (hpctrain.__main__); the temporary file
+    itself was already deleted by rank 0.
+    """
+    return bool(LEFT_OPEN)
 
 
 def _text(exc) -> str:

@@ -78,13 +78,17 @@ class BucketedAllreduce:
     Per step: :meth:`start` (with the scale factor, 1 / (world size x
     micro-steps)), :meth:`mark_ready` for every parameter during backward,
     then :meth:`wait` for each bucket. With ``overlap=False`` buckets are
-    reduced on the calling thread inside :meth:`wait` (the baseline).
+    reduced on the calling thread inside :meth:`wait` (the baseline). With
+    ``check_finite`` every averaged bucket is tested for NaN/Inf right after its
+    reduction; :attr:`nonfinite` says whether any of this step's was not finite.
     """
 
-    def __init__(self, strategy, grad, buckets, device, overlap: bool = True, compression=None):
+    def __init__(self, strategy, grad, buckets, device, overlap: bool = True, compression=None,
+                 check_finite: bool = False):
         self.strategy, self.grad, self.buckets, self.device = strategy, grad, buckets, device
         self.overlap = overlap
         self.compression = compression  # a dist.compression.GradientCompression, or None
+        self.check_finite, self.nonfinite = check_finite, False
         self.step = 0
         self._slot_bucket = {name: b.index for b in buckets for name in b.slots}
         self._views = [grad[b.lo:b.hi] for b in buckets]
@@ -105,6 +109,7 @@ class BucketedAllreduce:
         for event in self._done:
             event.clear()
         self.comm_s = self.exposed_s = 0.0
+        self.nonfinite = False
         if self.overlap and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="hpctrain-comm", daemon=True)
             self._thread.start()
@@ -138,6 +143,8 @@ class BucketedAllreduce:
             self.strategy(view, "sum")
         if self.scale != 1.0:
             self.device.ops.scale(view, self.scale)
+        if self.check_finite and not self.device.ops.all_finite(view):
+            self.nonfinite = True
         self.comm_s += time.perf_counter() - t0
         if self.tracer is not None:
             self.tracer.complete(f"comm bucket {i}", t0, "comm", dict(self.trace_args, bucket=i, bytes=view.nbytes))

@@ -1,0 +1,68 @@
+"""Fault injection for the reliability tests: ``HPCTRAIN_FAULT=KIND:STEP[:RANK][,...]``.
+
+Read once when a trainer is built; unset (the normal case) it costs one
+dictionary lookup per step. Kinds, each acting on rank RANK (default 0) just
+before global step STEP's forward pass:
+
+  nan    the rank's batch gets a NaN feature (poisoned input data)
+  spike  the rank's batch is scaled by 1000 (finite, but the loss jumps)
+  raise  the rank raises RuntimeError (a bug on one rank)
+  segv   the rank reads address 0 (a crash in native code: SIGSEGV)
+  hang   the rank sleeps in Python forever (busy elsewhere: the watchdog must
+         say "not in a collective")
+
+Killing or stopping a rank is done from outside by the tests (kill -9,
+SIGSTOP), as a real failure would be.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .errors import ConfigError
+
+KINDS = ("nan", "spike", "raise", "segv", "hang")
+
+
+def parse(text: str) -> list[tuple[str, int, int]]:
+    """``"nan:5:1,raise:9"`` -> [("nan", 5, 1), ("raise", 9, 0)] as (kind, step, rank)."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        fields = item.split(":")
+        if len(fields) not in (2, 3) or fields[0] not in KINDS or not all(f.isdigit() for f in fields[1:]):
+            raise ConfigError(f"HPCTRAIN_FAULT={text!r}: expected KIND:STEP[:RANK] items with KIND one of "
+                              f"{', '.join(KINDS)}, e.g. nan:5:1")
+        faults.append((fields[0], int(fields[1]), int(fields[2]) if len(fields) == 3 else 0))
+    return faults
+
+
+class Faults:
+    """The faults meant for ``rank``, by step."""
+
+    def __init__(self, rank: int, text: str | None = None):
+        text = os.environ.get("HPCTRAIN_FAULT", "") if text is None else text
+        self.by_step = {step: kind for kind, step, r in parse(text) if r == rank}
+
+    def before_step(self, step: int, x: np.ndarray) -> np.ndarray:
+        """Apply this step's fault, if any; returns the (possibly poisoned copy of the) batch."""
+        kind = self.by_step.get(step)
+        if kind is None:
+            return x
+        if kind == "nan":
+            x = np.array(x, copy=True)  # the reader's batch may be a view of its cached window
+            x.flat[0] = np.nan
+        elif kind == "spike":
+            x = np.asarray(x) * np.asarray(1000, x.dtype)
+        elif kind == "raise":
+            raise RuntimeError(f"injected fault at step {step} (HPCTRAIN_FAULT)")
+        elif kind == "segv":
+            import ctypes
+
+            ctypes.string_at(0)
+        elif kind == "hang":
+            while True:
+                time.sleep(1.0)
+        return x

@@ -1,0 +1,52 @@
+"""Finiteness check: does a buffer hold only finite numbers (no NaN, no +-Inf)?
+
+The numerical guard (:mod:`hpctrain.numguard`) asks it of every averaged
+gradient bucket, on the communication thread right after the bucket's
+all-reduce, so it must cost about one read of the bucket.
+"""
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from .cuda_support import THREADS, blocks_for
+
+
+# ---- CPU twin (NumPy) --------------------------------------------------------------
+def all_finite(buf) -> bool:
+    """True when every element of ``buf`` is finite.
+
+    The cheap test is the dot product of ``buf`` with itself: a NaN or an Inf
+    anywhere makes it non-finite, and BLAS reads it at memory speed (1.3 M
+    float32: 82 us on one core here, against 225 us for ``np.add.reduce`` and
+    more for ``np.isfinite(buf).all()``, which also allocates). Only when the
+    dot is not finite, which large finite values (> ~1e19 in float32) can also
+    cause by overflowing, is the exact elementwise test run.
+    """
+    flat = buf.reshape(-1)
+    if math.isfinite(float(np.dot(flat, flat))):
+        return True
+    return bool(np.isfinite(flat).all())
+
+
+# ---- CUDA kernel -------------------------------------------------------------------
+@cuda.jit
+def _nonfinite_kernel(buf, flag):
+    i = cuda.grid(1)
+    while i < buf.size:
+        x = buf[i]
+        if not math.isfinite(x):
+            flag[0] = 1  # any thread may set it: a race between equal writes is harmless
+        i += cuda.gridsize(1)
+
+
+# ---- launcher ----------------------------------------------------------------------
+def all_finite_cuda(buf, *, stream=0) -> bool:
+    """The same on a device buffer; waits for the stream (the caller needs the answer on the host)."""
+    flat = buf.reshape(buf.size)
+    flag = cuda.to_device(np.zeros(1, np.int32), stream=stream)
+    _nonfinite_kernel[blocks_for(buf.size), THREADS, stream](flat, flag)
+    host = flag.copy_to_host(stream=stream)
+    stream.synchronize() if stream else cuda.synchronize()
+    return not bool(host[0])

@@ -1,0 +1,146 @@
+"""The run loop: steps, the per-step verdict, checkpoints, progress, evaluation, stop signals.
+
+:func:`run` is ``Trainer.run``: collective, on every rank. Per step: compute
+(forward, backward, all-reduce; the update too unless the numerical guard
+defers it), one small all-reduce of the step's statistics (loss, accuracy,
+NaN/Inf seen, checkpoint due, stop signals received) that every rank then
+judges alike, the update or the guard's policy, then saves, metrics and the
+progress line. The stall watchdog watches the whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+
+from . import __version__
+from .ckpt.signals import STOP_SIGNALS
+from .errors import EXIT_CHECKPOINTED
+from .log import format_eta
+
+
+def run(trainer) -> dict:
+    """Train ``trainer`` (a :class:`~hpctrain.train.Trainer`) to ``train.steps`` or a stop signal."""
+    trainer.watchdog.start()
+    try:
+        return _loop(trainer)
+    finally:
+        trainer.watchdog.stop()
+
+
+def _loop(trainer) -> dict:
+    cfg, world, log, wd, guard = trainer.cfg, trainer.world, trainer.log, trainer.watchdog, trainer.guard
+    tc, b = cfg.train, trainer.sampler.batch
+    log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
+             f"device {trainer.device.describe()}, allreduce {cfg.dist.allreduce} "
+             f"(MPI staging: {trainer.staging.mode}; {len(trainer.buckets)} bucket(s), "
+             f"overlap {'on' if cfg.dist.overlap else 'off'}"
+             + (f", compress {cfg.dist.compress} scope {cfg.dist.compress_scope}" if trainer.compression else "")
+             + "), "
+             f"global batch {tc.global_batch} = {b} x {world.size}, {trainer.model.flat.size:,} parameters, "
+             f"{trainer.sampler.steps_per_epoch} steps/epoch")
+    window = np.zeros(3)  # loss_sum, correct, rows since the last progress line
+    # per step, summed over ranks: loss_sum, correct, rows, rank 0's "every_minutes is due",
+    # the ranks whose loss / averaged gradient held a NaN or Inf, then per stop signal the ranks
+    # that got it (agreement at no extra collective)
+    stats = np.zeros(6 + len(STOP_SIGNALS))
+    t_start = t_window = time.perf_counter()
+    first_step, stopped_by = trainer.step, None
+    eval_acc = None
+    ckpt = trainer.checkpoints
+    if guard.policy == "rollback" and ckpt.saved_step is None and trainer.step < tc.steps:
+        with wd.watch("checkpoint save", f"step {trainer.step}, for guard.nonfinite=rollback", trainer.step, 10):
+            ckpt.save(trainer)  # something to roll back to
+    try:
+        with trainer.stop_signal if trainer._own_signal else contextlib.nullcontext():
+            while trainer.step < tc.steps:
+                t0 = time.perf_counter()
+                if trainer.step in guard.skip_steps:
+                    log.info(f"guard: stepping over the batch of step {trainer.step} (bad before the rollback)")
+                    trainer.step += 1
+                    if ckpt.step_due(trainer.step) or (tc.steps == trainer.step and cfg.checkpoint.save_final):
+                        with wd.watch("checkpoint save", f"step {trainer.step}", trainer.step, 10):
+                            ckpt.save(trainer)
+                    continue
+                loss_sum, correct, nonfinite = trainer.compute_step(update=not guard.deferred)
+                stats[:] = (loss_sum, correct, b, world.is_root and ckpt.time_due(), *nonfinite,
+                            *(trainer.stop_signal.received == name for name in STOP_SIGNALS))
+                with wd.watch("step statistics all-reduce", f"step {trainer.step}", trainer.step):
+                    world.comm.Allreduce(_in_place(), stats)  # global loss/accuracy of this step
+                bad = guard.verdict(trainer.step, stats[0] / stats[2], stats[4], stats[5])
+                if bad is not None and guard.bad_step(trainer.step, bad) == "rollback":  # abort raises
+                    trainer.timers.pop()
+                    with wd.watch("checkpoint load", f"rollback from step {trainer.step}", trainer.step, 10):
+                        ckpt.rollback(trainer)
+                    continue
+                if bad is None:
+                    if guard.deferred:
+                        trainer.apply_update()
+                    window += stats[:3]
+                elif trainer.compression is not None:
+                    trainer.compression.load_state({})  # the residuals hold the bad gradient too
+                trainer.step += 1
+                signalled = {n: int(c) for n, c in zip(STOP_SIGNALS, stats[6:]) if c}
+                if signalled or stats[3] or ckpt.step_due(trainer.step) or (tc.steps == trainer.step and
+                                                                      cfg.checkpoint.save_final):
+                    with trainer.timers("checkpoint"), wd.watch("checkpoint save", f"step {trainer.step}",
+                                                             trainer.step, 10):
+                        ckpt.save(trainer)
+                split = trainer.timers.pop()
+                step_time = time.perf_counter() - t0
+                if trainer.tracer is not None:
+                    trainer.tracer.complete("step", t0, "step", {"step": trainer.step})  # as in the metrics
+                trainer.metrics.write(step=trainer.step, epoch=trainer.sampler.position(trainer.step - 1)[0],
+                                   loss=stats[0] / stats[2], accuracy=stats[1] / stats[2],
+                                   lr=trainer.schedule.lr(trainer.step - 1), step_time=step_time,
+                                   comm_time=trainer.comm.comm_s, exposed_comm_time=trainer.comm.exposed_s,
+                                   bytes_reduced=trainer.comm.bytes, allreduce=cfg.dist.allreduce,
+                                   **trainer._compression_metrics(),
+                                   samples_per_s=tc.global_batch / step_time,
+                                   bad_steps=guard.bad_steps, skipped=bad is not None,
+                                   **{f"t_{k}": v for k, v in split.items()})
+                if signalled and trainer.step < tc.steps:  # at the last step: finished, exit normally
+                    stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
+                    log.info(f"stopping at step {trainer.step}: {stopped_by}; checkpoint saved; exit code "
+                             f"{EXIT_CHECKPOINTED} (resume with --resume auto)")
+                    break
+                if (trainer.step % tc.log_every == 0 or trainer.step == tc.steps) and window[2]:
+                    now = time.perf_counter()
+                    rate = window[2] / (now - t_window)
+                    eta = (now - t_start) / max(1, trainer.step - first_step) * (tc.steps - trainer.step)
+                    log.progress(f"step {trainer.step:>6}/{tc.steps} | loss {window[0] / window[2]:.4f} | "
+                                 f"acc {100 * window[1] / window[2]:5.1f}% | {rate:,.0f} samples/s | "
+                                 f"lr {trainer.schedule.lr(trainer.step - 1):.4g} | ETA {format_eta(eta)}")
+                    window[:] = 0
+                    t_window = now
+                if trainer.eval_ds and tc.eval_every and trainer.step % tc.eval_every == 0 and trainer.step < tc.steps:
+                    log.info(f"eval at step {trainer.step}: accuracy {100 * trainer.evaluate():.2f}%")
+    finally:
+        trainer.metrics.close()
+        if trainer.tracer is not None:
+            trainer.tracer.save()
+    elapsed = time.perf_counter() - t_start
+    result = {"steps": trainer.step, "seconds": elapsed, "stopped_by": stopped_by, "eval_accuracy": None,
+              "samples_per_s": (trainer.step - first_step) * tc.global_batch / elapsed if elapsed else 0.0,
+              "bad_steps": guard.bad_steps}
+    if stopped_by is not None:
+        return result
+    if trainer.eval_ds:
+        eval_acc = result["eval_accuracy"] = trainer.evaluate()
+    log.info(f"done: {trainer.step} steps in {elapsed:.1f} s ({result['samples_per_s']:,.0f} samples/s)"
+             + (f", {guard.bad_steps} bad step(s) ({guard.policy})" if guard.bad_steps else ""))
+    if eval_acc is not None:
+        verdict = ""
+        if tc.target_accuracy:
+            verdict = f" (target {100 * tc.target_accuracy:.1f}%: " \
+                      f"{'reached' if eval_acc >= tc.target_accuracy else 'NOT reached'})"
+        log.info(f"final eval accuracy {100 * eval_acc:.2f}%{verdict}")
+    return result
+
+
+def _in_place():
+    from mpi4py import MPI
+
+    return MPI.IN_PLACE

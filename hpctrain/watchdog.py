@@ -1,0 +1,254 @@
+"""Stall watchdog: a collective that does not complete in ``dist.comm_timeout`` ends the job with a diagnostic.
+
+A rank that stops (SIGSTOP, a hung file system, a GPU fault, a deadlock in
+native code) leaves every other rank spinning inside an MPI collective, and the
+job burns its allocation silently. The trainer marks each blocking collective
+with :meth:`Watchdog.watch`; a daemon thread per rank ("hpctrain-watchdog")
+wakes every ``poll`` seconds and
+
+  * answers status queries of the other ranks' watchdogs (point-to-point on a
+    private duplicate of the job's communicator, so nothing the training loop
+    sends is ever matched by it);
+  * when this rank has waited in one collective longer than its limit, asks
+    every other rank where it is, waits ``grace`` seconds for the answers,
+    prints one diagnostic (the collective, step and bucket; which ranks wait in
+    it; which are elsewhere and where; which did not answer: stopped, dead or
+    hung outside Python) and calls ``MPI_Abort``, which ends every rank.
+
+Only the lowest-numbered rank blocked in a collective prints; the others defer
+to it and abort on their own only if its abort does not arrive. Asking other ranks needs
+MPI_THREAD_MULTIPLE (requested by :mod:`hpctrain.runtime`); with a lower thread
+level the watchdog still aborts, reporting only this rank's view.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .errors import EXIT_STALLED
+
+TAG_QUERY, TAG_REPLY = 7101, 7102
+
+
+@dataclass(frozen=True)
+class Region:
+    """One blocking collective as the main thread entered it (``seq`` counts them; equal on every rank)."""
+
+    seq: int
+    what: str
+    detail: str
+    t0: float
+    limit: float
+    step: int = -1
+
+    def describe(self) -> str:
+        return f"{self.what}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class _Status:
+    """What a rank answers when asked: where its main thread is."""
+
+    rank: int
+    seq: int
+    inside: bool          # in region ``seq`` now (else: ``seq`` is the last one it left)
+    where: str
+    seconds: float        # in it, or since leaving it
+    step: int = -1
+    extra: dict = field(default_factory=dict)
+
+
+class Watchdog:
+    """Per-rank stall detector; collective to build (``comm.Dup``), every rank of ``comm`` must make one.
+
+    ``timeout`` seconds (0 = off) is the limit of a ``watch`` region; ``slack``
+    multiplies it for regions that do real work besides waiting (checkpoint
+    saves and loads, evaluation). ``abort`` ends the job (``comm.Abort`` by
+    default; tests substitute a recorder).
+    """
+
+    def __init__(self, comm, timeout: float, log=None, abort=None):
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.timeout = float(timeout)
+        self.enabled = self.timeout > 0 and self.size > 1
+        self.poll = min(1.0, max(0.05, self.timeout / 10))
+        self.grace = min(10.0, max(1.0, self.timeout / 2))
+        self._world = comm
+        self._comm = comm.Dup() if self.enabled else None  # collective: every rank builds its watchdog
+        self._abort = abort or (lambda code: comm.Abort(code))
+        self._seq = 0
+        self._region: Region | None = None
+        self._last: tuple[int, str, float] = (0, "start-up", time.monotonic())
+        self._thread = None
+        self._stop = threading.Event()
+        self._sends: list = []
+        self.fired: str | None = None   # the diagnostic, once printed (tests read it)
+        self._deferred_until = None
+        self.can_ask = self.enabled and _thread_multiple()
+        if self._comm is not None:
+            from mpi4py import MPI
+
+            self._mpi = MPI
+            self._comm.Set_errhandler(MPI.ERRORS_RETURN)  # a dead peer is "no answer", not a second abort
+
+    # ---- main thread ------------------------------------------------------------
+    def watch(self, what: str, detail: str = "", step: int = -1, slack: float = 1.0):
+        """Context manager around one blocking collective (main thread only)."""
+        return _Watch(self, what, detail, step, slack)
+
+    def start(self) -> None:
+        if self.enabled and self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread (at the end of a run); pending queries are simply left unanswered."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    # ---- the thread ------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            try:
+                self._answer_queries()
+                self._check()
+            except Exception as exc:  # noqa: BLE001 - a broken watchdog must not kill training
+                print(f"[rank {self.rank}] hpctrain: watchdog stopped: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
+                return
+
+    def _status(self) -> _Status:
+        now, r = time.monotonic(), self._region
+        if r is not None:
+            return _Status(self.rank, r.seq, True, r.describe(), now - r.t0, r.step)
+        seq, where, t_end = self._last
+        return _Status(self.rank, seq, False, where, now - t_end)
+
+    def _answer_queries(self) -> None:
+        if not self.can_ask:
+            return
+        while True:
+            status = self._mpi.Status()
+            msg = self._comm.improbe(tag=TAG_QUERY, status=status)
+            if msg is None:
+                break
+            source = status.Get_source()
+            msg.recv()
+            self._sends.append(self._comm.isend(self._status(), dest=source, tag=TAG_REPLY))
+        self._sends = [req for req in self._sends if not req.Test()]
+
+    def _check(self) -> None:
+        r = self._region
+        if r is None:
+            return
+        waited = time.monotonic() - r.t0
+        if self._deferred_until is not None:
+            if self._deferred_until[0] != r.seq:
+                self._deferred_until = None  # it completed after all: not a stall
+            elif time.monotonic() >= self._deferred_until[1]:
+                self._fire(r, self._ask(r), waited)  # the lowest waiting rank did not end the job
+            return
+        if waited < r.limit:
+            return
+        replies = self._ask(r)
+        if self._region is not r:
+            return  # completed while we asked
+        # one report: from the lowest rank that is inside a collective (this one, or the one
+        # after it when a rank passed this collective and waits in the next)
+        blocked = [self.rank] + [s.rank for s in replies.values() if s.inside]
+        if min(blocked) == self.rank:
+            self._fire(r, replies, time.monotonic() - r.t0)
+        else:  # that rank reports when its own wait passes the limit (it may have entered later)
+            self._deferred_until = (r.seq, time.monotonic() + r.limit + 2 * self.grace)
+
+    def _ask(self, r: Region) -> dict[int, _Status]:
+        """Every other rank's status, as far as it answers within ``grace`` seconds."""
+        if not self.can_ask:
+            return {}
+        replies: dict[int, _Status] = {}
+        for dest in range(self.size):
+            if dest != self.rank:
+                try:
+                    self._sends.append(self._comm.isend(r.seq, dest=dest, tag=TAG_QUERY))
+                except self._mpi.Exception:  # a peer whose process is gone: it will not answer
+                    pass
+        deadline = time.monotonic() + self.grace
+        while len(replies) < self.size - 1 and time.monotonic() < deadline:
+            msg = self._comm.improbe(tag=TAG_REPLY)
+            if msg is None:
+                self._answer_queries()  # others may be asking us at the same time
+                time.sleep(0.02)
+                continue
+            status = msg.recv()
+            replies[status.rank] = status
+        return replies
+
+    def _fire(self, r: Region, replies: dict[int, _Status], waited: float) -> None:
+        self.fired = diagnose(r, waited, self.rank, self.size, replies, self.grace, self.can_ask)
+        print("\n".join(f"[rank {self.rank}] {line}" for line in self.fired.splitlines()), file=sys.stderr,
+              flush=True)
+        self._abort(EXIT_STALLED)
+        self._stop.set()
+
+
+def diagnose(r: Region, waited: float, me: int, size: int, replies: dict, grace: float, asked: bool) -> str:
+    """The watchdog's report: one headline, then who waits, who is elsewhere, who did not answer."""
+    lines = [f"hpctrain: watchdog: {r.describe()} has not completed after {waited:.1f} s "
+             f"(limit {r.limit:g} s: dist.comm_timeout); aborting all {size} ranks"]
+    if not asked:
+        lines.append("  the other ranks were not asked (MPI thread level below MULTIPLE); look for the rank "
+                     "that stopped, e.g. with py-spy dump or gdb on each node")
+        return "\n".join(lines)
+    waiting = sorted([me] + [s.rank for s in replies.values() if s.inside and s.seq == r.seq])
+    lines.append(f"  waiting in it: {_ranks(waiting)}")
+    for s in sorted(replies.values(), key=lambda s: s.rank):
+        if s.inside and s.seq == r.seq:
+            continue
+        if s.inside:
+            lines.append(f"  rank {s.rank}: elsewhere, in {s.where} for {s.seconds:.1f} s (collective #{s.seq}, "
+                         f"this one is #{r.seq})")
+        else:
+            lines.append(f"  rank {s.rank}: not in a collective; left {s.where} (#{s.seq}) {s.seconds:.1f} s ago "
+                         f"(busy or stuck in its own code)")
+    silent = [q for q in range(size) if q != me and q not in replies]
+    if silent:
+        lines.append(f"  no answer within {grace:g} s from {_ranks(silent)}: stopped (SIGSTOP, a debugger), dead, "
+                     f"or hung outside Python (I/O, a driver call); those ranks are the likely cause")
+    return "\n".join(lines)
+
+
+def _ranks(ranks) -> str:
+    ranks = list(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(q) for q in ranks)
+
+
+class _Watch:
+    __slots__ = ("wd", "region")
+
+    def __init__(self, wd: Watchdog, what, detail, step, slack):
+        self.wd = wd
+        wd._seq += 1
+        self.region = Region(wd._seq, what, detail, 0.0, wd.timeout * slack, step)
+
+    def __enter__(self):
+        r = self.region
+        self.wd._region = Region(r.seq, r.what, r.detail, time.monotonic(), r.limit, r.step)
+        return self
+
+    def __exit__(self, *exc):
+        wd = self.wd
+        wd._last = (self.region.seq, self.region.describe(), time.monotonic())
+        wd._region = None
+        return False
+
+
+def _thread_multiple() -> bool:
+    from mpi4py import MPI
+
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE

@@ -1,0 +1,144 @@
+"""Faults in a running job, from outside as a user meets them: kill -9 of one rank,
+SIGSTOP of one rank (the stall watchdog), a rank busy elsewhere, an exception on
+one rank, kill -9 of one rank during a save. Real mpirun jobs; every launch and
+every wait has a timeout, and leftover ranks are killed."""
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+
+from mpi_jobs import alive, ckpt_command, finish, metrics_steps, rank_pid, rank_pids, start, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+EXIT_STALLED = 4
+
+
+def _train(data, tmp_path, *extra, steps=1_000_000, marker=None):
+    """A long run (by default it never ends by itself) with metrics; its checkpoint.dir is a unique
+    marker in its command line, by which the test finds its ranks."""
+    marker = marker or str(tmp_path / f"ck-{uuid.uuid4().hex[:8]}")
+    args = ["-m", "hpctrain", "train", "--set", f"data.train={data}", "--set", "model.hidden=[64]",
+            "--set", "train.global_batch=63", "--set", f"train.steps={steps}", "--set", "train.log_every=1000000",
+            "--set", f"train.metrics={tmp_path / 'metrics.jsonl'}", "--set", f"checkpoint.dir={marker}",
+            "--set", "checkpoint.every_minutes=0", *extra]
+    return marker, args
+
+
+def _cleanup(marker):
+    for pid in rank_pids(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def test_kill_9_one_rank_mid_training_ends_every_rank(small_data, tmp_path):
+    marker, args = _train(small_data[0], tmp_path)
+    proc = start(3, args)
+    try:
+        wait_for(lambda: metrics_steps(tmp_path / "metrics.jsonl") >= 20, 90, "20 training steps")
+        pids = rank_pids(marker)
+        assert len(pids) == 3, pids
+        os.kill(rank_pid(marker, 1), signal.SIGKILL)
+        t0 = time.monotonic()
+        code, out, err = finish(proc, timeout=60)
+        gone_after = time.monotonic() - t0
+        wait_for(lambda: not alive(pids), 10, "every rank to be reaped")
+    finally:
+        _cleanup(marker)
+    assert code != 0
+    assert gone_after < 60, gone_after
+    # the launcher names the rank that died and how
+    assert "rank 1" in err and ("signal 9" in err or "Killed" in err), err[-2000:]
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_sigstop_one_rank_fires_the_watchdog_with_a_diagnostic(small_data, tmp_path, victim):
+    marker, args = _train(small_data[0], tmp_path, "--set", "dist.comm_timeout=4")
+    proc = start(3, args)
+    stopped = None
+    try:
+        wait_for(lambda: metrics_steps(tmp_path / "metrics.jsonl") >= 20, 90, "20 training steps")
+        stopped = rank_pid(marker, victim)
+        os.kill(stopped, signal.SIGSTOP)
+        code, out, err = finish(proc, timeout=90)
+    finally:
+        if stopped:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except OSError:
+                pass
+        _cleanup(marker)
+    assert code == EXIT_STALLED, (code, err[-3000:])
+    report = [line for line in err.splitlines() if "] hpctrain: watchdog:" in line]
+    assert len(report) == 1, err[-3000:]  # reported once, by one rank
+    assert "has not completed after" in report[0] and "dist.comm_timeout" in report[0]
+    assert "step " in report[0]  # which collective, at which step (and bucket, for gradient all-reduces)
+    # the other two wait in the collective the victim never joined, or one of them got its data from
+    # the other and already waits in the next one: each is named, either way
+    a, b = sorted({0, 1, 2} - {victim})
+    waiting = [line for line in err.splitlines() if "waiting in it: " in line][0]
+    elsewhere = [line for line in err.splitlines() if ": elsewhere, in " in line]
+    assert waiting.endswith(f"ranks {a}, {b}") or (len(elsewhere) == 1 and f"rank {a}" in waiting + elsewhere[0]
+                                                    and f"rank {b}" in waiting + elsewhere[0]), err[-3000:]
+    assert f"from rank {victim}: stopped (SIGSTOP" in err, err[-3000:]
+
+
+def _injected(data, tmp_path, fault, *extra):
+    """A 3-rank job of 200 steps with HPCTRAIN_FAULT=fault, run to its end: (exit code, stdout, stderr)."""
+    marker, args = _train(data, tmp_path, *extra, steps=200)
+    proc = start(3, args, HPCTRAIN_FAULT=fault)
+    try:
+        return finish(proc, timeout=90)
+    finally:
+        _cleanup(marker)
+
+
+def test_a_rank_busy_elsewhere_is_named_by_the_watchdog(small_data, tmp_path):
+    code, out, err = _injected(small_data[0], tmp_path, "hang:30:2", "--set", "dist.comm_timeout=3")
+    assert code == EXIT_STALLED, (code, err[-3000:])
+    assert err.count("] hpctrain: watchdog:") == 1, err[-3000:]
+    assert "gradient all-reduce (bucket 1 of 1" in err and "step 30)" in err, err[-3000:]
+    assert "waiting in it: ranks 0, 1" in err
+    assert "rank 2: not in a collective" in err, err[-3000:]
+
+
+def test_an_exception_on_one_rank_is_reported_once_and_ends_the_job(small_data, tmp_path):
+    code, out, err = _injected(small_data[0], tmp_path, "raise:15:1")
+    assert code != 0
+    assert err.count("RuntimeError: injected fault at step 15") == 1, err[-3000:]
+    assert "[rank 1]" in err and "aborting all 3 ranks" in err
+
+
+def test_a_crash_in_native_code_on_one_rank_ends_the_job(small_data, tmp_path):
+    code, out, err = _injected(small_data[0], tmp_path, "segv:15:2")
+    assert code != 0
+    assert err.count("Fatal Python error: Segmentation fault") == 1, err[-3000:]  # faulthandler: where
+    assert "in before_step" in err                                                # (the Python stack)
+    assert "rank 2" in err and "signal 11" in err, err[-3000:]                    # mpirun: which rank, what
+
+
+def test_kill_9_of_one_rank_during_a_save_keeps_the_previous_checkpoint(small_data, tmp_path):
+    marker, args = _train(small_data[0], tmp_path, "--set", "checkpoint.every_steps=5", "--set",
+                          "train.global_batch=64", steps=200)
+    proc = start(2, args, HPCTRAIN_CKPT_WRITE_DELAY_S="60", HPCTRAIN_CKPT_DELAY_STEP="10")
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(marker, ".ckpt-00000010.h5.tmp")), 90, "the save of step 10")
+        time.sleep(0.5)
+        os.kill(rank_pid(marker, 1), signal.SIGKILL)  # one rank only: the other is inside the collective save
+        code, out, err = finish(proc, timeout=60)
+    finally:
+        _cleanup(marker)
+    assert code != 0
+    names = sorted(n for n in os.listdir(marker) if not n.startswith("."))
+    assert names == ["ckpt-00000005.h5"], names
+    assert ckpt_command("verify", os.path.join(marker, "ckpt-00000005.h5")).returncode == 0
+    resumed = start(2, _train(small_data[0], tmp_path, "--set", "train.global_batch=64", "--resume", "auto",
+                              steps=7, marker=marker)[1])
+    code, out, err = finish(resumed, timeout=120)
+    assert code == 0, err[-3000:]
+    assert f"resumed from {marker}/ckpt-00000005.h5 at step 5" in out, out

@@ -1,0 +1,206 @@
+"""The numerical guard: NaN/Inf and loss spikes under each policy (abort, skip, rollback).
+
+Unit tests of the verdicts, then real 2-rank jobs with a NaN (or a spike) injected
+into one rank's batch at a given step (HPCTRAIN_FAULT, hpctrain/faults.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import REPO
+from hpctrain.errors import EXIT_DIVERGED, TrainingDiverged
+from hpctrain.numguard import NumericGuard
+from mpi_jobs import env
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def warn(self, msg):
+        self.lines.append(msg)
+
+
+def _guard(policy="skip", z=0.0, window=4, max_bad=3):
+    cfg = types.SimpleNamespace(nonfinite=policy, spike_zscore=z, spike_window=window, max_bad_steps=max_bad)
+    return NumericGuard(cfg, _Log())
+
+
+def test_verdicts():
+    g = _guard(z=4.0)
+    assert g.verdict(0, 1.0) is None
+    assert "the loss on 1 rank(s)" in g.verdict(1, float("nan"), bad_loss_ranks=1)
+    assert "the averaged gradient" in g.verdict(2, 0.9, bad_grad_ranks=2)
+    assert "NaN/Inf in the loss" in g.verdict(3, float("inf"))
+    for step, loss in enumerate((1.0, 1.1, 0.9), start=4):  # window of 4 accepted losses: 1.0 1.0 1.1 0.9
+        assert g.verdict(step, loss) is None
+    assert g.spike_z(1.0) == pytest.approx((1.0 - 1.0) / np.std([1.0, 1.0, 1.1, 0.9], ddof=1))
+    assert g.verdict(7, 1.2) is None                       # z = 2.4: accepted, enters the window
+    reason = g.verdict(8, 5.0)
+    assert reason.startswith("loss spike at step 8") and "guard.spike_zscore=4" in reason
+    assert list(g.losses) == [1.0, 1.1, 0.9, 1.2]          # a bad loss never enters the statistics
+
+
+def test_flat_window_does_not_turn_rounding_into_spikes():
+    g = _guard(z=3.0, window=3)
+    for step in range(3):
+        g.verdict(step, 0.5)
+    assert g.verdict(3, 0.5 * (1 + 1e-9)) is None
+
+
+def test_policies_and_the_bad_step_limit():
+    with pytest.raises(TrainingDiverged) as err:
+        _guard("abort").bad_step(5, "NaN")
+    assert err.value.exit_code == EXIT_DIVERGED and err.value.agreed and "guard.nonfinite=abort" in str(err.value)
+    g = _guard("rollback", max_bad=2)
+    assert g.deferred and g.bad_step(5, "NaN") == "rollback" and g.skip_steps == {5}
+    assert g.bad_step(9, "NaN") == "rollback"
+    with pytest.raises(TrainingDiverged, match="more than guard.max_bad_steps=2"):
+        g.bad_step(12, "NaN")
+    assert not _guard("abort").deferred
+
+
+# ---- real jobs ---------------------------------------------------------------------------
+def _run(data, ckpt, n, *extra, fault="nan:25:1", steps=60):
+    args = ["-m", "hpctrain", "train", "--set", f"data.train={data}", "--set", "model.hidden=[64]",
+            "--set", "train.global_batch=64", "--set", f"train.steps={steps}", "--set", "train.log_every=1000",
+            "--set", f"train.metrics={ckpt}.jsonl", "--set", f"checkpoint.dir={ckpt}",
+            "--set", "checkpoint.every_steps=10", "--set", "checkpoint.every_minutes=0", *extra]
+    launch = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable] if n > 1 else [sys.executable]
+    return subprocess.run(launch + args, cwd=REPO, env=env(HPCTRAIN_FAULT=fault), capture_output=True,
+                          text=True, timeout=180)
+
+
+def _metrics(ckpt):
+    with open(f"{ckpt}.jsonl") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _params(path):
+    with h5py.File(path, "r") as f:
+        out = {}
+        f["model"].visititems(lambda name, d: out.__setitem__(name, d[()]) if isinstance(d, h5py.Dataset) else None)
+        return out
+
+
+def test_abort_stops_before_saving_the_bad_step(small_data, tmp_path):
+    ckpt = str(tmp_path / "abort")
+    proc = _run(small_data[0], ckpt, 2)
+    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert len(errors) == 1 and "NaN/Inf in the averaged gradient at step 25" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert sorted(os.listdir(ckpt)) == ["ckpt-00000010.h5", "ckpt-00000020.h5"]
+    assert all(np.isfinite(v).all() for v in _params(f"{ckpt}/ckpt-00000020.h5").values())
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_skip_drops_the_step_and_counts_it(small_data, tmp_path, n):
+    ckpt = str(tmp_path / "skip")
+    proc = _run(small_data[0], ckpt, n, "--set", "guard.nonfinite=skip", fault=f"nan:25:{n - 1}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "guard: NaN/Inf in the averaged gradient at step 25" in proc.stdout and "skip (1 of at most" in proc.stdout
+    rows = _metrics(ckpt)
+    assert [r["step"] for r in rows if r["skipped"]] == [26]  # the record of step 25 is written as step 26
+    assert rows[-1]["step"] == 60 and rows[-1]["bad_steps"] == 1 and np.isfinite(rows[-1]["loss"])
+    assert all(np.isfinite(v).all() for v in _params(f"{ckpt}/ckpt-00000060.h5").values())
+
+
+@pytest.mark.parametrize("bad", [25, 19])
+def test_rollback_equals_skip_bit_for_bit(small_data, tmp_path, bad):
+    """Rollback reloads the last save and steps over the bad batch on the replay; skip drops that
+    step's update in place. Both leave the state of a run that never saw the batch: the same bits.
+    (Step 19: stepping over it reaches a save point, step 20, which must still be saved.)"""
+    skip, back = str(tmp_path / "skip"), str(tmp_path / "back")
+    fault = f"nan:{bad}:1"
+    keep = ("--set", "checkpoint.keep_last=0")
+    assert _run(small_data[0], skip, 2, "--set", "guard.nonfinite=skip", *keep, fault=fault).returncode == 0
+    proc = _run(small_data[0], back, 2, "--set", "guard.nonfinite=rollback", *keep, fault=fault)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = bad // 10 * 10
+    assert f"guard: rolled back to {back}/ckpt-{last:08d}.h5 (step {last})" in proc.stdout, proc.stdout
+    assert f"stepping over the batch of step {bad}" in proc.stdout
+    for step in (20, 60):
+        a, b = _params(f"{skip}/ckpt-{step:08d}.h5"), _params(f"{back}/ckpt-{step:08d}.h5")
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), step
+    # and the bad batch mattered: a run without the fault ends elsewhere
+    a, clean = _params(f"{skip}/ckpt-00000060.h5"), str(tmp_path / "clean")
+    assert _run(small_data[0], clean, 2, fault="").returncode == 0
+    c = _params(f"{clean}/ckpt-00000060.h5")
+    assert any(not np.array_equal(a[k], c[k]) for k in a)
+
+
+def test_rollback_without_a_checkpoint_saves_one_first(small_data, tmp_path):
+    ckpt = str(tmp_path / "first")
+    proc = _run(small_data[0], ckpt, 2, "--set", "guard.nonfinite=rollback", "--set", "checkpoint.every_steps=0",
+                fault="nan:7:0", steps=12)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"guard: rolled back to {ckpt}/ckpt-00000000.h5 (step 0)" in proc.stdout, proc.stdout
+
+
+def test_skip_with_compression_resets_the_residuals(small_data, tmp_path):
+    ckpt = str(tmp_path / "topk")
+    proc = _run(small_data[0], ckpt, 2, "--set", "guard.nonfinite=skip", "--set", 'dist.compress="topk(0.1)"')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _metrics(ckpt)
+    assert rows[-1]["bad_steps"] == 1 and all(np.isfinite(r["loss"]) for r in rows if not r["skipped"])
+
+
+def test_loss_spike_guard(small_data, tmp_path):
+    ckpt = str(tmp_path / "spike")
+    proc = _run(small_data[0], ckpt, 2, "--set", "guard.nonfinite=skip", "--set", "guard.spike_zscore=6",
+                "--set", "guard.spike_window=10", fault="spike:40:1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "guard: loss spike at step 40" in proc.stdout, proc.stdout
+    assert [r["step"] for r in _metrics(ckpt) if r["skipped"]] == [41]
+
+
+def test_too_many_bad_steps_abort(small_data, tmp_path):
+    ckpt = str(tmp_path / "many")
+    proc = _run(small_data[0], ckpt, 2, "--set", "guard.nonfinite=skip", "--set", "guard.max_bad_steps=2",
+                fault="nan:11:0,nan:12:1,nan:13:0")
+    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
+    assert proc.stderr.count("hpctrain: error:") == 1 and "more than guard.max_bad_steps=2" in proc.stderr
+
+
+# ---- the same verdicts on the (simulated) GPU ------------------------------------------------
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_skip_on_each_device_in_process(small_data, tmp_path, monkeypatch, device):
+    """A 1-rank trainer on the CPU and on numba's CUDA device (the simulator in CI): the NaN of
+    step 2 is found in the averaged gradient by the device's all_finite op and the step skipped."""
+    from mpi4py import MPI
+
+    from hpctrain.config import Config
+    from hpctrain.device import cuda_status
+    from hpctrain.runtime import init_world
+    from hpctrain.train import Trainer
+
+    if device == "cuda" and cuda_status()[0] == 0:
+        pytest.skip("numba.cuda unusable")
+    monkeypatch.setenv("HPCTRAIN_FAULT", "nan:2")
+    cfg = Config()
+    cfg.data.train, cfg.data.eval, cfg.model.hidden = small_data[0], "", [16]
+    cfg.train.global_batch, cfg.train.steps, cfg.train.device, cfg.train.log_every = 8, 4, device, 10**6
+    cfg.checkpoint.dir, cfg.checkpoint.every_minutes, cfg.guard.nonfinite = str(tmp_path), 0.0, "skip"
+    t = Trainer(cfg.validate(), init_world(MPI.COMM_SELF))
+    before = []
+    compute = t.compute_step
+
+    def recording(update):
+        before.append(t.device.to_host(t.model.flat.data).copy())
+        return compute(update)
+    t.compute_step = recording
+    result = t.run()
+    assert result["steps"] == 4 and result["bad_steps"] == 1
+    params = t.device.to_host(t.model.flat.data)
+    assert np.isfinite(params).all()
+    np.testing.assert_array_equal(before[2], before[3])  # step 2 changed nothing
+    assert not np.array_equal(before[1], before[2])      # the others did
