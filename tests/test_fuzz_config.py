@@ -28,8 +28,7 @@ SCALE = float(os.environ.get("HPCTRAIN_FUZZ_SCALE", "1"))  # e.g. 20 for a long 
 FUZZ = settings(max_examples=int(300 * SCALE), deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
-WORK = tempfile.mkdtemp(prefix="hpctrain-fuzz-config-")
-MARKER = os.path.join(WORK, "EXECUTED")  # created only if some payload ran
+MARKER = os.path.join(tempfile.gettempdir(), f"hpctrain-fuzz-EXECUTED-{os.getpid()}")  # made only if a payload ran
 PAYLOADS = [f"__import__('os').system('touch {MARKER}')", f"$(touch {MARKER})", f"`touch {MARKER}`",
             f"{{__import__('os').system('touch {MARKER}')}}", f"!!python/object/apply:os.system ['touch {MARKER}']",
             f"open('{MARKER}', 'w')", "{0.__class__.__mro__[1].__subclasses__}", "%s%s%n%x", "${HOME}"]
@@ -124,7 +123,12 @@ overrides = st.lists(st.one_of(
     st.text(max_size=40)), max_size=3)
 
 
-def check_loads_or_refuses(path, sets):
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz-config")
+
+
+def check_loads_or_refuses(work, path, sets):
     """The property; returns the Config or None (refused with a good ConfigError)."""
     try:
         cfg = load_config(path, sets)
@@ -136,7 +140,7 @@ def check_loads_or_refuses(path, sets):
     finally:
         assert not os.path.exists(MARKER), "a payload from the config was executed"
     cfg.validate()
-    again = os.path.join(WORK, "resolved.toml")
+    again = os.path.join(work, "resolved.toml")
     with open(again, "w", encoding="utf-8") as fh:  # strict: the resolved config must be UTF-8
         fh.write(cfg.to_toml())
     assert load_config(again) == cfg  # what checkpoints store loads back to the same run
@@ -147,30 +151,30 @@ def check_loads_or_refuses(path, sets):
 @pytest.mark.timeout(int(120 * SCALE))
 @FUZZ
 @given(content=config_bytes(), sets=overrides)
-def test_any_config_file_loads_or_raises_config_error(content, sets):
-    path = os.path.join(WORK, "fuzz.toml")
+def test_any_config_file_loads_or_raises_config_error(work, content, sets):
+    path = os.path.join(work, "fuzz.toml")
     with open(path, "wb") as fh:
         fh.write(content)
-    check_loads_or_refuses(path, sets)
+    check_loads_or_refuses(work, path, sets)
 
 
 @pytest.mark.timeout(int(60 * SCALE))
 @FUZZ
 @given(sets=overrides)
-def test_any_set_override_loads_or_raises_config_error(sets):
-    check_loads_or_refuses(None, sets)
+def test_any_set_override_loads_or_raises_config_error(work, sets):
+    check_loads_or_refuses(work, None, sets)
 
 
 @pytest.mark.timeout(int(60 * SCALE))
 @settings(FUZZ, max_examples=int(100 * SCALE))
 @given(section=st.sampled_from(list(SECTIONS)), data=st.data())
-def test_well_typed_values_of_real_keys_load_or_raise(section, data):
+def test_well_typed_values_of_real_keys_load_or_raise(work, section, data):
     """Real section and key with a value of a plausible type: the range checks' side of the property."""
     key = data.draw(st.sampled_from(SECTIONS[section]))
     value = data.draw(st.one_of(st.integers(-2**64, 2**64), st.sampled_from([10**309, -10**400]), st.floats(),
                                 st.sampled_from(PLAUSIBLE),
                                 st.lists(st.integers(-2, 2**65), max_size=3)))
-    check_loads_or_refuses(None, [f"{section}.{key}={toml(value)}"])
+    check_loads_or_refuses(work, None, [f"{section}.{key}={toml(value)}"])
 
 
 def test_config_errors_are_user_errors():
@@ -189,14 +193,14 @@ NASTY = {  # each must stop the CLI with exit 2 and one message naming the probl
 }
 
 
-@pytest.mark.timeout(120)
-def test_nasty_config_files_through_the_cli_exit_2_with_one_message():
+@pytest.mark.timeout(480)  # 8 CLI starts of ~1 s each; generous for a loaded CI machine
+def test_nasty_config_files_through_the_cli_exit_2_with_one_message(work):
     for name, (content, fragment) in NASTY.items():
-        path = os.path.join(WORK, name)
+        path = os.path.join(work, name)
         with open(path, "wb") as fh:
             fh.write(content if isinstance(content, bytes) else content.encode())
         proc = subprocess.run([sys.executable, "-m", "hpctrain", "train", "--config", path], cwd=REPO,
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True, timeout=120)
         errors = [line for line in proc.stderr.splitlines() if "hpctrain: error:" in line]
         assert proc.returncode == 2 and len(errors) == 1, (name, proc.returncode, proc.stderr)
         assert "Traceback" not in proc.stderr and fragment in errors[0], (name, proc.stderr)
