@@ -8,11 +8,12 @@ verify and load agree; when they succeed, every array (name, dtype, shape,
 bytes) and the root attributes a resume uses equal the original's. Never a
 crash, never a hang.
 
-How: the readers run in a worker process with the metadata probe off
-(``read.ISOLATE = False``), so hypothesis meets every file on which HDF5 itself
-crashes or loops. When the worker dies or stalls on a file, the probe (what the
-readers run first in production, :mod:`hpctrain.ckpt.probe`) must call that
-file corrupt; then the worker restarts.
+How: the readers run as in production, so HDF5 decodes each file in a child
+process (:mod:`hpctrain.ckpt.isolated`; the load hands the arrays back through
+shared memory, :mod:`hpctrain.ckpt.share`); those children crash or loop on
+some files. The readers' caller is itself a worker process here, so that a
+crash or hang of the caller (what the property forbids) fails the test instead
+of killing pytest. A child stuck on a loop is given 5 s instead of a minute.
 """
 
 import collections
@@ -28,16 +29,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO, run_mpi
-from hpctrain.ckpt.probe import probe
-from hpctrain.ckpt.read import CorruptCheckpoint
 
 WORKER = r"""
 import hashlib, json, sys, types
 import numpy as np
 from mpi4py import MPI
-from hpctrain.ckpt import read
+from hpctrain.ckpt import isolated, read
 from hpctrain.errors import UserError
-read.ISOLATE = False  # the test isolates this whole process
+isolated.TIMEOUT_S = 5  # a child looping on a corrupt file is stopped sooner than in production
 world = types.SimpleNamespace(comm=MPI.COMM_SELF, rank=0, size=1)
 USED = ("format", "format_version", "complete", "step", "world_size", "compress", "compress_scope", "optimizer", "dtype")
 
@@ -79,7 +78,7 @@ class Worker:
     def __init__(self):
         self.proc = None
 
-    def ask(self, path, timeout=8):  # a healthy answer takes well under a second
+    def ask(self, path, timeout=60):  # a healthy answer takes about a second; a looping child 4 x 5 s
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, "-c", WORKER], cwd=REPO, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -180,7 +179,7 @@ FUZZ = settings(max_examples=int(100 * SCALE), deadline=None, derandomize=True, 
                                        HealthCheck.data_too_large])
 
 
-@pytest.mark.timeout(int(240 * SCALE))
+@pytest.mark.timeout(int(400 * SCALE))
 def test_random_corruption_is_refused_or_harmless(ckpt, tmp_path):
     path, data, spans, original, worker = ckpt
     target = str(tmp_path / "ckpt-00000004.h5")
@@ -192,11 +191,7 @@ def test_random_corruption_is_refused_or_harmless(ckpt, tmp_path):
         with open(target, "wb") as fh:
             fh.write(damage(data, *corruption))
         got = worker.ask(target)
-        if isinstance(got, str):  # HDF5 crashed or looped: the probe, run first in production, must refuse it
-            seen[f"{corruption[0]}: worker {got.split()[0]}, probe refused"] += 1
-            with pytest.raises(CorruptCheckpoint):  # the crash may depend on the worker's history (HDF5's
-                probe(target, timeout=8)            # error paths): the fresh probe must still refuse the file
-            return
+        assert not isinstance(got, str), (got, corruption)  # the readers' caller crashed or hung
         for op, (kind, text) in got.items():
             assert kind != "BUG", (op, text, corruption)
             assert kind == "ok" or "\n" not in text, (op, text)  # one line
@@ -204,7 +199,10 @@ def test_random_corruption_is_refused_or_harmless(ckpt, tmp_path):
         assert (got["verify"][0] == "ok") == (got["load"][0] == "ok"), (got, corruption)
         if got["load"][0] == "ok":  # harmless (slack, unused metadata): then nothing that is read changed
             assert got["load"] == original["load"] and got["verify"] == original["verify"], corruption
-        seen[f"{corruption[0]}: " + ("loaded unchanged" if got["load"][0] == "ok" else "refused")] += 1
+        how = "loaded unchanged" if got["load"][0] == "ok" else "refused"
+        if "HDF5 crashed" in got["load"][1] or "did not finish" in got["load"][1]:
+            how += " (HDF5 crashed or looped in the child)"
+        seen[f"{corruption[0]}: {how}"] += 1
 
     check()
     print(dict(sorted(seen.items())))  # the observed outcomes per corruption class (pytest -s)

@@ -6,7 +6,8 @@
   slices   a rank's share of the data: pieces, transfers, checksums while syncing
   read     verification and the parallel load
   checks   what a valid file is beyond its CRCs: header, layout, the errors
-  probe    a child process decodes a file's metadata first (HDF5 may crash or loop on a corrupt one)
+  isolated HDF5 decodes a file only in a child process (it may crash, loop or blow up on a corrupt one)
+  share    a rank's share of a file, read by such a child into memory the parent maps
   manager  when to save, what to resume from, keep_last
   signals  SIGUSR1 / SIGTERM -> save and exit
   cli      ``python -m hpctrain ckpt ls|verify|inspect``

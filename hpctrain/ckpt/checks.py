@@ -14,8 +14,8 @@ import tomllib
 import numpy as np
 
 from ..errors import UserError
-from .format import (FORMAT_NAME, FORMAT_VERSION, OPTIMIZER_STATES, PER_RANK_GROUPS, TRAINER_DATASETS,
-                     TRAINER_DTYPES)
+from .format import (FORMAT_NAME, OPTIMIZER_STATES, PER_RANK_GROUPS, READABLE_VERSIONS,
+                     TRAINER_DATASETS, TRAINER_DTYPES, attrs_crc32)
 
 MAX_OBJECTS, MAX_DEPTH = 1 << 20, 64  # a walk past either is round a link cycle (HDF5 would go on for ever)
 
@@ -69,11 +69,17 @@ def header(f, path: str) -> dict:
     if attrs.get("format") != FORMAT_NAME:
         raise CorruptCheckpoint(f"{path}: not an hpctrain checkpoint (root attribute format="
                                 f"{attrs.get('format')!r}, expected {FORMAT_NAME!r})")
-    if attrs.get("format_version") != FORMAT_VERSION:
-        raise CorruptCheckpoint(f"{path}: checkpoint format version {attrs.get('format_version')!r}; this "
-                                f"hpctrain reads version {FORMAT_VERSION}")
+    version = attrs.get("format_version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise CorruptCheckpoint(f"{path}: checkpoint format version {version!r}; this hpctrain reads versions "
+                                f"{', '.join(map(str, READABLE_VERSIONS))}")
     if attrs.get("complete") is not True:
         raise CorruptCheckpoint(f"{path}: incomplete (the writer did not finish)")
+    if version >= 2:  # version 1 files predate the root attributes' CRC
+        want = attrs.get("attrs_crc32")
+        if not isinstance(want, int) or isinstance(want, bool) or want != attrs_crc32(attrs):
+            raise CorruptCheckpoint(f"{path}: its root attributes fail their checksum (attrs_crc32): the file "
+                                    f"is corrupt")
     for key in ("step", "world_size"):
         if not isinstance(attrs.get(key), int) or isinstance(attrs[key], bool) or attrs[key] < 0:
             raise CorruptCheckpoint(f"{path}: root attribute {key}={attrs.get(key)!r} is not a valid count")

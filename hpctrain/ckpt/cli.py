@@ -1,6 +1,6 @@
 """``python -m hpctrain ckpt ls DIR | verify FILE... | inspect FILE``: serial, no MPI needed.
 
-Every file is read in a child process (:func:`.probe.run_isolated`): HDF5 may crash or loop on a
+Every file is read in a child process (:func:`.isolated.run_isolated`): HDF5 may crash or loop on a
 corrupt file, and these commands exist to look at files that may be corrupt."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from .format import list_checkpoints
-from .probe import run_isolated
+from .isolated import run_isolated
 
 
 def _why(path: str, exc: Exception) -> str:

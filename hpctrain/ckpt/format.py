@@ -17,6 +17,7 @@ zlib (~4 GB/s): on a 64 MB save zlib's CRC cost ~20 ms of a rank's one core.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import zlib
@@ -29,7 +30,8 @@ except ImportError:  # pragma: no cover - isal is installed by scripts/setup.sh
     _crc32 = zlib.crc32
 
 FORMAT_NAME = "hpctrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added attrs_crc32; version 1 files are still read
+READABLE_VERSIONS = (1, 2)
 NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 # groups every checkpoint has (compress: per-rank compressor state, may be empty)
 GROUPS = ("model", "optim", "compress", "data", "rng")
@@ -52,6 +54,21 @@ def file_name(step: int) -> str:
 def temp_name(step: int) -> str:
     """Where a checkpoint is written before the commit; never matches :data:`NAME_RE`."""
     return f".ckpt-{step:08d}.h5.tmp"
+
+
+def attrs_crc32(attrs: dict) -> int:
+    """CRC-32 of the root attributes (the stored ``attrs_crc32`` attribute), over every attribute but
+    itself and ``complete`` (written last, and checked on its own), as canonical JSON: sorted keys,
+    plain values (str, int, float, bool) as the readers decode them. Covers what the array CRCs do
+    not: the stored config, step, epoch, world size."""
+    def plain(v):
+        if isinstance(v, bytes):
+            return v.decode("utf-8", "replace")
+        return v.item() if isinstance(v, np.generic) else v.tolist() if isinstance(v, np.ndarray) else v
+
+    values = {k: plain(v) for k, v in attrs.items() if k not in ("attrs_crc32", "complete")}
+    text = json.dumps(values, sort_keys=True, ensure_ascii=True, separators=(",", ":"), allow_nan=True)
+    return zlib.crc32(text.encode("ascii")) & 0xFFFFFFFF
 
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:

@@ -1,14 +1,15 @@
 """Reading checkpoints: verification (every byte against its CRC) and the parallel load.
 
-Reads use plain serial h5py on every rank (read-only opens may share a file),
-so resuming works with or without parallel HDF5. Nothing in a file is ever
-executed or unpickled: only numeric datasets and plain attributes are read
-(the stored config is parsed as TOML data).
+Reads use plain serial h5py (read-only opens may share a file), so resuming
+works with or without parallel HDF5. Nothing in a file is ever executed or
+unpickled: only numeric datasets and plain attributes are read (the stored
+config is parsed as TOML data).
 
-The CRCs cover the arrays' bytes; the rest of a file is HDF5 metadata, which a
-corrupt file may damage in ways HDF5 cannot tell: so the layout is checked too
-(:mod:`.checks`), and a child process decodes all metadata before this process
-opens the file (:mod:`.probe`), since HDF5 can crash or loop on it.
+The CRCs cover the arrays' bytes and the root attributes; the rest of a file
+is HDF5 metadata, which a corrupt file may damage in ways HDF5 cannot tell: so
+the layout is checked too (:mod:`.checks`), and HDF5 decodes a file only in a
+child process (:mod:`.isolated`, :mod:`.share`), since it can crash, loop or
+exhaust memory on a damaged one.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from ..errors import UserError
 from .checks import (CorruptCheckpoint, UnreadableCheckpoint, attr_value, check_dataset, check_layout, check_step,
                      datasets, header, stored_crc)
 from .format import combine_parts, crc32_of, row_range
+from .share import read_share
 
 __all__ = ["CorruptCheckpoint", "UnreadableCheckpoint", "LoadedCheckpoint", "verify_file", "load_checkpoint",
            "header_of", "inspect_file"]
 
 VERIFY_BLOCK_BYTES = 64 << 20  # serial verification reads this much at a time
-ISOLATE = True  # decode metadata in a child first (.probe); off only where the caller isolates itself
+ISOLATE = True  # decode files in a child process (.isolated); off only in that child, or where a caller isolates itself
 
 
 @dataclass
@@ -46,24 +48,20 @@ class LoadedCheckpoint:
         return int(self.attrs["world_size"])
 
 
-def _readable(path: str, isolate: bool) -> None:
-    """UnreadableCheckpoint if the OS refuses the file; then, when isolating, the metadata probe."""
+def _readable(path: str) -> None:
+    """UnreadableCheckpoint if the OS refuses the file."""
     try:
         with open(path, "rb") as fh:
             fh.read(1)
     except OSError as exc:
         raise UnreadableCheckpoint(f"{path}: cannot be read ({exc.strerror or exc}); check that it exists on "
                                    f"every node and is readable") from None
-    if isolate and ISOLATE:
-        from .probe import probe
-
-        probe(path)  # CorruptCheckpoint if HDF5 crashes, loops or fails on the metadata
 
 
-def _open(path: str, isolate: bool):
+def _open(path: str):
     import h5py
 
-    _readable(path, isolate)
+    _readable(path)
     try:
         # no HDF5 file locks: readers never conflict, and Lustre/NFS often refuse flock
         return h5py.File(path, "r", locking=False)
@@ -76,6 +74,8 @@ def verify_file(path: str) -> dict:
 
     Raises :class:`CorruptCheckpoint` naming the first problem.
     """
+    if ISOLATE:
+        return _isolated("verify_file", path)
     with _reading(path) as f:
         attrs = header(f, path)
         dsets = datasets(f, path)
@@ -95,10 +95,16 @@ def verify_file(path: str) -> dict:
         return attrs
 
 
+def _isolated(op: str, path: str):
+    from .isolated import run_isolated
+
+    return run_isolated(op, path)
+
+
 @contextlib.contextmanager
-def _reading(path: str, isolate: bool = True):
+def _reading(path: str):
     """The open file; any failure inside that is not already a UserError becomes CorruptCheckpoint."""
-    f = _open(path, isolate)
+    f = _open(path)
     try:
         yield f
     except UserError:
@@ -107,29 +113,6 @@ def _reading(path: str, isolate: bool = True):
         raise CorruptCheckpoint(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
     finally:
         f.close()
-
-
-def _read_share(path: str, rank: int, size: int):
-    """This rank's slices of every dataset, their CRC parts and its own per-rank rows."""
-    with _reading(path, isolate=False) as f:  # load_checkpoint has rank 0 probe the file first
-        attrs = header(f, path)
-        slices, parts, own, meta = {}, [], {}, []
-        dsets = datasets(f, path)
-        for name, d in dsets:
-            check_dataset(d, path, name)
-        check_layout(path, attrs, dsets)
-        for name, d in dsets:
-            per_rank = bool(d.attrs.get("per_rank", False))
-            lo, hi = row_range(d.shape[0], rank, size)
-            block = d[lo:hi]
-            parts.append((crc32_of(block), block.nbytes))
-            meta.append((name, d.shape, d.dtype.str, stored_crc(d, path, name), per_rank))
-            if per_rank:
-                if rank < d.shape[0]:
-                    own[name] = d[rank]
-            else:
-                slices[name] = block
-        return attrs, meta, parts, slices, own
 
 
 def load_checkpoint(path: str, world) -> LoadedCheckpoint:
@@ -141,24 +124,15 @@ def load_checkpoint(path: str, world) -> LoadedCheckpoint:
     rank if any part fails.
     """
     comm, rank, size = world.comm, world.rank, world.size
-    failure = None
-    if rank == 0:  # one probe for all: the ranks read the same file
-        try:
-            _readable(path, isolate=True)
-        except UnreadableCheckpoint as exc:
-            failure = ("unreadable", str(exc))
-        except CorruptCheckpoint as exc:
-            failure = ("corrupt", str(exc))
-    failure = comm.bcast(failure, root=0)
-    if failure:
-        raise _agreed((UnreadableCheckpoint if failure[0] == "unreadable" else CorruptCheckpoint)(failure[1]))
-    try:
-        attrs, meta, parts, slices, own = _read_share(path, rank, size)
+    attrs = meta = parts = blocks = own = failure = None
+    try:  # in a child process (.share): HDF5 never decodes the file in this one
+        attrs, meta, blocks, own = read_share(path, rank, size, isolate=ISOLATE)
+        parts = [(crc32_of(blocks[name]), blocks[name].nbytes) for name, *_ in meta]
     except UnreadableCheckpoint as exc:
-        attrs, meta, parts, slices, own, failure = None, None, None, None, None, ("unreadable", str(exc))
+        failure = ("unreadable", str(exc))
     except Exception as exc:  # noqa: BLE001 - any other failure: this rank cannot use the file
         text = str(exc) if isinstance(exc, CorruptCheckpoint) else f"{path}: {type(exc).__name__}: {exc}"
-        attrs, meta, parts, slices, own, failure = None, None, None, None, None, ("corrupt", text)
+        failure = ("corrupt", text)
     everyone = comm.allgather((failure, meta, parts))
     failures = [f for f, _, _ in everyone if f]
     if failures:
@@ -172,10 +146,11 @@ def load_checkpoint(path: str, world) -> LoadedCheckpoint:
         if got != want:
             raise _agreed(CorruptCheckpoint(f"{path}: dataset {name} fails its checksum (stored crc32 "
                                             f"{want:#010x}, computed {got:#010x}): the file is corrupt"))
-    out = LoadedCheckpoint(path, attrs, own_rows=own)
+    # own rows are copied (small), the shared memory of the share goes with the gathered blocks
+    out = LoadedCheckpoint(path, attrs, own_rows={name: np.array(row) for name, row in own.items()})
     for name, shape, dtype, _, per_rank in meta:
         if not per_rank:
-            out.full[name] = _allgather_rows(comm, slices[name], shape, np.dtype(dtype))
+            out.full[name] = _allgather_rows(comm, blocks.pop(name), shape, np.dtype(dtype))
     try:
         check_step(path, attrs, out.full.get("/data/position"))
     except CorruptCheckpoint as exc:
@@ -210,12 +185,17 @@ def _agreed(exc):
 
 def header_of(path: str) -> dict:
     """The checked header of ``path`` (no data read); CorruptCheckpoint / UnreadableCheckpoint otherwise."""
+    if ISOLATE:
+        return _isolated("header_of", path)
     with _reading(path) as f:
         return header(f, path)
 
 
 def inspect_file(path: str) -> tuple[dict, list]:
     """Root attributes and (path, shape, dtype, bytes, crc32, per_rank) per dataset, without reading data."""
+    if ISOLATE:
+        attrs, rows = _isolated("inspect_file", path)
+        return attrs, [tuple(tuple(v) if isinstance(v, list) else v for v in row) for row in rows]
     with _reading(path) as f:
         attrs = {k: attr_value(v) for k, v in f.attrs.items()}
         rows = [(name, tuple(d.shape), str(d.dtype), int(d.size) * d.dtype.itemsize,

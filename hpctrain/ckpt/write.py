@@ -39,7 +39,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import UserError
-from .format import FORMAT_NAME, FORMAT_VERSION, GROUPS, combine_parts, crc32_of, file_name, temp_name
+from .format import FORMAT_NAME, FORMAT_VERSION, GROUPS, attrs_crc32, combine_parts, crc32_of, file_name, temp_name
 from .slices import checksums as _checksums  # a module global: tests replace it
 from .slices import fsync, write_slices
 
@@ -127,6 +127,7 @@ def _root_attrs(step, attrs, size):
     out = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "world_size": size,
            "hpctrain_version": __version__}
     out.update(attrs)
+    out["attrs_crc32"] = np.uint32(attrs_crc32(out))
     return out
 
 

@@ -1,0 +1,124 @@
+"""Decode checkpoint files only in a child process, so a corrupt file cannot crash, hang or
+exhaust the process that reads it.
+
+HDF5 trusts the metadata it reads: one flipped bit in an object header can crash the
+library (SIGSEGV: seen with a bit of an attribute's datatype), send it round a cycle for
+ever, or make it allocate whatever a damaged size says (12 GB seen), before any checksum
+of ours is looked at; and some damaged datatypes make it read memory it never
+initialised, so it crashes on some runs only. So every production read of a file runs
+here, in a fresh ``python -c`` child:
+
+  * ``verify_file``, ``header_of``, ``inspect_file`` (the serial readers of :mod:`.read`,
+    what ``ckpt ls/verify/inspect`` run) return their result as JSON;
+  * ``read_share`` (:mod:`.share`) writes one rank's share of every dataset into a memory
+    file the parent passed (a ``memfd``), and returns where each array lies in it; the
+    parent maps the file and checks the CRCs itself. The training process never opens
+    the HDF5 file at all.
+
+The child caps its own heap (RLIMIT_DATA) at :data:`HEAP_BASE_BYTES` plus the file's size,
+more than a healthy file ever needs: a damaged size is a ``MemoryError`` there, which
+becomes :class:`~.checks.CorruptCheckpoint` like a crash (a negative exit), a timeout
+(scaled with the file's size) or an error the reader raised.
+
+Cost: one Python start with h5py (~0.15 s here) per read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+TIMEOUT_S = 60  # plus the size term below: a healthy file's metadata decodes in well under a second
+SLOW_READ_BYTES_PER_S = 20e6  # the slowest file system we wait for before calling a read stuck
+HEAP_BASE_BYTES = 1 << 30  # the child's heap cap beyond the file's size (python + h5py take ~100 MB)
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OPS = ("verify_file", "header_of", "inspect_file", "read_share")
+
+
+def timeout_for(path: str, share: float = 1.0) -> float:
+    """How long a child may take on ``path`` reading ``share`` of its bytes."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        size = 0
+    return TIMEOUT_S + share * size / SLOW_READ_BYTES_PER_S
+
+
+def run_isolated(op: str, path: str, *args, timeout: float | None = None, pass_fds=()):
+    """``op(path, *args)`` (one of ``_OPS``; ``args`` are ints) in a child process: its result
+    (JSON-decoded: tuples come back as lists), or the UserError it raised; a crash, a timeout or
+    exhausted memory raises CorruptCheckpoint."""
+    from .checks import CorruptCheckpoint, UnreadableCheckpoint
+
+    timeout = timeout_for(path) if timeout is None else timeout
+    # the child imports this very package, wherever it came from (installed, or a source tree)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
+    code = "import sys; from hpctrain.ckpt.isolated import main; sys.exit(main(*sys.argv[1:]))"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, op, path, *map(str, args)], env=env, capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL, pass_fds=pass_fds)
+    except subprocess.TimeoutExpired:
+        raise CorruptCheckpoint(f"{path}: reading it did not finish in {timeout:.0f} s: the file is corrupt "
+                                f"(a cycle in its HDF5 metadata), or its file system hangs") from None
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name if -proc.returncode in signal.valid_signals() else "a signal"
+        raise CorruptCheckpoint(f"{path}: HDF5 crashed ({name}) decoding it: the file is corrupt")
+    try:
+        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+        kind = "result" if "result" in answer else answer["error"]
+    except (IndexError, ValueError, TypeError, KeyError):
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CorruptCheckpoint(f"{path}: reading it failed (exit {proc.returncode}: {tail})") from None
+    if kind != "result":
+        raise (UnreadableCheckpoint if kind == "unreadable" else CorruptCheckpoint)(str(answer.get("text")))
+    return answer["result"]
+
+
+def _cap_heap(path: str) -> None:
+    import resource
+
+    try:
+        cap = HEAP_BASE_BYTES + os.path.getsize(path)
+    except OSError:
+        return  # the reader reports the unreadable file
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft == resource.RLIM_INFINITY or soft > cap:
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+
+
+def main(op: str, path: str, *args: str) -> int:
+    """The child: run the op with no isolation of its own, answer one JSON line on stdout."""
+    from ..errors import UserError
+    from . import read, share
+    from .checks import UnreadableCheckpoint
+
+    _cap_heap(path)
+    read.ISOLATE = False  # this process is the isolation
+    fn = share.write_share if op == "read_share" else getattr(read, op) if op in _OPS else None
+    try:
+        answer = {"result": fn(path, *map(int, args))}
+    except UnreadableCheckpoint as exc:
+        answer = {"error": "unreadable", "text": str(exc)}
+    except UserError as exc:
+        answer = {"error": "corrupt", "text": " ".join(str(exc).split("\n"))}
+    except MemoryError:
+        answer = {"error": "corrupt", "text": f"{path}: reading it would take more memory than the file's size "
+                                              f"allows: the file is corrupt"}
+    print(json.dumps(answer, default=_plain))
+    return 0
+
+
+def _plain(value):
+    """JSON for what readers return beyond JSON's types: numpy scalars and arrays."""
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
