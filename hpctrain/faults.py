@@ -2,7 +2,8 @@
 
 Read once when a trainer is built; unset (the normal case) it costs one
 dictionary lookup per step. Kinds, each acting on rank RANK (default 0) just
-before global step STEP's forward pass:
+before global step STEP's forward pass (STEP ``start``: at the start of the
+trainer's start-up, before its first collective; only raise, segv and hang):
 
   nan    the rank's batch gets a NaN feature (poisoned input data)
   spike  the rank's batch is scaled by 1000 (finite, but the loss jumps)
@@ -25,17 +26,22 @@ import numpy as np
 from .errors import ConfigError
 
 KINDS = ("nan", "spike", "raise", "segv", "hang")
+START_UP = -1  # the step number of "start"
 
 
 def parse(text: str) -> list[tuple[str, int, int]]:
-    """``"nan:5:1,raise:9"`` -> [("nan", 5, 1), ("raise", 9, 0)] as (kind, step, rank)."""
+    """``"nan:5:1,raise:9,hang:start:2"`` -> [("nan", 5, 1), ("raise", 9, 0), ("hang", -1, 2)] as
+    (kind, step, rank); step ``start`` is :data:`START_UP`."""
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
-        if len(fields) not in (2, 3) or fields[0] not in KINDS or not all(f.isdigit() for f in fields[1:]):
+        start = len(fields) > 1 and fields[1] == "start" and fields[0] in ("raise", "segv", "hang")
+        if (len(fields) not in (2, 3) or fields[0] not in KINDS
+                or not all(f.isdigit() for f in fields[2 if start else 1:])):
             raise ConfigError(f"HPCTRAIN_FAULT={text!r}: expected KIND:STEP[:RANK] items with KIND one of "
-                              f"{', '.join(KINDS)}, e.g. nan:5:1")
-        faults.append((fields[0], int(fields[1]), int(fields[2]) if len(fields) == 3 else 0))
+                              f"{', '.join(KINDS)} and STEP a number (or start, for raise, segv, hang), "
+                              f"e.g. nan:5:1")
+        faults.append((fields[0], START_UP if start else int(fields[1]), int(fields[2]) if len(fields) == 3 else 0))
     return faults
 
 
@@ -45,6 +51,10 @@ class Faults:
     def __init__(self, rank: int, text: str | None = None):
         text = os.environ.get("HPCTRAIN_FAULT", "") if text is None else text
         self.by_step = {step: kind for kind, step, r in parse(text) if r == rank}
+
+    def at_start_up(self) -> None:
+        """Apply the ``start`` fault, if any (raise, segv or hang)."""
+        self.before_step(START_UP, None)
 
     def before_step(self, step: int, x: np.ndarray) -> np.ndarray:
         """Apply this step's fault, if any; returns the (possibly poisoned copy of the) batch."""
@@ -57,7 +67,8 @@ class Faults:
         elif kind == "spike":
             x = np.asarray(x) * np.asarray(1000, x.dtype)
         elif kind == "raise":
-            raise RuntimeError(f"injected fault at step {step} (HPCTRAIN_FAULT)")
+            where = "start-up" if step == START_UP else f"step {step}"
+            raise RuntimeError(f"injected fault at {where} (HPCTRAIN_FAULT)")
         elif kind == "segv":
             import ctypes
 

@@ -44,62 +44,74 @@ class Trainer:
         run() installs its own for its duration."""
         self.cfg, self.world = cfg, world
         self.log = log or Log(world.is_root)
-        # Set-up checks may fail on some ranks only (a file missing on one node):
-        # agree() makes every rank raise the same error instead of hanging.
-        agree(world, self._build)
-        # Ranks reading different files (node-local copies that differ) would
-        # train on garbage or mismatch in Bcast; compare what each rank sees.
-        seen = world.comm.allgather((self.train_ds.n, self.train_ds.dim, self.train_ds.n_classes))
-        agree(world, _check_same_data, seen, cfg.data.train)
-        # Buckets reduced in a different order or size on some rank would pair
-        # collectives wrongly and hang: compare the layouts first.
-        layouts = world.comm.allgather(layout_signature(self.buckets, self.device.dtype))
-        agree(world, check_same_layout, layouts)
-        # strategies may run collectives while being built (auto measures), so
-        # only once every rank is known to have built everything else
-        self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device, self.staging,
-                                        inner=cfg.dist.hierarchical_inner, cache_path=cfg.dist.auto_cache,
-                                        log=self.log)
-        if hasattr(self.allreduce, "allocate") and self.device.name == "cpu":
-            # shm: the gradients live in its shared window, so buckets are reduced without copies
-            self.model.use_grad_buffer(self.allreduce.allocate(self.model.flat.size, self.device.dtype))
-        self.compression = None
-        if cfg.dist.compress != "none":
-            self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, world,
-                                     self.staging, self.allreduce, self.buckets, self.model.flat, cfg.train.seed,
-                                     self.log)
+        # every start-up collective is watched (at 10x the limit: start-up includes local work such
+        # as opening the data), so a rank that stops before training also ends the job, with a report
+        self.watchdog = Watchdog(world.comm, cfg.dist.comm_timeout, self.log)  # collective (a Dup)
+        self.faults = Faults(world.rank)
+        self.watchdog.start()
+        try:
+            self._start_up(cfg, world)
+        finally:
+            self.watchdog.stop()  # run() starts it again
+        self._own_signal = stop_signal is None
+        self.stop_signal = stop_signal or StopSignal()
+
+    def _start_up(self, cfg, world):
+        """Everything __init__ builds, its collectives each in a watched region."""
+        wd = self.watchdog
+        self.faults.at_start_up()
+        with wd.watch("start-up", "checking the data and the bucket layout on every rank", slack=10):
+            # Set-up checks may fail on some ranks only (a file missing on one node):
+            # agree() makes every rank raise the same error instead of hanging.
+            agree(world, self._build)
+            # Ranks reading different files (node-local copies that differ) would
+            # train on garbage or mismatch in Bcast; compare what each rank sees.
+            seen = world.comm.allgather((self.train_ds.n, self.train_ds.dim, self.train_ds.n_classes))
+            agree(world, _check_same_data, seen, cfg.data.train)
+            # Buckets reduced in a different order or size on some rank would pair
+            # collectives wrongly and hang: compare the layouts first.
+            layouts = world.comm.allgather(layout_signature(self.buckets, self.device.dtype))
+            agree(world, check_same_layout, layouts)
+        with wd.watch("start-up", f"all-reduce set-up (dist.allreduce={cfg.dist.allreduce})", slack=10):
+            # strategies may run collectives while being built (auto measures), so
+            # only once every rank is known to have built everything else
+            self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device, self.staging,
+                                            inner=cfg.dist.hierarchical_inner, cache_path=cfg.dist.auto_cache,
+                                            log=self.log)
+            if hasattr(self.allreduce, "allocate") and self.device.name == "cpu":
+                # shm: the gradients live in its shared window, so buckets are reduced without copies
+                self.model.use_grad_buffer(self.allreduce.allocate(self.model.flat.size, self.device.dtype))
+            self.compression = None
+            if cfg.dist.compress != "none":
+                self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, world,
+                                         self.staging, self.allreduce, self.buckets, self.model.flat, cfg.train.seed,
+                                         self.log)
         self.guard = NumericGuard(cfg.guard, self.log)
         self.comm = BucketedAllreduce(self.allreduce, self.model.flat.grad, self.buckets, self.device,
                                       overlap=cfg.dist.overlap, compression=self.compression,
                                       check_finite=cfg.guard.check_grads)
         self._bucket_names = [f"bucket {b.index + 1} of {len(self.buckets)}, "
                               f"{b.size * self.device.dtype.itemsize / 1e6:.2f} MB" for b in self.buckets]
-        self.watchdog = Watchdog(world.comm, cfg.dist.comm_timeout, self.log)  # collective (a Dup)
-        self.faults = Faults(world.rank)
-        # data parallelism starts from identical weights: rank 0's
-        self.collectives = Collectives(world, self.device, self.staging)
-        self.collectives.Bcast(self.model.flat.data, root=0)
-        self.timers = Timers(sync=self.device.synchronize)
-        self.tracer = None  # hpctrain.trace.Tracer when train.trace is set: spans per phase, layer, bucket
-        if cfg.train.trace:
-            from .trace import TracedTimers, Tracer
+        with wd.watch("start-up", "broadcast of the initial weights", slack=10):
+            # data parallelism starts from identical weights: rank 0's
+            self.collectives = Collectives(world, self.device, self.staging)
+            self.collectives.Bcast(self.model.flat.data, root=0)
+        with wd.watch("start-up", "trace clock and checkpoint directory", slack=10):
+            self.timers = Timers(sync=self.device.synchronize)
+            self.tracer = None  # hpctrain.trace.Tracer when train.trace is set: spans per phase, layer, bucket
+            if cfg.train.trace:
+                from .trace import TracedTimers, Tracer
 
-            self.tracer = Tracer(cfg.train.trace, world, sync=self.device.synchronize)
-            self.timers = TracedTimers(self.tracer, sync=self.device.synchronize)
-            self.model.tracer = self.comm.tracer = self.tracer
-            self.comm.trace_args = {"strategy": cfg.dist.allreduce, "compress": cfg.dist.compress}
-        self.step = 0
-        # per-rank generator for anything stochastic per rank (saved under /rng)
-        self.rng = fresh_rng(cfg.train.seed, world.rank)
-        self.checkpoints = CheckpointManager(cfg, world, self.log)
-        self.watchdog.start()  # a rank that stops while the others load a checkpoint must not hang them
-        try:
-            with self.watchdog.watch("checkpoint load", "resume", slack=10):
-                self.checkpoints.resume(self)  # may restore parameters, optimizer state, step and RNG
-        finally:
-            self.watchdog.stop()
-        self._own_signal = stop_signal is None
-        self.stop_signal = stop_signal or StopSignal()
+                self.tracer = Tracer(cfg.train.trace, world, sync=self.device.synchronize)
+                self.timers = TracedTimers(self.tracer, sync=self.device.synchronize)
+                self.model.tracer = self.comm.tracer = self.tracer
+                self.comm.trace_args = {"strategy": cfg.dist.allreduce, "compress": cfg.dist.compress}
+            self.step = 0
+            # per-rank generator for anything stochastic per rank (saved under /rng)
+            self.rng = fresh_rng(cfg.train.seed, world.rank)
+            self.checkpoints = CheckpointManager(cfg, world, self.log)
+        with self.watchdog.watch("checkpoint load", "resume", slack=10):
+            self.checkpoints.resume(self)  # may restore parameters, optimizer state, step and RNG
 
     def _build(self):
         cfg, world = self.cfg, self.world

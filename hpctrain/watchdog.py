@@ -213,6 +213,9 @@ def diagnose(r: Region, waited: float, me: int, size: int, replies: dict, grace:
         if s.inside:
             lines.append(f"  rank {s.rank}: elsewhere, in {s.where} for {s.seconds:.1f} s (collective #{s.seq}, "
                          f"this one is #{r.seq})")
+        elif s.seq == 0:
+            lines.append(f"  rank {s.rank}: not in a collective; in none yet, {s.seconds:.1f} s after its watchdog "
+                         f"started (busy or stuck in its own start-up code)")
         else:
             lines.append(f"  rank {s.rank}: not in a collective; left {s.where} (#{s.seq}) {s.seconds:.1f} s ago "
                          f"(busy or stuck in its own code)")

@@ -107,6 +107,25 @@ def test_a_rank_busy_elsewhere_is_named_by_the_watchdog(small_data, tmp_path):
     assert "rank 2: not in a collective" in err, err[-3000:]
 
 
+def test_a_rank_stuck_during_start_up_fires_the_watchdog(small_data, tmp_path):
+    """Start-up collectives are watched too, at 10x dist.comm_timeout: rank 2 hangs before its
+    first one, the others wait in the agreement on the data and bucket layout."""
+    code, out, err = _injected(small_data[0], tmp_path, "hang:start:2", "--set", "dist.comm_timeout=2")
+    assert code == EXIT_STALLED, (code, err[-3000:])
+    assert err.count("] hpctrain: watchdog:") == 1, err[-3000:]
+    assert "start-up (checking the data and the bucket layout on every rank) has not completed" in err, err[-3000:]
+    assert "(limit 20 s: dist.comm_timeout" in err, err[-3000:]
+    assert "waiting in it: ranks 0, 1" in err, err[-3000:]
+    assert "rank 2: not in a collective; in none yet" in err, err[-3000:]
+
+
+def test_an_exception_on_one_rank_during_start_up_is_reported_once(small_data, tmp_path):
+    code, out, err = _injected(small_data[0], tmp_path, "raise:start:1")
+    assert code != 0
+    assert err.count("RuntimeError: injected fault at start-up") == 1, err[-3000:]
+    assert "[rank 1]" in err and "aborting all 3 ranks" in err
+
+
 def test_an_exception_on_one_rank_is_reported_once_and_ends_the_job(small_data, tmp_path):
     code, out, err = _injected(small_data[0], tmp_path, "raise:15:1")
     assert code != 0
