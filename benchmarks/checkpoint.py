@@ -11,8 +11,9 @@ the machine hits all alike:
 
   raw write    rank 0 alone: ndarray.tofile of every array into one file, fsync (save's yardstick)
   raw pwrite   every rank os.pwrite's its rows (row_range) into one file, fsync (2+ ranks)
-  save         write_checkpoint: parallel HDF5 (mpio), CRC-32, MPI_File_sync, rename, dir fsync;
-               "save coll.": the same with collective=True (--collective)
+  save         write_checkpoint: parallel HDF5 (mpio) with writeback started after each piece, CRC-32,
+               close, one fsync per node, rename, dir fsync; "save coll.": the same with
+               collective=True (--collective); --writers-per-node k: k ranks per node write the data
   raw read     rank 0 alone: np.fromfile of the raw file (load's yardstick)
   raw pread    every rank os.preadv's its rows, then Allgatherv: load without HDF5 and CRC (2+ ranks)
   load         load_checkpoint: every rank reads its rows, CRC-32 check, Allgatherv of every array
@@ -50,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--dir", default=os.path.join(REPO, "runs", "bench", "ckpt-bench"), help="where to write")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per size (3: a median)")
     p.add_argument("--collective", action="store_true", help="also time collective MPI-IO writes")
+    p.add_argument("--writers-per-node", type=int, default=0,
+                   help="ranks per node that write the save's data, the others send them their rows "
+                        "(checkpoint.writers_per_node; default 0 = every rank writes, the config's default)")
     p.add_argument("--keep-cache", action="store_true", help="leave files in the page cache (hot reads)")
     p.add_argument("--json", default=os.path.join(REPO, "runs", "bench", "checkpoint.json"))
     return p.parse_args(argv)
@@ -195,11 +199,12 @@ def measure(np, world, MPI, size: int, args, info) -> tuple[list[dict], int]:
     arrays, rng, entries = synthetic_state(np, size, world.rank)
     nbytes = sum(a.nbytes for a in arrays.values()) + rng.nbytes * world.size
     raw, ckpt = os.path.join(args.dir, "raw.bin"), os.path.join(args.dir, "ckpt-00000001.h5")
-    attrs = training_attrs()
+    attrs, wpn = training_attrs(), args.writers_per_node
     ops = {"raw write": (raw, (lambda: raw_write(raw, arrays)) if root else (lambda: None)),
            "raw pwrite": (raw, lambda: raw_pwrite(world, raw, arrays)),
-           "save": (ckpt, lambda: write_checkpoint(args.dir, 1, entries, attrs, world)),
-           "save coll.": (ckpt, lambda: write_checkpoint(args.dir, 1, entries, attrs, world, collective=True)),
+           "save": (ckpt, lambda: write_checkpoint(args.dir, 1, entries, attrs, world, writers_per_node=wpn)),
+           "save coll.": (ckpt, lambda: write_checkpoint(args.dir, 1, entries, attrs, world, collective=True,
+                                                         writers_per_node=wpn)),
            "raw read": (None, (lambda: raw_read(np, raw, arrays)) if root else (lambda: None)),
            "raw pread": (None, lambda: raw_pread(np, world, MPI, raw, arrays)),
            "load": (None, lambda: load_checkpoint(ckpt, world))}

@@ -179,8 +179,14 @@ class CheckpointConfig:
                      "also --resume")
     collective_io: bool = _f(False, "MPI-IO collective transfers for the data writes (independent writes of "
                              "large contiguous slices measured as fast here; try true on Lustre/GPFS)")
+    writers_per_node: int = _f(0, "0 = every rank writes its own rows of a checkpoint; k = k ranks per node write, "
+                               "the node's other ranks send them their rows over shared memory (no faster on "
+                               "ext4 here: docs/benchmarks.md; try it where many writers to one file contend)")
 
     def validate(self):
+        if self.writers_per_node < 0:
+            raise ConfigError(f"checkpoint.writers_per_node={self.writers_per_node}: a number of ranks >= 1, "
+                              f"or 0 = every rank writes")
         if self.every_steps < 0 or self.keep_last < 0:
             raise ConfigError(f"checkpoint.every_steps={self.every_steps} and checkpoint.keep_last="
                               f"{self.keep_last} must be >= 0")

@@ -173,6 +173,7 @@ def test_wrong_type_in_file_names_the_key(tmp_path):
     ("train.target_accuracy=1.5", "train.target_accuracy"),
     ("optim.min_lr=0.5", "optim.min_lr"),             # above lr=0.1
     ("dist.ranks_per_node=-1", "dist.ranks_per_node"),
+    ("checkpoint.writers_per_node=-1", "checkpoint.writers_per_node"),
 ])
 def test_out_of_range_values_raise_naming_the_key(override, key):
     raises_config_error(key, overrides=[override])

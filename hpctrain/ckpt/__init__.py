@@ -4,6 +4,7 @@
   state    the trainer's state as named logical arrays, and back
   write    the parallel write protocol (h5py ``mpio``) and the atomic commit
   slices   a rank's share of the data: pieces, transfers, checksums while syncing
+  aggregate  writer ranks per node that write their node's other ranks' slices (writers_per_node)
   read     verification and the parallel load
   checks   what a valid file is beyond its CRCs: header, layout, the errors
   isolated HDF5 decodes a file only in a child process (it may crash, loop or blow up on a corrupt one)

