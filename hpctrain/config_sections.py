@@ -1,0 +1,208 @@
+"""The sections of the run configuration: one dataclass each, with every field's default, its
+one-line reason (``help``, shown by ``python -m hpctrain train --help-config``) and the checks
+of its values (``validate``). Parsing and the whole :class:`~hpctrain.config.Config` are in
+:mod:`hpctrain.config`, which re-exports these classes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+
+def _f(default, why, **kw):
+    """A dataclass field whose metadata carries the reason for its default."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": why, **kw})
+    return field(default=default, metadata={"help": why, **kw})
+
+
+@dataclass
+class ModelConfig:
+    hidden: list[int] = _f([256, 256], "two hidden layers learn the teacher task to >90% quickly")
+    activation: str = _f("relu", "relu | gelu; relu is cheapest", choices=("relu", "gelu"))
+
+    def validate(self):
+        if any(h < 1 for h in self.hidden):
+            raise ConfigError(f"model.hidden={self.hidden}: every width must be >= 1")
+
+
+@dataclass
+class DataConfig:
+    train: str = _f("data/synth-train.h5", "HDF5 file with /x float32 [N, D] and /y int64 [N]")
+    eval: str = _f("", "held-out HDF5 file in the same format; empty = no evaluation")
+    shuffle_seed: int = _f(1234, "one permutation per (seed, epoch), identical on every rank")
+
+    def validate(self):
+        if self.shuffle_seed < 0:
+            raise ConfigError(f"data.shuffle_seed={self.shuffle_seed}: must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    global_batch: int = _f(256, "samples per step over all ranks; per-rank batch = global / world size")
+    steps: int = _f(1500, "optimizer steps; epochs follow from the dataset size")
+    dtype: str = _f("float32", "float32 for speed; float64 for exactness checks", choices=("float32", "float64"))
+    device: str = _f("auto", "auto | cpu | cuda; auto takes a GPU (local_rank % visible GPUs) when one is visible",
+                     choices=("auto", "cpu", "cuda"))
+    seed: int = _f(0, "initial weights; rank 0's are broadcast so all ranks start equal")
+    log_every: int = _f(100, "progress line period in steps (non-TTY logs get one line each)")
+    eval_every: int = _f(0, "evaluate every k steps; 0 = only at the end")
+    target_accuracy: float = _f(0.0, "final eval accuracy the run must reach (0 = no target); missing it exits 3")
+    metrics: str = _f("", "per-step metrics as JSON lines, written by rank 0; empty = off")
+    grad_accum_steps: int = _f(1, "micro-batches per step: gradients accumulate locally and are "
+                               "communicated once, on the last (the per-rank batch must divide evenly)")
+    trace: str = _f("", "write a Chrome trace per rank into this directory (also --trace; merge with "
+                    "python -m hpctrain trace merge DIR); empty = off, no cost")
+
+    def validate(self):
+        if self.seed < 0:
+            raise ConfigError(f"train.seed={self.seed}: must be >= 0")
+        if self.global_batch < 1:
+            raise ConfigError(f"train.global_batch={self.global_batch}: must be >= 1")
+        if self.steps < 0:
+            raise ConfigError(f"train.steps={self.steps}: must be >= 0")
+        if self.log_every < 1:
+            raise ConfigError(f"train.log_every={self.log_every}: must be >= 1")
+        if self.grad_accum_steps < 1:
+            raise ConfigError(f"train.grad_accum_steps={self.grad_accum_steps}: must be >= 1")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0")
+        if not 0.0 <= self.target_accuracy <= 1.0:  # also false for nan
+            raise ConfigError(f"train.target_accuracy={self.target_accuracy}: a fraction in [0, 1], e.g. 0.9")
+
+
+@dataclass
+class OptimConfig:
+    name: str = _f("sgd", "sgd (momentum) | adamw", choices=("sgd", "adamw"))
+    lr: float = _f(0.1, "peak learning rate (after warmup, before decay)")
+    momentum: float = _f(0.9, "SGD momentum; 0.9 is the usual choice")
+    nesterov: bool = _f(False, "Nesterov momentum for SGD")
+    weight_decay: float = _f(0.0, "L2 (SGD) or decoupled (AdamW) decay, applied to all parameters")
+    beta1: float = _f(0.9, "AdamW first-moment decay")
+    beta2: float = _f(0.999, "AdamW second-moment decay")
+    eps: float = _f(1e-8, "AdamW denominator guard")
+    schedule: str = _f("cosine", "after warmup: cosine | step | constant",
+                       choices=("cosine", "step", "constant"))
+    warmup_steps: int = _f(100, "linear warmup from 0; large batches need it")
+    min_lr: float = _f(0.0, "cosine floor")
+    step_size: int = _f(1000, "step schedule: decay every k steps")
+    gamma: float = _f(0.1, "step schedule: multiply lr by gamma")
+    scale_lr: bool = _f(False, "linear scaling rule: lr x global_batch / base_batch")
+    base_batch: int = _f(256, "batch size at which lr was tuned (for scale_lr)")
+
+    def validate(self):
+        for key in ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "min_lr", "gamma"):
+            if not math.isfinite(getattr(self, key)):
+                raise ConfigError(f"optim.{key}={getattr(self, key)}: must be a finite number")
+        if self.gamma <= 0:
+            raise ConfigError(f"optim.gamma={self.gamma}: must be > 0")
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr={self.lr}: must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optim.momentum={self.momentum}: must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"optim.beta1/beta2=({self.beta1}, {self.beta2}): each must be in [0, 1)")
+        if self.eps <= 0 or self.warmup_steps < 0 or self.step_size < 1 or self.base_batch < 1:
+            raise ConfigError("optim.eps > 0, optim.warmup_steps >= 0, optim.step_size >= 1 "
+                              "and optim.base_batch >= 1 are required")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr={self.min_lr}: must be in [0, optim.lr={self.lr}]")
+
+
+@dataclass
+class DistConfig:
+    allreduce: str = _f("mpi", "gradient averaging strategy: mpi (MPI_Allreduce) | naive (reduce+bcast oracle) "
+                        "| ring (reduce-scatter + all-gather) | rhd (recursive halving-doubling) "
+                        "| hierarchical (in node, across nodes, in node) | shm (one machine: shared-memory "
+                        "window, zero copy) | auto (fastest per size, measured)",
+                        choices=("mpi", "naive", "ring", "rhd", "hierarchical", "shm", "auto"))
+    hierarchical_inner: str = _f("mpi", "flat strategy hierarchical uses across nodes",
+                                 choices=("mpi", "naive", "ring", "rhd"))
+    auto_cache: str = _f("runs/allreduce-auto.json", "where auto keeps its measured alpha-beta fits; empty = "
+                         "measure every run")
+    bucket_mb: float = _f(25.0, "gradient bucket size (MB) reduced while backward runs (as PyTorch DDP); "
+                          "0 = one bucket after backward")
+    first_bucket_mb: float = _f(1.0, "the first bucket is small so communication starts early")
+    overlap: bool = _f(True, "reduce buckets on a communication thread during backward; false = after it")
+    ranks_per_node: int = _f(0, "simulate nodes of k ranks on one machine; 0 = real nodes (shared memory)")
+    compress: str = _f("none", "gradient compression: none | fp16 | bf16 | topk(ratio) | randk(ratio) | sign | "
+                       "powersgd(rank[, start_step]); with error feedback except none (docs/dist.md)")
+    compress_scope: str = _f("all", "all = compress every bucket everywhere | inter = only hierarchical's "
+                             "cross-node phase (intra-node stays exact)", choices=("all", "inter"))
+    cuda_aware_mpi: str = _f("auto", "hand GPU buffers to MPI directly: auto (ask the MPI library) | on | off "
+                             "(copy through pinned host buffers)", choices=("auto", "on", "off"))
+    comm_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the watchdog "
+                             "reports which ranks are missing and aborts the job (checkpoint saves and "
+                             "evaluation get 10x); 0 = off")
+
+    def validate(self):
+        if not self.bucket_mb >= 0:  # also catches nan
+            raise ConfigError(f"dist.bucket_mb={self.bucket_mb}: a size in MB >= 0 (e.g. 25; 0 = one bucket "
+                              f"reduced after backward)")
+        if not self.first_bucket_mb > 0:
+            raise ConfigError(f"dist.first_bucket_mb={self.first_bucket_mb}: a size in MB > 0 (e.g. 1: a small "
+                              f"first bucket starts communication early)")
+        if self.ranks_per_node < 0:
+            raise ConfigError(f"dist.ranks_per_node={self.ranks_per_node}: must be >= 0")
+        if not 0 <= self.comm_timeout < math.inf:  # also catches nan
+            raise ConfigError(f"dist.comm_timeout={self.comm_timeout}: seconds >= 0 (0 = no watchdog)")
+        from .compress import make_compressor
+        try:
+            make_compressor(self.compress)
+        except ValueError as exc:
+            raise ConfigError(f"dist.compress={self.compress!r}: {str(exc).split(': ', 1)[-1]}") from None
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = _f("runs/ckpt", "where checkpoints ckpt-<step>.h5 go (created if missing; every rank must see it)")
+    every_steps: int = _f(0, "save every k steps; 0 = off")
+    every_minutes: float = _f(30.0, "save when this many minutes passed since the last save (rank 0's clock); "
+                              "0 = off")
+    keep_last: int = _f(3, "keep the newest k checkpoints, delete older ones after a save; 0 = keep all")
+    save_final: bool = _f(False, "save after the last step")
+    resume: str = _f("", "\"\" = fresh start | auto = newest valid checkpoint in dir (fresh if none) | a file path; "
+                     "also --resume")
+    collective_io: bool = _f(False, "MPI-IO collective transfers for the data writes (independent writes of "
+                             "large contiguous slices measured as fast here; try true on Lustre/GPFS)")
+    writers_per_node: int = _f(0, "0 = every rank writes its own rows of a checkpoint; k = k ranks per node write, "
+                               "the node's other ranks send them their rows over shared memory (no faster on "
+                               "ext4 here: docs/benchmarks.md; try it where many writers to one file contend)")
+
+    def validate(self):
+        if self.writers_per_node < 0:
+            raise ConfigError(f"checkpoint.writers_per_node={self.writers_per_node}: a number of ranks >= 1, "
+                              f"or 0 = every rank writes")
+        if self.every_steps < 0 or self.keep_last < 0:
+            raise ConfigError(f"checkpoint.every_steps={self.every_steps} and checkpoint.keep_last="
+                              f"{self.keep_last} must be >= 0")
+        if not self.every_minutes >= 0 or math.isinf(self.every_minutes):  # also catches nan
+            raise ConfigError(f"checkpoint.every_minutes={self.every_minutes}: a finite number >= 0")
+        if not self.dir:
+            raise ConfigError("checkpoint.dir is empty; name a directory (signals always save there)")
+
+
+@dataclass
+class GuardConfig:
+    nonfinite: str = _f("abort", "a NaN/Inf loss or gradient (or a loss spike): abort (exit 5, nothing saved) | "
+                        "skip (drop the step's update) | rollback (reload the last checkpoint, skip that batch)",
+                        choices=("abort", "skip", "rollback"))
+    check_grads: bool = _f(True, "also check the averaged gradients, not only the loss (one read of each bucket "
+                           "on the communication thread)")
+    spike_zscore: float = _f(0.0, "treat a step whose loss is this many standard deviations above the last "
+                             "spike_window steps' as bad; 0 = off")
+    spike_window: int = _f(100, "accepted steps the spike statistics look back on (no verdict before it fills)")
+    max_bad_steps: int = _f(20, "abort (exit 5) once this many steps of the run were skipped or rolled back")
+
+    def validate(self):
+        if not 0 <= self.spike_zscore < math.inf:
+            raise ConfigError(f"guard.spike_zscore={self.spike_zscore}: a number of standard deviations > 0, "
+                              f"or 0 = off")
+        if self.spike_window < 2 or self.max_bad_steps < 1:
+            raise ConfigError(f"guard.spike_window={self.spike_window} must be >= 2 and guard.max_bad_steps="
+                              f"{self.max_bad_steps} >= 1")
