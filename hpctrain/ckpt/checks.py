@@ -146,6 +146,17 @@ def _is_parameter(name: str) -> bool:
     return name.startswith("/model/") or (name.startswith("/optim/") and name.count("/") >= 3)
 
 
+def checked(f, path: str) -> tuple[dict, list]:
+    """The header and the datasets of the open file ``f``, after every check that needs no data:
+    :func:`header`, :func:`check_dataset` on each dataset, :func:`check_layout`."""
+    attrs = header(f, path)
+    dsets = datasets(f, path)
+    for name, d in dsets:
+        check_dataset(d, path, name)
+    check_layout(path, attrs, dsets)
+    return attrs, dsets
+
+
 def check_step(path: str, attrs: dict, position) -> None:
     """The root attribute step against /data/position (which its CRC covers)."""
     if position is not None and int(position[0]) != attrs["step"]:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import UserError
-from .checks import (CorruptCheckpoint, UnreadableCheckpoint, attr_value, check_dataset, check_layout, check_step,
-                     datasets, header, stored_crc)
+from .checks import (CorruptCheckpoint, UnreadableCheckpoint, attr_value, check_step, checked, datasets, header,
+                     stored_crc)
 from .format import combine_parts, crc32_of, row_range
 from .share import read_share
 
@@ -77,11 +77,7 @@ def verify_file(path: str) -> dict:
     if ISOLATE:
         return _isolated("verify_file", path)
     with _reading(path) as f:
-        attrs = header(f, path)
-        dsets = datasets(f, path)
-        for name, d in dsets:
-            check_dataset(d, path, name)
-        check_layout(path, attrs, dsets)
+        attrs, dsets = checked(f, path)
         for name, d in dsets:
             row_bytes = max(1, d.dtype.itemsize * int(np.prod(d.shape[1:])))
             step = max(1, VERIFY_BLOCK_BYTES // row_bytes)

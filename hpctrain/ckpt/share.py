@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-from .checks import CorruptCheckpoint, check_dataset, check_layout, datasets, header, stored_crc
+from .checks import CorruptCheckpoint, checked, stored_crc
 from .format import row_range
 
 ALIGN = 64  # each array starts on a cache line of the memory file
@@ -36,11 +36,7 @@ def write_share(path: str, rank: int, size: int, fd: int) -> dict:
     from .read import _reading
 
     with _reading(path) as f:
-        attrs = header(f, path)
-        dsets = datasets(f, path)
-        for name, d in dsets:
-            check_dataset(d, path, name)
-        check_layout(path, attrs, dsets)
+        attrs, dsets = checked(f, path)
         plan, total = [], 0
         for name, d in dsets:
             per_rank = bool(d.attrs.get("per_rank", False))
