@@ -262,7 +262,7 @@ def main(argv=None) -> int:
                 print(f"{name}: skipped: {exc}", flush=True)
             continue
         reducers[name] = lambda buf, strategy=strategy: strategy(buf, "sum")
-        if hasattr(strategy, "allocate"):  # shm: also as the trainer uses it, on a slice of its window
+        if hasattr(strategy, "allocate"):  # shm and auto (one machine): also as the trainer uses them, on a slice of their window
             window = strategy.allocate(max(sizes) // np.dtype(args.dtype).itemsize, args.dtype)
             reducers[name + " zero-copy"] = reducers[name]
             allocs[name + " zero-copy"] = lambda count, dtype, window=window: window[:count]

@@ -75,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--threads-per-rank", type=int, default=0, help="0: cores // max ranks, at least 1")
     p.add_argument("--launcher", default="mpirun -n {n} --oversubscribe", help="command prefix; {n} = ranks")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="train.device (cpu)")
+    p.add_argument("--allreduce", default="auto",
+                   help="hpctrain's dist.allreduce (auto: measured per bucket size; shm zero-copy on one machine)")
     p.add_argument("--set", action="append", default=[], help="extra --set for every run (both trainers)")
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint.every_steps in the hpctrain runs (0 off)")
     p.add_argument("--peer-models", default="mid", help="models the PyTorch peer also runs ('' none)")
@@ -245,7 +247,9 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         sets, init = prepare(runner, name, dim, hidden, os.path.join(a.out, "data"))
         sets = sets + [f"train.steps={steps + warmup}"]
-        hp_sets = sets + ([f"checkpoint.every_steps={a.ckpt_every}"] if a.ckpt_every else [])
+        # before the user's --set, so a --set dist.allreduce=... there still wins
+        hp_sets = ([f'dist.allreduce="{a.allreduce}"'] + sets
+                   + ([f"checkpoint.every_steps={a.ckpt_every}"] if a.ckpt_every else []))
         plans[name] = sets, hp_sets, init, warmup
     for rep in range(a.repeats):  # whole sweeps in turn: a burst of load hits one run of each, not all
         for name, (sets, hp_sets, init, warmup) in plans.items():

@@ -104,7 +104,8 @@ def machine_line(doc: dict) -> str:
     m = doc["machine"]
     libs = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items() if v)
     return (f"{doc.get('date', '')} on {m.get('host', '?')}: {m.get('cpu', '?')}, {m['cores']} cores; "
-            f"{m.get('mpi', '')}; {libs}; {doc['args'].get('threads_per_rank')} thread(s) per rank; load average "
+            f"{m.get('mpi', '')}; {libs}; {doc['args'].get('threads_per_rank')} thread(s) per rank; "
+            f"hpctrain dist.allreduce {doc['args'].get('allreduce', 'mpi')} (unless --set); load average "
             f"{m.get('loadavg_start', 0):.1f} -> {m.get('loadavg_end', 0):.1f}")
 
 

@@ -33,3 +33,15 @@ def test_a_falling_segment_never_predicts_negative_time():
     a = _auto_with({"noisy": [1e-4, 5e-5, 1e-3, 1e-3, 9e-4], "steady": [2e-4, 2e-4, 2e-3, 1e-2, 4e-2]})
     alpha, beta = a.fits["noisy"][-1]
     assert alpha >= 0 and beta > 0
+
+
+def test_a_window_slice_chooses_among_the_zero_copy_fits_and_a_plain_array_among_the_others():
+    # shm copying a plain array in and out is slow; on its own window it is the fastest here
+    times = {"mpi": [1e-5, 5e-5, 5e-4, 4e-3, 2e-2], "shm": [3e-5, 1e-4, 9e-4, 8e-3, 3e-2],
+             auto.ZERO_COPY: [2e-5, 4e-5, 3e-4, 2e-3, 8e-3]}
+    a = _auto_with(times)
+    assert a.choose(4 << 10) == "mpi" and a.choose(4 << 10, zero_copy=True) == "mpi"
+    assert a.choose(1 << 20, zero_copy=True) == auto.ZERO_COPY
+    assert a.choose(1 << 20) == "mpi"   # never zero-copy for a buffer outside the window ...
+    a.fits["shm"] = auto._segments(auto.PROBE_BYTES, [1e-5, 1e-5, 1e-5, 1e-5, 1e-5])
+    assert a.choose(1 << 20) == "shm" and a.choose(1 << 20, zero_copy=True) == auto.ZERO_COPY  # ... nor copy in it

@@ -156,3 +156,21 @@ def test_auto_picks_the_same_strategy_on_every_rank_and_caches_its_fit(mpi_share
     buf = world.rank + np.arange(1000.0)
     first(buf, "sum")
     np.testing.assert_array_equal(buf, world.size * np.arange(1000.0) + world.size * (world.size - 1) / 2)
+
+
+def test_auto_on_one_machine_offers_shm_zero_copy_and_the_trainer_uses_it(mpi_small_data, world):
+    from hpctrain.device import CpuDevice
+    from hpctrain.dist import make_allreduce
+
+    strategy = make_allreduce("auto", world, CpuDevice("float64"))
+    assert "shm" in strategy.names and "shm zero-copy" in strategy.names
+    window = strategy.allocate(3000, "float64")
+    for lo, hi in ((0, 3000), (100, 1123)):     # a slice of the window and a plain array, every rank alike
+        for buf in (window[lo:hi], np.zeros(hi - lo)):
+            buf[:] = world.rank + np.arange(hi - lo)
+            strategy(buf, "sum")
+            np.testing.assert_array_equal(buf, world.size * np.arange(hi - lo) + world.size * (world.size - 1) / 2)
+    if world.size > 1:
+        assert strategy._picked and {zc for _, zc in strategy._picked} == {False, True}
+    trainer = _train(_config(mpi_small_data[0], world.size, allreduce="auto"), world)
+    assert trainer.allreduce._shm.holds(trainer.model.flat.grad)   # the gradients live in the window

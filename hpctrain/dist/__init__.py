@@ -24,7 +24,9 @@ MPI only through :class:`~hpctrain.dist.staging.Staging`. Choose by name
 |              | shared window (MPI-3 shared memory);    | elements per rank, 2 syncs; +2N of | fastest from ~256 KB here; the trainer's   |
 |              | zero copy for ``allocate()``d buffers   | copies for other buffers           | CPU gradient buffer lives in its window    |
 | auto         | per message size, the strategy alpha-   | -                                  | when unsure: measured at start-up (cached  |
-|              | beta lines between probes predict best  |                                    | in ``dist.auto_cache``), logged once       |
+|              | beta lines between probes predict best  |                                    | in ``dist.auto_cache``), logged once; on   |
+|              | (shm zero-copy among them on one        |                                    | one machine with CPU ranks it keeps the    |
+|              | machine)                                |                                    | gradients in shm's window                  |
 
 ring and rhd reduce on the host (pinned copies of GPU buffers even with a
 CUDA-aware MPI) and give bitwise equal results on every rank; their summation

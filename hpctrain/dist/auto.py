@@ -11,6 +11,15 @@ the strategy with the smallest predicted time for ``buf.nbytes``. Rank 0 fits an
 picks the same strategy for the same size (they must: a mismatch would
 deadlock). The fit is cached in a JSON file keyed by everything it depends on
 (world shape, dtype, device, MPI library, candidates) and logged once.
+
+``shm`` is a candidate where every rank shares one machine (dropped, on every
+rank alike, elsewhere). Its cost depends on where the buffer lives, so on a
+CPU device it is fitted twice: ``shm zero-copy`` on slices of a shared window
+(what :meth:`AutoAllreduce.allocate` returns, and where the trainer keeps its
+gradients) and ``shm`` on plain arrays, which it copies in and out. A call
+chooses among the fits that apply to its buffer, so every rank must pass the
+same kind of buffer (a window slice everywhere, or a plain array everywhere),
+as with ``shm`` itself; the trainer does.
 """
 
 from __future__ import annotations
@@ -22,8 +31,9 @@ import time
 import numpy as np
 
 PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)  # up to a 25 MB bucket
-CANDIDATES = ("mpi", "ring", "rhd", "hierarchical")
-REPEATS = 3
+CANDIDATES = ("mpi", "ring", "rhd", "hierarchical", "shm")
+ZERO_COPY = "shm zero-copy"  # the fit of shm on allocate()d buffers
+REPEATS = 7  # median of 7 turns: this 2-core machine has 2-4x outliers; 3 in a row picked ring over shm at 32 MB
 
 
 class AutoAllreduce:
@@ -31,9 +41,21 @@ class AutoAllreduce:
         from . import STRATEGIES
 
         self.world, self.device = world, device
-        self.names = [n for n in candidates if n in STRATEGIES]
+        from ..errors import LaunchError
+
         self._picked: dict = {}
-        self.strategies = {n: STRATEGIES[n](world, device, staging) for n in self.names}
+        self.strategies = {}
+        for name in (n for n in candidates if n in STRATEGIES):
+            try:
+                self.strategies[name] = STRATEGIES[name](world, device, staging)
+            except LaunchError:  # shm across machines: the same verdict on every rank
+                continue
+        self.names = list(self.strategies)
+        self._shm = self.strategies.get("shm") if device.name == "cpu" else None
+        if self._shm is not None:
+            # the trainer keeps its gradients where shm reduces them without copies
+            self.allocate = self._shm.allocate
+            self.names.append(ZERO_COPY)
         self.key = self._key()
         fits = _load(cache_path, self.key) if world.rank == 0 else None
         source = "cache " + cache_path if fits else "measured"
@@ -46,22 +68,30 @@ class AutoAllreduce:
             if log is not None:
                 log.info(f"allreduce auto ({source}): " + self.describe())
 
-    def choose(self, nbytes: int) -> str:
-        """The name of the strategy predicted fastest for a message of ``nbytes``."""
+    def choose(self, nbytes: int, zero_copy: bool = False) -> str:
+        """The name of the fit predicted fastest for a message of ``nbytes``; ``zero_copy``: the
+        buffer is a slice of an :meth:`allocate`\ d window (only then is ``shm zero-copy`` a choice,
+        and plain ``shm`` is not)."""
         seg = min(max(int(np.searchsorted(PROBE_BYTES, nbytes)) - 1, 0), len(PROBE_BYTES) - 2)
-        return min(self.names, key=lambda n: self.fits[n][seg][0] + self.fits[n][seg][1] * nbytes)
+        skip = "shm" if zero_copy else ZERO_COPY
+        names = [n for n in self.names if n != skip]
+        return min(names, key=lambda n: self.fits[n][seg][0] + self.fits[n][seg][1] * nbytes)
 
     def __call__(self, buf, op="mean"):
-        # memoised per size: the model costs ~7 us, a 4 KB all-reduce ~35 us
-        strategy = self._picked.get(buf.nbytes)
+        # memoised per (size, kind of buffer): the model costs ~7 us, a 4 KB all-reduce ~35 us
+        key = (buf.nbytes, self._shm is not None and self._shm.holds(buf))
+        strategy = self._picked.get(key)
         if strategy is None:
-            strategy = self._picked[buf.nbytes] = self.strategies[self.choose(buf.nbytes)]
+            strategy = self._picked[key] = self.strategies[self.choose(*key).replace(" zero-copy", "")]
         return strategy(buf, op)
 
     def describe(self) -> str:
         # latency from the smallest segment, bandwidth from the largest
         parts = [f"{n} alpha {1e6 * f[0][0]:.1f} us, {1e-9 / f[-1][1]:.2f} GB/s" for n, f in self.fits.items()]
-        picks = ", ".join(f"{_human(s)}->{self.choose(s)}" for s in (4 << 10, 256 << 10, 4 << 20, 64 << 20))
+        sizes = (4 << 10, 256 << 10, 4 << 20, 64 << 20)
+        picks = ", ".join(f"{_human(s)}->{self.choose(s)}" for s in sizes)
+        if ZERO_COPY in self.names:
+            picks += "; in the shared window " + ", ".join(f"{_human(s)}->{self.choose(s, True)}" for s in sizes)
         return "; ".join(parts) + f" | picks {picks}"
 
     # ---- measuring -----------------------------------------------------------------
@@ -72,17 +102,27 @@ class AutoAllreduce:
         comm = self.world.comm
         itemsize = self.device.dtype.itemsize
         times = {n: [] for n in self.names}
+        # shm zero-copy is timed on slices of a window made for the probes and freed after
+        window = self._shm.allocate(PROBE_BYTES[-1] // itemsize, self.device.dtype) if self._shm else None
         for nbytes in PROBE_BYTES:
             buf = self.device.zeros(nbytes // itemsize)
-            for name in self.names:
-                self.strategies[name](buf, "sum")            # warm-up (JIT, scratch buffers)
-                samples = []
-                for _ in range(REPEATS):
+            calls = {name: (self.strategies[name.replace(" zero-copy", "")],
+                            window[:buf.size] if name == ZERO_COPY else buf) for name in self.names}
+            for strategy, probe in calls.values():
+                strategy(probe, "sum")            # warm-up (JIT, scratch buffers)
+            samples = {name: [] for name in self.names}
+            # candidates take turns call by call, so a burst of load elsewhere on the
+            # machine hits them alike instead of deciding the choice on its own
+            for _ in range(REPEATS):
+                for name, (strategy, probe) in calls.items():
                     comm.Barrier()
                     t0 = time.perf_counter()
-                    self.strategies[name](buf, "sum")
-                    samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-                times[name].append(float(np.median(samples)))
+                    strategy(probe, "sum")
+                    samples[name].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            for name in self.names:
+                times[name].append(float(np.median(samples[name])))
+        if window is not None:
+            self._shm.release(window)
         if self.world.rank != 0:
             return None
         return {n: _segments(PROBE_BYTES, t) for n, t in times.items()}

@@ -139,6 +139,16 @@ class ShmAllreduce:
         arena.mine[:] = 0
         return arena.mine
 
+    def holds(self, buf) -> bool:
+        """Whether ``buf`` is a slice of one of this rank's :meth:`allocate`\ d slots (reduced without copies)."""
+        return isinstance(buf, np.ndarray) and any(a.offset_of(buf) is not None for a in self.arenas)
+
+    def release(self, slot) -> None:
+        """Free the arena whose slot :meth:`allocate` returned as ``slot``. Collective; ``slot`` becomes invalid."""
+        arena = next(a for a in self.arenas if a.mine is slot)
+        self.arenas.remove(arena)
+        arena.free()
+
     def __call__(self, buf, op="mean"):
         """Reduce ``buf`` in place over all ranks (op: sum, mean, max, min); returns ``buf``."""
         return host_allreduce(self, buf, op, self._reduce)
