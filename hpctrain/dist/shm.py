@@ -35,6 +35,7 @@ import numpy as np
 from numba import njit
 
 from ..errors import LaunchError
+from .reduce_ops import _max_into, _min_into, _sum_into
 from .ring import chunk_offsets, host_allreduce
 from .staging import Staging
 
@@ -45,36 +46,35 @@ TILE = 2048  # elements folded at a time: the tile stays in L1 while every slot'
 
 
 @njit(cache=True, nogil=True)
+def _copy_into(dst, src):
+    for i in range(dst.size):
+        dst[i] = src[i]
+
+
+@njit(cache=True, nogil=True)
 def _fold(slots, lo, hi, kind):
     """slots[:, lo:hi] = reduction over the rows, in row order; kind 0 sum, 1 max, 2 min (NaN wins).
 
-    Tile by tile: the p pieces of a tile are folded into the first row's piece
-    (contiguous loops the compiler vectorises), then copied to the other rows
-    while still in cache, so memory sees each element read once and written
-    once per row."""
+    Tile by tile: the p pieces of a tile are folded into the first row's piece,
+    then copied to the other rows while still in cache, so memory sees each
+    element read once and written once per row. The loops run over zero-based
+    views of each tile (the reduce_ops kernels): indexing the rows at
+    ``lo + i`` instead made numba check every index for wrap-around, which kept
+    the loop from vectorising (5x slower: 131 us against 26 us for 4 x 64 K
+    float32 here)."""
     p = slots.shape[0]
-    out = slots[0]
     for t in range(lo, hi, TILE):
         e = min(hi, t + TILE)
+        out = slots[0, t:e]
         for j in range(1, p):
-            src = slots[j]
             if kind == 0:
-                for i in range(t, e):
-                    out[i] += src[i]
+                _sum_into(out, slots[j, t:e])
             elif kind == 1:
-                for i in range(t, e):
-                    b = src[i]
-                    if b > out[i] or b != b:
-                        out[i] = b
+                _max_into(out, slots[j, t:e])
             else:
-                for i in range(t, e):
-                    b = src[i]
-                    if b < out[i] or b != b:
-                        out[i] = b
+                _min_into(out, slots[j, t:e])
         for j in range(1, p):
-            dst = slots[j]
-            for i in range(t, e):
-                dst[i] = out[i]
+            _copy_into(slots[j, t:e], out)
 
 
 _KIND = {"sum": 0, "max": 1, "min": 2}
