@@ -262,12 +262,14 @@ def main(argv=None) -> int:
                 print(f"{name}: skipped: {exc}", flush=True)
             continue
         reducers[name] = lambda buf, strategy=strategy: strategy(buf, "sum")
-        if hasattr(strategy, "allocate"):  # shm and auto (one machine): also as the trainer uses them, on a slice of their window
+        if hasattr(strategy, "allocate"):  # shm, auto on one machine: also as the trainer uses them, in their window
             window = strategy.allocate(max(sizes) // np.dtype(args.dtype).itemsize, args.dtype)
             reducers[name + " zero-copy"] = reducers[name]
             allocs[name + " zero-copy"] = lambda count, dtype, window=window: window[:count]
         if hasattr(strategy, "choose"):  # auto: the table says which strategy it ran per size
             pickers[name] = strategy.choose
+            if name + " zero-copy" in reducers:
+                pickers[name + " zero-copy"] = lambda size, strategy=strategy: strategy.choose(size, zero_copy=True)
             if world.is_root:
                 print(f"{name}: {strategy.describe()}", flush=True)
     reducers[YARDSTICK] = lambda buf: world.comm.Allreduce(in_place, buf, op=total)

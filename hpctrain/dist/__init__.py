@@ -21,7 +21,7 @@ MPI only through :class:`~hpctrain.dist.staging.Staging`. Choose by name
 |              | across nodes (``hierarchical_inner``),  | rank (n nodes, L ranks per node)   | shared memory: the link carries 1/L of a   |
 |              | all-gather in the node                  |                                    | flat ring's traffic                        |
 | shm          | ranks of one machine fold slices of a   | no messages: reads and writes N    | one machine only (ValueError elsewhere):   |
-|              | shared window (MPI-3 shared memory);    | elements per rank, 2 syncs; +2N of | fastest from ~256 KB here; the trainer's   |
+|              | shared window (MPI-3 shared memory);    | elements per rank, 2 syncs; +2N of | fastest from ~64-256 KB here; the trainer's|
 |              | zero copy for ``allocate()``d buffers   | copies for other buffers           | CPU gradient buffer lives in its window    |
 | auto         | per message size, the strategy alpha-   | -                                  | when unsure: measured at start-up (cached  |
 |              | beta lines between probes predict best  |                                    | in ``dist.auto_cache``), logged once; on   |
