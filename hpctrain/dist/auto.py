@@ -70,7 +70,7 @@ class AutoAllreduce:
 
     def choose(self, nbytes: int, zero_copy: bool = False) -> str:
         """The name of the fit predicted fastest for a message of ``nbytes``; ``zero_copy``: the
-        buffer is a slice of an :meth:`allocate`\ d window (only then is ``shm zero-copy`` a choice,
+        buffer is a slice of a window from :meth:`allocate` (only then is ``shm zero-copy`` a choice,
         and plain ``shm`` is not)."""
         seg = min(max(int(np.searchsorted(PROBE_BYTES, nbytes)) - 1, 0), len(PROBE_BYTES) - 2)
         skip = "shm" if zero_copy else ZERO_COPY

@@ -140,7 +140,7 @@ class ShmAllreduce:
         return arena.mine
 
     def holds(self, buf) -> bool:
-        """Whether ``buf`` is a slice of one of this rank's :meth:`allocate`\ d slots (reduced without copies)."""
+        """Whether ``buf`` is a slice of one of this rank's slots from :meth:`allocate` (reduced without copies)."""
         return isinstance(buf, np.ndarray) and any(a.offset_of(buf) is not None for a in self.arenas)
 
     def release(self, slot) -> None:
