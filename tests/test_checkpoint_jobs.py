@@ -50,8 +50,12 @@ def test_signal_to_one_rank_saves_and_exits_75_then_resumes(small_data, tmp_path
     finally:
         code, out, err = _finish(proc)
     assert code == EXIT_CHECKPOINTED, (code, out, err)
-    ranks = 1 if target == "rank" else 2
-    assert out.count("stopping at step") == 1 and f"{signame} received on {ranks} rank(s)" in out, out
+    # mpirun forwards the signal to each rank in turn, and the ranks count who has it at
+    # the step's statistics all-reduce, so the two deliveries may straddle one (seen once
+    # in CI: "received on 1 rank(s)", then the stop); a signal to one rank's pid is 1
+    ranks = ("1",) if target == "rank" else ("1", "2")
+    assert out.count("stopping at step") == 1, out
+    assert any(f"{signame} received on {n} rank(s)" in out for n in ranks), out
     assert "Traceback" not in err, err
     listing = _ckpt("ls", ckpt, "--verify")
     assert listing.returncode == 0 and "verified" in listing.stdout, listing.stdout
