@@ -25,6 +25,14 @@ import sys
 from .runtime import launched_rank, limit_threads_per_rank
 
 
+# How long a rank other than 0 waits before it leaves on a usage error. mpirun ends the whole
+# job when the first rank exits non-zero, so a silent rank that left at once could kill rank 0
+# before it printed the message (seen in CI: 3 ranks on 2 cores, rc 2 and no message). Rank 0
+# exits at once and mpirun then ends the waiting ranks, so this costs nothing there; under srun
+# (which waits for every task) a usage error takes this long.
+USAGE_ERROR_GRACE_S = 5.0
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors are printed by rank 0 only (MPI is not up yet; the launcher's rank is read)."""
 
@@ -32,6 +40,10 @@ class _Parser(argparse.ArgumentParser):
         if launched_rank() == 0:
             self.print_usage(sys.stderr)
             print(f"hpctrain: error: {message}", file=sys.stderr, flush=True)
+        else:
+            import time
+
+            time.sleep(USAGE_ERROR_GRACE_S)
         sys.exit(2)
 
 

@@ -201,6 +201,17 @@ def test_usage_error_printed_once():
     assert proc.stderr.count("usage:") == 1
 
 
+def test_usage_error_printed_even_when_rank_0_is_last_to_parse():
+    """mpirun ends the job at the first non-zero exit: the silent ranks must not leave before rank 0 printed."""
+    code = ("import os, sys, time\n"
+            "os.environ['OMPI_COMM_WORLD_RANK'] == '0' and time.sleep(1.5)\n"
+            "from hpctrain.__main__ import main\n"
+            "sys.exit(main(['train', '--ranks-per-node', 'two']))\n")
+    proc = run_mpi(3, ["-c", code], timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("hpctrain: error: argument --ranks-per-node") == 1, proc.stderr
+
+
 def test_ranks_seeing_different_datasets(small_data, tmp_path):
     """A node-local copy that differs: rank 1 reads a file with other N and D."""
     other = tmp_path / "other.h5"
