@@ -172,5 +172,7 @@ def test_auto_on_one_machine_offers_shm_zero_copy_and_the_trainer_uses_it(mpi_sm
             np.testing.assert_array_equal(buf, world.size * np.arange(hi - lo) + world.size * (world.size - 1) / 2)
     if world.size > 1:
         assert strategy._picked and {zc for _, zc in strategy._picked} == {False, True}
+    strategy.strategies["shm"].close()   # collective; the pytest-mpi ranks live on for other tests
     trainer = _train(_config(mpi_small_data[0], world.size, allreduce="auto"), world)
     assert trainer.allreduce._shm.holds(trainer.model.flat.grad)   # the gradients live in the window
+    trainer.allreduce._shm.close()
