@@ -25,12 +25,22 @@ import sys
 from .runtime import launched_rank, limit_threads_per_rank
 
 
-# How long a rank other than 0 waits before it leaves on a usage error. mpirun ends the whole
-# job when the first rank exits non-zero, so a silent rank that left at once could kill rank 0
-# before it printed the message (seen in CI: 3 ranks on 2 cores, rc 2 and no message). Rank 0
-# exits at once and mpirun then ends the waiting ranks, so this costs nothing there; under srun
-# (which waits for every task) a usage error takes this long.
-USAGE_ERROR_GRACE_S = 5.0
+# How long a rank other than 0 waits before it leaves, where it leaves without a collective that
+# holds it until rank 0 has printed (a usage error: MPI is not up yet; a save that left a file HDF5
+# cannot close: no MPI_Finalize). mpirun ends the whole job when the first rank exits non-zero, so
+# a silent rank that left at once could kill rank 0 before it printed the message (seen in CI:
+# 3 ranks on 2 cores, rc 2 and no message). Rank 0 exits at once and mpirun then ends the waiting
+# ranks, so this costs nothing there; under srun without --kill-on-bad-exit (which waits for every
+# task) such an error takes this long. Waiting, not exiting 0: a rank that parsed differently from
+# rank 0 must still end the job, not leave rank 0 waiting in MPI_Init.
+SILENT_RANK_GRACE_S = 5.0
+
+
+def _let_rank_0_speak_first(is_root: bool) -> None:
+    if not is_root:
+        import time
+
+        time.sleep(SILENT_RANK_GRACE_S)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,10 +50,7 @@ class _Parser(argparse.ArgumentParser):
         if launched_rank() == 0:
             self.print_usage(sys.stderr)
             print(f"hpctrain: error: {message}", file=sys.stderr, flush=True)
-        else:
-            import time
-
-            time.sleep(USAGE_ERROR_GRACE_S)
+        _let_rank_0_speak_first(launched_rank() == 0)
         sys.exit(2)
 
 
@@ -213,16 +220,18 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure leaves through one door
         from .guard import report_and_exit
 
-        code = report_and_exit(exc, _current_world())
-        _exit_now_if_hdf5_cannot_close(code)
+        world = _current_world()
+        code = report_and_exit(exc, world)
+        _exit_now_if_hdf5_cannot_close(code, world is None or world.is_root)
         return code
 
 
-def _exit_now_if_hdf5_cannot_close(code: int) -> None:
+def _exit_now_if_hdf5_cannot_close(code: int, is_root: bool) -> None:
     """End the process at once, output flushed, when a failed checkpoint save left a file HDF5
     cannot close (hpctrain.ckpt.write.files_left_open): HDF5 closes open files again when MPI is
     finalized (and Python at exit), and that crashes in the mpio driver (SIGSEGV, measured with a
-    full disk). Leaving without MPI_Finalize skips it; the launcher may add a line about that."""
+    full disk). Leaving without MPI_Finalize skips it; the launcher may add a line about that.
+    Without Finalize nothing holds the silent ranks until rank 0 has printed, so they wait first."""
     write = sys.modules.get("hpctrain.ckpt.write")
     if write is None or not write.files_left_open():
         return
@@ -230,6 +239,7 @@ def _exit_now_if_hdf5_cannot_close(code: int) -> None:
 
     sys.stdout.flush()
     sys.stderr.flush()
+    _let_rank_0_speak_first(is_root)
     os._exit(code)
 
 

@@ -240,8 +240,8 @@ def files_left_open() -> bool:
     garbage collection, after mpi4py's MPI_Finalize, and the mpio driver then
     crashes the process (SIGSEGV: exit 139 instead of the agreed error's 2;
     seen with a full disk). The command line therefore ends such a process
-    with MPI_Finalize and ``os._exit`` (hpctrain.__main__); the temporary file
-    itself was already deleted by rank 0.
+    with ``os._exit`` and no MPI_Finalize (hpctrain.__main__); the temporary
+    file itself was already deleted by rank 0.
     """
     return bool(LEFT_OPEN)
 
