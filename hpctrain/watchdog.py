@@ -16,7 +16,9 @@ wakes every ``poll`` seconds and
     hung outside Python) and calls ``MPI_Abort``, which ends every rank.
 
 Only the lowest-numbered rank blocked in a collective prints; the others defer
-to it and abort on their own only if its abort does not arrive. Asking other ranks needs
+to it, and to a rank whose watchdog has reported already (it keeps answering,
+saying so, until the abort ends it), and abort on their own only if that
+abort does not arrive. Asking other ranks needs
 MPI_THREAD_MULTIPLE (requested by :mod:`hpctrain.runtime`); with a lower thread
 level the watchdog still aborts, reporting only this rank's view.
 """
@@ -59,6 +61,7 @@ class _Status:
     seconds: float        # in it, or since leaving it
     step: int = -1
     extra: dict = field(default_factory=dict)
+    reported: bool = False  # this rank's watchdog has printed its report and called abort
 
 
 class Watchdog:
@@ -125,10 +128,11 @@ class Watchdog:
 
     def _status(self) -> _Status:
         now, r = time.monotonic(), self._region
+        reported = self.fired is not None
         if r is not None:
-            return _Status(self.rank, r.seq, True, r.describe(), now - r.t0, r.step)
+            return _Status(self.rank, r.seq, True, r.describe(), now - r.t0, r.step, reported=reported)
         seq, where, t_end = self._last
-        return _Status(self.rank, seq, False, where, now - t_end)
+        return _Status(self.rank, seq, False, where, now - t_end, reported=reported)
 
     def _answer_queries(self) -> None:
         if not self.can_ask:
@@ -145,7 +149,7 @@ class Watchdog:
 
     def _check(self) -> None:
         r = self._region
-        if r is None:
+        if r is None or self.fired is not None:
             return
         waited = time.monotonic() - r.t0
         if self._deferred_until is not None:
@@ -160,9 +164,10 @@ class Watchdog:
         if self._region is not r:
             return  # completed while we asked
         # one report: from the lowest rank that is inside a collective (this one, or the one
-        # after it when a rank passed this collective and waits in the next)
+        # after it when a rank passed this collective and waits in the next), unless a rank
+        # has reported already (it entered earlier, or its wait passed the limit first)
         blocked = [self.rank] + [s.rank for s in replies.values() if s.inside]
-        if min(blocked) == self.rank:
+        if min(blocked) == self.rank and not any(s.reported for s in replies.values()):
             self._fire(r, replies, time.monotonic() - r.t0)
         else:  # that rank reports when its own wait passes the limit (it may have entered later)
             self._deferred_until = (r.seq, time.monotonic() + r.limit + 2 * self.grace)
@@ -187,6 +192,7 @@ class Watchdog:
                 continue
             status = msg.recv()
             replies[status.rank] = status
+        self._answer_queries()  # a rank that asked while we collected must hear from us before we act
         return replies
 
     def _fire(self, r: Region, replies: dict[int, _Status], waited: float) -> None:
@@ -194,7 +200,8 @@ class Watchdog:
         print("\n".join(f"[rank {self.rank}] {line}" for line in self.fired.splitlines()), file=sys.stderr,
               flush=True)
         self._abort(EXIT_STALLED)
-        self._stop.set()
+        # the thread goes on answering (reported = True) until the abort ends this process: a rank
+        # whose wait passes the limit later must hear that the report is made, not miss this rank
 
 
 def diagnose(r: Region, waited: float, me: int, size: int, replies: dict, grace: float, asked: bool) -> str:

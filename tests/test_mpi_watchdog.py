@@ -23,20 +23,25 @@ def comm():
     c.Free()
 
 
-def test_a_late_rank_is_named_once_by_the_lowest_waiting_rank(comm):
+def _barrier_under_watchdog(comm, sleep_s: float, **where):
+    """Sleep, then a Barrier watched with timeout 1 s (grace 1 s); every rank's (report, aborts)."""
     aborts = []
     wd = Watchdog(comm, timeout=1.0, abort=aborts.append)
-    late = comm.size - 1
     wd.start()
     try:
-        if comm.rank == late:
-            time.sleep(1.0 + wd.grace + 1.5)  # busy in Python: its watchdog still answers
-        with wd.watch("test barrier", "bucket 2 of 3", step=7):
+        time.sleep(sleep_s)
+        with wd.watch("test barrier", **where):
             comm.Barrier()
     finally:
         wd.stop()
-    reports = comm.allgather(wd.fired)
-    codes = comm.allgather(aborts)
+    return wd, comm.allgather(wd.fired), comm.allgather(aborts)
+
+
+def test_a_late_rank_is_named_once_by_the_lowest_waiting_rank(comm):
+    late = comm.size - 1
+    # the late rank is busy in Python (its watchdog still answers) past the limit and the grace
+    wd, reports, codes = _barrier_under_watchdog(comm, 3.5 if comm.rank == late else 0.0,
+                                                 detail="bucket 2 of 3", step=7)
     if comm.size == 1:
         assert reports == [None] and not wd.enabled  # nobody to wait for: no watchdog
         return
@@ -48,6 +53,20 @@ def test_a_late_rank_is_named_once_by_the_lowest_waiting_rank(comm):
     assert f"waiting in it: {waiting}\n" in text, text
     assert f"rank {late}: not in a collective" in text
     assert "no answer" not in text
+
+
+def test_a_rank_whose_wait_passes_the_limit_after_the_report_does_not_report_again(comm):
+    """Rank 0 reports first; ranks 1.. enter 1 s later, and when their own limit passes they ask
+    rank 0, which answers that it has reported: they defer (once its watchdog stopped answering,
+    they reported too: no answer from rank 0 made them the lowest waiting rank)."""
+    if comm.size < 3:
+        pytest.skip("needs an early rank, a later one and a late one")
+    # the late rank joins after every other rank's limit, before their deferrals end; the middle
+    # ranks enter as rank 0's limit passes, so theirs passes after rank 0 reported
+    sleep_s = 4.0 if comm.rank == comm.size - 1 else 1.0 if comm.rank > 0 else 0.0
+    _, reports, codes = _barrier_under_watchdog(comm, sleep_s, step=3)
+    assert reports[0] is not None and reports[1:] == [None] * (comm.size - 1), reports
+    assert codes[0] == [4] and all(c == [] for c in codes[1:])
 
 
 def test_a_collective_within_the_limit_is_not_reported(comm):
