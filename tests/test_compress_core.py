@@ -6,7 +6,7 @@ import pytest
 
 from hpctrain.compress import (Bf16, Context, ErrorFeedback, Fp16, PowerSGD, RandK, Sign, TopK,
                                make_compressor, payload_bytes)
-from hpctrain.compress.sparse import k_of
+from hpctrain.compress.sparse import INDEX_BLOCK, k_of, pack_indices, unpack_indices
 
 CTX = Context(step=3, bucket=1, seed=7)
 
@@ -70,12 +70,40 @@ def test_topk_keeps_the_largest_magnitudes_exactly():
     c = TopK(0.05)
     p = c.compress(x, CTX)
     k = k_of(0.05, 1000)
-    assert p["indices"].size == k == 50 and payload_bytes(p) == 8 * k
+    idx = unpack_indices(p["offsets"], p["block_counts"])
+    # 16-bit offsets and float32 values, plus one int32 count per 65536-entry block
+    assert idx.size == k == 50 and payload_bytes(p) == 6 * k + 4
     y = c.decompress(p, x.size, CTX)
     threshold = np.sort(np.abs(x))[-k]
-    assert np.all(np.abs(x[p["indices"]]) >= threshold)
-    np.testing.assert_array_equal(y[p["indices"]], x[p["indices"]])
+    assert np.all(np.abs(x[idx]) >= threshold)
+    np.testing.assert_array_equal(y[idx], x[idx])
     assert np.count_nonzero(y) == k
+
+
+def test_topk_index_packing_round_trips_across_blocks():
+    n = 3 * INDEX_BLOCK + 5
+    edges = [0, 1, INDEX_BLOCK - 1, INDEX_BLOCK, 2 * INDEX_BLOCK + 7, n - 1]  # block 1 ends, 3 is short
+    rng = np.random.default_rng(3)
+    for idx in (np.array(edges), np.sort(rng.choice(n, 2000, replace=False)), np.arange(n),
+                np.zeros(0, np.int64)):
+        packed = pack_indices(idx, n)
+        assert packed["offsets"].dtype == np.uint16 and packed["block_counts"].dtype == np.int32
+        assert packed["offsets"].size == idx.size and packed["block_counts"].size == 4
+        np.testing.assert_array_equal(unpack_indices(**packed), idx)
+    counts = pack_indices(np.array(edges), n)["block_counts"]
+    np.testing.assert_array_equal(counts, [3, 1, 1, 1])
+    with pytest.raises(ValueError, match="block counts sum to 5, 6 offsets"):
+        unpack_indices(pack_indices(np.array(edges), n)["offsets"], counts - [1, 0, 0, 0])
+    # a bucket past one block: the exact top k survives the packing
+    x = _x(n)
+    c = TopK(0.01)
+    p = c.compress(x, CTX)
+    k = k_of(0.01, n)
+    assert payload_bytes(p) == 6 * k + 4 * 4
+    y = c.decompress(p, n, CTX)
+    keep = np.argsort(-np.abs(x), kind="stable")[:k]
+    np.testing.assert_array_equal(np.flatnonzero(y), np.sort(keep))
+    np.testing.assert_array_equal(y[keep], x[keep])
 
 
 def test_randk_indices_agree_across_ranks_and_differ_across_steps():

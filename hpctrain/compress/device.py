@@ -17,7 +17,8 @@ is queued on the device's stream, which is synchronised before each MPI call.
   topk        ef_correct; topk_threshold.topk_cuda (sampled threshold, atomic
               compaction on the device; the k of at most 4k + 64 candidates are
               picked on the host) -> indices to the device, sparse_take -> all-gather
-              -> each rank's payload scatter-added on the device, in rank order
+              of (16-bit offsets, block counts, values) -> each rank's indices rebuilt
+              on the host, and its payload scatter-added on the device, in rank order
   sign        sign_pack.chunk_scales_ef, pack_ef -> bits and scales to the host ->
               all-gather -> unpack_sum on the device
   none        cast to float32 on the device -> host -> MPI_Allreduce -> device
@@ -47,7 +48,7 @@ from .base import NoCompression
 from .quantize import Bf16, Fp16
 from .reducer import CompressedSum
 from .sign import Sign
-from .sparse import RandK, TopK, k_of
+from .sparse import RandK, TopK, k_of, pack_indices, unpack_indices
 
 F32 = np.float32
 
@@ -117,7 +118,9 @@ class DeviceCompressedSum(CompressedSum):
         idx = self.device.upload(indices, ("compress", "idx"), np.int32)
         values = gather_scatter.sparse_take_cuda(r, idx, self._scratch("values", (indices.size,), F32), **s)
         values = self._fetch(values, "values")
-        return ({"values": values} if isinstance(c, RandK) else {"indices": indices, "values": values}), idx
+        if isinstance(c, RandK):
+            return {"values": values}, idx
+        return {**pack_indices(indices, n), "values": values}, idx
 
     # ---- decoding into the bucket ----------------------------------------------------------
     def _decode_summed(self, summed, out, idx):
@@ -138,7 +141,8 @@ class DeviceCompressedSum(CompressedSum):
             sign_pack.unpack_sum_cuda(bits, scales, c.chunk, out, **s)
             return
         # topk: 0 + rank 0's values + rank 1's ... at each index, as the host's dense sum
-        idx, values = (up(np.stack([p[k] for p in parts]), k) for k in ("indices", "values"))
+        idx = up(np.stack([unpack_indices(p["offsets"], p["block_counts"]) for p in parts]), "indices")
+        values = up(np.stack([p["values"] for p in parts]), "values")
         total = out if out.dtype == F32 else self._scratch("total", (out.size,), F32)
         ef.fill_cuda(total, 0, **s)
         for rank in range(len(parts)):   # one launch per rank: the additions keep rank order

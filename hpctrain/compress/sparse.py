@@ -1,8 +1,13 @@
 """Top-k and random-k sparsification, both with error feedback.
 
 topk(ratio): the k = ceil(ratio * n) entries of largest magnitude, sent as
-(int32 indices, float32 values): 8k bytes. Indices differ per rank, so
-payloads are all-gathered ("gather") and scattered-added. Selection is exact
+float32 values and their indices in 16 bits each: the bucket is cut into
+blocks of 65536 entries; the payload holds each index's offset in its block
+(uint16, ascending) and how many indices fall in each block (int32), so
+6k + 4 ceil(n / 65536) bytes instead of int32 indices' 8k. Indices differ
+per rank, so payloads are all-gathered ("gather"), whose bytes per rank grow
+with p - 1 (1/25 of a ring all-reduce's at 4 ranks with int32 indices, 1/33
+with these), and scattered-added. Selection is exact
 and the same on every target: larger |x| first, NaN above every number, equal
 |x| by smaller index (:func:`hpctrain.kernels.topk_threshold.topk_select`,
 O(n) with ``numpy.partition``); the device path selects the same set by a
@@ -24,6 +29,28 @@ import numpy as np
 
 from ..kernels.topk_threshold import topk_select
 from .base import Compressor
+
+
+INDEX_BLOCK = 1 << 16  # entries per block: an offset within one fits in uint16
+
+
+def pack_indices(indices: np.ndarray, n: int) -> dict:
+    """Ascending indices into [0, n) -> {"offsets": uint16 index mod INDEX_BLOCK,
+    "block_counts": int32 indices per block}; sizes depend only on (k, n)."""
+    indices = np.asarray(indices)
+    blocks = -(-n // INDEX_BLOCK)
+    counts = np.bincount(indices >> 16, minlength=blocks).astype(np.int32) if indices.size \
+        else np.zeros(blocks, np.int32)
+    return {"offsets": (indices & (INDEX_BLOCK - 1)).astype(np.uint16), "block_counts": counts}
+
+
+def unpack_indices(offsets: np.ndarray, block_counts: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`pack_indices`: int32 indices, ascending."""
+    if int(block_counts.sum()) != offsets.size:
+        raise ValueError(f"top-k payload: block counts sum to {int(block_counts.sum())}, "
+                         f"{offsets.size} offsets")
+    starts = np.arange(block_counts.size, dtype=np.int32) * INDEX_BLOCK
+    return np.repeat(starts, block_counts) + offsets.astype(np.int32)
 
 
 def k_of(ratio: float, n: int) -> int:
@@ -49,12 +76,12 @@ class TopK(_Sparse):
 
     def compress(self, x, ctx):
         x = np.asarray(x, np.float32).reshape(-1)
-        idx = topk_select(x, k_of(self.ratio, x.size)).astype(np.int32)
-        return {"indices": idx, "values": x[idx]}
+        idx = topk_select(x, k_of(self.ratio, x.size))  # ascending
+        return {**pack_indices(idx, x.size), "values": x[idx]}
 
     def decompress(self, payload, n, ctx):
         out = np.zeros(n, np.float32)
-        out[payload["indices"]] = payload["values"]
+        out[unpack_indices(payload["offsets"], payload["block_counts"])] = payload["values"]
         return out
 
 
