@@ -227,7 +227,8 @@ def summarise(run: dict, window: int) -> dict:
 
     st = run.pop("steps")
     loss = np.array([s["loss"] for s in st])
-    smooth = np.convolve(loss, np.ones(window) / window, "valid")  # smooth[i]: steps i .. i+window-1
+    # smooth[i]: steps i .. i+window-1; none for a run that failed before its first window
+    smooth = np.convolve(loss, np.ones(window) / window, "valid") if loss.size >= window else np.zeros(0)
     p = run["ranks"] or 1
     sent = sum(s.get("bytes_sent", 2 * (p - 1) * s["bytes_reduced"] // p) for s in st)
     return dict(run, n_steps=len(st), step_time_s=[s["step_time"] for s in st], smooth=smooth.tolist(),
@@ -250,9 +251,9 @@ def part_b(args) -> int:
         if run["rc"]:
             print(f"  exit {run['rc']}:\n{run['tail']}", file=sys.stderr)
     base = next((r["final_loss"] for r in runs if r["spec"] == "none"), None)
-    target = args.target_loss or args.target_factor * base
+    target = args.target_loss or (args.target_factor * base if base else None)  # None: none's run failed
     for r in runs:
-        hit = next((i for i, v in enumerate(r.pop("smooth")) if v < target), None)
+        hit = next((i for i, v in enumerate(r.pop("smooth")) if target is not None and v < target), None)
         st = r.pop("step_time_s")
         r.update(target_step=None if hit is None else hit + args.window,
                  target_s=None if hit is None else float(sum(st[:hit + args.window])), train_s=float(sum(st)),
@@ -269,7 +270,7 @@ def part_b(args) -> int:
 def table_b(runs, info) -> str:
     r0 = runs[0]
     by = f" = {info['target_factor']} x none's final" if info["target_factor"] else ""
-    lines = [f"time to smoothed loss < {info['target_loss']:.4f}{by} ({info['window']}-step mean), {info['config']}, "
+    lines = [f"time to smoothed loss < {fmt(info['target_loss'], '.4f')}{by} ({info['window']}-step mean), {info['config']}, "
              f"{''.join(f'--set {x}, ' for x in info['extra_set'])}train.seed {info['seed']}, {info['steps']} steps, {r0['ranks']} ranks on {r0['nodes']} node(s) via "
              f"`{info['launcher']}`; load average {info['loadavg_1min_start']:.1f} -> {info['loadavg_1min_end']:.1f} "
              f"on {info['cores']} cores", "",

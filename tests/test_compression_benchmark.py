@@ -63,3 +63,15 @@ def test_compression_benchmark_part_b_tiny_training(tmp_path):
     assert [r["spec"] for r in doc["rows"]] == ["none", "topk(0.01)"]
     assert all(r["n_steps"] == 20 and r["rc"] == 0 and r["ranks"] == 1 for r in doc["rows"])
     assert doc["rows"][0]["loss_vs_none"] == 1.0 and doc["info"]["seed"] == 0
+
+
+def test_compression_benchmark_part_b_reports_a_failed_run_instead_of_crashing(tmp_path):
+    out = tmp_path / "train.json"
+    proc = subprocess.run([sys.executable, "benchmarks/compression.py", "--train", "--launcher", "",
+                           "--train-compressors", "none,topk(0.01)", "--set", f'data.train="{tmp_path}/none.h5"',
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "none.h5" in proc.stderr  # each run's own error, shown
+    assert "| none | - | - | 0.0 | - | - | 0.0 | - | 2 |" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert [r["rc"] for r in doc["rows"]] == [2, 2] and doc["info"]["target_loss"] is None
