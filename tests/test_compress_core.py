@@ -92,6 +92,9 @@ def test_topk_index_packing_round_trips_across_blocks():
         np.testing.assert_array_equal(unpack_indices(**packed), idx)
     counts = pack_indices(np.array(edges), n)["block_counts"]
     np.testing.assert_array_equal(counts, [3, 1, 1, 1])
+    for bad in ([70000, 5], [3, 3], [-1, 2], [0, n]):  # would decode to other indices or resize the payload
+        with pytest.raises(ValueError, match="ascending and in"):
+            pack_indices(np.array(bad), n)
     with pytest.raises(ValueError, match="block counts sum to 5, 6 offsets"):
         unpack_indices(pack_indices(np.array(edges), n)["offsets"], counts - [1, 0, 0, 0])
     # a bucket past one block: the exact top k survives the packing

@@ -17,6 +17,7 @@ import pytest
 from hpctrain.compress import Context, make_compressor
 from hpctrain.compress.device import DeviceCompressedSum
 from hpctrain.compress.reducer import CompressedSum
+from hpctrain.compress.sparse import INDEX_BLOCK
 from hpctrain.device import CudaDevice, cuda_status
 
 pytestmark = [pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}"),
@@ -69,6 +70,23 @@ def test_device_path_equals_host_path_bitwise(comm, spec, dtype):
     assert sorted(hs) == sorted(ds) == ([] if spec == "none" else ["residual/2"])
     assert all(same_bits(ds[k], hs[k]) for k in hs)
     assert dsum.dense_bytes == host.dense_bytes and dsum.sent_bytes == host.sent_bytes == 0  # one rank
+
+
+def test_topk_device_path_equals_host_path_past_one_index_block(comm):
+    """Indices past 65535 travel as 16-bit offsets with per-block counts (compress/sparse.py);
+    both paths decode them alike. A bucket of 2 blocks and a part, float32."""
+    dev = CudaDevice("float32")
+    n = 2 * INDEX_BLOCK + 300
+    host, dsum = CompressedSum(comm, make_compressor("topk(0.001)")), \
+        DeviceCompressedSum(comm, make_compressor("topk(0.001)"), dev)
+    for step in range(2):
+        ctx = Context(step=step, bucket=0, seed=5)
+        g = grads(step, n, "float32")
+        g[-300:] *= 1.5   # so that the short last block holds some of the top k (~8 of 132)
+        got, ref = run_device(dev, dsum, g, ctx, [(n,)]), run_host(host, g, ctx, [(n,)])
+        assert same_bits(got, ref), step
+        assert {i // INDEX_BLOCK for i in np.flatnonzero(ref)} == {0, 1, 2}   # every block sent some
+    assert same_bits(dsum.state()["residual/0"], host.state()["residual/0"])
 
 
 def test_powersgd_device_path_is_the_host_path_to_rounding(comm):

@@ -141,7 +141,8 @@ class DeviceCompressedSum(CompressedSum):
             sign_pack.unpack_sum_cuda(bits, scales, c.chunk, out, **s)
             return
         # topk: 0 + rank 0's values + rank 1's ... at each index, as the host's dense sum
-        idx = up(np.stack([unpack_indices(p["offsets"], p["block_counts"]) for p in parts]), "indices")
+        idx = up(np.stack([unpack_indices(p["offsets"], p["block_counts"]) for p in parts]).astype(np.int32),
+                 "indices")
         values = up(np.stack([p["values"] for p in parts]), "values")
         total = out if out.dtype == F32 else self._scratch("total", (out.size,), F32)
         ef.fill_cuda(total, 0, **s)

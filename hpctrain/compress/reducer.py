@@ -128,7 +128,8 @@ class CompressedSum:
 
     def _allgather(self, payload) -> list[dict]:
         """Every rank's payload, in rank order, as dicts of views into one received buffer."""
-        keys = sorted(payload)
+        # widest items first, so every array starts aligned to its item size in the buffer
+        keys = sorted(payload, key=lambda k: (-np.asarray(payload[k]).dtype.itemsize, k))
         mine = np.concatenate([np.ascontiguousarray(payload[k]).reshape(-1).view(np.uint8) for k in keys])
         everyone = np.empty((self.size, mine.size), np.uint8)
         if self.size > 1:

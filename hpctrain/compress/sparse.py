@@ -38,6 +38,8 @@ def pack_indices(indices: np.ndarray, n: int) -> dict:
     """Ascending indices into [0, n) -> {"offsets": uint16 index mod INDEX_BLOCK,
     "block_counts": int32 indices per block}; sizes depend only on (k, n)."""
     indices = np.asarray(indices)
+    if indices.size and (indices[0] < 0 or indices[-1] >= n or np.any(indices[1:] <= indices[:-1])):
+        raise ValueError(f"top-k indices must be ascending and in [0, {n})")  # else the decode misplaces them
     blocks = -(-n // INDEX_BLOCK)
     counts = np.bincount(indices >> 16, minlength=blocks).astype(np.int32) if indices.size \
         else np.zeros(blocks, np.int32)
@@ -45,12 +47,12 @@ def pack_indices(indices: np.ndarray, n: int) -> dict:
 
 
 def unpack_indices(offsets: np.ndarray, block_counts: np.ndarray) -> np.ndarray:
-    """The inverse of :func:`pack_indices`: int32 indices, ascending."""
+    """The inverse of :func:`pack_indices`: int64 indices, ascending."""
     if int(block_counts.sum()) != offsets.size:
         raise ValueError(f"top-k payload: block counts sum to {int(block_counts.sum())}, "
                          f"{offsets.size} offsets")
-    starts = np.arange(block_counts.size, dtype=np.int32) * INDEX_BLOCK
-    return np.repeat(starts, block_counts) + offsets.astype(np.int32)
+    starts = np.arange(block_counts.size, dtype=np.int64) * INDEX_BLOCK
+    return np.repeat(starts, block_counts) + offsets
 
 
 def k_of(ratio: float, n: int) -> int:
