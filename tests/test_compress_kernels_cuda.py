@@ -186,12 +186,31 @@ TOPK_CASES = [("normal", 5000, 0.01), ("normal", 7, 0.3), ("normal", 1, 0.5), ("
 def test_topk_cuda_selects_exactly_the_host_set(dev, name, n, ratio):
     x = adversarial(name, n)
     k = k_of(ratio, n)
-    ref = TopK(ratio).compress(x, CTX)
+    ref = topk_threshold.topk_select(x, k)             # the reference: numpy.partition
     found = topk_threshold.topk_cuda(up(dev, x), k, stream=dev.stream, scratch=dev.scratch)
-    np.testing.assert_array_equal(found.indices, unpack_indices(ref["offsets"], ref["block_counts"]))
-    assert_same_bits(found.values, ref["values"])
+    np.testing.assert_array_equal(found.indices, ref)
+    assert_same_bits(found.values, x[ref])
+    p = TopK(ratio).compress(x, CTX)                   # the host path, through its payload
+    np.testing.assert_array_equal(unpack_indices(p["offsets"], p["block_counts"]), ref)
+    assert_same_bits(p["values"], x[ref])
     assert found.indices.dtype == np.int32 and found.indices.size == k
     # which road it took: the adversarial inputs are built to take the retry and fallback roads
+    expected = {"all_equal": (True, None), "many_zeros": (True, None), "unsampled_tail": (False, 2)}
+    fallback, passes = expected.get(name, (False, 1 if k < n else 0))
+    assert found.fallback == fallback, found
+    if passes is not None:
+        assert found.passes == passes, found
+
+
+@pytest.mark.parametrize("name, n, ratio", TOPK_CASES)
+def test_topk_host_selects_exactly_the_reference_set_by_the_same_roads(name, n, ratio):
+    """topk_host: the threshold search with the compaction's CPU twin, as topk_cuda takes it."""
+    x = adversarial(name, n)
+    k = k_of(ratio, n)
+    found = topk_threshold.topk_host(x, k)
+    ref = topk_threshold.topk_select(x, k)
+    np.testing.assert_array_equal(found.indices, ref)
+    assert_same_bits(found.values, x[ref])
     expected = {"all_equal": (True, None), "many_zeros": (True, None), "unsampled_tail": (False, 2)}
     fallback, passes = expected.get(name, (False, 1 if k < n else 0))
     assert found.fallback == fallback, found

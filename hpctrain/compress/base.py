@@ -49,6 +49,15 @@ class Compressor:
     def decompress(self, payload: dict, n: int, ctx: Context) -> np.ndarray:
         raise NotImplementedError
 
+    def add_sent(self, payload: dict, out: np.ndarray, ctx: Context) -> None:
+        """out += decompress(payload) (float32, in place); sparse payloads override it to
+        touch only their entries (the same bits: adding 0.0 changes no float32 value)."""
+        out += self.decompress(payload, out.size, ctx)
+
+    def subtract_sent(self, payload: dict, out: np.ndarray, ctx: Context) -> None:
+        """out -= decompress(payload) (float32, in place); see :meth:`add_sent`."""
+        out -= self.decompress(payload, out.size, ctx)
+
     def describe(self) -> str:
         return self.name
 
@@ -78,9 +87,9 @@ class ErrorFeedback:
         r = self.residuals.get(ctx.bucket)
         if r is None or r.size != x.size:
             r = self.residuals[ctx.bucket] = np.zeros(x.size, np.float32)
-        corrected = x.astype(np.float32) + r
-        payload = c.compress(corrected, ctx)
-        np.subtract(corrected, c.decompress(payload, x.size, ctx), out=r)
+        np.add(x.astype(np.float32, copy=False), r, out=r)   # r is now x + residual ...
+        payload = c.compress(r, ctx)                          # (payloads hold copies, not views)
+        c.subtract_sent(payload, r, ctx)                      # ... and then what was not sent
         return payload
 
     def state(self) -> dict:

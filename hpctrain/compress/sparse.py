@@ -9,9 +9,10 @@ per rank, so payloads are all-gathered ("gather"), whose bytes per rank grow
 with p - 1 (1/25 of a ring all-reduce's at 4 ranks with int32 indices, 1/33
 with these), and scattered-added. Selection is exact
 and the same on every target: larger |x| first, NaN above every number, equal
-|x| by smaller index (:func:`hpctrain.kernels.topk_threshold.topk_select`,
-O(n) with ``numpy.partition``); the device path selects the same set by a
-sampled threshold (hpctrain/compress/device.py).
+|x| by smaller index (:func:`hpctrain.kernels.topk_threshold.topk_select`);
+both the host (``topk_host``, numba) and the device path
+(hpctrain/compress/device.py) find that set by a sampled threshold, a
+compaction and an exact selection among the candidates.
 
 randk(ratio): k entries at indices drawn from a generator seeded by
 (seed, step, bucket), the same on every rank, so only the float32 values
@@ -27,7 +28,7 @@ import math
 
 import numpy as np
 
-from ..kernels.topk_threshold import topk_select
+from ..kernels.topk_threshold import topk_host
 from .base import Compressor
 
 
@@ -78,13 +79,20 @@ class TopK(_Sparse):
 
     def compress(self, x, ctx):
         x = np.asarray(x, np.float32).reshape(-1)
-        idx = topk_select(x, k_of(self.ratio, x.size))  # ascending
-        return {**pack_indices(idx, x.size), "values": x[idx]}
+        found = topk_host(x, k_of(self.ratio, x.size))  # indices ascending
+        return {**pack_indices(found.indices, x.size), "values": found.values}
 
     def decompress(self, payload, n, ctx):
         out = np.zeros(n, np.float32)
         out[unpack_indices(payload["offsets"], payload["block_counts"])] = payload["values"]
         return out
+
+    # indices are distinct, so fancy-indexed += / -= touch each entry once
+    def add_sent(self, payload, out, ctx):
+        out[unpack_indices(payload["offsets"], payload["block_counts"])] += payload["values"]
+
+    def subtract_sent(self, payload, out, ctx):
+        out[unpack_indices(payload["offsets"], payload["block_counts"])] -= payload["values"]
 
 
 class RandK(_Sparse):

@@ -4,7 +4,10 @@ The order (both targets, and the host TopK): larger |x| first, NaN above every
 number (NumPy's sort puts NaN last); equal |x| by smaller index. The top k of
 that order, indices sorted ascending, is "the" top-k: no partition internals.
 
-  topk_select        host (NumPy): positions of the top k of a vector, O(n) (partition)
+  topk_select        host (NumPy): positions of the top k of a vector, O(n) (partition); the
+                     reference, and the selection among candidates
+  topk_host          host (numba): the threshold selection below with the compaction's CPU
+                     twin (index order, no atomics), ~5x faster than topk_select at n = 4 M
   sample_abs         out[j] = |x[j * stride]|: a deterministic, strided sample
   threshold_compact  every i with |x[i]| >= t (or NaN) -> (cand_idx, cand_val) through an
                      atomic counter; ``count`` = how many passed, even beyond capacity
@@ -138,28 +141,64 @@ def topk_cuda(x, k, *, stream=0, scratch=None) -> TopkResult:
     cand_idx = _alloc(scratch, "topk_idx", (cap,), np.int32)
     cand_val = _alloc(scratch, "topk_val", (cap,), np.float32)
     count = _alloc(scratch, "topk_count", (1,), np.int32)
-    want, tried = 2.0 * k, set()
+
+    def compact(t):
+        count.copy_to_device(np.zeros(1, np.int32), stream=stream)
+        threshold_compact_cuda(x, t, cand_idx, cand_val, count, stream=stream)
+        c = int(count.copy_to_host(stream=stream)[0])
+        _sync(stream)
+        return c
+
+    passes, c = threshold_passes(ordered, n, k, compact)
+    if c is not None:
+        ci, cv = cand_idx[:c].copy_to_host(stream=stream), cand_val[:c].copy_to_host(stream=stream)
+        _sync(stream)
+        order = np.argsort(ci, kind="stable")
+        ci, cv = ci[order], cv[order]
+        pos = topk_select(cv, k)
+        return TopkResult(ci[pos], cv[pos], passes, False)
+    values = x.copy_to_host(stream=stream)
+    _sync(stream)
+    pos = topk_select(values, k)
+    return TopkResult(pos.astype(np.int32), values[pos], passes, True)
+
+
+def threshold_passes(ordered, n, k, compact):
+    """The search both targets share: thresholds from the ascending sample ``ordered`` (NaN as
+    inf) until ``compact(t)``, which compacts and returns how many passed, gives k <= count <=
+    capacity. Returns (passes, count), count None when the search gave up (the fallback)."""
+    cap, want, tried = capacity(n, k), 2.0 * k, set()
     for passes in range(1, MAX_PASSES + 1):
         t = threshold_for(ordered, n, want)
         if t in tried:          # the sample cannot tell thresholds apart any finer (ties, zeros)
             break
         tried.add(t)
-        count.copy_to_device(np.zeros(1, np.int32), stream=stream)
-        threshold_compact_cuda(x, t, cand_idx, cand_val, count, stream=stream)
-        c = int(count.copy_to_host(stream=stream)[0])
-        _sync(stream)
+        c = compact(t)
         if k <= c <= cap:
-            ci, cv = cand_idx[:c].copy_to_host(stream=stream), cand_val[:c].copy_to_host(stream=stream)
-            _sync(stream)
-            order = np.argsort(ci, kind="stable")
-            ci, cv = ci[order], cv[order]
-            pos = topk_select(cv, k)
-            return TopkResult(ci[pos], cv[pos], passes, False)
+            return passes, c
         want = want * 4 if c < k else want / 4
-    values = x.copy_to_host(stream=stream)
-    _sync(stream)
-    pos = topk_select(values, k)
-    return TopkResult(pos.astype(np.int32), values[pos], len(tried), True)
+    return len(tried), None
+
+
+def topk_host(x, k) -> TopkResult:
+    """The top k of the host float32 vector x: int64 indices (ascending), their values, and how
+    the threshold search went. The same set as :func:`topk_select`."""
+    x = np.ascontiguousarray(x, np.float32)
+    n = x.size
+    if k >= n or k <= 0:
+        pos = topk_select(x, k)
+        return TopkResult(pos, x[pos], 0, False)
+    s = min(n, SAMPLE)
+    sample = sample_abs(x, s)
+    ordered = np.sort(np.where(np.isnan(sample), np.float32(np.inf), sample))
+    cap = capacity(n, k)
+    cand_idx, cand_val = np.empty(cap, np.int64), np.empty(cap, np.float32)
+    passes, c = threshold_passes(ordered, n, k, lambda t: threshold_compact(x, t, cand_idx, cand_val))
+    if c is None:
+        pos = topk_select(x, k)
+        return TopkResult(pos, x[pos], passes, True)
+    pos = topk_select(cand_val[:c], k)     # candidates are in index order: ties keep theirs
+    return TopkResult(cand_idx[pos], cand_val[pos], passes, False)
 
 
 def _sync(stream):
