@@ -7,8 +7,15 @@ import pytest
 from hpctrain.compress import (Bf16, Context, ErrorFeedback, Fp16, PowerSGD, RandK, Sign, TopK,
                                make_compressor, payload_bytes)
 from hpctrain.compress.sparse import INDEX_BLOCK, k_of, pack_indices, unpack_indices
+from hpctrain.kernels.topk_threshold import topk_host, topk_select
+from topk_cases import TOPK_CASES, adversarial, expected_road
 
 CTX = Context(step=3, bucket=1, seed=7)
+
+
+def same_bits(a, b):
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def _x(n, seed=0, scale=1.0):
@@ -146,6 +153,59 @@ def test_error_feedback_invariant(make):
     again = ErrorFeedback(c)
     again.load_state(ef.state())
     np.testing.assert_array_equal(again.residuals[0], ef.residuals[0])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract")  # inf - inf, as meant
+@pytest.mark.parametrize("make", [lambda: TopK(0.05), lambda: Sign(chunk=64), Fp16, Bf16, lambda: RandK(0.1)])
+def test_error_feedback_in_place_is_bitwise_the_dense_formula(make):
+    """ErrorFeedback.step (in place; topk's sparse subtract) against the plain formula:
+    corrected = x + r, payload = compress(corrected), r = corrected - decompress(payload),
+    bit for bit, with -0.0, NaN, inf and subnormals in the gradients."""
+    c, ref_c = make(), make()
+    ef, r = ErrorFeedback(c), np.zeros(3000, np.float32)
+    total, ref_total = np.zeros(3000, np.float32), np.zeros(3000, np.float32)
+    for step in range(6):
+        g = _x(3000, seed=step) * np.float32(2.0 ** (step - 3))
+        g[::11], g[5::97] = -0.0, np.float32(1e-45)
+        if step == 4:
+            g[[7, 8]] = [np.nan, np.inf]
+        ctx = Context(step=step, bucket=0, seed=1)
+        payload = ef.step(g, ctx)
+        corrected = g + r
+        ref = ref_c.compress(corrected, ctx)
+        r = corrected - ref_c.decompress(ref, g.size, ctx)
+        assert sorted(payload) == sorted(ref) and all(same_bits(payload[k], ref[k]) for k in ref), step
+        assert same_bits(ef.residuals[0], r), step
+        c.add_sent(payload, total, ctx)             # the gathered sum's decode, sparse for topk
+        ref_total += ref_c.decompress(ref, g.size, ctx)
+        assert same_bits(total, ref_total), step
+
+
+def _same_road(name, n, k, found):
+    fallback, passes = expected_road(name, n, k)
+    return found.fallback == fallback and (passes is None or found.passes == passes)
+
+
+@pytest.mark.parametrize("name, n, ratio", TOPK_CASES)
+def test_topk_host_selects_exactly_the_reference_set_by_the_same_roads(name, n, ratio):
+    """topk_host (threshold search, the compaction's numba twin) against topk_select (numpy.partition)."""
+    x = adversarial(name, n)
+    k = k_of(ratio, n)
+    found = topk_host(x, k)
+    ref = topk_select(x, k)
+    np.testing.assert_array_equal(found.indices, ref)
+    assert same_bits(found.values, x[ref])
+    assert _same_road(name, n, k, found), found
+
+
+def test_topk_host_takes_any_float_vector_and_any_k():
+    x64 = adversarial("nan_inf", 9000).astype(np.float64)
+    strided = adversarial("normal", 18000)[::2]                # not contiguous
+    for x in (x64, strided):
+        for k in (0, 1, 90, x.size - 1, x.size, x.size + 3):
+            found, ref = topk_host(x, k), topk_select(x, k)
+            np.testing.assert_array_equal(found.indices, ref)
+            assert same_bits(found.values, x.astype(np.float32)[ref]), k
 
 
 def test_powersgd_with_full_rank_reproduces_the_matrix():

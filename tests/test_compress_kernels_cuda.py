@@ -20,6 +20,7 @@ from hpctrain.compress import Bf16, Context, Fp16, Sign, TopK
 from hpctrain.compress.sparse import k_of, unpack_indices
 from hpctrain.device import CudaDevice, cuda_status
 from hpctrain.kernels import ef, gather_scatter, quantize16, sign_pack, topk_threshold
+from topk_cases import TOPK_CASES, adversarial, expected_road
 
 pytestmark = [pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}"),
               pytest.mark.filterwarnings("ignore:invalid value encountered")]  # inf - inf, NaN casts: on purpose
@@ -156,32 +157,6 @@ def test_sign_unpack_sum_equals_host_decode_in_rank_order(dev, n, out_dtype):
 
 
 # ---- top-k -------------------------------------------------------------------------------
-def adversarial(name, n):
-    r = np.random.default_rng([79, n])
-    x = r.standard_normal(n).astype(np.float32)
-    if name == "ties":                     # every magnitude ~5 times, both signs: ties at the k-th
-        x = (r.integers(-1000, 1001, n) * 0.25).astype(np.float32)
-    elif name == "all_equal":              # ties beyond any threshold's reach: the host fallback
-        x = np.full(n, -1.25, np.float32)
-    elif name == "one_huge":
-        x[n // 2 + 1] = 1e30
-    elif name == "many_zeros":             # fewer non-zeros than k: zeros must be picked by index
-        x[:] = 0
-        x[::500] = r.standard_normal(x[::500].size)
-        x[3::7] = -0.0
-    elif name == "nan_inf":
-        x[[5, 9, 400]] = [np.nan, -np.inf, np.nan]
-    elif name == "unsampled_tail":         # the sampled positions (stride 3) hold all the mass
-        x *= np.float32(1e-3)
-        x[::3] = r.standard_normal(x[::3].size)
-    return x
-
-
-TOPK_CASES = [("normal", 5000, 0.01), ("normal", 7, 0.3), ("normal", 1, 0.5), ("normal", 50, 1.0),
-              ("ties", 5000, 0.01), ("all_equal", 5000, 0.01), ("one_huge", 5000, 0.0002),
-              ("many_zeros", 5000, 0.01), ("nan_inf", 5000, 0.01), ("unsampled_tail", 3 * 4096 + 1, 0.01)]
-
-
 @pytest.mark.parametrize("name, n, ratio", TOPK_CASES)
 def test_topk_cuda_selects_exactly_the_host_set(dev, name, n, ratio):
     x = adversarial(name, n)
@@ -195,24 +170,7 @@ def test_topk_cuda_selects_exactly_the_host_set(dev, name, n, ratio):
     assert_same_bits(p["values"], x[ref])
     assert found.indices.dtype == np.int32 and found.indices.size == k
     # which road it took: the adversarial inputs are built to take the retry and fallback roads
-    expected = {"all_equal": (True, None), "many_zeros": (True, None), "unsampled_tail": (False, 2)}
-    fallback, passes = expected.get(name, (False, 1 if k < n else 0))
-    assert found.fallback == fallback, found
-    if passes is not None:
-        assert found.passes == passes, found
-
-
-@pytest.mark.parametrize("name, n, ratio", TOPK_CASES)
-def test_topk_host_selects_exactly_the_reference_set_by_the_same_roads(name, n, ratio):
-    """topk_host: the threshold search with the compaction's CPU twin, as topk_cuda takes it."""
-    x = adversarial(name, n)
-    k = k_of(ratio, n)
-    found = topk_threshold.topk_host(x, k)
-    ref = topk_threshold.topk_select(x, k)
-    np.testing.assert_array_equal(found.indices, ref)
-    assert_same_bits(found.values, x[ref])
-    expected = {"all_equal": (True, None), "many_zeros": (True, None), "unsampled_tail": (False, 2)}
-    fallback, passes = expected.get(name, (False, 1 if k < n else 0))
+    fallback, passes = expected_road(name, n, k)
     assert found.fallback == fallback, found
     if passes is not None:
         assert found.passes == passes, found
