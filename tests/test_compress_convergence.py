@@ -96,7 +96,8 @@ def test_topk_1pct_final_loss_within_2pct_of_uncompressed(runs):
     assert runs["topk(0.01)"]["loss_vs_none"] <= TARGET_LOSS
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 6, not met: powersgd(4) ends at 1.040x none's final loss")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 6, not met: powersgd(4) ends at 1.040x none's final loss "
+                                       "(seeds 1-3: 1.034x, 1.023x, 1.038x)")
 def test_powersgd_rank_4_final_loss_within_2pct_of_uncompressed(runs):
     assert runs["powersgd(4)"]["loss_vs_none"] <= TARGET_LOSS
 
