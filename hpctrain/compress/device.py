@@ -48,7 +48,7 @@ from .base import NoCompression
 from .quantize import Bf16, Fp16
 from .reducer import CompressedSum
 from .sign import Sign
-from .sparse import RandK, TopK, k_of, pack_indices, unpack_indices
+from .sparse import RandK, TopK, k_of, pack_indices, payload_indices
 
 F32 = np.float32
 
@@ -141,8 +141,7 @@ class DeviceCompressedSum(CompressedSum):
             sign_pack.unpack_sum_cuda(bits, scales, c.chunk, out, **s)
             return
         # topk: 0 + rank 0's values + rank 1's ... at each index, as the host's dense sum
-        idx = up(np.stack([unpack_indices(p["offsets"], p["block_counts"]) for p in parts]).astype(np.int32),
-                 "indices")
+        idx = up(np.stack([payload_indices(p) for p in parts]).astype(np.int32), "indices")
         values = up(np.stack([p["values"] for p in parts]), "values")
         total = out if out.dtype == F32 else self._scratch("total", (out.size,), F32)
         ef.fill_cuda(total, 0, **s)

@@ -32,7 +32,8 @@ from ..kernels.topk_threshold import topk_host
 from .base import Compressor
 
 
-INDEX_BLOCK = 1 << 16  # entries per block: an offset within one fits in uint16
+INDEX_BITS = 16
+INDEX_BLOCK = 1 << INDEX_BITS  # entries per block: an offset within one fits in uint16
 
 
 def pack_indices(indices: np.ndarray, n: int) -> dict:
@@ -42,7 +43,7 @@ def pack_indices(indices: np.ndarray, n: int) -> dict:
     if indices.size and (indices[0] < 0 or indices[-1] >= n or np.any(indices[1:] <= indices[:-1])):
         raise ValueError(f"top-k indices must be ascending and in [0, {n})")  # else the decode misplaces them
     blocks = -(-n // INDEX_BLOCK)
-    counts = np.bincount(indices >> 16, minlength=blocks).astype(np.int32) if indices.size \
+    counts = np.bincount(indices >> INDEX_BITS, minlength=blocks).astype(np.int32) if indices.size \
         else np.zeros(blocks, np.int32)
     return {"offsets": (indices & (INDEX_BLOCK - 1)).astype(np.uint16), "block_counts": counts}
 
@@ -54,6 +55,11 @@ def unpack_indices(offsets: np.ndarray, block_counts: np.ndarray) -> np.ndarray:
                          f"{offsets.size} offsets")
     starts = np.arange(block_counts.size, dtype=np.int64) * INDEX_BLOCK
     return np.repeat(starts, block_counts) + offsets
+
+
+def payload_indices(payload: dict) -> np.ndarray:
+    """The int64 indices of a top-k payload (see :func:`pack_indices`)."""
+    return unpack_indices(payload["offsets"], payload["block_counts"])
 
 
 def k_of(ratio: float, n: int) -> int:
@@ -84,15 +90,15 @@ class TopK(_Sparse):
 
     def decompress(self, payload, n, ctx):
         out = np.zeros(n, np.float32)
-        out[unpack_indices(payload["offsets"], payload["block_counts"])] = payload["values"]
+        out[payload_indices(payload)] = payload["values"]
         return out
 
     # indices are distinct, so fancy-indexed += / -= touch each entry once
     def add_sent(self, payload, out, ctx):
-        out[unpack_indices(payload["offsets"], payload["block_counts"])] += payload["values"]
+        out[payload_indices(payload)] += payload["values"]
 
     def subtract_sent(self, payload, out, ctx):
-        out[unpack_indices(payload["offsets"], payload["block_counts"])] -= payload["values"]
+        out[payload_indices(payload)] -= payload["values"]
 
 
 class RandK(_Sparse):

@@ -136,7 +136,6 @@ def topk_cuda(x, k, *, stream=0, scratch=None) -> TopkResult:
     _sample_abs_kernel[blocks_for(s), THREADS, stream](x, n // s, sample)
     host = sample.copy_to_host(stream=stream)
     _sync(stream)
-    ordered = np.sort(np.where(np.isnan(host), np.float32(np.inf), host))
     cap = capacity(n, k)
     cand_idx = _alloc(scratch, "topk_idx", (cap,), np.int32)
     cand_val = _alloc(scratch, "topk_val", (cap,), np.float32)
@@ -149,7 +148,7 @@ def topk_cuda(x, k, *, stream=0, scratch=None) -> TopkResult:
         _sync(stream)
         return c
 
-    passes, c = threshold_passes(ordered, n, k, compact)
+    passes, c = threshold_passes(host, n, k, compact)
     if c is not None:
         ci, cv = cand_idx[:c].copy_to_host(stream=stream), cand_val[:c].copy_to_host(stream=stream)
         _sync(stream)
@@ -163,10 +162,11 @@ def topk_cuda(x, k, *, stream=0, scratch=None) -> TopkResult:
     return TopkResult(pos.astype(np.int32), values[pos], passes, True)
 
 
-def threshold_passes(ordered, n, k, compact):
-    """The search both targets share: thresholds from the ascending sample ``ordered`` (NaN as
+def threshold_passes(sample, n, k, compact):
+    """The search both targets share: thresholds from the host ``sample`` of |x| (NaN ranks as
     inf) until ``compact(t)``, which compacts and returns how many passed, gives k <= count <=
     capacity. Returns (passes, count), count None when the search gave up (the fallback)."""
+    ordered = np.sort(np.where(np.isnan(sample), np.float32(np.inf), sample))
     cap, want, tried = capacity(n, k), 2.0 * k, set()
     for passes in range(1, MAX_PASSES + 1):
         t = threshold_for(ordered, n, want)
@@ -190,10 +190,9 @@ def topk_host(x, k) -> TopkResult:
         return TopkResult(pos, x[pos], 0, False)
     s = min(n, SAMPLE)
     sample = sample_abs(x, s)
-    ordered = np.sort(np.where(np.isnan(sample), np.float32(np.inf), sample))
     cap = capacity(n, k)
     cand_idx, cand_val = np.empty(cap, np.int64), np.empty(cap, np.float32)
-    passes, c = threshold_passes(ordered, n, k, lambda t: threshold_compact(x, t, cand_idx, cand_val))
+    passes, c = threshold_passes(sample, n, k, lambda t: threshold_compact(x, t, cand_idx, cand_val))
     if c is None:
         pos = topk_select(x, k)
         return TopkResult(pos, x[pos], passes, True)
