@@ -22,6 +22,11 @@ out ``--warmup`` steps (JIT compilation, first touch, the first read-ahead).
   checkpoint (``benchmarks/peers/init_checkpoint.py``; hpctrain resumes from
   it), same data order, batch and optimizer; the first ``--compare-steps``
   global losses of the two must agree within ``--loss-rtol`` (relative).
+* ceiling (``--ceiling-models``, default all): in weak mode, N independent
+  1-rank copies of the hpctrain run at once under the same launcher
+  (``benchmarks/peers/independent.py``, row ``independent``): what the machine
+  allows without communication, so the report can say how much of the
+  weak-scaling loss is the machine's and how much is hpctrain's.
 * timeline (``--trace-config MODEL:N``, default mid:2): one more short hpctrain
   run with ``--trace``, merged (``python -m hpctrain trace merge``), and the
   peer's ``torch.profiler`` trace of the same configuration.
@@ -67,7 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--models", default="small,mid,large", help="presets or name=DIM-H1-H2..., comma-separated")
     p.add_argument("--modes", default="strong,weak")
     p.add_argument("--batch", type=int, default=256, help="per-rank batch of weak scaling (256)")
-    p.add_argument("--strong-batch", type=int, default=0, help="global batch of strong scaling (batch x max ranks)")
+    p.add_argument("--strong-batch", type=int, default=0,
+                   help="global batch of strong scaling (0: batch x --largest-ranks)")
+    p.add_argument("--largest-ranks", type=int, default=0,
+                   help="largest rank count of the study (0: of --ranks); set it when each job-array task "
+                        "runs one count, so every task's strong scaling keeps the same global batch")
     p.add_argument("--steps", type=int, default=0, help="timed steps (0: per model: small 200, mid 60, large 6)")
     p.add_argument("--warmup", type=int, default=-1, help="steps left out first (-1: small 20, mid 10, large 2)")
     p.add_argument("--repeats", type=int, default=1, help="sweeps; a configuration reports its median run (1)")
@@ -81,6 +90,10 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint.every_steps in the hpctrain runs (0 off)")
     p.add_argument("--peer-models", default="mid", help="models the PyTorch peer also runs ('' none)")
     p.add_argument("--peer-modes", default="weak", help="modes the PyTorch peer also runs")
+    p.add_argument("--ceiling-models", default="all",
+                   help="models whose weak runs also run N independent 1-rank copies at once, the "
+                        "machine's ceiling without communication (benchmarks/peers/independent.py; "
+                        "all (default), or '' none)")
     p.add_argument("--compare-steps", type=int, default=10, help="first steps whose losses must agree (10)")
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance (float32: 1e-4)")
     p.add_argument("--trace-config", default="mid:2", help="MODEL:N traced once more ('' none)")
@@ -144,7 +157,7 @@ class Runner:
             os.remove(metrics)
         sets = sets + [f"train.global_batch={batch}", f'train.metrics="{metrics}"']
         argv = (["-m", "hpctrain", "train"] if trainer == "hpctrain" else
-                [os.path.join(REPO, "benchmarks", "peers", "torch_ddp.py")])
+                [os.path.join(REPO, "benchmarks", "peers", f"{trainer}.py")])
         argv += [x for s in sets for x in ("--set", s)] + ["--resume", init]
         print(f"  {tag} (global batch {batch}) ...", file=sys.stderr, flush=True)
         rc, text, wall = self.launch(n, argv, metrics.replace(".jsonl", ".log"))
@@ -154,7 +167,7 @@ class Runner:
                "nodes": int(nodes.group(2)) if nodes else None,
                "per_rank_batch": batch // n, "rc": rc, "wall_s": wall, "metrics": os.path.relpath(metrics, a.out),
                "threads_per_rank": self.threads, **summarise(steps, warmup, a.compare_steps)}
-        if rc == 77 and trainer != "hpctrain":
+        if rc == 77 and trainer == bench_report.PEER:
             return None, text.strip().splitlines()[-1] if text.strip() else "skipped"
         if rc or not steps:
             self.failed.append(tag)
@@ -207,7 +220,10 @@ def prepare(runner, name, dim, hidden, data_dir) -> tuple[list, str]:
 
 
 def machine(runner) -> dict:
-    mpi = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()
+    try:
+        mpi = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()
+    except OSError:  # no mpirun on the path (srun-only sites)
+        mpi = []
     versions = {}
     for pkg in ("numpy", "numba", "mpi4py", "h5py", "torch"):
         try:
@@ -232,12 +248,13 @@ def main(argv=None) -> int:
         print(f"scaling.py: error: {exc}", file=sys.stderr)
         return 2
     a.out = os.path.abspath(a.out)
-    a.strong_batch = a.strong_batch or a.batch * max(a.ranks)
+    a.strong_batch = a.strong_batch or a.batch * (a.largest_ranks or max(a.ranks))
     os.makedirs(os.path.join(a.out, "runs"), exist_ok=True)
     runner = Runner(a)
     info = machine(runner)
     peer_models = {m for m in a.peer_models.split(",") if m}
     peer_modes = {m for m in a.peer_modes.split(",") if m}
+    ceiling_models = set(models) if a.ceiling_models == "all" else {m for m in a.ceiling_models.split(",") if m}
     peer_skipped, traces = "", []
     plans = {}
     for name, (dim, hidden) in models.items():
@@ -261,6 +278,8 @@ def main(argv=None) -> int:
                               file=sys.stderr)
                         continue
                     runner.run("hpctrain", name, mode, n, batch, hp_sets, init, warmup, rep)
+                    if mode == "weak" and name in ceiling_models:
+                        runner.run(bench_report.CEILING, name, mode, n, batch, hp_sets, init, warmup, rep)
                     if name in peer_models and mode in peer_modes and not peer_skipped:
                         _, peer_skipped = runner.run(bench_report.PEER, name, mode, n, batch, sets, init, warmup,
                                                      rep)

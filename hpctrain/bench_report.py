@@ -10,7 +10,7 @@ hpctrain / PyTorch ratio, loss agreement) is computed here from the raw rows,
 so a report is the same whether printed by the run or rebuilt later.
 
 A row of ``scaling.json`` (one training run; times in ms, from the per-step
-metrics of rank 0, warm-up steps left out): trainer (hpctrain | torch_ddp),
+metrics of rank 0, warm-up steps left out): trainer (hpctrain | torch_ddp | independent),
 model, mode (weak | strong), ranks, global_batch, step_ms {median, p10, p90,
 mean}, split_ms {data, forward, backward, exposed_comm, optimizer, checkpoint,
 other}, comm_ms (the communication thread's time, overlapped or not; hpctrain
@@ -26,6 +26,9 @@ import sys
 
 PHASES = ("data", "forward", "backward", "exposed_comm", "optimizer", "checkpoint", "other")
 PEER = "torch_ddp"
+CEILING = "independent"  # N 1-rank runs at once, no communication (benchmarks/peers/independent.py)
+SHORT = {"hpctrain": "hp", PEER: "pt", CEILING: "ind"}
+LABEL = {"hpctrain": "hpctrain", PEER: "PyTorch DDP", CEILING: "independent (no comm)"}
 
 
 def samples_per_s(row) -> float | None:
@@ -96,6 +99,23 @@ def comparisons(doc: dict, rows: list[dict]) -> list[dict]:
     return out
 
 
+def ceilings(rows: list[dict]) -> list[dict]:
+    """hpctrain's weak scaling against N independent 1-rank runs at once, per (model, ranks > 1) run by both:
+    ``of_ceiling`` = hpctrain samples/s / independent samples/s (1.0: communication costs nothing)."""
+    out = []
+    for h in rows:
+        if (h["trainer"], h["mode"]) != ("hpctrain", "weak") or h["ranks"] < 2 or not h["samples_per_s"]:
+            continue
+        c = next((q for q in rows if q["trainer"] == CEILING and q["samples_per_s"] and
+                  (q["model"], q["mode"], q["ranks"], q["per_rank_batch"]) ==
+                  (h["model"], "weak", h["ranks"], h["per_rank_batch"])), None)
+        if c is not None:
+            out.append({"model": h["model"], "ranks": h["ranks"], "oversubscribed": h["oversubscribed"],
+                        "efficiency": h["efficiency"], "ceiling_efficiency": c["efficiency"],
+                        "of_ceiling": h["samples_per_s"] / c["samples_per_s"]})
+    return out
+
+
 def _f(v, spec=".2f", none="-") -> str:
     return none if v is None else format(v, spec)
 
@@ -146,6 +166,18 @@ def tables(doc: dict) -> str:
             out.append(f"| {c['model']} | {c['mode']} | {c['ranks']} | {_f(c['hpctrain'], ',.0f')} | "
                        f"{_f(c['torch'], ',.0f')} | {_f(c['ratio'])}x | {_f(c['loss_rel_diff'], '.1e')} "
                        f"({c['steps_compared']}) | {c['loss_rtol']:.0e} | {'yes' if c['agree'] else 'NO'} |")
+    ceil = ceilings(rows)
+    if ceil:
+        out += ["", "## Weak scaling against the machine's ceiling (N independent 1-rank runs at once)", "",
+                "| model | ranks | hpctrain efficiency | ceiling efficiency (no communication) | hpctrain / "
+                "ceiling |", "|---|---:|---:|---:|---:|"]
+        for c in ceil:
+            out.append(f"| {c['model']} | {c['ranks']}{'*' if c['oversubscribed'] else ''} | "
+                       f"{_f(c['efficiency'])} | {_f(c['ceiling_efficiency'])} | {_f(c['of_ceiling'])} |")
+        out += ["", "ceiling = the same weak configuration as N separate 1-rank trainings started together on the "
+                "same cores (benchmarks/peers/independent.py): what N ranks lose with no communication at all "
+                "(shared caches and memory bus, the hypervisor, clocks); hpctrain / ceiling = what hpctrain's "
+                "gradient all-reduce and per-step synchronisation cost on top."]
     skipped = doc.get("peer_skipped")
     if skipped:
         out += ["", f"PyTorch peer skipped: {skipped}"]
@@ -186,12 +218,12 @@ def plots(doc: dict, directory: str) -> list[str]:
     axes = list(axes[0])
     for ax, mode in zip(axes, modes):
         for model in models:
-            for trainer, style in (("hpctrain", "-o"), (PEER, "--s")):
+            for trainer, style in (("hpctrain", "-o"), (PEER, "--s"), (CEILING, ":^")):
                 sel = sorted((r for r in rows if (r["mode"], r["model"], r["trainer"]) == (mode, model, trainer)),
                              key=lambda r: r["ranks"])
                 if sel:
                     ax.plot([r["ranks"] for r in sel], [r["speedup"] for r in sel], style, color=colors[model],
-                            label=f"{model} {'hpctrain' if trainer == 'hpctrain' else 'PyTorch DDP'}")
+                            label=f"{model} {LABEL[trainer]}")
         ranks = sorted({r["ranks"] for r in rows})
         ax.plot(ranks, [n / ranks[0] for n in ranks], ":", color="gray", label="ideal")
         if doc["machine"]["cores"] < ranks[-1]:
@@ -230,10 +262,11 @@ def plots(doc: dict, directory: str) -> list[str]:
         ax.bar(range(len(sel)), frac, bottom=bottom, label=phase.replace("_", " "))
         bottom = [b + f for b, f in zip(bottom, frac)]
     ax.set_xticks(range(len(sel)))
-    ax.set_xticklabels([f"{r['mode'][0]} {r['model']} {'hp' if r['trainer'] == 'hpctrain' else 'pt'} "
+    ax.set_xticklabels([f"{r['mode'][0]} {r['model']} {SHORT.get(r['trainer'], r['trainer'])} "
                         f"n{r['ranks']}" for r in sel], rotation=90, fontsize=7)
     ax.set_ylabel("fraction of the mean step")
-    ax.set_title("step split (w/s = weak/strong, hp = hpctrain, pt = PyTorch DDP)")
+    ax.set_title("step split (w/s = weak/strong, hp = hpctrain, pt = PyTorch DDP, ind = independent)",
+                 fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
     paths.append(os.path.join(directory, "split.png"))

@@ -41,16 +41,21 @@ def test_scaling_writes_json_table_and_trace(bench):
     assert HEAD in proc.stdout and "## Strong scaling" in proc.stdout and "## Weak scaling" in proc.stdout
     doc = json.loads((out / "scaling.json").read_text())
     rows = doc["rows"]
-    assert sorted((r["mode"], r["ranks"], r["global_batch"]) for r in rows) == [
-        ("strong", 1, 64), ("strong", 2, 64), ("weak", 1, 32), ("weak", 2, 64)]
+    assert sorted((r["trainer"], r["mode"], r["ranks"], r["global_batch"]) for r in rows) == [
+        ("hpctrain", "strong", 1, 64), ("hpctrain", "strong", 2, 64), ("hpctrain", "weak", 1, 32),
+        ("hpctrain", "weak", 2, 64), ("independent", "weak", 1, 32), ("independent", "weak", 2, 64)]
     for r in rows:
-        assert r["trainer"] == "hpctrain" and r["rc"] == 0 and r["steps_timed"] == 3
+        assert r["rc"] == 0 and r["steps_timed"] == 3
         assert r["step_ms"]["median"] > 0 and r["comm_ms"] is not None
         assert set(r["split_ms"]) == {"data", "forward", "backward", "exposed_comm", "optimizer", "checkpoint",
                                       "other"}
         assert r["split_ms"]["checkpoint"] > 0  # --ckpt-every 2 saves inside the timed steps
     assert doc["models"]["tiny"]["params"] == 8 * 16 + 16 + 16 * 10 + 10
     assert doc["machine"]["cores"] >= 1 and doc["args"]["threads_per_rank"] >= 1
+    assert "## Weak scaling against the machine's ceiling" in proc.stdout
+    assert any(line.startswith("| tiny | 2 | ") for line in proc.stdout.splitlines())
+    # the ceiling's rank 1 trained a copy of its own (and checkpointed apart from rank 0)
+    assert list((out / "ckpt" / "tiny" / "independent-rank1").glob("ckpt-*.h5"))
     assert doc["traces"] == ["trace/hpctrain-tiny-n2.json"]
     events = json.loads((out / doc["traces"][0]).read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}
@@ -93,5 +98,31 @@ def test_bench_report_joins_the_parts_of_a_job_array(bench, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "bench", "report", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    rows = lambda text: [line for line in text.splitlines() if line.startswith("| tiny | hpctrain")]  # noqa: E731
+    rows = lambda text: [line for line in text.splitlines() if line.startswith("| tiny |")]  # noqa: E731
     assert rows((tmp_path / "scaling.md").read_text()) == rows((out / "scaling.md").read_text())
+
+
+def test_ceiling_compares_hpctrain_with_independent_runs_at_the_same_ranks():
+    from hpctrain import bench_report
+
+    def row(trainer, ranks, step_ms, mode="weak"):
+        return {"trainer": trainer, "model": "m", "mode": mode, "ranks": ranks, "global_batch": 100 * ranks,
+                "per_rank_batch": 100, "rc": 0, "step_ms": {"median": step_ms}, "split_ms": {}, "comm_ms": None}
+
+    doc = {"machine": {"cores": 4}, "rows": [row("hpctrain", 1, 10.0), row("hpctrain", 2, 12.5),
+                                             row("independent", 1, 10.0), row("independent", 2, 10.5),
+                                             row("hpctrain", 4, 20.0)]}   # no ceiling at 4: not reported
+    (c,) = bench_report.ceilings(bench_report.derive(doc))
+    assert (c["model"], c["ranks"]) == ("m", 2)
+    assert c["efficiency"] == pytest.approx(0.8) and c["ceiling_efficiency"] == pytest.approx(10 / 10.5)
+    assert c["of_ceiling"] == pytest.approx(10.5 / 12.5)
+
+
+def test_independent_peer_with_a_batch_the_ranks_cannot_share_is_one_clear_error(tmp_path):
+    from conftest import run_mpi
+
+    proc = run_mpi(2, ["benchmarks/peers/independent.py", "--set", "train.global_batch=33",
+                       "--set", f'checkpoint.dir="{tmp_path}"'])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("train.global_batch=33 is not divisible by 2 ranks") == 1
+    assert "Traceback" not in proc.stderr

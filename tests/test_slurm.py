@@ -142,20 +142,52 @@ def test_requeue_template_survives_its_time_limit(slurm_cluster, small_data, tmp
         assert np.array_equal(got[name], want[name]), f"{name} differs from the uninterrupted run"
 
 
+SCALING_TINY = ["--models", "tiny=8-16", "--steps", "3", "--warmup", "1", "--samples", "2048", "--batch", "32",
+                "--peer-models", "", "--trace-config", ""]
+
+
+def _scaling_rows(doc) -> list:
+    return sorted((r["trainer"], r["mode"], r["ranks"], r["global_batch"], r["rc"]) for r in doc["rows"])
+
+
 @pytest.mark.timeout(420)
-def test_scaling_array_one_result_per_task(slurm_cluster, tmp_path):
-    """scaling.sbatch as a 2-task array over rank counts 1 and 2: one JSON per task."""
+def test_scaling_sbatch_runs_the_benchmark_with_srun(slurm_cluster, tmp_path):
+    """scaling.sbatch as one job over rank counts 1 and 2: benchmarks/scaling.py, each run an srun step."""
+    env = slurm_cluster.env(HPCTRAIN_HOME=REPO, HPCTRAIN_RANK_COUNTS="1 2", HPCTRAIN_OUT=str(tmp_path / "res"))
+    out = tmp_path / "scaling.out"
+    job = slurm_cluster.sbatch([f"--output={out}", os.path.join(JOBS, "scaling.sbatch"), *SCALING_TINY],
+                               env=env, cwd=tmp_path)
+    (record,) = slurm_cluster.wait(job, 360, str(out))
+    text = _read(out)
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), text
+    with open(tmp_path / "res" / "scaling.json") as fh:
+        doc = json.load(fh)
+    assert _scaling_rows(doc) == [("hpctrain", "strong", 1, 64, 0), ("hpctrain", "strong", 2, 64, 0),
+                                  ("hpctrain", "weak", 1, 32, 0), ("hpctrain", "weak", 2, 64, 0),
+                                  ("independent", "weak", 1, 32, 0), ("independent", "weak", 2, 64, 0)]
+    assert doc["args"]["launcher"].startswith("srun -n {n}")
+    log = _read(tmp_path / "res" / "runs" / "hpctrain-tiny-weak-n2.log")
+    assert log.startswith("$ srun -n 2") and "2 rank(s) on 1 node(s)" in log
+    assert "## Weak scaling against the machine's ceiling" in text and (tmp_path / "res" / "scaling.md").exists()
+
+
+@pytest.mark.timeout(420)
+def test_scaling_array_joins_one_result_per_task(slurm_cluster, tmp_path):
+    """scaling.sbatch as a 2-task array over rank counts 1 and 2: one scaling.json per task, and the
+    joined report of both (the same strong-scaling batch in both tasks, so one series)."""
     env = slurm_cluster.env(HPCTRAIN_HOME=REPO, HPCTRAIN_RANK_COUNTS="1 2", HPCTRAIN_OUT=str(tmp_path / "res"))
     job = slurm_cluster.sbatch(["--array=0-1", f"--output={tmp_path}/%x-%A_%a.out", os.path.join(JOBS, "scaling.sbatch"),
-                                "--n", "4096", "--dim", "8", "--width", "32", "--batch", "64", "--steps", "20",
-                                "--warmup", "2"], env=env, cwd=tmp_path)
+                                *SCALING_TINY, "--modes", "strong"], env=env, cwd=tmp_path)
     records = slurm_cluster.wait(job, 360, str(tmp_path / f"hpctrain-scaling-{job}_0.out"))
     assert sorted(r.get("ArrayTaskId") for r in records) == ["0", "1"]
     assert all((r["JobState"], r["ExitCode"]) == ("COMPLETED", "0:0") for r in records), records
     for ranks in (1, 2):
-        with open(tmp_path / "res" / f"ranks-{ranks}.json") as fh:
-            result = json.load(fh)
-        assert result["ranks"] == ranks and result["steps"] == 20 and result["samples_per_s"] > 0, result
+        with open(tmp_path / "res" / f"ranks-{ranks}" / "scaling.json") as fh:
+            assert _scaling_rows(json.load(fh)) == [("hpctrain", "strong", ranks, 64, 0)]
+    table = _read(tmp_path / "res" / "scaling.md")
+    rows = [line for line in table.splitlines() if line.startswith("| tiny | hpctrain |")]
+    assert [line.split(" | ")[2] for line in rows] == ["1", "2"], table
+    assert rows[1].split(" | ")[-2].endswith("x") and rows[1].split(" | ")[-2] != "-x", table  # a speedup
 
 
 @pytest.mark.timeout(300)
