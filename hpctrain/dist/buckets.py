@@ -14,8 +14,8 @@ Iallreduce barely progresses unless some thread keeps calling into MPI.
 The optimizer then waits for each bucket in turn and updates that slice, so it
 waits only for what it needs. The last bucket is ready only when backward
 ends; if by then the thread has nothing left to do, the main thread reduces
-it itself at its first wait, saving two thread hand-offs per step (measured
-0.06 ms of a 0.7 ms step with one bucket at 2 ranks; docs/dist.md). While the
+it itself at its first wait, saving two thread hand-offs per step (a median
+0.05 ms of a 0.7 ms step with one bucket at 2 ranks; docs/dist.md). While the
 thread is still busy, the last bucket queues behind the others as usual, so
 its reduction overlaps the optimizer's updates of the earlier buckets.
 
