@@ -76,7 +76,8 @@ def parse_args(argv=None):
                    help="global batch of strong scaling (0: batch x --largest-ranks)")
     p.add_argument("--largest-ranks", type=int, default=0,
                    help="largest rank count of the study (0: of --ranks); set it when each job-array task "
-                        "runs one count, so every task's strong scaling keeps the same global batch")
+                        "runs one count, so every task's strong scaling keeps the same global batch and "
+                        "the default threads per rank are the same")
     p.add_argument("--steps", type=int, default=0, help="timed steps (0: per model: small 200, mid 60, large 6)")
     p.add_argument("--warmup", type=int, default=-1, help="steps left out first (-1: small 20, mid 10, large 2)")
     p.add_argument("--repeats", type=int, default=1, help="sweeps; a configuration reports its median run (1)")
@@ -127,7 +128,7 @@ class Runner:
     def __init__(self, args):
         self.args, self.rows, self.failed = args, [], []
         cores = len(os.sched_getaffinity(0))
-        self.threads = args.threads_per_rank or max(1, cores // max(args.ranks))
+        self.threads = args.threads_per_rank or max(1, cores // (args.largest_ranks or max(args.ranks)))
         # a calling MPI singleton (e.g. a test process) leaves its job identity in the environment,
         # and an mpirun started with it fails at once: drop it, as emulated_cluster.sh does
         env = {k: v for k, v in os.environ.items() if not k.startswith(SINGLETON_VARS)}
@@ -295,8 +296,10 @@ def main(argv=None) -> int:
            "models": {n: {"dim": d, "hidden": h, "classes": 10, "params": params(d, h)}
                       for n, (d, h) in models.items()},
            "rows": runner.rows, "peer_skipped": peer_skipped, "traces": traces}
-    with open(os.path.join(a.out, "scaling.json"), "w") as fh:
+    path = os.path.join(a.out, "scaling.json")
+    with open(path + ".part", "w") as fh:  # whole or not at all: job-array tasks join each other's
         json.dump(doc, fh, indent=1)
+    os.replace(path + ".part", path)
     text, pngs = bench_report.report(a.out)
     print(text)
     print(f"\njson: {os.path.join(a.out, 'scaling.json')}; table: {os.path.join(a.out, 'scaling.md')}; plots: "

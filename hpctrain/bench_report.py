@@ -188,8 +188,9 @@ def tables(doc: dict) -> str:
         out += ["", "Timelines: " + ", ".join(f"`{t}`" for t in doc["traces"])]
     out += ["", "samples/s = global batch / median step time; step ms median and 10th-90th percentile; phase "
             "columns are means in ms per step on rank 0 (they add up to the mean step); exposed comm = waiting "
-            "for gradient buckets after backward (hpctrain; PyTorch's is inside backward); comm ms = the "
-            "communication thread's time per step, overlapped or not; comm/compute = comm ms / (forward + "
+            "for gradient buckets after backward (hpctrain; PyTorch's is inside backward); comm ms = time "
+            "per step reducing buckets (communication thread, or main thread for an inlined last bucket), "
+            "overlapped or not; comm/compute = comm ms / (forward + "
             "backward + optimizer); speedup = samples/s over the 1-rank run of the same trainer, model and "
             "mode; efficiency = speedup / ranks; * = more ranks than cores (oversubscribed, not a scaling "
             "result)."]

@@ -1,10 +1,11 @@
 """Which thread reduces which bucket (hpctrain.dist.buckets.BucketedAllreduce), without MPI.
 
 The last bucket is ready only when backward ends. When the communication
-thread has nothing left by then, the main thread reduces it at its first wait
-(no hand-off); when an earlier bucket is still being reduced, the last one
-queues behind it on the thread, since two threads must never run collectives at
-once and the reduction should overlap the optimizer's updates of the earlier buckets.
+thread has nothing left by then, the main thread reduces it when the optimizer
+waits for it (no hand-off); when an earlier bucket is still being reduced, the
+last one queues behind it on the thread, since two threads must never run
+collectives at once and the reduction should overlap the optimizer's updates of
+the earlier buckets; so does a large last bucket on a rank with cores to spare.
 """
 
 import threading
@@ -96,6 +97,47 @@ def test_last_bucket_queues_behind_a_bucket_still_in_flight():
         comm.wait(b)
     assert strategy.calls == [(0, False), (1, False)]   # both on the thread, in order
     np.testing.assert_array_equal(grad, _expected(buckets, 2, 0.25))
+
+
+def test_no_collective_after_the_thread_failed():
+    """A failure on the thread ends the step's collectives on this rank: the last bucket is not
+    reduced inline after it (other ranks may never join that all-reduce: a hang)."""
+    def flaky(view, op):
+        strategy.calls.append((int(view[0]) // 100, threading.current_thread() is threading.main_thread()))
+        if int(view[0]) // 100 == 0:
+            raise ValueError("ranks passed different buffers")
+        view *= 2
+
+    strategy = types.SimpleNamespace(calls=[])
+    comm, _, buckets = _setup(2, flaky)
+    comm.start(scale=1.0)
+    comm.mark_ready("p0")
+    assert comm._done[0].wait(10)
+    comm.mark_ready("p1")
+    with pytest.raises(RuntimeError, match="failed on the communication thread"):
+        for b in buckets:
+            comm.wait(b)
+    with pytest.raises(RuntimeError, match="failed on the communication thread"):
+        comm.wait(buckets[1])
+    assert strategy.calls == [(0, False)]
+
+
+@pytest.mark.parametrize("cores, inline", [({0, 1}, False), ({0}, True)])
+def test_a_large_last_bucket_stays_on_the_thread_when_there_are_cores_to_spare(monkeypatch, cores, inline):
+    import hpctrain.dist.buckets as buckets_mod
+
+    monkeypatch.setattr(buckets_mod, "INLINE_MAX_BYTES", 16)   # every bucket here is 32 bytes
+    monkeypatch.setattr(buckets_mod.os, "sched_getaffinity", lambda pid: cores, raising=False)
+    strategy = RecordingStrategy()
+    comm, grad, buckets = _setup(2, strategy)
+    comm.start(scale=1.0)
+    comm.mark_ready("p0")
+    assert comm._done[0].wait(10)
+    comm.mark_ready("p1")
+    for b in buckets:
+        comm.wait(b)
+    assert strategy.calls == [(0, False), (1, inline)]
+    np.testing.assert_array_equal(grad, _expected(buckets, 2, 1.0))
 
 
 def test_an_inline_failure_reaches_the_caller():

@@ -70,6 +70,8 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg, init_world(MPI.COMM_SELF), Log(rank == 0))
     except (UserError, ValueError) as exc:
         error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure must reach the allgather, or the others hang
+        error = f"{type(exc).__name__}: {exc}"
     errors = everyone.allgather(error)  # every rank stops alike, rank 0 says why
     if any(errors):
         if rank == 0:

@@ -13,11 +13,14 @@ grants MPI_THREAD_MULTIPLE, and a thread is needed: a nonblocking
 Iallreduce barely progresses unless some thread keeps calling into MPI.
 The optimizer then waits for each bucket in turn and updates that slice, so it
 waits only for what it needs. The last bucket is ready only when backward
-ends; if by then the thread has nothing left to do, the main thread reduces
-it itself at its first wait, saving two thread hand-offs per step (a median
-0.05 ms of a 0.7 ms step with one bucket at 2 ranks; docs/dist.md). While the
-thread is still busy, the last bucket queues behind the others as usual, so
-its reduction overlaps the optimizer's updates of the earlier buckets.
+ends; if by then the thread has finished every earlier bucket, the main thread
+reduces it itself when the optimizer waits for it, saving two thread hand-offs
+per step (a median 0.05 ms of a 0.7 ms step with one bucket at 2 ranks;
+docs/dist.md). It does so only where the thread could not overlap much
+anyway: a last bucket of at most INLINE_MAX_BYTES, or a rank with one core.
+Otherwise (thread still busy, or a large last bucket and cores to spare) the
+last bucket queues on the thread as usual, and its reduction overlaps the
+optimizer's updates of the earlier buckets.
 
 Every rank must reduce the same buckets in the same order, or the collectives
 pair up wrongly and hang: :func:`layout_signature` is compared across ranks
@@ -28,10 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
+
+
+INLINE_MAX_BYTES = 1 << 20  # a last bucket this small is reduced on the main thread even with cores to spare
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,9 @@ class BucketedAllreduce:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error = None
         self._thread = None
-        self._inline = None  # the last bucket, when the main thread reduces it (see mark_ready)
+        self._inline = False  # this step's last bucket is the main thread's (see mark_ready)
+        one_core = len(os.sched_getaffinity(0)) == 1 if hasattr(os, "sched_getaffinity") else False
+        self._may_inline = bool(buckets) and (one_core or self._views[-1].nbytes <= INLINE_MAX_BYTES)
         self.comm_s = self.exposed_s = 0.0
         self.bytes = sum(v.nbytes for v in self._views)
         self.tracer, self.trace_args = None, {}  # set by the trainer when tracing (hpctrain.trace)
@@ -116,7 +125,7 @@ class BucketedAllreduce:
             event.clear()
         self.comm_s = self.exposed_s = 0.0
         self.nonfinite = False
-        self._inline = None
+        self._inline = False
         if self.overlap and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="hpctrain-comm", daemon=True)
             self._thread.start()
@@ -128,20 +137,24 @@ class BucketedAllreduce:
         if self._remaining[i] == 0 and self.tracer is not None:
             self.tracer.instant("bucket ready", "comm", {"bucket": i, "bytes": self._views[i].nbytes})
         if self._remaining[i] == 0 and self.overlap:
-            if i == len(self.buckets) - 1 and all(e.is_set() for e in self._done[:i]):
-                self._inline = i  # the thread is idle and backward is over: no collective can overlap
+            if (i == len(self.buckets) - 1 and self._may_inline and self._error is None
+                    and all(e.is_set() for e in self._done[:i])):
+                # the thread is idle and backward is over: the main thread reduces it in wait(),
+                # so collectives still run one at a time, in bucket order, on every rank
+                self._inline = True
             else:
                 self._queue.put(i)
 
     def wait(self, bucket: Bucket) -> None:
         """Block until ``bucket`` is reduced (reduce it here when not overlapping)."""
         t0 = time.perf_counter()
-        if self._inline is not None:
-            i, self._inline = self._inline, None
+        if self._inline and bucket.index == len(self.buckets) - 1:
+            self._inline = False
             try:
-                self._reduce(i)
+                if self._error is None:  # never a collective after a failed one
+                    self._reduce(bucket.index)
             finally:
-                self._done[i].set()
+                self._done[bucket.index].set()
         if self.overlap:
             self._done[bucket.index].wait()
             if self._error is not None:
