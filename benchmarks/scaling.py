@@ -11,11 +11,12 @@ the rank count) and reads the per-step metrics JSON lines of rank 0, leaving
 out ``--warmup`` steps (JIT compilation, first touch, the first read-ahead).
 
 * weak: per-rank batch ``--batch`` fixed, global batch = batch x ranks;
-  strong: global batch ``--strong-batch`` fixed (default batch x max ranks).
+  strong: global batch ``--strong-batch`` fixed (default batch x the largest
+  rank count: ``--largest-ranks``, else the largest of ``--ranks``).
 * models: presets ``small`` (latency-bound), ``mid``, ``large`` (4096-wide,
   compute-bound), or ``name=DIM-H1-H2...`` (e.g. ``tiny=8-16``).
 * every rank gets ``--threads-per-rank`` BLAS/numba/torch threads in every
-  configuration (default cores // max ranks, at least 1), so a rank has the same
+  configuration (default cores // that largest count, at least 1), so a rank has the same
   resources at 1 rank as at N and the runs measure scaling, not thread count.
 * peer (``--peer-models``, default mid): ``benchmarks/peers/torch_ddp.py`` right
   after the hpctrain run of the same configuration, from the same step-0
@@ -82,7 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=-1, help="steps left out first (-1: small 20, mid 10, large 2)")
     p.add_argument("--repeats", type=int, default=1, help="sweeps; a configuration reports its median run (1)")
     p.add_argument("--samples", type=int, default=16384, help="synthetic samples per dataset (16384)")
-    p.add_argument("--threads-per-rank", type=int, default=0, help="0: cores // max ranks, at least 1")
+    p.add_argument("--threads-per-rank", type=int, default=0, help="0: cores // the largest rank count, at least 1")
     p.add_argument("--launcher", default="mpirun -n {n} --oversubscribe", help="command prefix; {n} = ranks")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="train.device (cpu)")
     p.add_argument("--allreduce", default="auto",

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, sets + per_rank_sets(cfg, rank, size))
         trainer = Trainer(cfg, init_world(MPI.COMM_SELF), Log(rank == 0))
     except (UserError, ValueError) as exc:
-        error = str(exc)
+        error = str(exc) or type(exc).__name__
     except Exception as exc:  # noqa: BLE001 - any failure must reach the allgather, or the others hang
         error = f"{type(exc).__name__}: {exc}"
     errors = everyone.allgather(error)  # every rank stops alike, rank 0 says why
