@@ -43,7 +43,8 @@ def _loop(trainer) -> dict:
              f"{trainer.sampler.steps_per_epoch} steps/epoch")
     window = np.zeros(3)  # loss_sum, correct, rows since the last progress line
     # per step, summed over ranks: loss_sum, correct, rows, rank 0's "every_minutes is due",
-    # the ranks whose loss / averaged gradient held a NaN or Inf, then per stop signal the ranks
+    # the ranks whose loss held a NaN or Inf, those that found one in (their share of) the
+    # averaged gradient (BucketedAllreduce.nonfinite), then per stop signal the ranks
     # that got it (agreement at no extra collective)
     stats = np.zeros(6 + len(STOP_SIGNALS))
     t_start = t_window = time.perf_counter()

@@ -48,8 +48,9 @@ class NumericGuard:
     def verdict(self, step: int, loss: float, bad_loss_ranks: int = 0, bad_grad_ranks: int = 0) -> str | None:
         """Why global step ``step`` is bad, or None if its update may stand.
 
-        ``loss`` is the global mean loss; ``bad_loss_ranks`` / ``bad_grad_ranks``
-        count the ranks whose own loss / averaged gradient held a NaN or Inf.
+        ``loss`` is the global mean loss; ``bad_loss_ranks`` counts the ranks whose own
+        loss held a NaN or Inf, ``bad_grad_ranks`` those that found one in the averaged
+        gradient (in their share of it, where the all-reduce tests shares: any is bad).
         Accepted losses feed the spike statistics; bad ones never do.
         """
         if bad_loss_ranks or bad_grad_ranks or not math.isfinite(loss):

@@ -84,6 +84,37 @@ def test_grad_accum_that_does_not_divide_the_batch_is_an_error(mpi_small_data, w
         _train(_config(mpi_small_data[0], world.size, train__grad_accum_steps=3), world)
 
 
+@pytest.mark.parametrize("allreduce", ["shm", "mpi"])
+def test_a_nan_in_one_ranks_gradient_skips_the_step_on_every_rank(mpi_small_data, world, allreduce):
+    """The loss stays finite; the last rank's gradient gets a NaN after backward, in the last
+    layer's bias (folded by the last rank in shm's window) or in the first layer's weights
+    (folded by rank 0): every rank judges the step bad and skips it, the parameters stay
+    finite and equal everywhere. With shm each rank tests only its share of the averaged
+    gradient, so this holds only if the step statistics combine the ranks' answers."""
+    from hpctrain.log import Log
+    from hpctrain.train import Trainer
+
+    for where in ("last", "first"):
+        cfg = _config(mpi_small_data[0], world.size, allreduce=allreduce, overlap=False,
+                      guard__nonfinite="skip", guard__check_grads=True)
+        trainer = Trainer(cfg, world, Log(False))
+        backward = trainer.model.backward
+        index = trainer.model.flat.size - 1 if where == "last" else 0
+
+        def poisoned(*args, **kw):
+            backward(*args, **kw)
+            if trainer.step == 3 and world.rank == world.size - 1:
+                trainer.model.flat.grad[index] = np.nan
+        trainer.model.backward = poisoned
+        result = trainer.run()
+        assert result["bad_steps"] == 1, where
+        params = trainer.model.flat.data
+        assert np.isfinite(params).all()
+        assert len({p.tobytes() for p in world.comm.allgather(params)}) == 1
+        if hasattr(trainer.allreduce, "close"):
+            trainer.allreduce.close()   # collective; the pytest-mpi ranks live on for other tests
+
+
 def test_bucket_layout_mismatch_is_a_clear_error_not_a_hang(mpi_small_data, world):
     if world.size < 2:
         pytest.skip("a mismatch needs two ranks")

@@ -101,3 +101,96 @@ def test_trainer_keeps_its_gradients_in_the_window(mpi_small_data, world):
         assert np.shares_memory(layer.dw, arena.mine) and np.shares_memory(layer.db, arena.mine)
     trainer.run()
     assert np.isfinite(trainer.model.flat.data).all()
+
+
+def _sum_then_scale(world, x, factor):
+    """The reference: MPI_Allreduce's sum of a plain copy, then the scale kernel's twin."""
+    from mpi4py import MPI
+
+    from hpctrain.kernels.scale import scale
+
+    ref = x.copy()
+    world.comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.SUM)
+    return scale(ref, factor)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_sum_scaled_in_the_window_is_the_sum_then_the_scale_bitwise(world, dtype):
+    """The one-pass sum and scale of a window slice gives the bits of a sum followed by
+    kernels.scale (the two-pass averaging it replaces), for factors that are exact in binary
+    (1/2, 1/4) and others (1/3, 0.37), over several tiles and at unaligned offsets; ``mean``
+    in the window is sum_scaled by 1/size. At 2 ranks a sum of two float32 values is
+    exact-rounded whatever the order, so MPI_Allreduce is a bitwise reference; at more ranks
+    the fold's row order is the one reference (the plain-buffer path folds the same way)."""
+    allreduce = shm(world, dtype)
+    n = 3 * 2048 + 77   # past one tile, not a whole number of them
+    grad = allreduce.allocate(n, dtype)
+    rng = np.random.default_rng(7 + world.rank)
+    for lo, hi in [(0, n), (5, n - 3), (1000, 1001), (0, 0)]:
+        for factor in (1.0, 0.5, 0.25, 1 / 3, 0.37, 1.0 / world.size):
+            x = rng.standard_normal(hi - lo).astype(dtype)
+            grad[:] = -7.0
+            grad[lo:hi] = x
+            plain = x.copy()
+            assert allreduce.sum_scaled(grad[lo:hi], factor, check_finite=True) is True
+            allreduce(plain, "sum")                   # the copy path: the same fold
+            np.testing.assert_array_equal(grad[lo:hi], _scale_twin(plain, factor), err_msg=f"{factor}")
+            if world.size <= 2:
+                np.testing.assert_array_equal(grad[lo:hi], _sum_then_scale(world, x, factor))
+            assert np.all(grad[:lo] == -7.0) and np.all(grad[hi:] == -7.0), "outside the slice changed"
+            assert len({d for d in world.comm.allgather(grad.tobytes())}) == 1
+        x = rng.standard_normal(hi - lo).astype(dtype)
+        grad[lo:hi], plain = x, x.copy()
+        allreduce(grad[lo:hi], "mean")
+        allreduce(plain, "mean")                       # copy path: sum, then the scale kernel
+        np.testing.assert_array_equal(grad[lo:hi], plain)
+
+
+def _scale_twin(x, factor):
+    from hpctrain.kernels.scale import scale
+
+    return scale(x.copy(), factor)
+
+
+@pytest.mark.parametrize("name", ["shm", "auto", "mpi"])
+def test_sum_scaled_finiteness_answers_together_cover_the_buffer(world, name):
+    """One NaN, +Inf or -Inf on one rank, at the ends, inside and at a tile edge of the buffer,
+    or finite inputs whose sum overflows: some rank answers False, on every strategy (shm and
+    auto in the window test only the share they fold, mpi the whole buffer); a clean buffer
+    gets True everywhere, and without the check the answer is True even for a bad one."""
+    from hpctrain.dist import make_allreduce
+    from hpctrain.dist.reduce_ops import sum_scaled
+
+    device = CpuDevice("float32")
+    strategy = make_allreduce(name, world, device)
+    n = 2 * 2048 + 5
+    grad = strategy.allocate(n, "float32") if hasattr(strategy, "allocate") else np.zeros(n, np.float32)
+    f = 1.0 / world.size
+
+    def answers(set_bad, check=True):
+        grad[:] = 1.0
+        set_bad(grad)
+        return world.comm.allgather(sum_scaled(strategy, grad, f, device, check))
+
+    assert all(answers(lambda g: None))
+    for where in (0, 1, 2047, 2048, n // 2, n - 1):
+        for bad in (np.nan, np.inf, -np.inf):
+            for culprit in range(world.size):
+                def poison(g, where=where, bad=bad, culprit=culprit):
+                    if world.rank == culprit:
+                        g[where] = bad
+                got = answers(poison)
+                assert not all(got), (where, bad, culprit, got)
+                if name == "mpi":
+                    assert not any(got)   # every rank tested the whole buffer
+    big = np.float32(3e38)
+
+    def overflow(g):
+        g[n - 2] = big                    # finite on every rank; the sum is +Inf
+    if world.size > 1:
+        assert not all(answers(overflow))
+    assert all(answers(lambda g: g.__setitem__(3, np.nan), check=False))
+    if hasattr(strategy, "close"):
+        strategy.close()
+    elif hasattr(strategy, "strategies"):
+        strategy.strategies["shm"].close()

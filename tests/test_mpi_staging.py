@@ -64,3 +64,25 @@ def test_staged_allreduce_mean_of_rank_values(strategy, dtype):
     assert set(seen) <= {"ndarray"}, seen       # MPI only ever saw host arrays
     assert seen or idle, seen
     assert len(staging._pinned) == (0 if idle else 1)
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_staged_sum_scaled_of_a_device_buffer(strategy):
+    """The gradient buckets' one call (sum, scale, finiteness) on a device buffer: the sum
+    travels through the staging copies, the scale and the test run on the device; a NaN
+    on the last rank is reported by some rank."""
+    from hpctrain.dist.reduce_ops import sum_scaled
+    from hpctrain.runtime import init_world
+
+    world = init_world(ranks_per_node=2)
+    dev = CudaDevice("float32")
+    allreduce = STRATEGIES[strategy](world, dev, Staging(dev, "off"))
+    n, size = 37, world.size
+    buf = dev.from_host(np.full(n, world.rank, dtype="float32") + np.arange(n, dtype="float32"))
+    assert sum_scaled(allreduce, buf, 1.0 / size, dev, check_finite=True)
+    np.testing.assert_allclose(dev.to_host(buf), (size - 1) / 2 + np.arange(n), rtol=1e-6)
+    host = np.ones(n, np.float32)
+    if world.rank == size - 1:
+        host[n // 2] = np.nan
+    buf = dev.from_host(host)
+    assert not all(world.comm.allgather(sum_scaled(allreduce, buf, 0.5, dev, check_finite=True)))

@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from .reduce_ops import sum_scaled
+
 PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)  # up to a 25 MB bucket
 CANDIDATES = ("mpi", "ring", "rhd", "hierarchical", "shm")
 ZERO_COPY = "shm zero-copy"  # the fit of shm on allocate()d buffers
@@ -78,12 +80,21 @@ class AutoAllreduce:
         return min(names, key=lambda n: self.fits[n][seg][0] + self.fits[n][seg][1] * nbytes)
 
     def __call__(self, buf, op="mean"):
+        return self._pick(buf)(buf, op)
+
+    def sum_scaled(self, buf, factor: float, check_finite: bool = False) -> bool:
+        """``buf`` summed over ranks, scaled by ``factor`` and tested, by the picked strategy
+        (:func:`~hpctrain.dist.reduce_ops.sum_scaled`: in one pass where it can, shm zero-copy,
+        testing only this rank's share there). Collective."""
+        return sum_scaled(self._pick(buf), buf, factor, self.device, check_finite)
+
+    def _pick(self, buf):
         # memoised per (size, kind of buffer): the model costs ~7 us, a 4 KB all-reduce ~35 us
         key = (buf.nbytes, self._shm is not None and self._shm.holds(buf))
         strategy = self._picked.get(key)
         if strategy is None:
             strategy = self._picked[key] = self.strategies[self.choose(*key).replace(" zero-copy", "")]
-        return strategy(buf, op)
+        return strategy
 
     def describe(self) -> str:
         # latency from the smallest segment, bandwidth from the largest

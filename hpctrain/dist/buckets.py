@@ -37,6 +37,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .reduce_ops import sum_scaled
+
 
 INLINE_MAX_BYTES = 1 << 20  # a last bucket this small is reduced on the main thread even with cores to spare
 
@@ -89,10 +91,15 @@ class BucketedAllreduce:
 
     Per step: :meth:`start` (with the scale factor, 1 / (world size x
     micro-steps)), :meth:`mark_ready` for every parameter during backward,
-    then :meth:`wait` for each bucket. With ``overlap=False`` buckets are
-    reduced on the calling thread inside :meth:`wait` (the baseline). With
-    ``check_finite`` every averaged bucket is tested for NaN/Inf right after its
-    reduction; :attr:`nonfinite` says whether any of this step's was not finite.
+    then :meth:`wait` for each bucket. The sum and the scale are one call
+    (:func:`~hpctrain.dist.reduce_ops.sum_scaled`), one pass where the strategy
+    can. With ``overlap=False`` buckets are reduced on the calling thread
+    inside :meth:`wait` (the baseline). With ``check_finite`` every averaged
+    bucket is tested for NaN/Inf as part of its reduction; :attr:`nonfinite`
+    says whether this rank found one in this step's buckets. With shm's window
+    each rank tests only the share it folded, so only the ranks' answers
+    together cover the gradient: combine them over ranks (the run loop's step
+    statistics sum them).
     """
 
     def __init__(self, strategy, grad, buckets, device, overlap: bool = True, compression=None,
@@ -168,11 +175,12 @@ class BucketedAllreduce:
         view = self._views[i]
         if self.compression is not None:
             self.compression.reduce(view, i, self.step)
-        else:
-            self.strategy(view, "sum")
-        if self.scale != 1.0:
-            self.device.ops.scale(view, self.scale)
-        if self.check_finite and not self.device.ops.all_finite(view):
+            if self.scale != 1.0:
+                self.device.ops.scale(view, self.scale)
+            finite = not self.check_finite or self.device.ops.all_finite(view)
+        else:  # sum, average and test in one pass where the strategy can (shm's window)
+            finite = sum_scaled(self.strategy, view, self.scale, self.device, self.check_finite)
+        if not finite:
             self.nonfinite = True
         self.comm_s += time.perf_counter() - t0
         if self.tracer is not None:

@@ -32,6 +32,23 @@ def mpi_op(op: str):
     return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[reduce_kind(op)]
 
 
+def sum_scaled(strategy, buf, factor: float, device, check_finite: bool = False) -> bool:
+    """``buf`` summed over ranks by ``strategy`` in place, then multiplied by ``factor`` rounded
+    to its dtype (:mod:`hpctrain.kernels.scale`): a gradient bucket averaged over ranks and
+    micro-batches. With ``check_finite``, returns False if this rank found a NaN or Inf in the
+    result (always True without it). Strategies with a ``sum_scaled`` method of their own (shm,
+    auto) give the same bits in one pass, and may test only this rank's share of the result (the
+    ranks' answers together cover it: combine them over ranks); the others sum, scale and test
+    the whole buffer. Collective."""
+    own = getattr(strategy, "sum_scaled", None)
+    if own is not None:
+        return own(buf, factor, check_finite)
+    strategy(buf, "sum")
+    if factor != 1.0:
+        device.ops.scale(buf, factor)
+    return not check_finite or device.ops.all_finite(buf)
+
+
 # ---- kernels (numba): plain loops the compiler vectorises --------------------------
 @njit(cache=True, nogil=True)
 def _sum_into(dst, src):

@@ -36,12 +36,13 @@ from numba import njit
 
 from ..errors import LaunchError
 from .reduce_ops import _max_into, _min_into, _sum_into
-from .ring import chunk_offsets, host_allreduce
+from .ring import host_allreduce
 from .staging import Staging
 
 SEGMENT_BYTES = 4 << 20  # scratch arena per slot, for buffers outside an arena
 
 
+MAX_REMEMBERED_SLICES = 256  # window slices whose place _window_slice remembers (bucket views)
 TILE = 2048  # elements folded at a time: the tile stays in L1 while every slot's piece is read
 
 
@@ -52,17 +53,37 @@ def _copy_into(dst, src):
 
 
 @njit(cache=True, nogil=True)
-def _fold(slots, lo, hi, kind):
+def _scale_into(dst, factor):
+    for i in range(dst.size):
+        dst[i] *= factor
+
+
+@njit(cache=True, nogil=True)
+def _all_finite(x):
+    bad = False
+    for i in range(x.size):
+        v = x[i]
+        bad |= v - v != 0  # NaN for +-Inf and NaN, 0 otherwise: an OR the compiler vectorises
+    return not bad
+
+
+@njit(cache=True, nogil=True)
+def _fold(slots, lo, hi, kind, factor, check):
     """slots[:, lo:hi] = reduction over the rows, in row order; kind 0 sum, 1 max, 2 min (NaN wins).
+    With kind 0 the sums are then multiplied by ``factor`` (of the slots' dtype) unless it is 1,
+    and with ``check`` the result is tested for NaN/Inf; returns False if one was found.
 
     Tile by tile: the p pieces of a tile are folded into the first row's piece,
-    then copied to the other rows while still in cache, so memory sees each
-    element read once and written once per row. The loops run over zero-based
-    views of each tile (the reduce_ops kernels): indexing the rows at
-    ``lo + i`` instead made numba check every index for wrap-around, which kept
-    the loop from vectorising (5x slower: 131 us against 26 us for 4 x 64 K
-    float32 here)."""
+    scaled and tested, then copied to the other rows while still in cache, so
+    memory sees each element read once and written once per row (a separate
+    scale pass and finiteness test afterwards read the whole bucket twice more:
+    20 us of a 0.44 ms step for the small model at 2 ranks, with the Python
+    around them). The loops run over zero-based views of each tile (the
+    reduce_ops kernels): indexing the rows at ``lo + i`` instead made numba
+    check every index for wrap-around, which kept the loop from vectorising
+    (5x slower: 131 us against 26 us for 4 x 64 K float32 here)."""
     p = slots.shape[0]
+    finite = True
     for t in range(lo, hi, TILE):
         e = min(hi, t + TILE)
         out = slots[0, t:e]
@@ -73,8 +94,13 @@ def _fold(slots, lo, hi, kind):
                 _max_into(out, slots[j, t:e])
             else:
                 _min_into(out, slots[j, t:e])
+        if kind == 0 and factor != 1:
+            _scale_into(out, factor)
+        if check and finite:
+            finite = _all_finite(out)
         for j in range(1, p):
             _copy_into(slots[j, t:e], out)
+    return finite
 
 
 _KIND = {"sum": 0, "max": 1, "min": 2}
@@ -129,6 +155,9 @@ class ShmAllreduce:
         self.segment_bytes = max(64, segment_bytes)
         self.arenas: list[_Arena] = []
         self._scratch: dict = {}  # dtype -> arena of segment_bytes per slot
+        self._slices: dict = {}   # id(array) -> (array, (arena index, offset)): see _window_slice
+        self._agreement = np.zeros(6, np.int64)
+        self._in_place, self._max = MPI.IN_PLACE, MPI.MAX
 
     def allocate(self, n: int, dtype) -> np.ndarray:
         """This rank's slot (zeroed) of a new arena of ``n`` elements per rank. Collective.
@@ -141,24 +170,65 @@ class ShmAllreduce:
 
     def holds(self, buf) -> bool:
         """Whether ``buf`` is a slice of one of this rank's slots from :meth:`allocate` (reduced without copies)."""
-        return isinstance(buf, np.ndarray) and any(a.offset_of(buf) is not None for a in self.arenas)
+        return self._window_slice(buf) is not None
 
     def release(self, slot) -> None:
         """Free the arena whose slot :meth:`allocate` returned as ``slot``. Collective; ``slot`` becomes invalid."""
         arena = next(a for a in self.arenas if a.mine is slot)
         self.arenas.remove(arena)
+        self._slices.clear()  # arena indices moved
         arena.free()
 
     def __call__(self, buf, op="mean"):
         """Reduce ``buf`` in place over all ranks (op: sum, mean, max, min); returns ``buf``."""
+        if op == "mean" and self.size > 1 and buf.size and self._window_slice(buf) is not None:
+            return self.sum_scaled(buf, 1.0 / self.size)  # mean's one scale, inside the fold
         return host_allreduce(self, buf, op, self._reduce)
 
-    def _reduce(self, x, kind):
+    def sum_scaled(self, buf, factor: float, check_finite: bool = False) -> bool:
+        """``buf`` summed over ranks in place, then multiplied by ``factor`` rounded to its dtype:
+        the bits of ``self(buf, "sum")`` followed by ``kernels.scale`` (the averaging of gradient
+        buckets). With ``check_finite``, returns False if this rank found a NaN or Inf in the
+        result (True otherwise, and always True without the check). Collective.
+
+        On a slice of a window from :meth:`allocate` the multiply and the test happen inside the
+        fold, without more passes over the buffer, and each rank tests only the share it folded:
+        the ranks' answers together cover the buffer (some rank answers False exactly when an
+        element is not finite), so callers must combine them, as the trainer's step statistics
+        do. Elsewhere each rank tests the whole buffer."""
+        where = self._window_slice(buf)
+        if where is None or self.size == 1 or buf.size == 0:
+            host_allreduce(self, buf, "sum", self._reduce)
+            if factor != 1.0:
+                self.device.ops.scale(buf, factor)
+            return not check_finite or self.device.ops.all_finite(buf)
+        index, at = where
+        return self._fold(self.arenas[index], index, at, buf.size, "sum", buf.dtype.type(factor), check_finite)
+
+    def _window_slice(self, x):
+        """(arena index, element offset) of ``x`` in this rank's slots, or None. Found slices are
+        remembered per array object (the trainer passes the same bucket views every step; the
+        search reads ``__array_interface__`` per arena, some us each on a cold cache); the entry
+        keeps ``x`` itself, so its id cannot be reused by another array while it is there."""
+        hit = self._slices.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        if not isinstance(x, np.ndarray):  # a device buffer: never in a window
+            return None
         for i, arena in enumerate(self.arenas):
             at = arena.offset_of(x)
             if at is not None:
-                self._fold(arena, i, at, x.size, kind)
-                return
+                if len(self._slices) >= MAX_REMEMBERED_SLICES:
+                    self._slices.clear()
+                self._slices[id(x)] = (x, (i, at))
+                return i, at
+        return None
+
+    def _reduce(self, x, kind):
+        where = self._window_slice(x)
+        if where is not None:
+            self._fold(self.arenas[where[0]], where[0], where[1], x.size, kind)
+            return
         key = np.dtype(x.dtype).str
         if key not in self._scratch:  # making it is collective: every rank must be here too
             self._agree(-1, 0, x.size)
@@ -174,31 +244,36 @@ class ShmAllreduce:
     def _agree(self, key, at, n):
         """Every rank passed the same (arena key, offset, length), or ValueError on every rank.
         Collective; also the barrier before a fold."""
-        from mpi4py import MPI
-
-        mine = np.array([key, at, n, -key, -at, -n], np.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        mine = self._agreement
+        mine[:] = key, at, n, -key, -at, -n
+        self.comm.Allreduce(self._in_place, mine, op=self._max)
         if mine[0] != -mine[3] or mine[1] != -mine[4] or mine[2] != -mine[5]:
             raise ValueError("shm all-reduce: ranks passed different buffers (an arena slice on some "
                              "ranks, another slice or a plain buffer on others); every rank must reduce "
                              "the same slice of its allocate()d buffer, or plain buffers everywhere")
 
-    def _fold(self, arena, key, at, n, kind):
-        """Fold [at, at + n) of the arena's slots over ranks, between two synchronisations. Collective."""
+    def _fold(self, arena, key, at, n, kind, factor=None, check=False) -> bool:
+        """Fold [at, at + n) of the arena's slots over ranks, between two synchronisations; a sum
+        is multiplied by ``factor`` (of the arena's dtype) unless it is None. Returns False if
+        ``check`` found a NaN/Inf in this rank's share of the result. Collective."""
         arena.win.Sync()             # this rank's stores to its slot are visible ...
         self._agree(key, at, n)      # ... to every rank past this point
         arena.win.Sync()
-        off = chunk_offsets(n, self.size)
-        _fold(arena.slots, at + off[self.rank], at + off[self.rank + 1], _KIND[kind])
+        base, extra = divmod(n, self.size)  # this rank's chunk, as ring.chunk_offsets cuts them
+        lo = at + self.rank * base + min(self.rank, extra)
+        hi = lo + base + (self.rank < extra)
+        finite = _fold(arena.slots, lo, hi, _KIND[kind], arena.dtype.type(1) if factor is None else factor, check)
         arena.win.Sync()
         self.comm.Barrier()          # every fold is done before any rank reads or rewrites its slot
         arena.win.Sync()
+        return finite
 
     def close(self):
         """Free every arena (collective); buffers from :meth:`allocate` become invalid."""
         for arena in self.arenas + list(self._scratch.values()):
             arena.free()
         self.arenas, self._scratch = [], {}
+        self._slices.clear()
         if self._node is not None:
             self._node.Free()
             self._node = None
