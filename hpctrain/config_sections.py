@@ -193,7 +193,7 @@ class GuardConfig:
                         "skip (drop the step's update) | rollback (reload the last checkpoint, skip that batch)",
                         choices=("abort", "skip", "rollback"))
     check_grads: bool = _f(True, "also check the averaged gradients, not only the loss (one read of each bucket "
-                           "on the communication thread)")
+                           "on the communication thread; with shm's window, part of its fold)")
     spike_zscore: float = _f(0.0, "treat a step whose loss is this many standard deviations above the last "
                              "spike_window steps' as bad; 0 = off")
     spike_window: int = _f(100, "accepted steps the spike statistics look back on (no verdict before it fills)")

@@ -38,7 +38,8 @@ def test_slices_of_the_window_reduce_in_place_like_the_closed_form(world, dtype)
             grad[:] = -7.0
             i = np.arange(lo, hi, dtype=np.float64)
             grad[lo:hi] = rank + i
-            assert allreduce(grad[lo:hi], op) is not None
+            view = grad[lo:hi]
+            assert allreduce(view, op) is view
             expected = {"sum": size * i + size * (size - 1) / 2, "mean": i + (size - 1) / 2,
                         "max": size - 1 + i, "min": i}[op]
             np.testing.assert_allclose(grad[lo:hi], expected, rtol=2 * np.finfo(dtype).eps, err_msg=op)
@@ -194,3 +195,28 @@ def test_sum_scaled_finiteness_answers_together_cover_the_buffer(world, name):
         strategy.close()
     elif hasattr(strategy, "strategies"):
         strategy.strategies["shm"].close()
+
+
+def test_auto_forwards_sum_scaled_to_its_pick(world):
+    """auto's sum_scaled on a window slice gives shm's one-pass bits when it picks shm
+    zero-copy and MPI_Allreduce's sum then the scale when it picks mpi. The pick is forced
+    (which one auto measures fastest at a size depends on the machine's timing)."""
+    from mpi4py import MPI
+
+    from hpctrain.dist import make_allreduce
+
+    auto = make_allreduce("auto", world, CpuDevice("float32"))
+    n = 2 * 2048 + 33
+    grad = auto.allocate(n, "float32")
+    x = np.random.default_rng(11 + world.rank).standard_normal(n).astype(np.float32)
+    for pick in ("shm", "mpi"):
+        auto._picked[(grad.nbytes, True)] = auto.strategies[pick]
+        grad[:] = x
+        assert auto.sum_scaled(grad, 1 / 3, check_finite=True) is True
+        plain = x.copy()
+        if pick == "shm":
+            auto.strategies["shm"](plain, "sum")     # the copy path: the same fold
+        else:
+            world.comm.Allreduce(MPI.IN_PLACE, plain, op=MPI.SUM)
+        np.testing.assert_array_equal(grad, _scale_twin(plain, 1 / 3), err_msg=pick)
+    auto.strategies["shm"].close()   # collective; the pytest-mpi ranks live on for other tests

@@ -182,7 +182,8 @@ class ShmAllreduce:
     def __call__(self, buf, op="mean"):
         """Reduce ``buf`` in place over all ranks (op: sum, mean, max, min); returns ``buf``."""
         if op == "mean" and self.size > 1 and buf.size and self._window_slice(buf) is not None:
-            return self.sum_scaled(buf, 1.0 / self.size)  # mean's one scale, inside the fold
+            self.sum_scaled(buf, 1.0 / self.size)  # mean's one scale, inside the fold
+            return buf
         return host_allreduce(self, buf, op, self._reduce)
 
     def sum_scaled(self, buf, factor: float, check_finite: bool = False) -> bool:
