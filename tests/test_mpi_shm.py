@@ -104,15 +104,20 @@ def test_trainer_keeps_its_gradients_in_the_window(mpi_small_data, world):
     assert np.isfinite(trainer.model.flat.data).all()
 
 
+def _scale_twin(x, factor):
+    """A copy of ``x`` times ``factor``, by the scale kernel's CPU twin."""
+    from hpctrain.kernels.scale import scale
+
+    return scale(x.copy(), factor)
+
+
 def _sum_then_scale(world, x, factor):
     """The reference: MPI_Allreduce's sum of a plain copy, then the scale kernel's twin."""
     from mpi4py import MPI
 
-    from hpctrain.kernels.scale import scale
-
     ref = x.copy()
     world.comm.Allreduce(MPI.IN_PLACE, ref, op=MPI.SUM)
-    return scale(ref, factor)
+    return _scale_twin(ref, factor)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -139,18 +144,12 @@ def test_sum_scaled_in_the_window_is_the_sum_then_the_scale_bitwise(world, dtype
             if world.size <= 2:
                 np.testing.assert_array_equal(grad[lo:hi], _sum_then_scale(world, x, factor))
             assert np.all(grad[:lo] == -7.0) and np.all(grad[hi:] == -7.0), "outside the slice changed"
-            assert len({d for d in world.comm.allgather(grad.tobytes())}) == 1
+            assert len(set(world.comm.allgather(grad.tobytes()))) == 1
         x = rng.standard_normal(hi - lo).astype(dtype)
         grad[lo:hi], plain = x, x.copy()
         allreduce(grad[lo:hi], "mean")
         allreduce(plain, "mean")                       # copy path: sum, then the scale kernel
         np.testing.assert_array_equal(grad[lo:hi], plain)
-
-
-def _scale_twin(x, factor):
-    from hpctrain.kernels.scale import scale
-
-    return scale(x.copy(), factor)
 
 
 @pytest.mark.parametrize("name", ["shm", "auto", "mpi"])

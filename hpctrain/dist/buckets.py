@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .reduce_ops import sum_scaled
+from .reduce_ops import scale_and_test, sum_scaled
 
 
 INLINE_MAX_BYTES = 1 << 20  # a last bucket this small is reduced on the main thread even with cores to spare
@@ -175,9 +175,7 @@ class BucketedAllreduce:
         view = self._views[i]
         if self.compression is not None:
             self.compression.reduce(view, i, self.step)
-            if self.scale != 1.0:
-                self.device.ops.scale(view, self.scale)
-            finite = not self.check_finite or self.device.ops.all_finite(view)
+            finite = scale_and_test(view, self.scale, self.device, self.check_finite)
         else:  # sum, average and test in one pass where the strategy can (shm's window)
             finite = sum_scaled(self.strategy, view, self.scale, self.device, self.check_finite)
         if not finite:

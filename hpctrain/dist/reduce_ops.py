@@ -44,6 +44,12 @@ def sum_scaled(strategy, buf, factor: float, device, check_finite: bool = False)
     if own is not None:
         return own(buf, factor, check_finite)
     strategy(buf, "sum")
+    return scale_and_test(buf, factor, device, check_finite)
+
+
+def scale_and_test(buf, factor: float, device, check_finite: bool) -> bool:
+    """``buf *= factor`` (rounded to its dtype) on ``device`` unless it is 1; with ``check_finite``
+    returns False if the whole buffer then holds a NaN or Inf (True otherwise). Local."""
     if factor != 1.0:
         device.ops.scale(buf, factor)
     return not check_finite or device.ops.all_finite(buf)

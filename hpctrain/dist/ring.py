@@ -20,10 +20,16 @@ from .staging import Staging
 TAG = 0x52  # one tag: messages between a pair of ranks arrive in the order sent
 
 
+def chunk_start(n: int, parts: int, i: int) -> int:
+    """Where chunk ``i`` of ``n`` elements split into ``parts`` chunks starts (the first n % parts
+    chunks one element longer); ``i = parts`` gives n."""
+    base, extra = divmod(n, parts)
+    return i * base + min(i, extra)
+
+
 def chunk_offsets(n: int, parts: int) -> list[int]:
     """Offsets (parts + 1) of ``n`` elements split into ``parts`` chunks, the first n % parts longer."""
-    base, extra = divmod(n, parts)
-    return [i * base + min(i, extra) for i in range(parts + 1)]
+    return [chunk_start(n, parts, i) for i in range(parts + 1)]
 
 
 class HostScratch:

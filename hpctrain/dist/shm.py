@@ -35,8 +35,8 @@ import numpy as np
 from numba import njit
 
 from ..errors import LaunchError
-from .reduce_ops import _max_into, _min_into, _sum_into
-from .ring import host_allreduce
+from .reduce_ops import _max_into, _min_into, _sum_into, scale_and_test
+from .ring import chunk_start, host_allreduce
 from .staging import Staging
 
 SEGMENT_BYTES = 4 << 20  # scratch arena per slot, for buffers outside an arena
@@ -181,10 +181,11 @@ class ShmAllreduce:
 
     def __call__(self, buf, op="mean"):
         """Reduce ``buf`` in place over all ranks (op: sum, mean, max, min); returns ``buf``."""
-        if op == "mean" and self.size > 1 and buf.size and self._window_slice(buf) is not None:
-            self.sum_scaled(buf, 1.0 / self.size)  # mean's one scale, inside the fold
-            return buf
-        return host_allreduce(self, buf, op, self._reduce)
+        where = self._window_slice(buf) if op == "mean" and self.size > 1 and buf.size else None
+        if where is None:
+            return host_allreduce(self, buf, op, self._reduce)
+        self._fold_in_window(buf, where, 1.0 / self.size, False)  # mean's one scale, inside the fold
+        return buf
 
     def sum_scaled(self, buf, factor: float, check_finite: bool = False) -> bool:
         """``buf`` summed over ranks in place, then multiplied by ``factor`` rounded to its dtype:
@@ -197,14 +198,17 @@ class ShmAllreduce:
         the ranks' answers together cover the buffer (some rank answers False exactly when an
         element is not finite), so callers must combine them, as the trainer's step statistics
         do. Elsewhere each rank tests the whole buffer."""
-        where = self._window_slice(buf)
-        if where is None or self.size == 1 or buf.size == 0:
-            host_allreduce(self, buf, "sum", self._reduce)
-            if factor != 1.0:
-                self.device.ops.scale(buf, factor)
-            return not check_finite or self.device.ops.all_finite(buf)
+        where = self._window_slice(buf) if self.size > 1 and buf.size else None
+        if where is None:
+            self(buf, "sum")
+            return scale_and_test(buf, factor, self.device, check_finite)
+        return self._fold_in_window(buf, where, factor, check_finite)
+
+    def _fold_in_window(self, buf, where, factor: float, check: bool) -> bool:
+        """Sum of the window slice ``buf`` at ``where`` (from :meth:`_window_slice`), scaled and
+        tested inside the fold (see :meth:`sum_scaled`). Collective."""
         index, at = where
-        return self._fold(self.arenas[index], index, at, buf.size, "sum", buf.dtype.type(factor), check_finite)
+        return self._fold(self.arenas[index], index, at, buf.size, "sum", buf.dtype.type(factor), check)
 
     def _window_slice(self, x):
         """(arena index, element offset) of ``x`` in this rank's slots, or None. Found slices are
@@ -260,9 +264,7 @@ class ShmAllreduce:
         arena.win.Sync()             # this rank's stores to its slot are visible ...
         self._agree(key, at, n)      # ... to every rank past this point
         arena.win.Sync()
-        base, extra = divmod(n, self.size)  # this rank's chunk, as ring.chunk_offsets cuts them
-        lo = at + self.rank * base + min(self.rank, extra)
-        hi = lo + base + (self.rank < extra)
+        lo, hi = at + chunk_start(n, self.size, self.rank), at + chunk_start(n, self.size, self.rank + 1)
         finite = _fold(arena.slots, lo, hi, _KIND[kind], arena.dtype.type(1) if factor is None else factor, check)
         arena.win.Sync()
         self.comm.Barrier()          # every fold is done before any rank reads or rewrites its slot
