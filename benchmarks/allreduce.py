@@ -4,7 +4,7 @@
     mpirun -n 4 python benchmarks/allreduce.py --max 64M --strategies naive,ring
     benchmarks/emulated_cluster.sh -- .venv/bin/python benchmarks/allreduce.py --max 64M
 
-Every strategy in ``hpctrain.dist.STRATEGIES`` (read at run time, so new ones
+Every strategy in ``hpctrain.comm.STRATEGIES`` (read at run time, so new ones
 appear here without edits) and MPI's own ``comm.Allreduce`` (the yardstick row)
 run at every size in the same job. Per size and strategy:
 
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     limit_threads_per_rank()  # before numpy: one BLAS/numba thread pool per core, not per rank
     import numpy as np
 
-    from hpctrain import dist
+    from hpctrain import comm
     from hpctrain.device import CpuDevice
     from hpctrain.errors import UserError
     from hpctrain.runtime import init_world
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     # auto is built by make_allreduce (it times the others), so STRATEGIES does not list it
-    known = sorted(dist.STRATEGIES) + (["auto"] if hasattr(dist, "AutoAllreduce") else [])
+    known = sorted(comm.STRATEGIES) + (["auto"] if hasattr(comm, "AutoAllreduce") else [])
     names = [s for s in args.strategies.split(",") if s] or known
     unknown = [s for s in names if s not in known]
     sizes = []
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     reducers, pickers, allocs = {}, {}, {}
     for name in names:
         try:
-            strategy = dist.make_allreduce(name, world, device)  # collective (auto measures here)
+            strategy = comm.make_allreduce(name, world, device)  # collective (auto measures here)
         except UserError as exc:  # shm across nodes: the same verdict on every rank
             if world.is_root:
                 print(f"{name}: skipped: {exc}", flush=True)

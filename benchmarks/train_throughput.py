@@ -42,7 +42,7 @@ def worker(args) -> None:
     from hpctrain.errors import EXIT_USER_ERROR, UserError
     from hpctrain.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.synth import write_synthetic
+    from hpctrain.data.synth import write_synthetic
     from hpctrain.train import Trainer
 
     world = init_world()

@@ -26,7 +26,7 @@ def _libraries() -> dict:
 
     out["numpy"] = numpy.__version__
     out["numba"] = numba.__version__
-    from .dist.staging import cuda_aware_mpi
+    from .comm.staging import cuda_aware_mpi
 
     aware, how = cuda_aware_mpi()
     out["CUDA-aware MPI"] = f"{'yes' if aware else 'no'} ({how})"

@@ -19,15 +19,15 @@ from .ckpt.state import fresh_rng
 from .data import BatchReader, DistributedSampler, open_dataset, shard_range
 from .device import make_device
 from .errors import ConfigError, DataError
-from .dist import make_allreduce
-from .dist.buckets import BucketedAllreduce, layout_signature, plan_buckets
-from .dist.collectives import Collectives
-from .dist.compression import GradientCompression
-from .dist.staging import Staging
+from .comm import make_allreduce
+from .comm.buckets import BucketedAllreduce, layout_signature, plan_buckets
+from .comm.collectives import Collectives
+from .comm.compression import GradientCompression
+from .comm.staging import Staging
 from .faults import Faults
 from .guard import agree
 from .log import Log, Metrics, Timers
-from .nn import MLP
+from .models.mlp import MLP
 from .numguard import NumericGuard
 from .optim import LRSchedule, make_optimizer, peak_lr
 from .watchdog import Watchdog

@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def make_small_dataset(folder: str, n: int = SMALL["n"], seed: int = 1, name: str = "train.h5") -> str:
-    from hpctrain.synth import write_synthetic
+    from hpctrain.data.synth import write_synthetic
 
     path = os.path.join(folder, name)
     if not os.path.exists(path):

@@ -1,6 +1,6 @@
 """The auto strategy's model: alpha-beta lines between probe sizes, chosen per size."""
 
-from hpctrain.dist import auto
+from hpctrain.comm import auto
 
 
 def _auto_with(times):

@@ -4,7 +4,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpctrain import data
+from hpctrain.data import tabular
 from hpctrain.data import BatchReader, DistributedSampler, open_dataset, read_rows
 
 
@@ -25,7 +25,7 @@ def chunked(tmp_path):
 
 @pytest.mark.parametrize("amplification", [0, 8, 10**6])  # 0: always point reads; 10**6: always slabs
 def test_read_rows_both_paths_keep_the_requested_order(chunked, monkeypatch, amplification):
-    monkeypatch.setattr(data, "MAX_READ_AMPLIFICATION", amplification)
+    monkeypatch.setattr(tabular, "MAX_READ_AMPLIFICATION", amplification)
     rng = np.random.default_rng(0)
     for k in (1, 5, 100, 999):
         rows = rng.permutation(1000)[:k]  # unsorted, spanning partial last chunk

@@ -1,4 +1,4 @@
-"""Which thread reduces which bucket (hpctrain.dist.buckets.BucketedAllreduce), without MPI.
+"""Which thread reduces which bucket (hpctrain.comm.buckets.BucketedAllreduce), without MPI.
 
 The last bucket is ready only when backward ends. When the communication
 thread has nothing left by then, the main thread reduces it when the optimizer
@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 
-from hpctrain.dist.buckets import Bucket, BucketedAllreduce
+from hpctrain.comm.buckets import Bucket, BucketedAllreduce
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,7 +126,7 @@ def test_no_collective_after_the_thread_failed():
 
 @pytest.mark.parametrize("cores, inline", [({0, 1}, False), ({0}, True)])
 def test_a_large_last_bucket_stays_on_the_thread_when_there_are_cores_to_spare(monkeypatch, cores, inline):
-    import hpctrain.dist.buckets as buckets_mod
+    import hpctrain.comm.buckets as buckets_mod
 
     monkeypatch.setattr(buckets_mod, "INLINE_MAX_BYTES", 16)   # every bucket here is 32 bytes
     monkeypatch.setattr(buckets_mod.os, "sched_getaffinity", lambda pid: cores, raising=False)

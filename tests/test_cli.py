@@ -170,8 +170,8 @@ def test_help_and_help_config():
 
 
 def test_importing_hpctrain_starts_no_mpi():
-    code = ("import sys, hpctrain, hpctrain.train, hpctrain.runtime, hpctrain.dist, hpctrain.__main__, "
-            "hpctrain.device, hpctrain.kernels.linear, hpctrain.dist.staging\n"
+    code = ("import sys, hpctrain, hpctrain.train, hpctrain.runtime, hpctrain.comm, hpctrain.__main__, "
+            "hpctrain.device, hpctrain.kernels.linear, hpctrain.comm.staging\n"
             "assert 'mpi4py.MPI' not in sys.modules, 'MPI initialised at import'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -10,7 +10,7 @@ import pytest
 from hpctrain import device as device_mod
 from hpctrain.config import Config
 from hpctrain.device import CpuDevice, CudaDevice, gpu_for_rank, make_device
-from hpctrain.dist.staging import Staging, cuda_aware_mpi, staging_mode
+from hpctrain.comm.staging import Staging, cuda_aware_mpi, staging_mode
 from hpctrain.errors import ConfigError
 
 needs_cuda = pytest.mark.skipif(device_mod.cuda_status()[0] == 0, reason="numba.cuda unusable")

@@ -284,7 +284,7 @@ def test_all_finite_matches_numpy(dtype, bad, where):
 # ---- a whole model -------------------------------------------------------------------
 def test_mlp_step_on_cuda_equals_cpu_step(dev64):
     """forward, backward and an SGD update of a 2-hidden-layer MLP, float64."""
-    from hpctrain.nn import MLP
+    from hpctrain.models.mlp import MLP
 
     r = rng_for(9)
     x, y = r.standard_normal((12, 8)), r.integers(0, 4, size=12).astype(np.int64)

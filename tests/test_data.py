@@ -11,7 +11,7 @@ import pytest
 from hpctrain.data import (DistributedSampler, open_dataset, per_rank_batch, read_rows,
                            shard_range)
 from hpctrain.errors import DataError, LaunchError, UserError
-from hpctrain.synth import MARGIN, Teacher, write_synthetic
+from hpctrain.data.synth import MARGIN, Teacher, write_synthetic
 
 DIM, C = 8, 4
 

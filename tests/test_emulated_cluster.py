@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, {repo!r})
 import numpy as np
 from mpi4py import MPI
-from hpctrain import dist
+from hpctrain import comm
 from hpctrain.device import CpuDevice
 from hpctrain.errors import LaunchError
 from hpctrain.runtime import init_world
@@ -41,7 +41,7 @@ for name in {names!r}:
     bad, error = 0, ""
     if name in {one_machine!r}:  # must refuse two nodes, on every rank, with one clear error
         try:
-            dist.make_allreduce(name, world, CpuDevice("float32"))
+            comm.make_allreduce(name, world, CpuDevice("float32"))
             error = "accepted a world across nodes"
         except LaunchError as exc:
             error = "" if "one machine" in str(exc) else repr(exc)
@@ -53,7 +53,7 @@ for name in {names!r}:
         continue
     try:
         for dtype in ("float32", "float64"):
-            allreduce = dist.make_allreduce(name, world, CpuDevice(dtype))  # once: auto measures here
+            allreduce = comm.make_allreduce(name, world, CpuDevice(dtype))  # once: auto measures here
             for n in (1, 7, 1023, 65537):  # sums stay below 2^24: exact in float32 in any order
                 x = (world.rank + np.arange(n)).astype(dtype)
                 allreduce(x, "sum")
@@ -76,9 +76,9 @@ sys.exit(1 if problems else 0)
 def strategy_names():
     """Every strategy: those in STRATEGIES (hierarchical among them) and auto, which
     make_allreduce builds without listing it there."""
-    from hpctrain import dist
+    from hpctrain import comm
 
-    return sorted(dist.STRATEGIES) + (["auto"] if hasattr(dist, "AutoAllreduce") else [])
+    return sorted(comm.STRATEGIES) + (["auto"] if hasattr(comm, "AutoAllreduce") else [])
 
 
 ONE_MACHINE = ["shm"]  # strategies that need every rank on one machine (they refuse two nodes)

@@ -16,7 +16,7 @@ from hpctrain.device import CpuDevice
 from hpctrain.kernels.bias_act import bias_act_backward, bias_act_forward
 from hpctrain.kernels.linear import linear_backward, linear_forward
 from hpctrain.kernels.softmax_xent import softmax_xent_backward, softmax_xent_forward
-from hpctrain.nn import MLP
+from hpctrain.models.mlp import MLP
 
 # (B, I, O) for linear; the same triples are used as 3-D shapes for the
 # elementwise ops and (B, O) for softmax: batch 1, all-ones and odd sizes.

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hpctrain.device import CpuDevice
-from hpctrain.dist import STRATEGIES, make_allreduce
+from hpctrain.comm import STRATEGIES, make_allreduce
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 

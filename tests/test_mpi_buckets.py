@@ -177,7 +177,7 @@ def test_overlap_hides_most_communication_behind_a_slow_backward(mpi_small_data,
 
 def test_auto_picks_the_same_strategy_on_every_rank_and_caches_its_fit(mpi_shared_dir, world):
     from hpctrain.device import CpuDevice
-    from hpctrain.dist import make_allreduce
+    from hpctrain.comm import make_allreduce
 
     path = f"{mpi_shared_dir}/auto-fit.json"
     first = make_allreduce("auto", world, CpuDevice("float64"), cache_path=path)
@@ -192,7 +192,7 @@ def test_auto_picks_the_same_strategy_on_every_rank_and_caches_its_fit(mpi_share
 
 def test_auto_on_one_machine_offers_shm_zero_copy_and_the_trainer_uses_it(mpi_small_data, world):
     from hpctrain.device import CpuDevice
-    from hpctrain.dist import make_allreduce
+    from hpctrain.comm import make_allreduce
 
     strategy = make_allreduce("auto", world, CpuDevice("float64"))
     assert "shm" in strategy.names and "shm zero-copy" in strategy.names

@@ -19,7 +19,7 @@ def world():
 
 
 def shm(world, dtype="float32", **kw):
-    from hpctrain.dist.shm import ShmAllreduce
+    from hpctrain.comm.shm import ShmAllreduce
 
     return ShmAllreduce(world, CpuDevice(dtype), **kw)
 
@@ -158,8 +158,8 @@ def test_sum_scaled_finiteness_answers_together_cover_the_buffer(world, name):
     or finite inputs whose sum overflows: some rank answers False, on every strategy (shm and
     auto in the window test only the share they fold, mpi the whole buffer); a clean buffer
     gets True everywhere, and without the check the answer is True even for a bad one."""
-    from hpctrain.dist import make_allreduce
-    from hpctrain.dist.reduce_ops import sum_scaled
+    from hpctrain.comm import make_allreduce
+    from hpctrain.comm.reduce_ops import sum_scaled
 
     device = CpuDevice("float32")
     strategy = make_allreduce(name, world, device)
@@ -202,7 +202,7 @@ def test_auto_forwards_sum_scaled_to_its_pick(world):
     (which one auto measures fastest at a size depends on the machine's timing)."""
     from mpi4py import MPI
 
-    from hpctrain.dist import make_allreduce
+    from hpctrain.comm import make_allreduce
 
     auto = make_allreduce("auto", world, CpuDevice("float32"))
     n = 2 * 2048 + 33

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from hpctrain.device import CudaDevice, cuda_status
-from hpctrain.dist import STRATEGIES
-from hpctrain.dist.staging import Staging
+from hpctrain.comm import STRATEGIES
+from hpctrain.comm.staging import Staging
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240),
               pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
@@ -71,7 +71,7 @@ def test_staged_sum_scaled_of_a_device_buffer(strategy):
     """The gradient buckets' one call (sum, scale, finiteness) on a device buffer: the sum
     travels through the staging copies, the scale and the test run on the device; a NaN
     on the last rank is reported by some rank."""
-    from hpctrain.dist.reduce_ops import sum_scaled
+    from hpctrain.comm.reduce_ops import sum_scaled
     from hpctrain.runtime import init_world
 
     world = init_world(ranks_per_node=2)

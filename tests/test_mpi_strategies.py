@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from hpctrain.device import CpuDevice, CudaDevice, cuda_status
-from hpctrain.dist import STRATEGIES, make_allreduce
-from hpctrain.dist.collectives import Collectives
-from hpctrain.dist.reduce_ops import reduce_into
-from hpctrain.dist.staging import Staging
+from hpctrain.comm import STRATEGIES, make_allreduce
+from hpctrain.comm.collectives import Collectives
+from hpctrain.comm.reduce_ops import reduce_into
+from hpctrain.comm.staging import Staging
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -42,7 +42,7 @@ def node_world():
 
 def build(name, world, node_world, device):
     if name == "shm":  # 64 KB segments: buffers of 2^20 + 3 elements take many (tests/test_mpi_shm.py: zero copy)
-        from hpctrain.dist.shm import ShmAllreduce
+        from hpctrain.comm.shm import ShmAllreduce
 
         return ShmAllreduce(world, device, segment_bytes=64 << 10)
     if name.startswith("hierarchical/"):
@@ -118,7 +118,7 @@ def test_random_data_agrees_with_naive(world, node_world, name, dtype, n):
 @pytest.mark.parametrize("n", [5, 1001])
 def test_hierarchical_in_tiny_segments_has_closed_form_results(world, node_world, inner, n):
     """Segments of 3 elements: many segments, most chunks of 0 or 1 element, several in flight."""
-    from hpctrain.dist.hierarchical import HierarchicalAllreduce
+    from hpctrain.comm.hierarchical import HierarchicalAllreduce
 
     allreduce = HierarchicalAllreduce(node_world, CpuDevice("float32"), inner=inner, segment_bytes=12)
     for op in OPS:

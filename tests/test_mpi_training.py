@@ -53,7 +53,7 @@ def test_n_ranks_equal_one_rank_with_n_times_batch(mpi_small_data, optim, allred
     np.testing.assert_allclose(params_n, params_1, rtol=1e-10, atol=1e-13)
     # and training moved the weights (the check is not vacuous)
     from hpctrain.device import CpuDevice
-    from hpctrain.nn import MLP
+    from hpctrain.models.mlp import MLP
 
     fresh = MLP(CpuDevice("float64"), 8, [16, 12], 4)
     fresh.init(0)

@@ -62,7 +62,7 @@ def test_each_rank_writes_a_chrome_trace_with_the_expected_spans(traced, rank):
     assert n_buckets >= 2 and all(e["ph"] == "i" for e in ready)
     assert len(ready) == len(reduced) == n_buckets * STEPS
     for e in reduced:
-        # the last bucket goes to the main thread when the comm thread is idle by then (dist/buckets.py)
+        # the last bucket goes to the main thread when the comm thread is idle by then (comm/buckets.py)
         assert e["tid"] == comm or (e["tid"] == main and e["args"]["bucket"] == n_buckets - 1), e
         assert e["args"]["strategy"] == "mpi" and e["args"]["bytes"] > 0
     # causality: the k-th reduction of bucket i starts after its k-th "ready"

@@ -13,7 +13,7 @@
 
 :func:`make_compressor` builds one from its config text, e.g. ``"topk(0.01)"``;
 ``reducer.CompressedSum`` (or ``device.DeviceCompressedSum``) sums a bucket
-over ranks through one, and :mod:`hpctrain.dist.compression` applies it to
+over ranks through one, and :mod:`hpctrain.comm.compression` applies it to
 the gradient buckets (``dist.compress``, ``dist.compress_scope``) and picks
 the path: the device one for CUDA buckets with scope "all", else the host one.
 """

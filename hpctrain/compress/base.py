@@ -89,7 +89,7 @@ class ErrorFeedback:
         r = self.residuals.get(ctx.bucket)
         if r is None or r.size != x.size:
             r = self.residuals[ctx.bucket] = np.zeros(x.size, np.float32)
-        # (if compress raises, r is left as x + residual: the run stops on it, see dist/buckets.py)
+        # (if compress raises, r is left as x + residual: the run stops on it, see comm/buckets.py)
         np.add(x.astype(np.float32, copy=False), r, out=r)   # r is now x + residual ...
         payload = c.compress(r, ctx)                          # (payloads hold copies, not views)
         c.subtract_sent(payload, r, ctx)                      # ... and then what was not sent

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from .base import ErrorFeedback
-from ..dist.ring import chunk_offsets
+from ..comm.ring import chunk_offsets
 
 TAG = 0x43
 

@@ -1,6 +1,5 @@
-"""Layers on top of the kernels. Parameters and gradients are views of flat buffers."""
+"""Reusable layers over the kernels. Parameters and gradients are views of flat buffers."""
 
 from .flat import FlatParams
-from .mlp import MLP
 
-__all__ = ["FlatParams", "MLP"]
+__all__ = ["FlatParams"]

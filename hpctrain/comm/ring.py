@@ -9,7 +9,7 @@ optimal), in 2 (size-1) messages (latency grows with the world).
 
 Each element is reduced by one rank and then copied, so every rank ends with
 the same bytes. Reductions run on the host (``Staging.host_view``) with the
-compiled :func:`~hpctrain.dist.reduce_ops.reduce_into`.
+compiled :func:`~hpctrain.comm.reduce_ops.reduce_into`.
 """
 
 import numpy as np

@@ -5,7 +5,7 @@ called as ``allreduce(buf, op="mean") -> buf``: a collective over ``world.comm``
 (every rank calls it with a buffer of the same size and dtype, size 0 included)
 that reduces the device buffer ``buf`` in place. op: "sum", "mean" (the sum
 scaled once by 1/size), "max", "min"; dtypes float32 and float64. Buffers reach
-MPI only through :class:`~hpctrain.dist.staging.Staging`. Choose by name
+MPI only through :class:`~hpctrain.comm.staging.Staging`. Choose by name
 (N elements, p ranks, p2 the largest power of two <= p):
 
 | name         | algorithm                               | sent per rank (msgs / elements)    | use it for                                 |

@@ -84,7 +84,7 @@ class AutoAllreduce:
 
     def sum_scaled(self, buf, factor: float, check_finite: bool = False) -> bool:
         """``buf`` summed over ranks, scaled by ``factor`` and tested, by the picked strategy
-        (:func:`~hpctrain.dist.reduce_ops.sum_scaled`: in one pass where it can, shm zero-copy,
+        (:func:`~hpctrain.comm.reduce_ops.sum_scaled`: in one pass where it can, shm zero-copy,
         testing only this rank's share there). Collective."""
         return sum_scaled(self._pick(buf), buf, factor, self.device, check_finite)
 

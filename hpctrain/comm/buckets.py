@@ -92,7 +92,7 @@ class BucketedAllreduce:
     Per step: :meth:`start` (with the scale factor, 1 / (world size x
     micro-steps)), :meth:`mark_ready` for every parameter during backward,
     then :meth:`wait` for each bucket. The sum and the scale are one call
-    (:func:`~hpctrain.dist.reduce_ops.sum_scaled`), one pass where the strategy
+    (:func:`~hpctrain.comm.reduce_ops.sum_scaled`), one pass where the strategy
     can. With ``overlap=False`` buckets are reduced on the calling thread
     inside :meth:`wait` (the baseline). With ``check_finite`` every averaged
     bucket is tested for NaN/Inf as part of its reduction; :attr:`nonfinite`

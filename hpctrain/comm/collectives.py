@@ -7,7 +7,7 @@
 Every method is collective over ``world.comm``: every rank of the group calls
 it, in the same order, with buffers of agreed sizes (zero-length included).
 Buffers are the device's arrays (NumPy on cpu, numba device arrays on cuda);
-they reach MPI only through :class:`~hpctrain.dist.staging.Staging`, so with
+they reach MPI only through :class:`~hpctrain.comm.staging.Staging`, so with
 a GPU and no CUDA-aware MPI each call copies through pinned host memory.
 """
 
@@ -24,7 +24,7 @@ class Collectives:
     """MPI collectives over ``world.comm`` for buffers on ``device``.
 
     ``allreduce`` names the strategy behind :meth:`Allreduce` (see
-    ``hpctrain.dist.STRATEGIES``); ``staging`` defaults to ``Staging(device)``.
+    ``hpctrain.comm.STRATEGIES``); ``staging`` defaults to ``Staging(device)``.
     """
 
     def __init__(self, world, device, staging=None, allreduce: str = "mpi"):

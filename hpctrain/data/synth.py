@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from .data import FORMAT_NAME, FORMAT_VERSION
+from .tabular import FORMAT_NAME, FORMAT_VERSION
 
 TEACHER_HIDDEN = 64
 CHUNK_ROWS = 65536
@@ -53,7 +53,7 @@ def write_synthetic(path: str, n: int, dim: int, classes: int, seed: int, teache
     import h5py
 
     if n < 1 or dim < 1 or classes < 2:
-        from .errors import UserError
+        from ..errors import UserError
 
         raise UserError(f"data synth: need n >= 1, dim >= 1, classes >= 2 (got n={n}, dim={dim}, classes={classes})")
     teacher = Teacher(dim, classes, teacher_seed)

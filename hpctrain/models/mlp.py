@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 
-from .flat import FlatParams
-from .layers import Linear, SoftmaxCrossEntropy
+from ..nn.flat import FlatParams
+from ..nn.layers import Linear, SoftmaxCrossEntropy
 
 
 class MLP:
