@@ -10,7 +10,7 @@ MPIRUN  ?= mpirun --oversubscribe
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup train test bench info clean
+.PHONY: setup train train-gpt sample-gpt test bench info clean
 
 setup:
 	@bash scripts/setup.sh
@@ -23,6 +23,17 @@ data/synth-eval.h5: | setup
 
 train: setup data/synth-train.h5 data/synth-eval.h5
 	$(MPIRUN) -n $(NP) $(PY) -m hpctrain train --config $(CONFIG)
+
+# The GPT example: a byte-level corpus of the Python standard library's own source (~30 MB, seconds to make),
+# then a ~1 M-parameter GPT on 2 ranks (CPU); sample-gpt prints text from its final checkpoint.
+data/text.h5: | setup
+	$(PY) -m hpctrain data text --out $@
+
+train-gpt: setup data/text.h5
+	$(MPIRUN) -n 2 $(PY) -m hpctrain train --config examples/gpt.toml
+
+sample-gpt: setup
+	$(PY) -m hpctrain sample --checkpoint $$(ls runs/gpt/ckpt/ckpt-*.h5 | tail -n 1) --prompt "def " --tokens 300
 
 test: setup
 	@bash scripts/test.sh

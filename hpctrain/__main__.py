@@ -2,14 +2,15 @@
 
 Commands
   train   train a model data-parallel over all ranks of the launch
-  data    make or inspect datasets (``data synth``, ``data info``)
+  data    make, import or inspect datasets (``data synth``, ``data text``, ``data import``, ``data info``)
+  sample  generate text from a GPT checkpoint (``sample --checkpoint FILE --prompt TEXT``)
   ckpt    list, verify or inspect checkpoints (``ckpt ls DIR``, ``ckpt verify FILE``, ``ckpt inspect FILE``)
   trace   join the per-rank timelines of ``train --trace DIR`` (``trace merge DIR -o FILE``)
   bench   rebuild a benchmark's table and plots from its JSON (``bench report DIR``)
   info    per-rank topology, MPI library and thread level, h5py/HDF5, numba, CUDA
 
 Exit codes: 0 ok; 2 a user error (printed once by rank 0); 3 the run finished
-but missed train.target_accuracy; 4 the watchdog ended a stalled collective
+but missed train.target_accuracy or train.target_val_bpb; 4 the watchdog ended a stalled collective
 (dist.comm_timeout); 5 NaN/Inf or loss spikes the numerical guard may not skip
 (guard.nonfinite); 75 stopped by SIGUSR1/SIGTERM after saving a checkpoint
 (run again with --resume auto); 1 anything else (all ranks are aborted).
@@ -78,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     from .data.cli import add_data_parser
 
     add_data_parser(sub)
+    from .sample import add_sample_parser
+
+    add_sample_parser(sub)
 
     c = sub.add_parser("ckpt", help="list, verify or inspect checkpoints (no MPI needed)")
     csub = c.add_subparsers(dest="ckpt_command", required=True, metavar="action")
@@ -148,10 +152,7 @@ def cmd_train(args) -> int:
     stop.ignore_late()  # nothing left to stop: a late SIGUSR1/SIGTERM must not change the exit code
     if result["stopped_by"]:
         return EXIT_CHECKPOINTED
-    acc = result["eval_accuracy"]
-    if cfg.train.target_accuracy and (acc is None or acc < cfg.train.target_accuracy):
-        return EXIT_TARGET_MISSED
-    return 0
+    return 0 if result["targets_met"] else EXIT_TARGET_MISSED
 
 
 def _ckpt(name, args) -> int:

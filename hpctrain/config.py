@@ -45,9 +45,12 @@ class Config:
                                       f"choose one of {', '.join(choices)}")
             if hasattr(sub, "validate"):
                 sub.validate()
-        if self.train.target_accuracy and not self.data.eval:
+        if self.train.target_accuracy and not self.data.eval and self.model.kind == "mlp":
             raise ConfigError("train.target_accuracy is set but data.eval is empty; "
                               "name an evaluation file or set train.target_accuracy = 0")
+        if self.train.target_val_bpb and self.model.kind != "gpt":
+            raise ConfigError("train.target_val_bpb is a language-model target: it needs model.kind = \"gpt\" "
+                              "(the mlp's target is train.target_accuracy)")
         return self
 
     def to_toml(self) -> str:
@@ -143,7 +146,7 @@ def _parse_override(text: str):
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the TOML file at ``path``, then ``--set`` overrides; validated."""
-    cfg = Config()
+    doc = {}
     if path:
         try:
             limit = 1 << 20  # configs are a few KB; /dev/zero or a dataset passed by mistake must not fill memory
@@ -152,26 +155,44 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             if len(text) > limit:
                 raise ConfigError(f"config file {path!r} is larger than 1 MiB, so not a config; pass the "
                                   f"TOML file to --config")
-            doc = tomllib.loads(text.decode("utf-8"))
+            doc = _parse_toml(text.decode("utf-8"), f"config file {path!r}")
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} not found; pass an existing file to --config") from None
         except OSError as exc:
             raise ConfigError(f"config file {path!r} cannot be read ({exc.strerror or exc}); "
                               f"pass a readable TOML file to --config") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        except UnicodeDecodeError as exc:
             raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
-        except (ValueError, RecursionError) as exc:  # > 4300-digit integers, nesting beyond the stack
-            raise ConfigError(f"config file {path!r} cannot be read as a config ({type(exc).__name__}: "
-                              f"{str(exc).split(':')[0][:120]}); use plain numbers, strings and short lists") from None
-        for section, table in doc.items():
-            if not isinstance(table, dict):
-                raise ConfigError(f"{path}: top-level key {section[:60]!r} must be a [section] table")
-            for key, value in table.items():
-                _apply(cfg, section, key, value, path)
+    cfg = _from_doc(doc, path)
     for text in overrides:
         shown = text if text.isprintable() and len(text) <= 80 else repr(text[:76]) + (" ..." if len(text) > 76 else "")
         _apply(cfg, *_parse_override(text), origin=f"--set {shown}")  # one line, whatever was typed
     return cfg.validate()
+
+
+def load_config_text(text: str, origin: str) -> Config:
+    """The config in TOML ``text`` (e.g. the one a checkpoint stores), over the defaults; validated."""
+    return _from_doc(_parse_toml(text, origin), origin).validate()
+
+
+def _parse_toml(text: str, origin: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{origin} is not valid TOML: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # > 4300-digit integers, nesting beyond the stack
+        raise ConfigError(f"{origin} cannot be read as a config ({type(exc).__name__}: "
+                          f"{str(exc).split(':')[0][:120]}); use plain numbers, strings and short lists") from None
+
+
+def _from_doc(doc: dict, origin) -> Config:
+    cfg = Config()
+    for section, table in doc.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{origin}: top-level key {section[:60]!r} must be a [section] table")
+        for key, value in table.items():
+            _apply(cfg, section, key, value, origin)
+    return cfg
 
 
 def describe() -> str:

@@ -21,18 +21,35 @@ def _f(default, why, **kw):
 
 @dataclass
 class ModelConfig:
-    hidden: list[int] = _f([256, 256], "two hidden layers learn the teacher task to >90% quickly")
-    activation: str = _f("relu", "relu | gelu; relu is cheapest", choices=("relu", "gelu"))
+    kind: str = _f("mlp", "mlp (classifier on the tabular x/y format) | gpt (GPT-2 language model on the token "
+                   "format)", choices=("mlp", "gpt"))
+    hidden: list[int] = _f([256, 256], "mlp: two hidden layers learn the teacher task to >90% quickly")
+    activation: str = _f("relu", "mlp: relu | gelu; relu is cheapest", choices=("relu", "gelu"))
+    n_layer: int = _f(4, "gpt: transformer blocks; 4 x d 128 is ~1 M parameters, minutes on a CPU")
+    n_head: int = _f(4, "gpt: attention heads; must divide d_model (head size d_model / n_head)")
+    d_model: int = _f(128, "gpt: channels of the residual stream (the MLP is 4 x wider)")
+    context: int = _f(128, "gpt: tokens per training window (and the largest position); the vocabulary "
+                      "comes from the data file")
 
     def validate(self):
         if any(h < 1 for h in self.hidden):
             raise ConfigError(f"model.hidden={self.hidden}: every width must be >= 1")
+        for key in ("n_layer", "n_head", "d_model", "context"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key}={getattr(self, key)}: must be >= 1")
+        if self.kind == "gpt" and self.d_model % self.n_head:
+            divisors = [h for h in range(1, min(self.d_model, 64) + 1) if self.d_model % h == 0]
+            raise ConfigError(f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}; "
+                              f"every head gets d_model / n_head channels: choose n_head from "
+                              f"{', '.join(map(str, divisors))} or change d_model")
 
 
 @dataclass
 class DataConfig:
-    train: str = _f("data/synth-train.h5", "HDF5 file with /x float32 [N, D] and /y int64 [N]")
-    eval: str = _f("", "held-out HDF5 file in the same format; empty = no evaluation")
+    train: str = _f("data/synth-train.h5", "mlp: HDF5 file with /x float32 [N, D] and /y int64 [N]; gpt: a "
+                    "token file (python -m hpctrain data text) whose /train stream is trained on")
+    eval: str = _f("", "mlp: held-out HDF5 file in the same format, empty = no evaluation; gpt: a token file "
+                   "whose /val stream is evaluated, empty = data.train's own /val")
     shuffle_seed: int = _f(1234, "one permutation per (seed, epoch), identical on every rank")
 
     def validate(self):
@@ -51,6 +68,10 @@ class TrainConfig:
     log_every: int = _f(100, "progress line period in steps (non-TTY logs get one line each)")
     eval_every: int = _f(0, "evaluate every k steps; 0 = only at the end")
     target_accuracy: float = _f(0.0, "final eval accuracy the run must reach (0 = no target); missing it exits 3")
+    target_val_bpb: float = _f(0.0, "gpt: final validation bits per byte the run must reach or beat (0 = no "
+                               "target); missing it exits 3")
+    eval_tokens: int = _f(65536, "gpt: validation tokens per evaluation, windows spread evenly over the split "
+                          "(the same ones every time); 0 = the whole split")
     metrics: str = _f("", "per-step metrics as JSON lines, written by rank 0; empty = off")
     grad_accum_steps: int = _f(1, "micro-batches per step: gradients accumulate locally and are "
                                "communicated once, on the last (the per-rank batch must divide evenly)")
@@ -70,6 +91,10 @@ class TrainConfig:
             raise ConfigError(f"train.grad_accum_steps={self.grad_accum_steps}: must be >= 1")
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0")
+        if not 0.0 <= self.target_val_bpb < math.inf:  # also false for nan
+            raise ConfigError(f"train.target_val_bpb={self.target_val_bpb}: bits per byte >= 0 (0 = no target)")
+        if self.eval_tokens < 0:
+            raise ConfigError(f"train.eval_tokens={self.eval_tokens}: must be >= 0 (0 = the whole split)")
         if not 0.0 <= self.target_accuracy <= 1.0:  # also false for nan
             raise ConfigError(f"train.target_accuracy={self.target_accuracy}: a fraction in [0, 1], e.g. 0.9")
 
@@ -80,7 +105,8 @@ class OptimConfig:
     lr: float = _f(0.1, "peak learning rate (after warmup, before decay)")
     momentum: float = _f(0.9, "SGD momentum; 0.9 is the usual choice")
     nesterov: bool = _f(False, "Nesterov momentum for SGD")
-    weight_decay: float = _f(0.0, "L2 (SGD) or decoupled (AdamW) decay, applied to all parameters")
+    weight_decay: float = _f(0.0, "L2 (SGD) or decoupled (AdamW) decay; mlp: every parameter; gpt: matrices "
+                             "and embeddings only, never biases or LayerNorm parameters")
     beta1: float = _f(0.9, "AdamW first-moment decay")
     beta2: float = _f(0.999, "AdamW second-moment decay")
     eps: float = _f(1e-8, "AdamW denominator guard")

@@ -22,7 +22,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .kernels import adamw, bias_act, finite, linear, scale, sgd, softmax_xent
+from .kernels import (adamw, attention, bias_act, embedding, finite, layernorm, linear, residual, scale, sgd,
+                      softmax_xent)
 
 CPU_OPS = SimpleNamespace(
     linear_forward=linear.linear_forward, linear_backward=linear.linear_backward,
@@ -30,6 +31,11 @@ CPU_OPS = SimpleNamespace(
     softmax_xent_forward=softmax_xent.softmax_xent_forward,
     softmax_xent_backward=softmax_xent.softmax_xent_backward,
     sgd_step=sgd.sgd_step, adamw_step=adamw.adamw_step, scale=scale.scale, all_finite=finite.all_finite,
+    # GPT ops (CPU only for now: CudaDevice's table gains them with their CUDA kernels)
+    embedding_forward=embedding.embedding_forward, embedding_backward=embedding.embedding_backward,
+    layernorm_forward=layernorm.layernorm_forward, layernorm_backward=layernorm.layernorm_backward,
+    attention_forward=attention.attention_forward, attention_backward=attention.attention_backward,
+    residual_forward=residual.residual_forward, residual_backward=residual.residual_backward,
 )
 
 

@@ -5,8 +5,8 @@ dictionary lookup per step. Kinds, each acting on rank RANK (default 0) just
 before global step STEP's forward pass (STEP ``start``: at the start of the
 trainer's start-up, before its first collective; only raise, segv and hang):
 
-  nan    the rank's batch gets a NaN feature (poisoned input data)
-  spike  the rank's batch is scaled by 1000 (finite, but the loss jumps)
+  nan    the rank's batch gets a NaN feature (poisoned input data; float inputs only)
+  spike  the rank's batch is scaled by 1000 (finite, but the loss jumps; float inputs only)
   raise  the rank raises RuntimeError (a bug on one rank)
   segv   the rank reads address 0 (a crash in native code: SIGSEGV)
   hang   the rank sleeps in Python forever (busy elsewhere: the watchdog must
@@ -61,6 +61,10 @@ class Faults:
         kind = self.by_step.get(step)
         if kind is None:
             return x
+        if kind in ("nan", "spike") and np.asarray(x).dtype.kind != "f":
+            # token ids cannot hold a NaN, and scaled ids would index past the embedding table
+            raise ConfigError(f"HPCTRAIN_FAULT {kind}:{step}: poisons float inputs (model.kind = \"mlp\"); this "
+                              f"model's inputs are token ids")
         if kind == "nan":
             x = np.array(x, copy=True)  # the reader's batch may be a view of its cached window
             x.flat[0] = np.nan

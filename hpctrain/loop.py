@@ -32,7 +32,9 @@ def run(trainer) -> dict:
 
 def _loop(trainer) -> dict:
     cfg, world, log, wd, guard = trainer.cfg, trainer.world, trainer.log, trainer.watchdog, trainer.guard
-    tc, b = cfg.train, trainer.sampler.batch
+    tc, b, data = cfg.train, trainer.sampler.batch, trainer.data
+    per_row = trainer.model.targets_per_row  # predictions per row: the loss is their mean
+    units = data.units
     log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
              f"device {trainer.device.describe()}, allreduce {cfg.dist.allreduce} "
              f"(MPI staging: {trainer.staging.mode}; {len(trainer.buckets)} bucket(s), "
@@ -40,8 +42,13 @@ def _loop(trainer) -> dict:
              + (f", compress {cfg.dist.compress} scope {cfg.dist.compress_scope}" if trainer.compression else "")
              + "), "
              f"global batch {tc.global_batch} = {b} x {world.size}, {trainer.model.flat.size:,} parameters, "
-             f"{trainer.sampler.steps_per_epoch} steps/epoch")
-    window = np.zeros(3)  # loss_sum, correct, rows since the last progress line
+             f"{trainer.sampler.steps_per_epoch} steps/epoch; data: {data.describe}")
+    peak = trainer.peak_flops  # this machine's GEMM peak over all ranks (FLOP/s), or None: no MFU
+    if peak:
+        log.info(f"MFU is model FLOPs/s over the GEMM peak measured at start-up: {peak / 1e9:,.1f} GFLOP/s "
+                 f"over {world.size} rank(s) ({trainer.model.flops_per_row / per_row / 1e6:,.2f} MFLOP per "
+                 f"{units[:-1]} for forward + backward)")
+    window = np.zeros(3)  # loss_sum, correct, predictions since the last progress line
     # per step, summed over ranks: loss_sum, correct, rows, rank 0's "every_minutes is due",
     # the ranks whose loss held a NaN or Inf, those that found one in (their share of) the
     # averaged gradient (BucketedAllreduce.nonfinite), then per stop signal the ranks
@@ -49,7 +56,6 @@ def _loop(trainer) -> dict:
     stats = np.zeros(6 + len(STOP_SIGNALS))
     t_start = t_window = time.perf_counter()
     first_step, stopped_by = trainer.step, None
-    eval_acc = None
     ckpt = trainer.checkpoints
     if guard.policy == "rollback" and ckpt.saved_step is None and trainer.step < tc.steps:
         with wd.watch("checkpoint save", f"step {trainer.step}, for guard.nonfinite=rollback", trainer.step, 10):
@@ -66,7 +72,7 @@ def _loop(trainer) -> dict:
                             ckpt.save(trainer)
                     continue
                 loss_sum, correct, nonfinite = trainer.compute_step(update=not guard.deferred)
-                stats[:] = (loss_sum, correct, b, world.is_root and ckpt.time_due(), *nonfinite,
+                stats[:] = (loss_sum, correct, b * per_row, world.is_root and ckpt.time_due(), *nonfinite,
                             *(trainer.stop_signal.received == name for name in STOP_SIGNALS))
                 with wd.watch("step statistics all-reduce", f"step {trainer.step}", trainer.step):
                     world.comm.Allreduce(_in_place(), stats)  # global loss/accuracy of this step
@@ -91,6 +97,7 @@ def _loop(trainer) -> dict:
                         ckpt.save(trainer)
                 split = trainer.timers.pop()
                 step_time = time.perf_counter() - t0
+                rate = _rates(tc.global_batch, per_row, trainer.model.flops_per_row, peak, step_time)
                 if trainer.tracer is not None:
                     trainer.tracer.complete("step", t0, "step", {"step": trainer.step})  # as in the metrics
                 trainer.metrics.write(step=trainer.step, epoch=trainer.sampler.position(trainer.step - 1)[0],
@@ -99,7 +106,7 @@ def _loop(trainer) -> dict:
                                    comm_time=trainer.comm.comm_s, exposed_comm_time=trainer.comm.exposed_s,
                                    bytes_reduced=trainer.comm.bytes, allreduce=cfg.dist.allreduce,
                                    **trainer._compression_metrics(),
-                                   samples_per_s=tc.global_batch / step_time,
+                                   **rate,
                                    bad_steps=guard.bad_steps, skipped=bad is not None,
                                    **{f"t_{k}": v for k, v in split.items()})
                 if signalled and trainer.step < tc.steps:  # at the last step: finished, exit normally
@@ -109,36 +116,64 @@ def _loop(trainer) -> dict:
                     break
                 if (trainer.step % tc.log_every == 0 or trainer.step == tc.steps) and window[2]:
                     now = time.perf_counter()
-                    rate = window[2] / (now - t_window)
+                    rate = window[2] / (now - t_window)  # predictions per second: samples or tokens
                     eta = (now - t_start) / max(1, trainer.step - first_step) * (tc.steps - trainer.step)
+                    mfu = f" | MFU {100 * rate * trainer.model.flops_per_row / per_row / peak:.1f}%" if peak else ""
                     log.progress(f"step {trainer.step:>6}/{tc.steps} | loss {window[0] / window[2]:.4f} | "
-                                 f"acc {100 * window[1] / window[2]:5.1f}% | {rate:,.0f} samples/s | "
+                                 f"acc {100 * window[1] / window[2]:5.1f}% | {rate:,.0f} {units}/s{mfu} | "
                                  f"lr {trainer.schedule.lr(trainer.step - 1):.4g} | ETA {format_eta(eta)}")
                     window[:] = 0
                     t_window = now
-                if trainer.eval_ds and tc.eval_every and trainer.step % tc.eval_every == 0 and trainer.step < tc.steps:
-                    log.info(f"eval at step {trainer.step}: accuracy {100 * trainer.evaluate():.2f}%")
+                if data.eval_shard and tc.eval_every and trainer.step % tc.eval_every == 0 and trainer.step < tc.steps:
+                    scores = trainer.evaluate()
+                    log.info(f"eval at step {trainer.step}: {describe_eval(scores)}")
+                    trainer.metrics.write(step=trainer.step, **{f"val_{k}": v for k, v in scores.items()})
     finally:
         trainer.metrics.close()
         if trainer.tracer is not None:
             trainer.tracer.save()
     elapsed = time.perf_counter() - t_start
-    result = {"steps": trainer.step, "seconds": elapsed, "stopped_by": stopped_by, "eval_accuracy": None,
+    result = {"steps": trainer.step, "seconds": elapsed, "stopped_by": stopped_by, "eval": None,
               "samples_per_s": (trainer.step - first_step) * tc.global_batch / elapsed if elapsed else 0.0,
-              "bad_steps": guard.bad_steps}
+              "bad_steps": guard.bad_steps, "targets_met": True}
+    result[f"{units}_per_s"] = result["samples_per_s"] * per_row
     if stopped_by is not None:
         return result
-    if trainer.eval_ds:
-        eval_acc = result["eval_accuracy"] = trainer.evaluate()
-    log.info(f"done: {trainer.step} steps in {elapsed:.1f} s ({result['samples_per_s']:,.0f} samples/s)"
+    log.info(f"done: {trainer.step} steps in {elapsed:.1f} s ({result[f'{units}_per_s']:,.0f} {units}/s)"
              + (f", {guard.bad_steps} bad step(s) ({guard.policy})" if guard.bad_steps else ""))
-    if eval_acc is not None:
-        verdict = ""
+    if data.eval_shard:
+        scores = result["eval"] = trainer.evaluate()
+        verdicts = []
         if tc.target_accuracy:
-            verdict = f" (target {100 * tc.target_accuracy:.1f}%: " \
-                      f"{'reached' if eval_acc >= tc.target_accuracy else 'NOT reached'})"
-        log.info(f"final eval accuracy {100 * eval_acc:.2f}%{verdict}")
+            met = scores["accuracy"] >= tc.target_accuracy
+            verdicts.append(f"target accuracy {100 * tc.target_accuracy:.1f}%: {'reached' if met else 'NOT reached'}")
+            result["targets_met"] &= met
+        if tc.target_val_bpb:
+            met = scores.get("bpb", float("inf")) <= tc.target_val_bpb
+            verdicts.append(f"target {tc.target_val_bpb:.4f} bpb: {'reached' if met else 'NOT reached'}")
+            result["targets_met"] &= met
+        log.info(f"final eval: {describe_eval(scores)}" + (f" ({'; '.join(verdicts)})" if verdicts else ""))
+        trainer.metrics.write(step=trainer.step, final=True, **{f"val_{k}": v for k, v in scores.items()})
+    elif tc.target_accuracy or tc.target_val_bpb:
+        result["targets_met"] = False
     return result
+
+
+def describe_eval(scores: dict) -> str:
+    """'accuracy 93.10%' for a classifier; 'loss 1.2345, 1.7810 bpb, accuracy 61.2%' for bytes."""
+    if "bpb" in scores:
+        return f"loss {scores['loss']:.4f}, {scores['bpb']:.4f} bpb, next-byte accuracy {100 * scores['accuracy']:.1f}%"
+    return f"accuracy {100 * scores['accuracy']:.2f}%"
+
+
+def _rates(global_batch: int, per_row: int, flops_per_row: int, peak, step_time: float) -> dict:
+    """The step's throughput for the metrics: samples/s always; tokens/s and MFU for a language model."""
+    out = {"samples_per_s": global_batch / step_time}
+    if per_row > 1:
+        out["tokens_per_s"] = global_batch * per_row / step_time
+    if peak:
+        out["mfu"] = global_batch * flops_per_row / step_time / peak
+    return out
 
 
 def _in_place():

@@ -6,6 +6,12 @@ then ``update(lr, lo, hi)`` for element ranges as their buckets are reduced
 (the update is elementwise, so slices give the same result as the whole).
 ``step(lr)`` does both for the whole buffer. State is exposed by ``state()``
 as named flat arrays so checkpoints can save and restore it.
+
+Weight decay applies to the parameters the model does not list in
+``no_decay`` (a GPT's biases and LayerNorm parameters): the flat buffer is
+cut into runs of equal decay once, and an update over [lo, hi) runs the
+kernel once per run it overlaps (a GPT lays each block's matrices out before
+its vectors, so a block is two runs).
 """
 
 from __future__ import annotations
@@ -44,35 +50,62 @@ class LRSchedule:
         return c.min_lr + 0.5 * (self.peak - c.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-class SGD:
-    """SGD with momentum, Nesterov and L2 weight decay (PyTorch semantics)."""
+def decay_runs(flat, no_decay) -> list[tuple[int, int, bool]]:
+    """(lo, hi, decays) runs covering ``flat`` in order, adjacent slots of equal decay merged."""
+    runs: list[list] = []
+    for s in flat.slots:
+        decays = s.name not in no_decay
+        if runs and runs[-1][2] == decays:
+            runs[-1][1] = s.offset + s.size
+        else:
+            runs.append([s.offset, s.offset + s.size, decays])
+    return [tuple(r) for r in runs]
 
-    def __init__(self, device, flat, cfg_optim):
+
+class _Optimizer:
+    """The update split into runs of equal decay, shared by both optimizers: ``_kernel(s, lr, weight_decay)``
+    runs the optimizer's kernel on the flat slice ``s``."""
+
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset()):
         self.device, self.flat, self.cfg = device, flat, cfg_optim
-        self.momentum_buf = device.zeros(flat.size)
-
-    def begin_step(self):
-        """Nothing per step for SGD."""
+        self.runs = decay_runs(flat, no_decay)
 
     def update(self, lr: float, lo: int = 0, hi: int | None = None):
-        c, f = self.cfg, self.flat
-        s = slice(lo, f.size if hi is None else hi)
-        self.device.ops.sgd_step(f.data[s], f.grad[s], self.momentum_buf[s], lr,
-                                 c.momentum, c.weight_decay, c.nesterov)
+        hi = self.flat.size if hi is None else hi
+        for a, b, decays in self.runs:
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                self._kernel(slice(a, b), lr, self.cfg.weight_decay if decays else 0.0)
 
     def step(self, lr: float):
         self.begin_step()
         self.update(lr)
 
+
+class SGD(_Optimizer):
+    """SGD with momentum, Nesterov and L2 weight decay (PyTorch semantics)."""
+
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset()):
+        super().__init__(device, flat, cfg_optim, no_decay)
+        self.momentum_buf = device.zeros(flat.size)
+
+    def begin_step(self):
+        """Nothing per step for SGD."""
+
+    def _kernel(self, s, lr, weight_decay):
+        c, f = self.cfg, self.flat
+        self.device.ops.sgd_step(f.data[s], f.grad[s], self.momentum_buf[s], lr, c.momentum, weight_decay,
+                                 c.nesterov)
+
     def state(self) -> dict:
         return {"momentum": self.momentum_buf}
 
 
-class AdamW:
+class AdamW(_Optimizer):
     """Adam with decoupled weight decay (PyTorch semantics); ``t`` counts steps taken."""
 
-    def __init__(self, device, flat, cfg_optim):
-        self.device, self.flat, self.cfg = device, flat, cfg_optim
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset()):
+        super().__init__(device, flat, cfg_optim, no_decay)
         self.exp_avg = device.zeros(flat.size)
         self.exp_avg_sq = device.zeros(flat.size)
         self.t = 0
@@ -80,19 +113,15 @@ class AdamW:
     def begin_step(self):
         self.t += 1  # once per step, however many slices get updated
 
-    def update(self, lr: float, lo: int = 0, hi: int | None = None):
+    def _kernel(self, s, lr, weight_decay):
         c, f = self.cfg, self.flat
-        s = slice(lo, f.size if hi is None else hi)
         self.device.ops.adamw_step(f.data[s], f.grad[s], self.exp_avg[s], self.exp_avg_sq[s],
-                                   self.t, lr, c.beta1, c.beta2, c.eps, c.weight_decay)
-
-    def step(self, lr: float):
-        self.begin_step()
-        self.update(lr)
+                                   self.t, lr, c.beta1, c.beta2, c.eps, weight_decay)
 
     def state(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
 
-def make_optimizer(device, flat, cfg_optim):
-    return {"sgd": SGD, "adamw": AdamW}[cfg_optim.name](device, flat, cfg_optim)
+def make_optimizer(device, flat, cfg_optim, no_decay=frozenset()):
+    """The optimizer ``optim.name`` over ``flat``; parameters named in ``no_decay`` get no weight decay."""
+    return {"sgd": SGD, "adamw": AdamW}[cfg_optim.name](device, flat, cfg_optim, no_decay)

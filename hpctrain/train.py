@@ -5,6 +5,8 @@
 optimizer update. Because every rank starts from rank 0's parameters and
 applies the same averaged gradient, N ranks with batch b train exactly like
 one rank with batch N*b (up to floating-point summation order).
+The model and its data come from the family ``model.kind`` (:mod:`hpctrain.models`);
+the trainer knows them only through that interface.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import numpy as np
 from .ckpt.manager import CheckpointManager, check_writable
 from .ckpt.signals import StopSignal
 from .ckpt.state import fresh_rng
-from .data import BatchReader, DistributedSampler, open_dataset, shard_range
 from .device import make_device
 from .errors import ConfigError, DataError
 from .comm import make_allreduce
@@ -27,12 +28,10 @@ from .comm.staging import Staging
 from .faults import Faults
 from .guard import agree
 from .log import Log, Metrics, Timers
-from .models.mlp import MLP
+from .models import family
 from .numguard import NumericGuard
 from .optim import LRSchedule, make_optimizer, peak_lr
 from .watchdog import Watchdog
-
-EVAL_CHUNK_ROWS = 8192  # rows per forward pass during evaluation (bounded memory)
 
 
 class Trainer:
@@ -66,7 +65,7 @@ class Trainer:
             agree(world, self._build)
             # Ranks reading different files (node-local copies that differ) would
             # train on garbage or mismatch in Bcast; compare what each rank sees.
-            seen = world.comm.allgather((self.train_ds.n, self.train_ds.dim, self.train_ds.n_classes))
+            seen = world.comm.allgather(self.data.signature)
             agree(world, _check_same_data, seen, cfg.data.train)
             # Buckets reduced in a different order or size on some rank would pair
             # collectives wrongly and hang: compare the layouts first.
@@ -96,6 +95,12 @@ class Trainer:
             # data parallelism starts from identical weights: rank 0's
             self.collectives = Collectives(world, self.device, self.staging)
             self.collectives.Bcast(self.model.flat.data, root=0)
+        with wd.watch("start-up", "GEMM peak for MFU", slack=10):
+            self.peak_flops = None  # FLOP/s over all ranks; None: MFU not reported
+            if self.model.flops_per_row:
+                from .mfu import world_peak_flops
+
+                self.peak_flops = world_peak_flops(world, self.device)
         with wd.watch("start-up", "trace clock and checkpoint directory", slack=10):
             self.timers = Timers(sync=self.device.synchronize)
             self.tracer = None  # hpctrain.trace.Tracer when train.trace is set: spans per phase, layer, bucket
@@ -116,18 +121,12 @@ class Trainer:
     def _build(self):
         cfg, world = self.cfg, self.world
         self.device = make_device(cfg.train.device, cfg.train.dtype, world)
-        self.train_ds = open_dataset(cfg.data.train, "data.train")
-        self.sampler = DistributedSampler(self.train_ds.n, cfg.train.global_batch,
-                                          world.rank, world.size, cfg.data.shuffle_seed)
-        self.reader = BatchReader(self.train_ds, self.sampler, self.device.dtype)
-        self.eval_ds = open_dataset(cfg.data.eval, "data.eval") if cfg.data.eval else None
-        if self.eval_ds and (self.eval_ds.dim, self.eval_ds.n_classes) != (self.train_ds.dim, self.train_ds.n_classes):
-            raise DataError(f"data.eval has {self.eval_ds.dim} features / {self.eval_ds.n_classes} classes "
-                            f"but data.train has {self.train_ds.dim} / {self.train_ds.n_classes}")
-        self.model = MLP(self.device, self.train_ds.dim, cfg.model.hidden, self.train_ds.n_classes,
-                         cfg.model.activation)
+        models = family(cfg.model.kind)
+        self.data = models.open_data(cfg, world, self.device)
+        self.sampler, self.reader = self.data.sampler, self.data.reader
+        self.model = models.build(cfg, self.device, self.data)
         self.model.init(cfg.train.seed)
-        self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim)
+        self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim, self.model.no_decay)
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
         self.schedule = LRSchedule(cfg.optim, peak, cfg.train.steps)
         self.staging = Staging(self.device, cfg.dist.cuda_aware_mpi)
@@ -177,7 +176,8 @@ class Trainer:
             last = micro == k - 1
             with t("data"):
                 part = slice(micro * rows, (micro + 1) * rows)
-                x, y = self.device.upload(x_all[part], "x"), self.device.upload(y_all[part], "y", np.int64)
+                x = self.device.upload(x_all[part], "x", self.model.input_dtype)
+                y = self.device.upload(y_all[part], "y", np.int64)
             with t("forward"):
                 ls, c = self.model.forward(x, y)
                 loss_sum, correct = loss_sum + ls, correct + c
@@ -213,20 +213,22 @@ class Trainer:
                 "bytes_sent": c.sent_bytes, "bytes_dense": c.dense_bytes, "compression_ratio": c.ratio,
                 "encode_time": c.encode_s, "decode_time": c.decode_s}
 
-    def evaluate(self) -> float:
-        """Accuracy on the eval set; each rank scores a contiguous shard. Collective."""
-        ds = self.eval_ds
-        start, stop = shard_range(ds.n, self.world.rank, self.world.size)
-        correct = 0
-        for lo in range(start, stop, EVAL_CHUNK_ROWS):
-            hi = min(stop, lo + EVAL_CHUNK_ROWS)
-            x = self.device.upload(ds.x[lo:hi], "eval_x")
-            y = self.device.upload(ds.y[lo:hi], "eval_y", np.int64)
-            correct += self.model.predict_correct(x, y)
-        totals = np.array([correct, stop - start], dtype=np.float64)
+    def evaluate(self) -> dict:
+        """Loss, accuracy (and for byte tokens bits per byte) on the evaluation set, each rank
+        scoring its shard; forward only, no gradient touched. Collective."""
+        totals = np.zeros(3)  # loss_sum, correct, predictions
+        for x_host, y_host in self.data.eval_shard(self.world.rank, self.world.size):
+            x = self.device.upload(x_host, "eval_x", self.model.input_dtype)
+            y = self.device.upload(y_host, "eval_y", np.int64)
+            loss_sum, correct = self.model.forward(x, y)
+            totals += (loss_sum, correct, y_host.size)
         with self.watchdog.watch("evaluation all-reduce", f"step {self.step}", self.step, 10):
             self.world.comm.Allreduce(_in_place(), totals)
-        return float(totals[0] / totals[1])
+        loss = float(totals[0] / totals[2])
+        out = {"loss": loss, "accuracy": float(totals[1] / totals[2])}
+        if self.data.bits_per_byte:
+            out["bpb"] = loss / math.log(2)
+        return out
 
     # ---- the run -------------------------------------------------------------------
     def run(self) -> dict:
@@ -247,7 +249,7 @@ def check_same_layout(layouts):
 
 def _check_same_data(seen, path):
     if len(set(seen)) > 1:
-        detail = ", ".join(f"rank {r}: N={n} D={d} C={c}" for r, (n, d, c) in enumerate(seen))
+        detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
         raise DataError(f"ranks see different datasets at {path!r} ({detail}); "
                         f"every rank must read the same file (check node-local copies)")
 

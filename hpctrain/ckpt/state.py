@@ -166,14 +166,10 @@ def check_compatible(trainer, shapes: dict) -> None:
     extra = sorted(p for p in shapes if p.startswith("/model/") and p not in want)
     problems += [f"{p}: in the checkpoint, not in the model" for p in extra]
     fresh = "or start fresh (--resume '' or another checkpoint.dir)"
-    if problems:
-        hidden = saved_hidden(shapes)
-        if hidden is not None and hidden != list(trainer.cfg.model.hidden):
-            fix = f"resume with --set model.hidden={hidden} as it was saved, {fresh}"
-        else:  # the same widths: the dataset's features or classes changed
-            fix = f"resume with the model.hidden and dataset it was saved with (ckpt inspect shows its config), {fresh}"
-        raise IncompatibleCheckpoint(f"the checkpoint does not fit this model (model.hidden or the dataset's "
-                                     f"features/classes differ); {fix}:\n  " + "\n  ".join(problems))
+    if problems:  # the model knows which of its settings (or its data's shape) the shapes come from
+        raise IncompatibleCheckpoint(f"the checkpoint does not fit this model ({trainer.cfg.model.kind}: its "
+                                     f"settings or its data's shape differ); {trainer.model.checkpoint_hint(shapes)}, "
+                                     f"{fresh}:\n  " + "\n  ".join(problems))
     for state_name in trainer.optimizer.state():
         missing = [s.name for s in flat.slots if parameter_path(f"optim/{state_name}", s.name) not in shapes]
         if missing:
@@ -183,15 +179,6 @@ def check_compatible(trainer, shapes: dict) -> None:
             raise IncompatibleCheckpoint(f"the checkpoint has no optimizer state {state_name!r} for optim.name="
                                          f"{trainer.cfg.optim.name!r}: it was saved with another optimizer; resume "
                                          f"with --set {name}, {fresh}")
-
-
-def saved_hidden(shapes: dict):
-    """model.hidden of the MLP a checkpoint was saved from (/model/fc<i>/weight is (in, out)), or None."""
-    layers = sorted((int(p.split("/")[2][2:]), shape) for p, shape in shapes.items()
-                    if p.startswith("/model/fc") and p.endswith("/weight") and p.split("/")[2][2:].isdigit())
-    if not layers or [i for i, _ in layers] != list(range(len(layers))) or any(len(s) != 2 for _, s in layers):
-        return None
-    return [int(s[1]) for _, s in layers[:-1]]
 
 
 def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_compress=None) -> None:

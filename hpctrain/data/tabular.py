@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import DataError
 from .sampler import DistributedSampler
+from .tokens import FORMAT_NAME as TOKENS_FORMAT, file_format
 
 FORMAT_NAME = "hpctrain-classification"
 FORMAT_VERSION = 1
@@ -52,6 +53,10 @@ def open_dataset(path: str, what: str = "data.train") -> Dataset:
                         f"regenerate it or check the path") from None
     try:
         missing = [k for k in ("x", "y") if k not in f or not isinstance(f[k], h5py.Dataset)]
+        if missing and file_format(f.attrs) == TOKENS_FORMAT:
+            raise DataError(f"{what}: {path!r} is a token file (format {TOKENS_FORMAT!r}) for model.kind = "
+                            f"\"gpt\"; set model.kind = \"gpt\" to train on it, or give a classification "
+                            f"file with /x and /y ('python -m hpctrain data synth' or 'data import')")
         if missing:
             raise DataError(f"{what}: {path!r} lacks dataset(s) {', '.join('/' + m for m in missing)}; "
                             f"expected /x float [N, D] and /y integer [N] (docs/data-format.md)")

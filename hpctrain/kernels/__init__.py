@@ -17,7 +17,11 @@ CPU twins that loop in numba are compiled ``nogil=True`` so the gradient
 communication thread can call MPI while the main thread computes.
 
 Shape legend: B = batch rows on this rank, I = input features, O = output
-features, C = classes, P = parameters in a flat buffer.
+features, C = classes (softmax_xent), P = parameters in a flat buffer.
+GPT ops (embedding, layernorm, attention, residual, llm.c's names): T =
+positions in a sequence (T <= the context, Tmax), C = d_model channels,
+NH = attention heads, hs = C / NH head size, V = vocabulary, N = B * T rows
+(layernorm sees the (B, T, C) activations as (N, C)).
 Backward functions either overwrite or accumulate into gradient views of the
 flat gradient buffer (``accumulate=True`` for gradient accumulation).
 """

@@ -1,4 +1,64 @@
-"""Model families behind one small interface the trainer uses (``model.kind`` picks one).
+"""Model families behind one small interface the trainer uses; ``model.kind`` picks one.
 
-  mlp.py   a multi-layer perceptron classifier on the tabular format
+  mlp.py   a multi-layer perceptron classifier on the tabular format (/x, /y)
+  gpt.py   a GPT-2 language model on the token format (/train, /val byte streams)
+
+A family module offers two functions, both called on every rank:
+
+  open_data(cfg, world, device) -> TrainingData   this rank's view of the training and evaluation data
+  build(cfg, device, data) -> model                the model, parameters zeroed (``init`` draws them)
+
+and its model offers (the trainer, checkpoints and optimizer use nothing else):
+
+  flat                 FlatParams: one flat parameter and one flat gradient buffer, named slots
+                       (bucket layout and checkpoint paths come from the slot names)
+  init(seed)           deterministic initial weights
+  use_grad_buffer(buf) keep the gradients in ``buf`` (e.g. the shm all-reduce's shared window)
+  forward(inputs, targets) -> (loss_sum, correct)   summed over this rank's predictions
+  backward(accumulate, ready)   d(mean loss)/d(params) into flat.grad (or added, with accumulate);
+                       ``ready(name)`` for each parameter as soon as its gradient is final
+  no_decay             names of parameters weight decay must not touch
+  targets_per_row      predictions per batch row (1 for a classifier, the context for a language model)
+  input_dtype          dtype of ``inputs`` on the device (None: the compute dtype)
+  flops_per_row        model FLOPs of one row's forward + backward (for MFU), or 0 when not counted
+  checkpoint_hint(shapes)  the fix to print when a checkpoint's parameter shapes do not fit
+  tracer               an hpctrain.trace.Tracer or None (spans per layer)
 """
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+FAMILIES = ("mlp", "gpt")
+
+
+@dataclass
+class TrainingData:
+    """One rank's data, as a model family opened it.
+
+    ``reader.batch(step)`` gives this rank's (inputs, targets) host arrays of global step
+    ``step`` (rows ``sampler.batch``); ``signature`` is what every rank must see alike
+    (compared across ranks before training); ``eval_shard(rank, size)`` yields (inputs,
+    targets) chunks of this rank's share of the evaluation set (None: no evaluation);
+    ``units`` names what a row's predictions are counted in (samples, tokens);
+    ``bits_per_byte`` is True when a prediction is one byte (the loss in bits is then bits per byte).
+    """
+
+    sampler: object
+    reader: object
+    signature: str
+    eval_shard: Callable[[int, int], Iterator[tuple]] | None = None
+    describe: str = ""
+    units: str = "samples"
+    bits_per_byte: bool = False
+    info: dict = field(default_factory=dict)   # family-specific facts for logs (e.g. the corpus baselines)
+    close: Callable[[], None] = lambda: None
+
+
+def family(kind: str):
+    """The module of model family ``kind`` (imported on first use)."""
+    if kind not in FAMILIES:
+        raise ValueError(f"unknown model.kind {kind!r}")
+    return importlib.import_module(f".{kind}", __package__)

@@ -1,4 +1,8 @@
-"""A multi-layer perceptron classifier: Linear+act x k -> Linear -> softmax CE."""
+"""A multi-layer perceptron classifier: Linear+act x k -> Linear -> softmax CE, on the tabular format.
+
+The family functions (:mod:`hpctrain.models`): :func:`open_data` opens ``data.train`` (and
+``data.eval``) as /x, /y files; :func:`build` makes the :class:`MLP` for their features and classes.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,45 @@ import time
 
 import numpy as np
 
+from ..data.sampler import DistributedSampler, shard_range
+from ..data.tabular import BatchReader, open_dataset
+from ..errors import DataError
 from ..nn.flat import FlatParams
 from ..nn.layers import Linear, SoftmaxCrossEntropy
+from . import TrainingData
+
+EVAL_CHUNK_ROWS = 8192  # rows per forward pass during evaluation (bounded memory)
+
+
+def open_data(cfg, world, device) -> TrainingData:
+    """``data.train`` (and ``data.eval``) opened on this rank; collective only through the caller."""
+    train = open_dataset(cfg.data.train, "data.train")
+    sampler = DistributedSampler(train.n, cfg.train.global_batch, world.rank, world.size, cfg.data.shuffle_seed)
+    reader = BatchReader(train, sampler, device.dtype)
+    ev = open_dataset(cfg.data.eval, "data.eval") if cfg.data.eval else None
+    if ev and (ev.dim, ev.n_classes) != (train.dim, train.n_classes):
+        raise DataError(f"data.eval has {ev.dim} features / {ev.n_classes} classes "
+                        f"but data.train has {train.dim} / {train.n_classes}")
+
+    def eval_shard(rank, size):
+        start, stop = shard_range(ev.n, rank, size)
+        for lo in range(start, stop, EVAL_CHUNK_ROWS):
+            hi = min(stop, lo + EVAL_CHUNK_ROWS)
+            yield ev.x[lo:hi], ev.y[lo:hi]
+
+    def close():
+        train.close()
+        if ev:
+            ev.close()
+
+    return TrainingData(sampler, reader, signature=f"N={train.n} D={train.dim} C={train.n_classes}",
+                        eval_shard=eval_shard if ev else None, units="samples",
+                        describe=f"{train.n} samples x {train.dim} features, {train.n_classes} classes",
+                        info={"dim": train.dim, "n_classes": train.n_classes}, close=close)
+
+
+def build(cfg, device, data: TrainingData) -> "MLP":
+    return MLP(device, data.info["dim"], cfg.model.hidden, data.info["n_classes"], cfg.model.activation)
 
 
 class MLP:
@@ -17,6 +58,11 @@ class MLP:
     ``backward()`` writes (or, with accumulate, adds) d(mean loss)/d(params)
     into ``flat.grad``.
     """
+
+    targets_per_row = 1      # one label per row
+    input_dtype = None       # features in the compute dtype
+    no_decay = frozenset()   # weight decay (if any) applies to every parameter, as it always has
+    flops_per_row = 0        # no MFU: the MLP's step is latency-bound, and the start-up GEMM timing costs 0.2 s
 
     def __init__(self, device, n_in, hidden, n_classes, activation="relu"):
         self.device = device
@@ -30,6 +76,13 @@ class MLP:
         for layer in self.layers:
             layer.bind(self.flat)
         self.tracer = None  # an hpctrain.trace.Tracer: a span per layer in forward and backward
+
+    def checkpoint_hint(self, shapes: dict) -> str:
+        hidden = saved_hidden(shapes)
+        if hidden is not None and hidden != [layer.n_out for layer in self.layers[:-1]]:
+            return f"resume with --set model.hidden={hidden} as it was saved"
+        # the same widths: the dataset's features or classes changed
+        return "resume with the model.hidden and dataset it was saved with (ckpt inspect shows its config)"
 
     def use_grad_buffer(self, buf):
         """Keep the gradients in ``buf`` (P elements on this device, e.g. a slot of the shm
@@ -80,3 +133,12 @@ class MLP:
     def predict_correct(self, x, y) -> int:
         """Correctly classified rows of (x, y); no gradients are touched."""
         return self.forward(x, y)[1]
+
+
+def saved_hidden(shapes: dict):
+    """model.hidden of the MLP a checkpoint was saved from (/model/fc<i>/weight is (in, out)), or None."""
+    layers = sorted((int(p.split("/")[2][2:]), shape) for p, shape in shapes.items()
+                    if p.startswith("/model/fc") and p.endswith("/weight") and p.split("/")[2][2:].isdigit())
+    if not layers or [i for i, _ in layers] != list(range(len(layers))) or any(len(s) != 2 for _, s in layers):
+        return None
+    return [int(s[1]) for _, s in layers[:-1]]

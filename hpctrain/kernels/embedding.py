@@ -1,0 +1,114 @@
+"""Token + position embedding (GPT-2's encoder): the first op of the model.
+
+tokens (B, T) integer ids in [0, V), wte (V, C) token table, wpe (Tmax, C)
+position table with T <= Tmax, out (B, T, C):
+
+forward:  out[b, t] = wte[tokens[b, t]] + wpe[t]
+backward: dwpe[t] <- (dwpe[t] +) sum over b of dout[b, t] for t < T (rows
+          T..Tmax-1 got no gradient: zeroed unless ``accumulate``);
+          dwte[tokens[b, t]] += dout[b, t] - always added, because the LM head
+          shares wte (weight tying) and, running first in backward, has
+          already written its gradient into dwte.
+
+The dwte scatter-add is a serial loop in (b, t) order - no threads, no atomics
+- so a token that occurs many times gets its rows added in the same order on
+every run and the gradient has the same bits every time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+# ---- CPU twin (numba) --------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _embedding_forward(tokens, wte, wpe, out):
+    # returns the flat index of the first id outside [0, V), or -1: numba does
+    # not bounds-check, so a bad id would read another row (or another array)
+    B, T = tokens.shape
+    V, C = wte.shape
+    for b in range(B):
+        for t in range(T):
+            tok = tokens[b, t]
+            if tok < 0 or tok >= V:
+                return b * T + t
+            for c in range(C):
+                out[b, t, c] = wte[tok, c] + wpe[t, c]
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _embedding_backward(dout, tokens, dwte, dwpe, accumulate):
+    B, T, C = dout.shape
+    V = dwte.shape[0]
+    for b in range(B):  # validate first: nothing is written when an id is bad
+        for t in range(T):
+            if tokens[b, t] < 0 or tokens[b, t] >= V:
+                return b * T + t
+    # position gradient: column sums over the batch in float64, b in order
+    sums = np.zeros((T, C))
+    for b in range(B):
+        for t in range(T):
+            for c in range(C):
+                sums[t, c] += dout[b, t, c]
+    for t in range(T):
+        for c in range(C):
+            dwpe[t, c] = dwpe[t, c] + sums[t, c] if accumulate else sums[t, c]
+    if not accumulate:
+        for t in range(T, dwpe.shape[0]):
+            for c in range(C):
+                dwpe[t, c] = 0.0
+    # token gradient: serial scatter-add in (b, t) order (deterministic bits)
+    for b in range(B):
+        for t in range(T):
+            tok = tokens[b, t]
+            for c in range(C):
+                dwte[tok, c] += dout[b, t, c]
+    return -1
+
+
+def _check_shapes(tokens, wpe_rows, op):
+    if tokens.ndim != 2:
+        raise ValueError(f"{op}: tokens must be (B, T), got shape {tokens.shape}")
+    if tokens.shape[1] > wpe_rows:
+        raise ValueError(f"{op}: T={tokens.shape[1]} positions exceed the context of {wpe_rows} "
+                         f"(wpe rows); shorten the sequences or enlarge the model's context")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{op}: tokens must be integers, got {tokens.dtype}")
+
+
+def _bad_token(tokens, flat_index, V, op):
+    b, t = divmod(int(flat_index), tokens.shape[1])
+    return ValueError(f"{op}: token id {int(tokens[b, t])} at (b={b}, t={t}) is outside the "
+                      f"vocabulary [0, {V}); the data and the model's vocab_size disagree")
+
+
+def embedding_forward(tokens, wte, wpe, out):
+    """out (B, T, C) <- wte[tokens] + wpe[:T]. Returns out.
+
+    tokens (B, T) any integer dtype; wte (V, C), wpe (Tmax, C), out share one
+    float dtype. Raises ValueError for T > Tmax or an id outside [0, V).
+    """
+    _check_shapes(tokens, wpe.shape[0], "embedding_forward")
+    bad = _embedding_forward(tokens, wte, wpe, out)
+    if bad >= 0:
+        raise _bad_token(tokens, bad, wte.shape[0], "embedding_forward")
+    return out
+
+
+def embedding_backward(dout, tokens, dwte, dwpe, accumulate=False):
+    """dwte[tokens[b, t]] += dout[b, t] (always); dwpe (Tmax, C) <- (dwpe +) its gradient.
+
+    dout (B, T, C). dwpe rows T..Tmax-1 are zeroed unless ``accumulate``.
+    dwte always accumulates (the tied LM head wrote it first); the scatter is a
+    serial loop in (b, t) order, so repeated tokens give identical bits on every
+    run. dwpe's batch sums accumulate in float64. Returns None.
+    """
+    _check_shapes(tokens, dwpe.shape[0], "embedding_backward")
+    bad = _embedding_backward(dout, tokens, dwte, dwpe, bool(accumulate))
+    if bad >= 0:
+        raise _bad_token(tokens, bad, dwte.shape[0], "embedding_backward")
+
+
+# ---- CUDA kernels: not yet (the CudaDevice kernel table lacks these ops) ----

@@ -1,0 +1,43 @@
+"""Model FLOPs utilisation: the machine's GEMM peak, measured once at start-up.
+
+MFU = model FLOPs per second (the model's own count of one row's forward and
+backward, times rows per second) / the peak, where the peak is what this
+machine's BLAS reaches on a large square GEMM in the compute dtype, measured
+on every rank at once (so ranks sharing cores measure their share) and summed
+over ranks. It is the same BLAS the CPU kernels use, so 100% is what the GEMMs
+alone could do; attention's softmax, LayerNorm and the rest count as overhead.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+PEAK_N = 1024     # 2 GFLOP per product: long enough to reach the BLAS's steady rate, ~0.1 s on one core
+PEAK_REPEATS = 3  # the best of 3 timed products after one warm-up
+
+
+def gemm_peak_flops(dtype, n: int = PEAK_N, repeats: int = PEAK_REPEATS) -> float:
+    """FLOP/s of an (n x n) @ (n x n) product in ``dtype`` on this process's BLAS threads (best of ``repeats``)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    c = np.empty((n, n), dtype)
+    np.matmul(a, b, out=c)  # warm-up: threads started, pages touched
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=c)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def world_peak_flops(world, device) -> float | None:
+    """The sum over ranks of :func:`gemm_peak_flops`, measured by all ranks at once (collective);
+    None on a GPU (its peak is not measured here yet)."""
+    if device.name != "cpu":
+        return None
+    world.comm.Barrier()  # measure together: ranks sharing a core must see each other's load
+    mine = gemm_peak_flops(device.dtype)
+    return float(world.comm.allreduce(mine))

@@ -1,0 +1,183 @@
+"""A GPT-2 language model (decoder-only, pre-LayerNorm) on the token format.
+
+    tokens (B, T) -> wte[token] + wpe[t] -> n_layer x Block -> ln_f -> logits = x @ wte^T (tied)
+    loss = mean over the B*T positions of cross-entropy(logits, next token)
+
+No dropout. Initial weights as GPT-2 (:func:`~hpctrain.nn.transformer.gpt2_init`). The flat
+buffer holds wte, wpe, then per block its four matrices before its eight vectors (so weight
+decay, which skips biases and LayerNorm parameters, is two runs per block), then ln_f.
+Checkpoint paths follow the names: /model/h/<i>/attn/c_attn/weight is (C, 3C), (in, out) like
+GPT-2's own Conv1D weights.
+
+The family functions (:mod:`hpctrain.models`): :func:`open_data` opens ``data.train``'s /train
+stream as windows of ``model.context + 1`` tokens and the /val stream (of ``data.eval`` when
+set) for evaluation; :func:`build` makes the :class:`GPT` for the file's vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..data.sampler import DistributedSampler, shard_range
+from ..data.tokens import TokenBatchReader, TokenWindows, eval_indices, open_tokens
+from ..errors import ConfigError, DataError
+from ..nn.flat import FlatParams
+from ..nn.layers import SoftmaxCrossEntropy
+from ..nn.transformer import Block, Embedding, LayerNorm, TiedHead, gpt2_init
+from . import TrainingData
+
+EVAL_WINDOWS_PER_CHUNK = 16  # windows per evaluation forward (bounded activation memory)
+GPT_OPS = ("embedding_forward", "attention_forward", "layernorm_forward", "residual_forward")
+
+
+def open_data(cfg, world, device) -> TrainingData:
+    """The /train windows this rank reads each step and its shard of the /val windows."""
+    T = cfg.model.context
+    train = open_tokens(cfg.data.train, "data.train")
+    held = open_tokens(cfg.data.eval, "data.eval") if cfg.data.eval else train
+    if held.vocab_size != train.vocab_size:
+        raise DataError(f"data.eval {cfg.data.eval!r} has a vocabulary of {held.vocab_size} tokens but data.train "
+                        f"{cfg.data.train!r} has {train.vocab_size}; evaluate on a file made the same way")
+    windows = TokenWindows(train.train, T, f"data.train {cfg.data.train!r}", split="train")
+    val = TokenWindows(held.val, T, f"{'data.eval' if cfg.data.eval else 'data.train'} {held.path!r}", split="val")
+    sampler = DistributedSampler(windows.n, cfg.train.global_batch, world.rank, world.size, cfg.data.shuffle_seed)
+    chosen = eval_indices(val.n, -(-cfg.train.eval_tokens // T) if cfg.train.eval_tokens else 0)
+
+    def eval_shard(rank, size):
+        lo, hi = shard_range(len(chosen), rank, size)
+        for start in range(lo, hi, EVAL_WINDOWS_PER_CHUNK):
+            yield val.read(chosen[start:min(hi, start + EVAL_WINDOWS_PER_CHUNK)])
+
+    def close():
+        train.close()
+        if held is not train:
+            held.close()
+
+    bytes_tokens = train.attrs.get("tokenizer") == "bytes"
+    baselines = {k: float(train.attrs[k]) for k in ("bigram_bpb", "unigram_bpb") if k in train.attrs}
+    return TrainingData(sampler, TokenBatchReader(windows, sampler),
+                        signature=f"{windows.n} train windows, {val.n} val windows, vocabulary {train.vocab_size}, context {T}",
+                        eval_shard=eval_shard, units="tokens", bits_per_byte=bytes_tokens,
+                        describe=f"{windows.n:,} windows of {T} + 1 tokens from {len(train.train):,} tokens, "
+                                 f"{len(chosen) * T:,} validation tokens per evaluation, vocabulary "
+                                 f"{train.vocab_size}",
+                        info={"vocab_size": train.vocab_size, **baselines}, close=close)
+
+
+def build(cfg, device, data: TrainingData) -> "GPT":
+    m = cfg.model
+    missing = [op for op in GPT_OPS if not hasattr(device.ops, op)]
+    if missing:
+        raise ConfigError(f"model.kind = \"gpt\" has no {device.name} kernels yet ({', '.join(missing)}); "
+                          f"train it with --set train.device=cpu")
+    return GPT(device, data.info["vocab_size"], m.context, m.n_layer, m.n_head, m.d_model)
+
+
+class GPT:
+    """The model behind the family interface (:mod:`hpctrain.models`)."""
+
+    input_dtype = np.int64  # token ids
+
+    def __init__(self, device, vocab: int, context: int, n_layer: int, n_head: int, d_model: int):
+        if d_model % n_head:
+            raise ConfigError(f"model.n_head={n_head} does not divide model.d_model={d_model}")
+        self.device, self.vocab, self.context, self.n_layer, self.d_model = device, vocab, context, n_layer, d_model
+        self.n_head = n_head
+        self.targets_per_row = context
+        self.embedding = Embedding(device, vocab, context, d_model)
+        self.blocks = [Block(device, f"h.{i}", d_model, n_head) for i in range(n_layer)]
+        self.ln_f = LayerNorm(device, "ln_f", d_model)
+        self.head = TiedHead(device, self.embedding)
+        self.loss = SoftmaxCrossEntropy(device)
+        specs = list(self.embedding.params)
+        for block in self.blocks:  # matrices first, then vectors: two weight-decay runs per block
+            specs += [p for p in block.params if len(p[1]) == 2] + [p for p in block.params if len(p[1]) == 1]
+        specs += list(self.ln_f.params)
+        self.flat = FlatParams(device, specs)
+        self.no_decay = frozenset(s.name for s in self.flat.slots if len(s.shape) == 1)
+        self._bind()
+        self.tracer = None  # an hpctrain.trace.Tracer: a span per block in forward and backward
+        self._dres = {}
+
+    def _bind(self):
+        for layer in (self.embedding, *self.blocks, self.ln_f):
+            layer.bind(self.flat)
+
+    @property
+    def flops_per_row(self) -> int:
+        """Model FLOPs of one window's forward + backward, as nanoGPT and PaLM count them:
+        6 per matrix weight per token (the tied head's V x C included, position embeddings not)
+        plus 12 n_layer T C per token for attention's two T x T products (the causal mask's
+        saving not subtracted), times T tokens."""
+        C, T = self.d_model, self.context
+        matrix = sum(s.size for s in self.flat.slots if len(s.shape) == 2 and s.name != "wpe")
+        return T * (6 * matrix + 12 * self.n_layer * T * C)
+
+    def checkpoint_hint(self, shapes: dict) -> str:
+        saved = shapes.get("/model/wte")
+        if saved is not None and saved[0] != self.vocab:
+            return (f"the checkpoint's vocabulary is {saved[0]} tokens, the data file's is {self.vocab}: train on "
+                    f"a token file made the same way as the checkpoint's")
+        return ("resume with the model.n_layer, n_head, d_model and context it was saved with (ckpt inspect "
+                "shows its config)")
+
+    def use_grad_buffer(self, buf):
+        """Keep the gradients in ``buf`` (e.g. the shm all-reduce's window); every view is rebound."""
+        buf[:] = self.flat.grad
+        self.flat.grad = buf
+        self._bind()
+
+    def init(self, seed: int):
+        """GPT-2's initial weights from ``seed``, drawn in float64 in flat order, one copy to the device."""
+        rng = np.random.default_rng(seed)
+        host = np.concatenate([gpt2_init(rng, s.name, s.shape, self.n_layer).reshape(-1) for s in self.flat.slots])
+        self.device.copy_from_host(self.flat.data, host)
+
+    # ---- forward / backward ----------------------------------------------------------
+    def logits(self, tokens):
+        """(B*T, V) logits of every position of ``tokens`` (B, T), T <= context."""
+        B, T = tokens.shape
+        if T > self.context:
+            raise ValueError(f"{T} positions, more than the model's context {self.context}")
+        tr = self.tracer
+        x = self.embedding.forward(tokens)
+        for block in self.blocks:
+            t0 = tr and time.perf_counter()
+            x = block.forward(x, B, T)
+            if tr is not None:
+                tr.complete(f"forward {block.name}", t0, "layer", sync=True)
+        return self.head.forward(self.ln_f.forward(x))
+
+    def forward(self, tokens, targets):
+        """(loss_sum, correct) over the B*T next-token predictions of ``tokens`` (B, T)."""
+        logits = self.logits(tokens)
+        return self.loss.forward(logits, targets.reshape(-1))
+
+    def backward(self, accumulate=False, ready=None):
+        """d(mean loss)/d(params) into ``flat.grad`` (added with ``accumulate``); ``ready(name)``
+        per parameter once final: ln_f, then the blocks top down, then wte and wpe last (the
+        tied table gets its second contribution from the embedding)."""
+        tr = self.tracer
+        shape = self.ln_f.x.shape
+        dres = self._dres.get(shape)  # the residual stream's gradient, updated in place block by block
+        if dres is None:
+            dres = self._dres[shape] = self.device.empty(shape)
+        dxf = self.head.backward(self.loss.backward(), accumulate)
+        self.ln_f.backward(dxf, dres, accumulate, add_dx=False)
+        self._ready(ready, self.ln_f.params)
+        for block in reversed(self.blocks):
+            t0 = tr and time.perf_counter()
+            block.backward(dres, accumulate)
+            if tr is not None:
+                tr.complete(f"backward {block.name}", t0, "layer", sync=True)
+            self._ready(ready, block.params)
+        self.embedding.backward(dres, accumulate)
+        self._ready(ready, self.embedding.params)
+
+    @staticmethod
+    def _ready(ready, params):
+        if ready is not None:
+            for name, _ in params:
+                ready(name)

@@ -1,0 +1,163 @@
+"""The layers of a pre-LayerNorm transformer, over the kernels (``device.ops``).
+
+Shape legend: B batch rows, T positions, C channels (d_model), NH heads, V
+vocabulary, N = B * T rows of the (N, C) activations every layer here takes.
+Parameters and gradients are views of the flat buffers (:class:`~.flat.FlatParams`);
+activations are cached per shape (:meth:`Layer._buffer`), so a step allocates
+nothing once shapes repeat. Every ``backward`` either overwrites its parameter
+gradients or, with ``accumulate``, adds to them (gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .layers import Layer, Linear
+
+
+class Embedding(Layer):
+    """Token + learned position embedding: out[b, t] = wte[token[b, t]] + wpe[t].
+
+    ``wte`` (V, C) is also the LM head's weight (:class:`TiedHead`); ``wpe`` (context, C).
+    """
+
+    def __init__(self, device, vocab: int, context: int, channels: int):
+        self.device, self.vocab, self.context, self.channels = device, vocab, context, channels
+        self.params = (("wte", (vocab, channels)), ("wpe", (context, channels)))
+
+    def bind(self, flat):
+        self.wte, self.wpe = flat.view(flat.data, "wte"), flat.view(flat.data, "wpe")
+        self.dwte, self.dwpe = flat.view(flat.grad, "wte"), flat.view(flat.grad, "wpe")
+
+    def forward(self, tokens):                      # tokens (B, T) int -> (N, C)
+        B, T = tokens.shape
+        self.tokens = tokens
+        out = self._buffer("out", (B, T, self.channels))
+        self.device.ops.embedding_forward(tokens, self.wte, self.wpe, out)
+        return out.reshape(B * T, self.channels)
+
+    def backward(self, dout, accumulate=False):     # dout (N, C); dwte ADDS to the tied head's gradient
+        B, T = self.tokens.shape
+        self.device.ops.embedding_backward(dout.reshape(B, T, self.channels), self.tokens, self.dwte, self.dwpe,
+                                           accumulate)
+
+
+class LayerNorm(Layer):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias per row; mean and rstd kept for backward."""
+
+    def __init__(self, device, name: str, channels: int, eps: float = 1e-5):
+        self.device, self.name, self.channels, self.eps = device, name, channels, eps
+        self.params = ((f"{name}.weight", (channels,)), (f"{name}.bias", (channels,)))
+
+    def bind(self, flat):
+        self.w, self.b = (flat.view(flat.data, n) for n, _ in self.params)
+        self.dw, self.db = (flat.view(flat.grad, n) for n, _ in self.params)
+
+    def forward(self, x):                           # x (N, C) -> (N, C)
+        n = x.shape[0]
+        self.x = x
+        self.mean, self.rstd = self._buffer("mean", (n,)), self._buffer("rstd", (n,))
+        out = self._buffer("out", x.shape)
+        return self.device.ops.layernorm_forward(x, self.w, self.b, out, self.mean, self.rstd, self.eps)
+
+    def backward(self, dout, dx, accumulate=False, add_dx=False):
+        """dx (N, C) <- (or, with add_dx, +=) the input gradient: a pre-LN block adds its branch's
+        input gradient to the residual stream's."""
+        return self.device.ops.layernorm_backward(dout, self.x, self.w, self.mean, self.rstd, dx, self.dw,
+                                                  self.db, accumulate, add_dx)
+
+
+class CausalSelfAttention(Layer):
+    """QKV projection -> causal multi-head attention -> output projection (no parameters of its own
+    besides the two Linears). Keeps qkv (N, 3C) and the softmax probabilities (B, NH, T, T)."""
+
+    def __init__(self, device, name: str, channels: int, n_head: int):
+        self.device, self.name, self.channels, self.n_head = device, name, channels, n_head
+        self.c_attn = Linear(device, f"{name}.c_attn", channels, 3 * channels)
+        self.c_proj = Linear(device, f"{name}.c_proj", channels, channels)
+        self.params = self.c_attn.params + self.c_proj.params
+
+    def bind(self, flat):
+        self.c_attn.bind(flat)
+        self.c_proj.bind(flat)
+
+    def forward(self, x, B: int, T: int):           # x (N, C) -> (N, C)
+        C, NH = self.channels, self.n_head
+        self.B, self.T = B, T
+        self.qkv = self.c_attn.forward(x)
+        y = self._buffer("y", (B, T, C))
+        self.probs = self._buffer("probs", (B, NH, T, T))
+        self.device.ops.attention_forward(self.qkv.reshape(B, T, 3 * C), NH, y, self.probs)
+        return self.c_proj.forward(y.reshape(B * T, C))
+
+    def backward(self, dout, accumulate=False):     # dout (N, C) -> dx (N, C)
+        B, T, C = self.B, self.T, self.channels
+        dy = self.c_proj.backward(dout, accumulate)
+        dqkv = self._buffer("dqkv", (B, T, 3 * C))
+        self.device.ops.attention_backward(dy.reshape(B, T, C), self.qkv.reshape(B, T, 3 * C), self.probs,
+                                           self.n_head, dqkv)
+        return self.c_attn.backward(dqkv.reshape(B * T, 3 * C), accumulate)
+
+
+class Block(Layer):
+    """x + attn(ln_1(x)), then + mlp(ln_2(.)): GPT-2's pre-LN block; the MLP is Linear 4C -> GELU -> Linear C."""
+
+    def __init__(self, device, name: str, channels: int, n_head: int):
+        self.device, self.name, C = device, name, channels
+        self.ln_1 = LayerNorm(device, f"{name}.ln_1", C)
+        self.attn = CausalSelfAttention(device, f"{name}.attn", C, n_head)
+        self.ln_2 = LayerNorm(device, f"{name}.ln_2", C)
+        self.c_fc = Linear(device, f"{name}.mlp.c_fc", C, 4 * C, activation="gelu")
+        self.c_proj = Linear(device, f"{name}.mlp.c_proj", 4 * C, C)
+        parts = (self.ln_1, self.attn, self.ln_2, self.c_fc, self.c_proj)
+        self.params = tuple(p for part in parts for p in part.params)
+        self._parts = parts
+
+    def bind(self, flat):
+        for part in self._parts:
+            part.bind(flat)
+
+    def forward(self, x, B: int, T: int):           # x (N, C) residual stream in -> out (N, C)
+        ops = self.device.ops
+        mid = self._buffer("mid", x.shape)          # x + attn(ln_1(x)), the second LayerNorm's input
+        ops.residual_forward(x, self.attn.forward(self.ln_1.forward(x), B, T), mid)
+        out = self._buffer("out", x.shape)
+        return ops.residual_forward(mid, self.c_proj.forward(self.c_fc.forward(self.ln_2.forward(mid))), out)
+
+    def backward(self, dres, accumulate=False):
+        """``dres`` (N, C): d loss / d (this block's output) in, d loss / d (its input) out, in place:
+        each residual branch's input gradient is added to it by its LayerNorm."""
+        dh = self.c_proj.backward(dres, accumulate)
+        self.ln_2.backward(self.c_fc.backward(dh, accumulate), dres, accumulate, add_dx=True)
+        self.ln_1.backward(self.attn.backward(dres, accumulate), dres, accumulate, add_dx=True)
+        return dres
+
+
+class TiedHead(Layer):
+    """logits (N, V) = x (N, C) @ wte^T, with the embedding's own table (no parameters of its own)."""
+
+    def __init__(self, device, embedding: Embedding):
+        self.device, self.embedding = device, embedding
+
+    def forward(self, x):
+        self.x = x
+        logits = self._buffer("logits", (x.shape[0], self.embedding.vocab))
+        return self.device.ops.linear_forward(x, self.embedding.wte.T, logits)
+
+    def backward(self, dlogits, accumulate=False):  # writes (or adds) dwte first of all its users
+        dx = self._buffer("dx", self.x.shape)
+        return self.device.ops.linear_backward(dlogits, self.x, self.embedding.wte.T, dx,
+                                               self.embedding.dwte.T, accumulate)
+
+
+def gpt2_init(rng: np.random.Generator, name: str, shape: tuple, n_layer: int) -> np.ndarray:
+    """GPT-2's initial value of parameter ``name`` in float64: normal(0, 0.02) for matrices and
+    embeddings, the residual projections (``*.c_proj.weight``) scaled by 1/sqrt(2 n_layer),
+    zero biases, LayerNorm weights one."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name.startswith("h.") and (".ln_1." in name or ".ln_2." in name) or name.startswith("ln_f."):
+        return np.ones(shape) if leaf == "weight" else np.zeros(shape)
+    if leaf == "bias":
+        return np.zeros(shape)
+    std = 0.02 / np.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
+    return rng.normal(0.0, std, shape)
