@@ -10,11 +10,16 @@ hpctrain / PyTorch ratio, loss agreement) is computed here from the raw rows,
 so a report is the same whether printed by the run or rebuilt later.
 
 A row of ``scaling.json`` (one training run; times in ms, from the per-step
-metrics of rank 0, warm-up steps left out): trainer (hpctrain | torch_ddp | independent),
-model, mode (weak | strong), ranks, global_batch, step_ms {median, p10, p90,
-mean}, split_ms {data, forward, backward, exposed_comm, optimizer, checkpoint,
-other}, comm_ms (the communication thread's time, overlapped or not; hpctrain
-only), losses (the first steps' global losses), rc.
+metrics of rank 0, warm-up steps left out): trainer (hpctrain | torch_ddp | torch_gpt |
+independent), model, mode (weak | strong), ranks, global_batch, tokens_per_row (a GPT's
+context; 1 or absent for an MLP), step_ms {median, p10, p90, mean}, split_ms {data,
+forward, backward, exposed_comm, optimizer, checkpoint, other}, comm_ms (the
+communication thread's time, overlapped or not; hpctrain only), ops_ms (with
+``train.op_times``: ms per op family, e.g. gemm, attention, ..., the peer's
+comm_wait), losses (the first steps' global losses), rc. ``models`` maps a name
+to its kind (mlp: dim, hidden, classes; gpt: n_layer, d_model, n_head, context,
+vocab), params, batch (per rank, weak) and strong_batch (global); files from
+before the GPT have no kind (an MLP) and their batches in ``args``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import os
 import sys
 
 PHASES = ("data", "forward", "backward", "exposed_comm", "optimizer", "checkpoint", "other")
-PEER = "torch_ddp"
+PEERS = ("torch_ddp", "torch_gpt")  # the PyTorch DDP peers: of the MLP, of the GPT
+OPS = ("gemm", "attention", "layernorm", "embedding", "loss", "elementwise", "optimizer")  # train.op_times families
 CEILING = "independent"  # N 1-rank runs at once, no communication (benchmarks/peers/independent.py)
 
 
@@ -61,6 +67,8 @@ def derive(doc: dict) -> list[dict]:
     cores = doc["machine"]["cores"]
     for r in rows:
         r["samples_per_s"] = samples_per_s(r)
+        per_row = r.get("tokens_per_row") or 1
+        r["tokens_per_s"] = r["samples_per_s"] * per_row if r["samples_per_s"] and per_row > 1 else None
         r["oversubscribed"] = r["ranks"] > cores * (r.get("nodes") or 1)
         s = r.get("split_ms") or {}
         compute = sum(s.get(k, 0.0) for k in ("forward", "backward", "optimizer"))
@@ -83,7 +91,7 @@ def comparisons(doc: dict, rows: list[dict]) -> list[dict]:
     for h in rows:
         if h["trainer"] != "hpctrain":
             continue
-        p = next((q for q in rows if q["trainer"] == PEER and
+        p = next((q for q in rows if q["trainer"] in PEERS and
                   (q["model"], q["mode"], q["ranks"]) == (h["model"], h["mode"], h["ranks"])), None)
         if p is None:
             continue
@@ -92,7 +100,8 @@ def comparisons(doc: dict, rows: list[dict]) -> list[dict]:
         diff = max((abs(x - y) / abs(x) for x, y in zip(a[:k], b[:k])), default=None)
         ratio = h["samples_per_s"] / p["samples_per_s"] if h["samples_per_s"] and p["samples_per_s"] else None
         out.append({"model": h["model"], "mode": h["mode"], "ranks": h["ranks"], "hpctrain": h["samples_per_s"],
-                    "torch": p["samples_per_s"], "ratio": ratio, "steps_compared": k, "loss_rel_diff": diff,
+                    "torch": p["samples_per_s"], "hpctrain_tokens": h["tokens_per_s"], "torch_tokens": p["tokens_per_s"],
+                    "peer": p["trainer"], "ratio": ratio, "steps_compared": k, "loss_rel_diff": diff,
                     "loss_rtol": tol, "agree": diff is not None and k > 0 and diff <= tol})
     return out
 

@@ -75,6 +75,8 @@ class TrainConfig:
     metrics: str = _f("", "per-step metrics as JSON lines, written by rank 0; empty = off")
     grad_accum_steps: int = _f(1, "micro-batches per step: gradients accumulate locally and are "
                                "communicated once, on the last (the per-rank batch must divide evenly)")
+    op_times: bool = _f(False, "time every model op by family (gemm, attention, layernorm, embedding, loss, "
+                        "elementwise, optimizer) into the metrics as t_op_*; on a GPU it synchronises per op")
     trace: str = _f("", "write a Chrome trace per rank into this directory (also --trace; merge with "
                     "python -m hpctrain trace merge DIR); empty = off, no cost")
 

@@ -27,6 +27,7 @@ def run(trainer) -> dict:
     try:
         return _loop(trainer)
     finally:
+        trainer.metrics.close()  # after the final evaluation's line
         trainer.watchdog.stop()
 
 
@@ -55,6 +56,7 @@ def _loop(trainer) -> dict:
     # that got it (agreement at no extra collective)
     stats = np.zeros(6 + len(STOP_SIGNALS))
     t_start = t_window = time.perf_counter()
+    eval_total, final_scores = 0.0, None
     first_step, stopped_by = trainer.step, None
     ckpt = trainer.checkpoints
     if guard.policy == "rollback" and ckpt.saved_step is None and trainer.step < tc.steps:
@@ -96,10 +98,19 @@ def _loop(trainer) -> dict:
                                                              trainer.step, 10):
                         ckpt.save(trainer)
                 split = trainer.timers.pop()
+                op_split = trainer.op_times.pop() if trainer.op_times else {}  # before evaluation's ops
                 step_time = time.perf_counter() - t0
                 rate = _rates(tc.global_batch, per_row, trainer.model.flops_per_row, peak, step_time)
                 if trainer.tracer is not None:
                     trainer.tracer.complete("step", t0, "step", {"step": trainer.step})  # as in the metrics
+                scores = None  # evaluated at eval_every and at the last step (not on the way out after a signal)
+                if data.eval_shard and (trainer.step == tc.steps or not signalled and tc.eval_every
+                                        and trainer.step % tc.eval_every == 0):
+                    t_eval = time.perf_counter()
+                    scores = trainer.evaluate()
+                    final_scores = scores if trainer.step == tc.steps else None
+                    eval_s = time.perf_counter() - t_eval
+                    t_window, eval_total = t_window + eval_s, eval_total + eval_s  # rates count training only
                 trainer.metrics.write(step=trainer.step, epoch=trainer.sampler.position(trainer.step - 1)[0],
                                    loss=stats[0] / stats[2], accuracy=stats[1] / stats[2],
                                    lr=trainer.schedule.lr(trainer.step - 1), step_time=step_time,
@@ -108,7 +119,9 @@ def _loop(trainer) -> dict:
                                    **trainer._compression_metrics(),
                                    **rate,
                                    bad_steps=guard.bad_steps, skipped=bad is not None,
-                                   **{f"t_{k}": v for k, v in split.items()})
+                                   **{f"t_{k}": v for k, v in split.items()},
+                                   **op_split,
+                                   **({f"val_{k}": v for k, v in scores.items()} if scores else {}))
                 if signalled and trainer.step < tc.steps:  # at the last step: finished, exit normally
                     stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
                     log.info(f"stopping at step {trainer.step}: {stopped_by}; checkpoint saved; exit code "
@@ -124,15 +137,12 @@ def _loop(trainer) -> dict:
                                  f"lr {trainer.schedule.lr(trainer.step - 1):.4g} | ETA {format_eta(eta)}")
                     window[:] = 0
                     t_window = now
-                if data.eval_shard and tc.eval_every and trainer.step % tc.eval_every == 0 and trainer.step < tc.steps:
-                    scores = trainer.evaluate()
+                if scores and trainer.step < tc.steps:
                     log.info(f"eval at step {trainer.step}: {describe_eval(scores)}")
-                    trainer.metrics.write(step=trainer.step, **{f"val_{k}": v for k, v in scores.items()})
     finally:
-        trainer.metrics.close()
         if trainer.tracer is not None:
             trainer.tracer.save()
-    elapsed = time.perf_counter() - t_start
+    elapsed = time.perf_counter() - t_start - eval_total
     result = {"steps": trainer.step, "seconds": elapsed, "stopped_by": stopped_by, "eval": None,
               "samples_per_s": (trainer.step - first_step) * tc.global_batch / elapsed if elapsed else 0.0,
               "bad_steps": guard.bad_steps, "targets_met": True}
@@ -142,18 +152,21 @@ def _loop(trainer) -> dict:
     log.info(f"done: {trainer.step} steps in {elapsed:.1f} s ({result[f'{units}_per_s']:,.0f} {units}/s)"
              + (f", {guard.bad_steps} bad step(s) ({guard.policy})" if guard.bad_steps else ""))
     if data.eval_shard:
-        scores = result["eval"] = trainer.evaluate()
+        # the last step's evaluation; a run resumed at its last step evaluates here
+        scores = result["eval"] = final_scores or trainer.evaluate()
         verdicts = []
         if tc.target_accuracy:
             met = scores["accuracy"] >= tc.target_accuracy
-            verdicts.append(f"target accuracy {100 * tc.target_accuracy:.1f}%: {'reached' if met else 'NOT reached'}")
+            verdicts.append(f"target {100 * tc.target_accuracy:.1f}%: {'reached' if met else 'NOT reached'}")
             result["targets_met"] &= met
         if tc.target_val_bpb:
             met = scores.get("bpb", float("inf")) <= tc.target_val_bpb
             verdicts.append(f"target {tc.target_val_bpb:.4f} bpb: {'reached' if met else 'NOT reached'}")
             result["targets_met"] &= met
-        log.info(f"final eval: {describe_eval(scores)}" + (f" ({'; '.join(verdicts)})" if verdicts else ""))
-        trainer.metrics.write(step=trainer.step, final=True, **{f"val_{k}": v for k, v in scores.items()})
+        if "bpb" in scores and data.info.get("bigram_bpb"):  # the honest yardstick, beside any target
+            bigram = data.info["bigram_bpb"]
+            verdicts.append(f"the corpus's bigram baseline is {bigram:.4f} bpb: {scores['bpb'] / bigram:.3f}x of it")
+        log.info(f"final eval {describe_eval(scores)}" + (f" ({'; '.join(verdicts)})" if verdicts else ""))
     elif tc.target_accuracy or tc.target_val_bpb:
         result["targets_met"] = False
     return result

@@ -121,6 +121,11 @@ class Trainer:
     def _build(self):
         cfg, world = self.cfg, self.world
         self.device = make_device(cfg.train.device, cfg.train.dtype, world)
+        self.op_times = None
+        if cfg.train.op_times:
+            from .op_times import OpTimes
+
+            self.op_times = OpTimes(self.device)  # wraps the device's kernel table
         models = family(cfg.model.kind)
         self.data = models.open_data(cfg, world, self.device)
         self.sampler, self.reader = self.data.sampler, self.data.reader
@@ -224,6 +229,8 @@ class Trainer:
             totals += (loss_sum, correct, y_host.size)
         with self.watchdog.watch("evaluation all-reduce", f"step {self.step}", self.step, 10):
             self.world.comm.Allreduce(_in_place(), totals)
+        if self.op_times:
+            self.op_times.pop()  # evaluation's forward passes are not part of a training step's split
         loss = float(totals[0] / totals[2])
         out = {"loss": loss, "accuracy": float(totals[1] / totals[2])}
         if self.data.bits_per_byte:

@@ -51,6 +51,25 @@ def test_train_sbatch_unmodified_trains_the_example(slurm_cluster, tmp_path):
     assert os.path.isdir(tmp_path / "runs" / "ckpt" / job)
 
 
+@pytest.mark.timeout(300)
+def test_train_sbatch_trains_the_gpt_a_config_away(slurm_cluster, text_data, tmp_path):
+    """`sbatch jobs/train.sbatch --config examples/gpt.toml` (made small with --set): srun starts the GPT
+    on 2 ranks, it evaluates and saves into the job's checkpoint directory."""
+    out = tmp_path / "gpt.out"
+    sets = {"data.train": text_data, "model.n_layer": 2, "model.d_model": 16, "model.context": 16,
+            "train.global_batch": 8, "train.steps": 10, "train.eval_tokens": 512, "train.target_val_bpb": 0,
+            "train.metrics": "", "checkpoint.every_minutes": 0}
+    args = ["--config", os.path.join(REPO, "examples", "gpt.toml"),
+            *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]]
+    job = slurm_cluster.sbatch(["-n", "2", f"--output={out}", os.path.join(JOBS, "train.sbatch"), *args],
+                               cwd=tmp_path)
+    (record,) = slurm_cluster.wait(job, 240, str(out))
+    text = _read(out)
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "2 rank(s) on 1 node(s)" in text and "tokens/s" in text and "final eval loss" in text, text
+    assert os.path.isfile(tmp_path / "runs" / "gpt" / "ckpt" / "ckpt-00000010.h5"), text
+
+
 @pytest.mark.timeout(420)
 def test_srun_two_nodes_hierarchical(slurm_cluster, small_data, tmp_path):
     """`srun -N 2 -n 4`: ranks on both nodes (3 + 1: block distribution), hierarchical sees 2 nodes."""
