@@ -2,6 +2,7 @@
 
     python benchmarks/scaling.py                                    # 1 2 4 ranks, small mid large, ~10 min here
     python benchmarks/scaling.py --ranks 1 2 --models mid --modes weak
+    python benchmarks/scaling.py --models gpt --ranks 1 2 4         # the GPT (examples/gpt.toml's), ~5 min here
     python benchmarks/scaling.py --launcher "srun --mpi=pmix -n {n}" --ranks 1 2 4 8 16   # in an allocation
     python -m hpctrain bench report runs/bench/scaling                   # table + plots again from the JSON
 
@@ -10,18 +11,28 @@ A plain-python driver (never under mpirun itself): per configuration it runs
 the rank count) and reads the per-step metrics JSON lines of rank 0, leaving
 out ``--warmup`` steps (JIT compilation, first touch, the first read-ahead).
 
-* weak: per-rank batch ``--batch`` fixed, global batch = batch x ranks;
-  strong: global batch ``--strong-batch`` fixed (default batch x the largest
-  rank count: ``--largest-ranks``, else the largest of ``--ranks``).
-* models: presets ``small`` (latency-bound), ``mid``, ``large`` (4096-wide,
-  compute-bound), or ``name=DIM-H1-H2...`` (e.g. ``tiny=8-16``).
+* weak: per-rank batch ``--batch`` fixed (default per kind: 256 rows for an
+  MLP, 16 windows for a GPT), global batch = batch x ranks; strong: global batch
+  ``--strong-batch`` fixed (default batch x the largest rank count:
+  ``--largest-ranks``, else the largest of ``--ranks``).
+* models (benchmarks/scaling_models.py): MLP presets ``small`` (latency-bound),
+  ``mid``, ``large`` (4096-wide, compute-bound) or ``name=DIM-H1-H2...`` (e.g.
+  ``tiny=8-16``); the GPT preset ``gpt`` (examples/gpt.toml's model and optimizer
+  on ``--text``) or ``name=gpt:LAYERS-D-HEADS-CONTEXT``. A GPT's rows also give
+  tokens/s (samples/s x context).
+* per-op split (``--op-times``, default the GPT models): ``train.op_times=true``
+  in both trainers' runs; hpctrain times each kernel call by family, the GPT
+  peer each op's forward call and, between identity autograd nodes, its
+  backward (overhead within this machine's noise, measured at < 2 %); the report
+  adds a table per model, ms per step per family, side by side.
 * every rank gets ``--threads-per-rank`` BLAS/numba/torch threads in every
   configuration (default cores // that largest count, at least 1), so a rank has the same
   resources at 1 rank as at N and the runs measure scaling, not thread count.
-* peer (``--peer-models``, default mid): ``benchmarks/peers/torch_ddp.py`` right
-  after the hpctrain run of the same configuration, from the same step-0
-  checkpoint (``benchmarks/peers/init_checkpoint.py``; hpctrain resumes from
-  it), same data order, batch and optimizer; the first ``--compare-steps``
+* peer (``--peer-models``, default mid,gpt): ``benchmarks/peers/torch_ddp.py``
+  (an MLP) or ``torch_gpt.py`` (a GPT) right after the hpctrain run of the same
+  configuration, from the same step-0 checkpoint
+  (``benchmarks/peers/init_checkpoint.py``; hpctrain resumes from it), same
+  data order, batch and optimizer; the first ``--compare-steps``
   global losses of the two must agree within ``--loss-rtol`` (relative).
 * ceiling (``--ceiling-models``, default all): in weak mode, N independent
   1-rank copies of the hpctrain run at once under the same launcher
@@ -54,14 +65,10 @@ from importlib import metadata
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hpctrain import bench_report  # noqa: E402 - no MPI, no numpy at import
+from scaling_models import BATCH, PEER, STEPS, describe, parse_models, prepare  # noqa: E402 - beside this file
 
-PRESETS = {  # name: (input features, hidden widths); 10 classes
-    "small": (32, [128, 128]),      # 22 k parameters: per-step overheads and latency dominate
-    "mid": (256, [1024, 1024]),     # 1.3 M parameters (5.3 MB of gradients)
-    "large": (1024, [4096, 4096]),  # 21 M parameters (84 MB): GEMM-bound
-}
-STEPS = {"small": (200, 20), "mid": (60, 10), "large": (6, 2)}  # default (timed, warm-up) steps
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 SINGLETON_VARS = ("PMIX_", "ORTE_", "OMPI_APP_CTX_", "OMPI_COMM_WORLD_", "OMPI_MCA_ess", "OMPI_MCA_orte_",
                   "OMPI_MCA_pmix")
@@ -70,19 +77,25 @@ SINGLETON_VARS = ("PMIX_", "ORTE_", "OMPI_APP_CTX_", "OMPI_COMM_WORLD_", "OMPI_M
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--models", default="small,mid,large", help="presets or name=DIM-H1-H2..., comma-separated")
+    p.add_argument("--models", default="small,mid,large",
+                   help="presets (small, mid, large, gpt), name=DIM-H1-H2... or name=gpt:L-D-H-T, comma-separated")
     p.add_argument("--modes", default="strong,weak")
-    p.add_argument("--batch", type=int, default=256, help="per-rank batch of weak scaling (256)")
+    p.add_argument("--batch", type=int, default=0,
+                   help="per-rank batch of weak scaling (0: per kind, 256 rows for an MLP, 16 windows for a GPT)")
     p.add_argument("--strong-batch", type=int, default=0,
-                   help="global batch of strong scaling (0: batch x --largest-ranks)")
+                   help="global batch of strong scaling (0: the model's batch x --largest-ranks)")
     p.add_argument("--largest-ranks", type=int, default=0,
                    help="largest rank count of the study (0: of --ranks); set it when each job-array task "
                         "runs one count, so every task's strong scaling keeps the same global batch and "
                         "the default threads per rank are the same")
-    p.add_argument("--steps", type=int, default=0, help="timed steps (0: per model: small 200, mid 60, large 6)")
-    p.add_argument("--warmup", type=int, default=-1, help="steps left out first (-1: small 20, mid 10, large 2)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="timed steps (0: per model: small 200, mid 60, large 6, gpt 40; 20 otherwise)")
+    p.add_argument("--warmup", type=int, default=-1,
+                   help="steps left out first (-1: small 20, mid 10, large 2, gpt 5; 3 otherwise)")
     p.add_argument("--repeats", type=int, default=1, help="sweeps; a configuration reports its median run (1)")
-    p.add_argument("--samples", type=int, default=16384, help="synthetic samples per dataset (16384)")
+    p.add_argument("--samples", type=int, default=16384, help="synthetic samples per MLP dataset (16384)")
+    p.add_argument("--text", default=os.path.join(REPO, "data", "text.h5"),
+                   help="token file of the GPT models (data/text.h5; made by python -m hpctrain data text if missing)")
     p.add_argument("--threads-per-rank", type=int, default=0, help="0: cores // the largest rank count, at least 1")
     p.add_argument("--launcher", default="mpirun -n {n} --oversubscribe", help="command prefix; {n} = ranks")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="train.device (cpu)")
@@ -90,37 +103,20 @@ def parse_args(argv=None):
                    help="hpctrain's dist.allreduce (auto: measured per bucket size; shm zero-copy on one machine)")
     p.add_argument("--set", action="append", default=[], help="extra --set for every run (both trainers)")
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint.every_steps in the hpctrain runs (0 off)")
-    p.add_argument("--peer-models", default="mid", help="models the PyTorch peer also runs ('' none)")
+    p.add_argument("--peer-models", default="mid,gpt", help="models the PyTorch peer also runs ('' none)")
     p.add_argument("--peer-modes", default="weak", help="modes the PyTorch peer also runs")
     p.add_argument("--ceiling-models", default="all",
                    help="models whose weak runs also run N independent 1-rank copies at once, the "
                         "machine's ceiling without communication (benchmarks/peers/independent.py; "
                         "all (default), or '' none)")
+    p.add_argument("--op-times", default="gpt", choices=["gpt", "all", "none"],
+                   help="models whose runs time ops (train.op_times): the GPT ones (default), all or none")
     p.add_argument("--compare-steps", type=int, default=10, help="first steps whose losses must agree (10)")
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance (float32: 1e-4)")
     p.add_argument("--trace-config", default="mid:2", help="MODEL:N traced once more ('' none)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "scaling"))
     return p.parse_args(argv)
-
-
-def parse_models(text: str) -> dict:
-    models = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, _, spec = item.partition("=")
-        if spec:
-            dims = [int(v) for v in spec.split("-")]
-            models[name] = (dims[0], dims[1:])
-        elif name in PRESETS:
-            models[name] = PRESETS[name]
-        else:
-            raise ValueError(f"unknown model {name!r}: use {', '.join(PRESETS)} or name=DIM-H1-H2")
-    return models
-
-
-def params(dim, hidden, classes=10) -> int:
-    w = [dim, *hidden, classes]
-    return sum(w[i] * w[i + 1] + w[i + 1] for i in range(len(w) - 1))
 
 
 class Runner:
@@ -151,7 +147,7 @@ class Runner:
             fh.write(f"$ {shlex.join(cmd)}\n{text}")
         return rc, text, time.time() - t0
 
-    def run(self, trainer, model, mode, n, batch, sets, init, warmup, rep=0):
+    def run(self, trainer, model, mode, n, batch, sets, init, warmup, rep=0, per_row=1):
         a = self.args
         tag = f"{trainer}-{model}-{mode}-n{n}" + (f"-r{rep}" if a.repeats > 1 else "")
         metrics = os.path.join(a.out, "runs", tag + ".jsonl")
@@ -166,10 +162,10 @@ class Runner:
         steps = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
         nodes = re.search(r"(\d+) rank\(s\) on (\d+) node", text)
         row = {"trainer": trainer, "model": model, "mode": mode, "ranks": n, "global_batch": batch, "repeat": rep,
-               "nodes": int(nodes.group(2)) if nodes else None,
+               "nodes": int(nodes.group(2)) if nodes else None, "tokens_per_row": per_row,
                "per_rank_batch": batch // n, "rc": rc, "wall_s": wall, "metrics": os.path.relpath(metrics, a.out),
                "threads_per_rank": self.threads, **summarise(steps, warmup, a.compare_steps)}
-        if rc == 77 and trainer == bench_report.PEER:
+        if rc == 77 and trainer in bench_report.PEERS:
             return None, text.strip().splitlines()[-1] if text.strip() else "skipped"
         if rc or not steps:
             self.failed.append(tag)
@@ -179,9 +175,10 @@ class Runner:
 
 
 def summarise(steps, warmup, compare) -> dict:
-    """Medians, percentiles and mean phase times (ms) over the steps after ``warmup``."""
+    """Medians, percentiles and mean phase and op times (ms) over the steps after ``warmup``."""
     import numpy as np
 
+    steps = [s for s in steps if "step_time" in s]  # not the evaluation lines (a GPT's final one)
     timed = steps[warmup:]
     if not timed:
         return {"steps_timed": 0, "losses": [s["loss"] for s in steps[:compare]]}
@@ -192,33 +189,13 @@ def summarise(steps, warmup, compare) -> dict:
              "checkpoint": mean("t_checkpoint")}
     split["other"] = float(st.mean()) - sum(split.values())
     has_comm = "comm_time" in timed[0]
+    ops = sorted({k for s in timed for k in s if k.startswith("t_op_")})
     return {"steps_timed": len(timed), "warmup": warmup,
+            **({"ops_ms": {k[len("t_op_"):]: mean(k) for k in ops}} if ops else {}),
             "step_ms": {"median": float(np.median(st)), "p10": float(np.percentile(st, 10)),
                         "p90": float(np.percentile(st, 90)), "mean": float(st.mean())},
             "split_ms": split, "comm_ms": mean("comm_time") if has_comm else None,
             "losses": [s["loss"] for s in steps[:compare]]}
-
-
-def prepare(runner, name, dim, hidden, data_dir) -> tuple[list, str]:
-    """The dataset and step-0 checkpoint of one model; returns (--set list, checkpoint path)."""
-    a = runner.args
-    data = os.path.join(data_dir, f"synth-d{dim}.h5")
-    if not os.path.exists(data):
-        subprocess.run([sys.executable, "-m", "hpctrain", "data", "synth", "--out", data, "--n", str(a.samples),
-                        "--dim", str(dim), "--seed", "1"], cwd=REPO, env=runner.env, check=True,
-                       capture_output=True)
-    sets = [f'data.train="{data}"', 'data.eval=""', f"model.hidden={json.dumps(hidden)}",
-            f'train.device="{a.device}"', "train.target_accuracy=0", "train.log_every=1000000",
-            "checkpoint.every_minutes=0", f'checkpoint.dir="{os.path.join(a.out, "ckpt", name)}"',
-            f"checkpoint.keep_last={1 if a.ckpt_every else 0}", *a.set]
-    init_dir = os.path.join(a.out, "init", name)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "peers", "init_checkpoint.py"),
-                           "--dir", init_dir, *[x for s in sets + [f"train.global_batch={a.batch}"]
-                                                for x in ("--set", s)]],
-                          cwd=REPO, env=runner.env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"step-0 checkpoint for {name} failed:\n{proc.stdout}{proc.stderr}")
-    return sets, proc.stdout.strip().splitlines()[-1]
 
 
 def machine(runner) -> dict:
@@ -250,7 +227,9 @@ def main(argv=None) -> int:
         print(f"scaling.py: error: {exc}", file=sys.stderr)
         return 2
     a.out = os.path.abspath(a.out)
-    a.strong_batch = a.strong_batch or a.batch * (a.largest_ranks or max(a.ranks))
+    for m in models.values():
+        m["batch"] = a.batch or BATCH[m["kind"]]
+        m["strong_batch"] = a.strong_batch or m["batch"] * (a.largest_ranks or max(a.ranks))
     os.makedirs(os.path.join(a.out, "runs"), exist_ok=True)
     runner = Runner(a)
     info = machine(runner)
@@ -259,43 +238,44 @@ def main(argv=None) -> int:
     ceiling_models = set(models) if a.ceiling_models == "all" else {m for m in a.ceiling_models.split(",") if m}
     peer_skipped, traces = "", []
     plans = {}
-    for name, (dim, hidden) in models.items():
+    for name, m in models.items():
         steps, warmup = STEPS.get(name, (20, 3))
         steps, warmup = a.steps or steps, warmup if a.warmup < 0 else a.warmup
-        print(f"{name}: {dim}-{'-'.join(map(str, hidden))}-10, {steps} timed + {warmup} warm-up steps",
-              file=sys.stderr, flush=True)
-        sets, init = prepare(runner, name, dim, hidden, os.path.join(a.out, "data"))
-        sets = sets + [f"train.steps={steps + warmup}"]
+        print(f"{name}: {describe(m)}, {steps} timed + {warmup} warm-up steps", file=sys.stderr, flush=True)
+        sets, init = prepare(runner, name, m, os.path.join(a.out, "data"))
+        op_times = a.op_times == "all" or a.op_times == m["kind"]
+        sets = sets + [f"train.steps={steps + warmup}"] + (["train.op_times=true"] if op_times else [])
         # before the user's --set, so a --set dist.allreduce=... there still wins
         hp_sets = ([f'dist.allreduce="{a.allreduce}"'] + sets
                    + ([f"checkpoint.every_steps={a.ckpt_every}"] if a.ckpt_every else []))
         plans[name] = sets, hp_sets, init, warmup
     for rep in range(a.repeats):  # whole sweeps in turn: a burst of load hits one run of each, not all
         for name, (sets, hp_sets, init, warmup) in plans.items():
+            m = models[name]
+            per_row = m["context"] if m["kind"] == "gpt" else 1
             for mode in modes:
                 for n in sorted(a.ranks):
-                    batch = a.batch * n if mode == "weak" else a.strong_batch
+                    batch = m["batch"] * n if mode == "weak" else m["strong_batch"]
                     if batch % n:
                         print(f"  skip {name} {mode} n{n}: {n} does not divide the global batch {batch}",
                               file=sys.stderr)
                         continue
-                    runner.run("hpctrain", name, mode, n, batch, hp_sets, init, warmup, rep)
+                    run = (name, mode, n, batch)
+                    runner.run("hpctrain", *run, hp_sets, init, warmup, rep, per_row)
                     if mode == "weak" and name in ceiling_models:
-                        runner.run(bench_report.CEILING, name, mode, n, batch, hp_sets, init, warmup, rep)
+                        runner.run(bench_report.CEILING, *run, hp_sets, init, warmup, rep, per_row)
                     if name in peer_models and mode in peer_modes and not peer_skipped:
-                        _, peer_skipped = runner.run(bench_report.PEER, name, mode, n, batch, sets, init, warmup,
-                                                     rep)
+                        _, peer_skipped = runner.run(PEER[m["kind"]], *run, sets, init, warmup, rep, per_row)
     model_n = a.trace_config.split(":") if a.trace_config else []
     if len(model_n) == 2 and model_n[0] in plans and int(model_n[1]) in a.ranks:
         sets, hp_sets, init, _ = plans[model_n[0]]
-        traces = trace(runner, model_n[0], int(model_n[1]), hp_sets, sets, init,
+        traces = trace(runner, model_n[0], models[model_n[0]], int(model_n[1]), hp_sets, sets, init,
                        peer_skipped or model_n[0] not in peer_models)
     info["loadavg_end"] = os.getloadavg()[0]
     doc = {"benchmark": "scaling", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": info,
            "command": shlex.join(["python", "benchmarks/scaling.py", *(sys.argv[1:] if argv is None else argv)]),
            "args": {**vars(a), "threads_per_rank": runner.threads},
-           "models": {n: {"dim": d, "hidden": h, "classes": 10, "params": params(d, h)}
-                      for n, (d, h) in models.items()},
+           "models": models,
            "rows": runner.rows, "peer_skipped": peer_skipped, "traces": traces}
     path = os.path.join(a.out, "scaling.json")
     with open(path + ".part", "w") as fh:  # whole or not at all: job-array tasks join each other's
@@ -314,10 +294,10 @@ def main(argv=None) -> int:
     return 1 if runner.failed or disagree else 0
 
 
-def trace(runner, name, n, hp_sets, sets, init, no_peer) -> list[str]:
+def trace(runner, name, m, n, hp_sets, sets, init, no_peer) -> list[str]:
     """A short traced run of hpctrain (merged) and of the peer at ``n`` ranks; paths relative to --out."""
     a, out = runner.args, []
-    common = [f"train.global_batch={a.batch * n}", "train.steps=20"]  # the weak configuration
+    common = [f"train.global_batch={m['batch'] * n}", "train.steps=20"]  # the weak configuration
     steps = [s for s in hp_sets if not s.startswith("train.steps=")] + common
     tdir = os.path.join(a.out, "trace", f"hpctrain-{name}-n{n}")
     argv = ["-m", "hpctrain", "train", *[x for s in steps for x in ("--set", s)], "--resume", init, "--trace", tdir]
@@ -330,8 +310,8 @@ def trace(runner, name, n, hp_sets, sets, init, no_peer) -> list[str]:
     else:
         runner.failed.append(f"trace {name} n{n}")
     if not no_peer:
-        pdir = os.path.join(a.out, "trace", f"torch_ddp-{name}-n{n}")
-        argv = [os.path.join(REPO, "benchmarks", "peers", "torch_ddp.py"),
+        pdir = os.path.join(a.out, "trace", f"{PEER[m['kind']]}-{name}-n{n}")
+        argv = [os.path.join(REPO, "benchmarks", "peers", f"{PEER[m['kind']]}.py"),
                 *[x for s in [s for s in sets if not s.startswith("train.steps=")] + common
                   for x in ("--set", s)], "--resume", init, "--trace", pdir]
         if runner.launch(n, argv, pdir + ".log")[0] == 0:

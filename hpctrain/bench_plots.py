@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 
-from .bench_report import CEILING, PEER, PHASES, comparisons, derive, machine_line
+from .bench_report import CEILING, PEERS, PHASES, comparisons, derive, machine_line
 
-SHORT = {"hpctrain": "hp", PEER: "pt", CEILING: "ind"}
-LABEL = {"hpctrain": "hpctrain", PEER: "PyTorch DDP", CEILING: "independent (no comm)"}
+SHORT = {"hpctrain": "hp", CEILING: "ind", **{p: "pt" for p in PEERS}}
+LABEL = {"hpctrain": "hpctrain", CEILING: "independent (no comm)", **{p: "PyTorch DDP" for p in PEERS}}
+STYLE = {"hpctrain": "-o", CEILING: ":^", **{p: "--s" for p in PEERS}}
 
 
 def plots(doc: dict, directory: str) -> list[str]:
@@ -39,7 +40,7 @@ def plots(doc: dict, directory: str) -> list[str]:
     axes = list(axes[0])
     for ax, mode in zip(axes, modes):
         for model in models:
-            for trainer, style in (("hpctrain", "-o"), (PEER, "--s"), (CEILING, ":^")):
+            for trainer, style in STYLE.items():
                 sel = sorted((r for r in rows if (r["mode"], r["model"], r["trainer"]) == (mode, model, trainer)),
                              key=lambda r: r["ranks"])
                 if sel:

@@ -100,7 +100,8 @@ def comparisons(doc: dict, rows: list[dict]) -> list[dict]:
         diff = max((abs(x - y) / abs(x) for x, y in zip(a[:k], b[:k])), default=None)
         ratio = h["samples_per_s"] / p["samples_per_s"] if h["samples_per_s"] and p["samples_per_s"] else None
         out.append({"model": h["model"], "mode": h["mode"], "ranks": h["ranks"], "hpctrain": h["samples_per_s"],
-                    "torch": p["samples_per_s"], "hpctrain_tokens": h["tokens_per_s"], "torch_tokens": p["tokens_per_s"],
+                    "torch": p["samples_per_s"], "hpctrain_tokens": h["tokens_per_s"],
+                    "torch_tokens": p["tokens_per_s"],
                     "peer": p["trainer"], "ratio": ratio, "steps_compared": k, "loss_rel_diff": diff,
                     "loss_rtol": tol, "agree": diff is not None and k > 0 and diff <= tol})
     return out
@@ -136,43 +137,62 @@ def machine_line(doc: dict) -> str:
             f"{m.get('loadavg_start', 0):.1f} -> {m.get('loadavg_end', 0):.1f}")
 
 
+def _model_text(m: dict) -> str:
+    if m.get("kind", "mlp") == "gpt":
+        return (f"GPT {m['n_layer']} x d{m['d_model']}, {m['n_head']} heads, context {m['context']}, "
+                f"vocabulary {m.get('vocab', '?')}")
+    return "MLP " + "-".join(map(str, [m["dim"], *m["hidden"], m.get("classes", 10)]))
+
+
+def _batch(doc: dict, name: str, key: str):
+    """Model ``name``'s weak per-rank (``batch``) or strong global (``strong_batch``) batch."""
+    return doc["models"][name].get(key, doc["args"].get(key))
+
+
 def tables(doc: dict) -> str:
-    rows, a = derive(doc), doc["args"]
+    rows = derive(doc)
     out = ["# Scaling: hpctrain and PyTorch DDP", "", machine_line(doc), "",
-           f"`{doc.get('command', '')}`", "", "Models (float32, 10 classes):", "",
-           "| model | layers | parameters | gradient MB |", "|---|---|---:|---:|"]
+           f"`{doc.get('command', '')}`", "",
+           "Models (float32; an MLP's row is a sample, a GPT's a window of context tokens):", "",
+           "| model | layers | parameters | gradient MB | per-rank batch (weak) | global batch (strong) |",
+           "|---|---|---:|---:|---:|---:|"]
     for name, m in doc["models"].items():
-        out.append(f"| {name} | {'-'.join(map(str, [m['dim'], *m['hidden'], m['classes']]))} | "
-                   f"{m['params']:,} | {4 * m['params'] / 1e6:.2f} |")
-    head = ("| model | trainer | ranks | global batch | samples/s | step ms | p10-p90 | data | forward | backward "
-            "| exposed comm | optimizer | checkpoint | other | comm ms | comm/compute | speedup | efficiency |")
-    for mode, what in (("strong", f"global batch fixed ({a.get('strong_batch')})"),
-                       ("weak", f"per-rank batch fixed ({a.get('batch')})")):
+        out.append(f"| {name} | {_model_text(m)} | {m['params']:,} | {4 * m['params'] / 1e6:.2f} | "
+                   f"{_batch(doc, name, 'batch')} | {_batch(doc, name, 'strong_batch')} |")
+    head = ("| model | trainer | ranks | global batch | samples/s | tokens/s | step ms | p10-p90 | data | forward "
+            "| backward | exposed comm | optimizer | checkpoint | other | comm ms | comm/compute | speedup "
+            "| efficiency |")
+    for mode, what, key in (("strong", "global batch fixed", "strong_batch"),
+                            ("weak", "per-rank batch fixed", "batch")):
         sel = [r for r in rows if r["mode"] == mode]
         if not sel:
             continue
-        out += ["", f"## {mode.capitalize()} scaling: {what}", "", head, "|---" * (head.count("|") - 1) + "|"]
+        sizes = ", ".join(f"{n} {_batch(doc, n, key)}" for n in doc["models"])
+        out += ["", f"## {mode.capitalize()} scaling: {what} ({sizes})", "", head, "|---" * (head.count("|") - 1) + "|"]
         for r in sorted(sel, key=lambda r: (list(doc["models"]).index(r["model"]), r["trainer"], r["ranks"])):
             if r.get("rc"):
                 out.append(f"| {r['model']} | {r['trainer']} | {r['ranks']} | {r['global_batch']} | failed "
-                           f"(exit {r['rc']}) |" + " |" * 13)
+                           f"(exit {r['rc']}) |" + " |" * 14)
                 continue
             s, st = r["split_ms"], r["step_ms"]
             phases = " | ".join(_f(s.get(k)) for k in PHASES)
             star = "*" if r["oversubscribed"] else ""
             out.append(f"| {r['model']} | {r['trainer']} | {r['ranks']}{star} | {r['global_batch']} | "
-                       f"{_f(r['samples_per_s'], ',.0f')} | {st['median']:.2f} | {st['p10']:.2f}-{st['p90']:.2f} | "
-                       f"{phases} | {_f(r.get('comm_ms'))} | {_f(r['comm_compute'])} | {_f(r['speedup'])}x | "
-                       f"{_f(r['efficiency'])} |")
+                       f"{_f(r['samples_per_s'], ',.0f')} | {_f(r['tokens_per_s'], ',.0f')} | {st['median']:.2f} | "
+                       f"{st['p10']:.2f}-{st['p90']:.2f} | {phases} | {_f(r.get('comm_ms'))} | "
+                       f"{_f(r['comm_compute'])} | {_f(r['speedup'])}x | {_f(r['efficiency'])} |")
     comp = comparisons(doc, rows)
     if comp:
         out += ["", "## hpctrain / PyTorch DDP (same model, initial weights, data order, batch, optimizer)", "",
-                "| model | mode | ranks | hpctrain samples/s | PyTorch samples/s | ratio | loss rel. diff "
-                "(first steps) | tolerance | agree |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+                "| model | mode | ranks | peer | hpctrain samples/s | PyTorch samples/s | hpctrain tokens/s | "
+                "PyTorch tokens/s | ratio | loss rel. diff (first steps) | tolerance | agree |",
+                "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for c in comp:
-            out.append(f"| {c['model']} | {c['mode']} | {c['ranks']} | {_f(c['hpctrain'], ',.0f')} | "
-                       f"{_f(c['torch'], ',.0f')} | {_f(c['ratio'])}x | {_f(c['loss_rel_diff'], '.1e')} "
+            out.append(f"| {c['model']} | {c['mode']} | {c['ranks']} | {c['peer']} | {_f(c['hpctrain'], ',.0f')} | "
+                       f"{_f(c['torch'], ',.0f')} | {_f(c['hpctrain_tokens'], ',.0f')} | "
+                       f"{_f(c['torch_tokens'], ',.0f')} | {_f(c['ratio'])}x | {_f(c['loss_rel_diff'], '.1e')} "
                        f"({c['steps_compared']}) | {c['loss_rtol']:.0e} | {'yes' if c['agree'] else 'NO'} |")
+    out += op_tables(doc, rows)
     ceil = ceilings(rows)
     if ceil:
         out += ["", "## Weak scaling against the machine's ceiling (N independent 1-rank runs at once)", "",
@@ -193,15 +213,64 @@ def tables(doc: dict) -> str:
         out += ["", f"Each row: the run with the median samples/s of {runs} (--repeats; every run is in the JSON)."]
     if doc.get("traces"):
         out += ["", "Timelines: " + ", ".join(f"`{t}`" for t in doc["traces"])]
-    out += ["", "samples/s = global batch / median step time; step ms median and 10th-90th percentile; phase "
-            "columns are means in ms per step on rank 0 (they add up to the mean step); exposed comm = waiting "
-            "for gradient buckets after backward (hpctrain; PyTorch's is inside backward); comm ms = time "
-            "per step reducing buckets (communication thread, or main thread for an inlined last bucket), "
-            "overlapped or not; comm/compute = comm ms / (forward + "
-            "backward + optimizer); speedup = samples/s over the 1-rank run of the same trainer, model and "
+    out += ["", "samples/s = global batch / median step time; tokens/s = samples/s x context (a GPT); step ms "
+            "median and 10th-90th percentile; phase columns are means in ms per step on rank 0 (they add up to "
+            "the mean step); exposed comm = waiting for gradient buckets after backward (hpctrain; PyTorch's is "
+            "inside backward); comm ms = time per step reducing buckets (communication thread, or main thread "
+            "for an inlined last bucket), overlapped or not; comm/compute = comm ms / (forward + backward + "
+            "optimizer); speedup = samples/s over the 1-rank run of the same trainer, model and "
             "mode; efficiency = speedup / ranks; * = more ranks than cores (oversubscribed, not a scaling "
             "result)."]
     return "\n".join(out)
+
+
+def _op_columns(r) -> dict:
+    """ms per step per op family of run ``r``, with its exposed communication and the ops' sum."""
+    ops = r.get("ops_ms") or {}
+    cols = {k: ops.get(k) for k in OPS}
+    # hpctrain waits for its buckets after backward (a phase); the peer's clock sees DDP's wait
+    cols["exposed comm"] = ops.get("comm_wait") if r["trainer"] in PEERS else (r.get("split_ms") or {}).get(
+        "exposed_comm")
+    cols["sum"] = sum(v for v in cols.values() if v is not None)
+    cols["step"] = r["step_ms"]["mean"]
+    return cols
+
+
+def op_tables(doc: dict, rows: list[dict]) -> list[str]:
+    """Per model with op times (``train.op_times``): ms per step per op family, hpctrain and its PyTorch
+    peer side by side at each (mode, ranks), with their ratio (> 1: hpctrain slower)."""
+    out = []
+    for model in doc["models"]:
+        sel = [r for r in rows if r["model"] == model and r.get("ops_ms") and not r.get("rc")
+               and r["trainer"] in ("hpctrain", *PEERS)]
+        if not sel:
+            continue
+        names = list(_op_columns(sel[0]))
+        out += ["", f"## Per-op time: {model} (ms per step, rank 0, mean of the timed steps)", "",
+                f"| mode | ranks | trainer | {' | '.join(names)} |", "|---|---:|---|" + "---:|" * len(names)]
+        for mode in ("weak", "strong"):
+            for n in sorted({r["ranks"] for r in sel if r["mode"] == mode}):
+                pair = {("hpctrain" if r["trainer"] == "hpctrain" else "peer"): _op_columns(r)
+                        for r in sel if (r["mode"], r["ranks"]) == (mode, n)}
+                for who, label in (("hpctrain", "hpctrain"), ("peer", "PyTorch")):
+                    if who in pair:
+                        out.append(f"| {mode} | {n} | {label} | " + " | ".join(_f(pair[who][k]) for k in names) + " |")
+                if len(pair) == 2:
+                    h, p = pair["hpctrain"], pair["peer"]
+                    out.append(f"| {mode} | {n} | hpctrain / PyTorch | "
+                               + " | ".join(f"{h[k] / p[k]:.2f}x" if h[k] and p[k] else "-" for k in names) + " |")
+    if out:
+        out += ["", "Per-op time: hpctrain (train.op_times) times every kernel call by family: gemm = the Linear "
+                "GEMMs and the tied LM head (bias adds are elementwise), attention = the part between c_attn and "
+                "c_proj (per-head GEMMs, causal softmax), elementwise = bias add + activation (GELU) and residual "
+                "adds, loss = softmax cross-entropy; PyTorch (the peer's OpClock) times each op's forward call and "
+                "its backward between identity autograd nodes: gemm = nn.Linear (the bias add fused in addmm) and "
+                "the tied head, attention = split into heads, scaled_dot_product_attention, merge, elementwise = "
+                "GELU and residual adds. optimizer = the update; exposed comm = hpctrain's wait for gradient buckets "
+                "after backward, PyTorch's DDP wait after the last gradient; sum = all of these, step = the mean "
+                "step (the rest: data, Python, hooks, statistics). The ratio row is hpctrain / PyTorch: above 1, "
+                "hpctrain is slower at that op."]
+    return out
 
 
 def load(directory: str) -> dict:

@@ -128,7 +128,7 @@ def _token_file(path, vocab):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["heads", "context", "tokens-for-mlp", "table-for-gpt"])
+@pytest.mark.parametrize("case", ["heads", "context", "tokens-for-mlp", "table-for-gpt", "cuda"])
 def test_bad_gpt_input_is_one_clear_error(case, text_data, small_data, tmp_path):
     if case == "heads":
         proc = gpt_job(text_data, "--set", "model.n_head=3")
@@ -140,9 +140,14 @@ def test_bad_gpt_input_is_one_clear_error(case, text_data, small_data, tmp_path)
     elif case == "tokens-for-mlp":
         proc = run_mpi(2, ["-m", "hpctrain", "train", "--set", f"data.train={text_data}"])
         fragments = [text_data, "token file", "model.kind"]
-    else:
+    elif case == "table-for-gpt":
         proc = gpt_job(small_data[0])
         fragments = [small_data[0], "model.kind"]
+    else:  # the simulator stands in for a GPU: the GPT's ops have no CUDA kernels yet
+        proc = run_mpi(2, ["-m", "hpctrain", "train", "--config", "examples/gpt.toml", *TINY, "--set",
+                           f"data.train={text_data}", "--set", "train.device=cuda"],
+                       env_extra={"NUMBA_ENABLE_CUDASIM": "1"})
+        fragments = ["no cuda kernels yet", "attention_forward", "train.device=cpu"]
     _one_error(proc, *fragments)
 
 
