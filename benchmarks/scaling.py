@@ -178,7 +178,7 @@ def summarise(steps, warmup, compare) -> dict:
     """Medians, percentiles and mean phase and op times (ms) over the steps after ``warmup``."""
     import numpy as np
 
-    steps = [s for s in steps if "step_time" in s]  # not the evaluation lines (a GPT's final one)
+    steps = [s for s in steps if "step_time" in s]  # step lines only (evaluations share their step's line)
     timed = steps[warmup:]
     if not timed:
         return {"steps_timed": 0, "losses": [s["loss"] for s in steps[:compare]]}

@@ -16,6 +16,7 @@ Spec syntax of ``--models``: a preset name, ``name=DIM-H1-H2...`` (mlp) or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,8 +33,14 @@ PRESETS = {
 STEPS = {"small": (200, 20), "mid": (60, 10), "large": (6, 2), "gpt": (40, 5)}  # default (timed, warm-up)
 BATCH = {"mlp": 256, "gpt": 16}  # default per-rank batch of weak scaling: rows; windows (16 x 128 tokens)
 PEER = {"mlp": "torch_ddp", "gpt": "torch_gpt"}  # the PyTorch peer's script, and its rows' trainer
-GPT_OPTIM = ['optim.name="adamw"', "optim.lr=0.003", "optim.beta2=0.95", "optim.weight_decay=0.1",
-             "optim.warmup_steps=100", "optim.min_lr=0.0003"]  # examples/gpt.toml's
+
+
+def gpt_optim_sets() -> list[str]:
+    """examples/gpt.toml's [optim] as --set items: the benchmark trains the example's way."""
+    from hpctrain.config import load_config
+
+    optim = load_config(os.path.join(REPO, "examples", "gpt.toml")).optim
+    return [f"optim.{k}={json.dumps(v)}" for k, v in dataclasses.asdict(optim).items()]
 
 
 def parse_models(text: str) -> dict:
@@ -82,7 +89,7 @@ def model_sets(runner, name: str, m: dict, data_dir: str) -> list[str]:
         # the final evaluation of a run reads 4 windows only: it is not part of the benchmark
         return ['model.kind="gpt"', *(f"model.{k}={m[k]}" for k in ("n_layer", "d_model", "n_head", "context")),
                 f'data.train="{data}"', 'data.eval=""', f"train.eval_tokens={4 * m['context']}",
-                "train.target_val_bpb=0", *GPT_OPTIM]
+                "train.target_val_bpb=0", "train.target_bpb_vs_bigram=0", *gpt_optim_sets()]
     data = os.path.join(data_dir, f"synth-d{m['dim']}.h5")
     if not os.path.exists(data):
         _run(["-m", "hpctrain", "data", "synth", "--out", data, "--n", str(a.samples), "--dim", str(m["dim"]),

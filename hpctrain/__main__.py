@@ -148,7 +148,11 @@ def cmd_train(args) -> int:
         print(f"resolved config ({args.config or 'defaults'}):\n{cfg.to_toml()}", flush=True)
         if job:
             print(slurm.describe(job), flush=True)
-    result = Trainer(cfg, world, stop_signal=stop).run()
+    trainer = Trainer(cfg, world, stop_signal=stop)
+    try:
+        result = trainer.run()
+    finally:
+        trainer.close()
     stop.ignore_late()  # nothing left to stop: a late SIGUSR1/SIGTERM must not change the exit code
     if result["stopped_by"]:
         return EXIT_CHECKPOINTED

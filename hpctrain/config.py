@@ -48,9 +48,9 @@ class Config:
         if self.train.target_accuracy and not self.data.eval and self.model.kind == "mlp":
             raise ConfigError("train.target_accuracy is set but data.eval is empty; "
                               "name an evaluation file or set train.target_accuracy = 0")
-        if self.train.target_val_bpb and self.model.kind != "gpt":
-            raise ConfigError("train.target_val_bpb is a language-model target: it needs model.kind = \"gpt\" "
-                              "(the mlp's target is train.target_accuracy)")
+        if (self.train.target_val_bpb or self.train.target_bpb_vs_bigram) and self.model.kind != "gpt":
+            raise ConfigError("train.target_val_bpb and target_bpb_vs_bigram are language-model targets: they need "
+                              "model.kind = \"gpt\" (the mlp's target is train.target_accuracy)")
         return self
 
     def to_toml(self) -> str:

@@ -59,7 +59,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    global_batch: int = _f(256, "samples per step over all ranks; per-rank batch = global / world size")
+    global_batch: int = _f(256, "rows per step over all ranks (mlp: samples; gpt: windows of context tokens); "
+                           "per-rank batch = global / world size")
     steps: int = _f(1500, "optimizer steps; epochs follow from the dataset size")
     dtype: str = _f("float32", "float32 for speed; float64 for exactness checks", choices=("float32", "float64"))
     device: str = _f("auto", "auto | cpu | cuda; auto takes a GPU (local_rank % visible GPUs) when one is visible",
@@ -70,8 +71,11 @@ class TrainConfig:
     target_accuracy: float = _f(0.0, "final eval accuracy the run must reach (0 = no target); missing it exits 3")
     target_val_bpb: float = _f(0.0, "gpt: final validation bits per byte the run must reach or beat (0 = no "
                                "target); missing it exits 3")
-    eval_tokens: int = _f(65536, "gpt: validation tokens per evaluation, windows spread evenly over the split "
-                          "(the same ones every time); 0 = the whole split")
+    target_bpb_vs_bigram: float = _f(0.0, "gpt: the same target as a fraction of the data file's bigram baseline "
+                                     "(e.g. 0.75; follows the corpus, unlike an absolute bpb); 0 = none")
+    eval_tokens: int = _f(65536, "gpt: validation tokens per evaluation during training, windows spread evenly "
+                          "over the split (the same ones every time; 0 = the whole split); the final "
+                          "evaluation always scores the whole split")
     metrics: str = _f("", "per-step metrics as JSON lines, written by rank 0; empty = off")
     grad_accum_steps: int = _f(1, "micro-batches per step: gradients accumulate locally and are "
                                "communicated once, on the last (the per-rank batch must divide evenly)")
@@ -95,6 +99,9 @@ class TrainConfig:
             raise ConfigError(f"train.eval_every={self.eval_every}: must be >= 0")
         if not 0.0 <= self.target_val_bpb < math.inf:  # also false for nan
             raise ConfigError(f"train.target_val_bpb={self.target_val_bpb}: bits per byte >= 0 (0 = no target)")
+        if not 0.0 <= self.target_bpb_vs_bigram < math.inf:
+            raise ConfigError(f"train.target_bpb_vs_bigram={self.target_bpb_vs_bigram}: a fraction > 0 of the "
+                              f"bigram baseline (e.g. 0.75), or 0 = no target")
         if self.eval_tokens < 0:
             raise ConfigError(f"train.eval_tokens={self.eval_tokens}: must be >= 0 (0 = the whole split)")
         if not 0.0 <= self.target_accuracy <= 1.0:  # also false for nan

@@ -52,6 +52,14 @@ class Faults:
         text = os.environ.get("HPCTRAIN_FAULT", "") if text is None else text
         self.by_step = {step: kind for kind, step, r in parse(text) if r == rank}
 
+    def check_inputs(self, input_dtype) -> None:
+        """Refuse, at start-up (where every rank agrees on errors), nan/spike faults on inputs that
+        are not floats: token ids cannot hold a NaN, and scaled ids would index past the embedding."""
+        for step, kind in self.by_step.items():
+            if kind in ("nan", "spike") and input_dtype is not None and np.dtype(input_dtype).kind != "f":
+                raise ConfigError(f"HPCTRAIN_FAULT {kind}:{step}: poisons float inputs (model.kind = \"mlp\"); "
+                                  f"this model's inputs are token ids")
+
     def at_start_up(self) -> None:
         """Apply the ``start`` fault, if any (raise, segv or hang)."""
         self.before_step(START_UP, None)
@@ -61,10 +69,6 @@ class Faults:
         kind = self.by_step.get(step)
         if kind is None:
             return x
-        if kind in ("nan", "spike") and np.asarray(x).dtype.kind != "f":
-            # token ids cannot hold a NaN, and scaled ids would index past the embedding table
-            raise ConfigError(f"HPCTRAIN_FAULT {kind}:{step}: poisons float inputs (model.kind = \"mlp\"); this "
-                              f"model's inputs are token ids")
         if kind == "nan":
             x = np.array(x, copy=True)  # the reader's batch may be a view of its cached window
             x.flat[0] = np.nan

@@ -4,7 +4,9 @@ The checkpoint is read and verified like a resume (in a child process, every che
 checked), the model is rebuilt on the CPU from the configuration stored in it, and
 tokens are drawn one at a time from the last position's distribution (the context is
 cropped to the model's ``model.context`` newest tokens; no KV cache: each token runs the
-whole window, cheap at these sizes). The same checkpoint, prompt and seed give the same
+whole window, cheap at these sizes; the window is always ``context`` long, the tokens after the
+newest one zero: causal attention never lets them reach it, and one shape keeps the layers' buffers
+to one set). The same checkpoint, prompt and seed give the same
 text; ``--temperature 0`` takes the most likely token every time (greedy). Under a
 launcher only rank 0 samples and prints.
 """
@@ -22,7 +24,7 @@ from .errors import UserError
 def add_sample_parser(sub) -> None:
     s = sub.add_parser("sample", help="generate text from a GPT checkpoint (no MPI launcher needed)",
                        description="Generate text from a GPT checkpoint. Example: python -m hpctrain sample "
-                                   "--checkpoint runs/gpt/ckpt-00001500.h5 --prompt 'def ' --tokens 300")
+                                   "--checkpoint runs/gpt/ckpt/ckpt-00001500.h5 --prompt 'def ' --tokens 300")
     s.add_argument("--checkpoint", required=True, metavar="FILE", help="a checkpoint of a model.kind = \"gpt\" run")
     s.add_argument("--prompt", default="\n", help="text the sample continues (default: a newline)")
     s.add_argument("--tokens", type=int, default=300, help="tokens (bytes) to generate (default 300)")
@@ -38,9 +40,12 @@ def generate(model, prompt: np.ndarray, n_tokens: int, temperature: float, top_k
              rng: np.random.Generator) -> np.ndarray:
     """``prompt`` (1-D token ids, at least one) followed by ``n_tokens`` drawn tokens."""
     tokens = [int(t) for t in prompt]
+    window = np.zeros((1, model.context), np.int64)
     for _ in range(n_tokens):
-        window = np.asarray(tokens[-model.context:], np.int64)[None, :]
-        logits = np.asarray(model.device.to_host(model.logits(window))[-1], np.float64)  # the last position
+        recent = tokens[-model.context:]
+        window[0, :len(recent)] = recent
+        logits = model.device.to_host(model.logits(window))[len(recent) - 1]  # the newest position's
+        logits = np.asarray(logits, np.float64)
         if temperature == 0:
             tokens.append(int(np.argmax(logits)))
             continue

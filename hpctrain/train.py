@@ -131,6 +131,7 @@ class Trainer:
         self.sampler, self.reader = self.data.sampler, self.data.reader
         self.model = models.build(cfg, self.device, self.data)
         self.model.init(cfg.train.seed)
+        self.faults.check_inputs(self.model.input_dtype)
         self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim, self.model.no_decay)
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
         self.schedule = LRSchedule(cfg.optim, peak, cfg.train.steps)
@@ -218,11 +219,12 @@ class Trainer:
                 "bytes_sent": c.sent_bytes, "bytes_dense": c.dense_bytes, "compression_ratio": c.ratio,
                 "encode_time": c.encode_s, "decode_time": c.decode_s}
 
-    def evaluate(self) -> dict:
-        """Loss, accuracy (and for byte tokens bits per byte) on the evaluation set, each rank
-        scoring its shard; forward only, no gradient touched. Collective."""
+    def evaluate(self, whole: bool = False) -> dict:
+        """Loss, accuracy (and for byte tokens bits per byte) on the evaluation set (all of it with
+        ``whole``, else the family's subset), each rank scoring its shard; forward only, no gradient
+        or optimizer state touched. Collective."""
         totals = np.zeros(3)  # loss_sum, correct, predictions
-        for x_host, y_host in self.data.eval_shard(self.world.rank, self.world.size):
+        for x_host, y_host in self.data.eval_shard(self.world.rank, self.world.size, whole):
             x = self.device.upload(x_host, "eval_x", self.model.input_dtype)
             y = self.device.upload(y_host, "eval_y", np.int64)
             loss_sum, correct = self.model.forward(x, y)
@@ -236,6 +238,10 @@ class Trainer:
         if self.data.bits_per_byte:
             out["bpb"] = loss / math.log(2)
         return out
+
+    def close(self) -> None:
+        """Close the data files (the run is over; the trainer is not used again)."""
+        self.data.close()
 
     # ---- the run -------------------------------------------------------------------
     def run(self) -> dict:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 TINY = ["--set", "model.kind=gpt", "--set", "model.n_layer=2", "--set", "model.n_head=2", "--set",
         "model.d_model=16", "--set", "model.context=16", "--set", "train.device=cpu", "--set",
         "train.global_batch=8", "--set", "train.eval_tokens=512", "--set", "train.log_every=5",
-        "--set", "checkpoint.every_minutes=0"]
+        "--set", "checkpoint.every_minutes=0", "--set", "train.target_bpb_vs_bigram=0"]
 
 
 def gpt_job(text, *extra, n=2, timeout=180):
@@ -49,7 +49,7 @@ def test_a_small_gpt_beats_the_bigram_baseline_in_bounded_steps(text_data):
     cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.context = 2, 2, 32, 32
     cfg.data.train = text_data
     cfg.train.global_batch, cfg.train.steps, cfg.train.device = 16, 1000, "cpu"
-    cfg.train.eval_tokens, cfg.train.log_every, cfg.train.target_val_bpb = 8192, 10**6, 0.92 * bigram
+    cfg.train.eval_tokens, cfg.train.log_every, cfg.train.target_bpb_vs_bigram = 8192, 10**6, 0.92
     cfg.optim.name, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.beta2, cfg.optim.weight_decay = \
         "adamw", 0.01, 20, 0.95, 0.1
     cfg.checkpoint.every_minutes = 0
@@ -63,16 +63,17 @@ def gpt_run(text_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt-run")
     proc = gpt_job(text_data, "--set", "train.steps=12", "--set", "train.eval_every=6", "--set",
                    "train.op_times=true", "--set", f"train.metrics={out}/metrics.jsonl", "--set",
-                   f"checkpoint.dir={out}/ckpt", "--set", "train.target_val_bpb=0", "--trace", f"{out}/trace")
+                   f"checkpoint.dir={out}/ckpt", "--trace", f"{out}/trace")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
 
-def test_the_job_reports_tokens_mfu_op_times_and_validation(gpt_run):
+def test_the_job_reports_tokens_mfu_op_times_and_validation(gpt_run, text_data):
     out, proc = gpt_run
     assert "tokens/s | MFU" in proc.stdout and "eval at step 6: loss" in proc.stdout
     assert "final eval loss" in proc.stdout and " bpb, next-byte accuracy" in proc.stdout
-    assert "the corpus's bigram baseline is 3.7105 bpb" in proc.stdout
+    with h5py.File(text_data, "r") as f:
+        assert f"the corpus's bigram baseline is {f.attrs['bigram_bpb']:.4f} bpb" in proc.stdout
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
@@ -128,7 +129,7 @@ def _token_file(path, vocab):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["heads", "context", "tokens-for-mlp", "table-for-gpt", "cuda"])
+@pytest.mark.parametrize("case", ["heads", "context", "tokens-for-mlp", "table-for-gpt", "cuda", "bpb-of-non-bytes"])
 def test_bad_gpt_input_is_one_clear_error(case, text_data, small_data, tmp_path):
     if case == "heads":
         proc = gpt_job(text_data, "--set", "model.n_head=3")
@@ -140,6 +141,9 @@ def test_bad_gpt_input_is_one_clear_error(case, text_data, small_data, tmp_path)
     elif case == "tokens-for-mlp":
         proc = run_mpi(2, ["-m", "hpctrain", "train", "--set", f"data.train={text_data}"])
         fragments = [text_data, "token file", "model.kind"]
+    elif case == "bpb-of-non-bytes":  # a token file of another tokenizer has no bits per byte
+        proc = gpt_job(_token_file(tmp_path / "ids.h5", 256), "--set", "train.target_bpb_vs_bigram=0.75")
+        fragments = ["does not hold byte tokens", "target_bpb_vs_bigram"]
     elif case == "table-for-gpt":
         proc = gpt_job(small_data[0])
         fragments = [small_data[0], "model.kind"]
@@ -153,11 +157,10 @@ def test_bad_gpt_input_is_one_clear_error(case, text_data, small_data, tmp_path)
 
 def test_a_checkpoint_with_another_vocabulary_is_one_clear_error(text_data, tmp_path):
     saved = gpt_job(text_data, "--set", "train.steps=1", "--set", f"checkpoint.dir={tmp_path}", "--set",
-                    "train.metrics=", "--set", "train.target_val_bpb=0")
+                    "train.metrics=")
     assert saved.returncode == 0, saved.stderr[-2000:]
     wider = _token_file(tmp_path / "vocab300.h5", 300)
-    proc = gpt_job(wider, "--set", f"checkpoint.dir={tmp_path}", "--resume", "auto", "--set", "train.metrics=",
-                   "--set", "train.target_val_bpb=0")
+    proc = gpt_job(wider, "--set", f"checkpoint.dir={tmp_path}", "--resume", "auto", "--set", "train.metrics=")
     _one_error(proc, "does not fit this model", "vocabulary is 256 tokens, the data file's is 300")
     assert "/model/wte: checkpoint (256, 16), model (300, 16)" in proc.stderr
 

@@ -97,7 +97,26 @@ def test_training_moves_the_weights_and_lowers_the_loss(world, mpi_text_data, re
     trainer.run()
     after = trainer.evaluate()
     assert before > 7.5 and after["bpb"] < 5.0, (before, after)  # 8 bits (uniform) at the start
-    assert after == trainer.evaluate()  # evaluation does not change the model
+    state = [trainer.model.flat.data.copy(), trainer.model.flat.grad.copy(),
+             *(v.copy() for v in trainer.optimizer.state().values())]
+    assert after == trainer.evaluate()  # evaluation changes nothing it reads ...
+    trainer.evaluate(whole=True)
+    for saved, now in zip(state, [trainer.model.flat.data, trainer.model.flat.grad,  # ... or anything else
+                                  *trainer.optimizer.state().values()]):
+        assert np.array_equal(saved, now)
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_evaluation_shards_add_up_to_one_rank(world, mpi_text_data, whole):
+    """Each rank scores its shard of the validation windows (uneven at 3 ranks); the all-reduced
+    scores equal one rank scoring them all (accuracy exactly, the loss up to summation order)."""
+    from mpi4py import MPI
+
+    from hpctrain.runtime import init_world
+
+    n = _trainer(_config(mpi_text_data, steps=0), world).evaluate(whole)
+    one = _trainer(_config(mpi_text_data, steps=0), init_world(MPI.COMM_SELF)).evaluate(whole)
+    assert n["accuracy"] == one["accuracy"] and n["bpb"] == pytest.approx(one["bpb"], rel=1e-12)
 
 
 @pytest.mark.parametrize("compress", ["fp16", "topk(0.05)", "powersgd(2)"])

@@ -57,7 +57,7 @@ def test_train_sbatch_trains_the_gpt_a_config_away(slurm_cluster, text_data, tmp
     on 2 ranks, it evaluates and saves into the job's checkpoint directory."""
     out = tmp_path / "gpt.out"
     sets = {"data.train": text_data, "model.n_layer": 2, "model.d_model": 16, "model.context": 16,
-            "train.global_batch": 8, "train.steps": 10, "train.eval_tokens": 512, "train.target_val_bpb": 0,
+            "train.global_batch": 8, "train.steps": 10, "train.eval_tokens": 512, "train.target_bpb_vs_bigram": 0,
             "train.metrics": "", "checkpoint.every_minutes": 0}
     args = ["--config", os.path.join(REPO, "examples", "gpt.toml"),
             *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]]

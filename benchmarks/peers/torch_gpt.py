@@ -45,31 +45,27 @@ def build(cfg, world, resume: str, dtype) -> common.PeerModel:
     import torch
 
     import gpt2_torch
-    from hpctrain.data.sampler import DistributedSampler
-    from hpctrain.data.tokens import TokenBatchReader, TokenWindows, open_tokens
+    from hpctrain.models.gpt import open_data
 
     m, tc = cfg.model, cfg.train
-    if m.d_model % m.n_head:
-        raise ValueError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}")
-    train = open_tokens(cfg.data.train, "data.train")
+    data = open_data(cfg, world, None)  # hpctrain's own windows, sampler and reader: the same order
     try:
-        windows = TokenWindows(train.train, m.context, f"data.train {cfg.data.train!r}", split="train")
-        sampler = DistributedSampler(windows.n, tc.global_batch, world.rank, world.size, cfg.data.shuffle_seed)
         use_cuda = tc.device in ("auto", "cuda") and torch.cuda.is_available()
         clock = gpt2_torch.OpClock(tc.op_times, torch.cuda.synchronize if use_cuda else None)
-        model = gpt2_torch.GPT(train.vocab_size, m.context, m.n_layer, m.n_head, m.d_model, dtype, clock)
+        vocab = data.info["vocab_size"]
+        model = gpt2_torch.GPT(vocab, m.context, m.n_layer, m.n_head, m.d_model, dtype, clock)
         with common.open_step0(resume) as f:
             gpt2_torch.load(model, f)
     except BaseException:
-        train.close()
+        data.close()
         raise
     return common.PeerModel(
-        model, TokenBatchReader(windows, sampler), per_row=m.context,
+        model, data.reader, per_row=m.context,
         loss=lambda logits, y: clock.op("loss", gpt2_torch.cross_entropy, logits, y),
         no_decay=frozenset(n for n, p in model.named_parameters() if p.dim() == 1),
         describe=f"{m.n_layer} layers, d {m.d_model}, {m.n_head} heads, context {m.context}, vocabulary "
-                 f"{train.vocab_size}, {windows.n:,} windows" + ("; op times on" if tc.op_times else ""),
-        op_clock=clock if tc.op_times else None, close=train.close)
+                 f"{vocab}; {data.describe}" + ("; op times on" if tc.op_times else ""),
+        op_clock=clock if tc.op_times else None, close=data.close)
 
 
 def main(argv=None) -> int:

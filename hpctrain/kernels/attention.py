@@ -11,8 +11,8 @@ backward: dV = P^T dY;  dP = dY V^T;  dS = P * (dP - rowsum(dP * P));
 
 Memory: ``probs`` (B, NH, T, T) is the only T x T array kept between forward
 and backward - B*NH*T*T values per layer (B=16, NH=4, T=128 in float32: 4 MiB).
-Backward allocates one transient array of the same size (dP, then dS in
-place) and frees it on return.
+Backward needs one more array of the same size (dP, then dS in place): the
+caller's ``work`` buffer, or a transient one.
 
 The CPU twin runs the batched GEMMs (two forward, four backward) through
 NumPy's BLAS on strided views of qkv / out / dqkv: each (T, hs) head slice has
@@ -182,21 +182,23 @@ def attention_forward(qkv, n_head, out, probs):
     return out
 
 
-def attention_backward(dout, qkv, probs, n_head, dqkv):
+def attention_backward(dout, qkv, probs, n_head, dqkv, work=None):
     """dqkv (B, T, 3C) <- gradients of q, k, v (overwritten, qkv's layout). Returns dqkv.
 
     dout (B, T, C) is the gradient of the forward's out; qkv and probs are the
-    forward's inputs and saved P.
+    forward's inputs and saved P. ``work``, shaped like probs, holds dP and dS (a
+    caller that keeps one per layer saves a T x T allocation per call); None: allocated.
     """
     B, T, C3 = qkv.shape
+    work = np.empty_like(probs) if work is None else work
     _check("attention_backward", qkv, n_head, probs,
-           [("dqkv", dqkv, qkv.shape), ("dout", dout, (B, T, C3 // 3))])
+           [("dqkv", dqkv, qkv.shape), ("dout", dout, (B, T, C3 // 3)), ("work", work, probs.shape)])
     q, k, v = (_qkv_heads(qkv, n_head, i) for i in range(3))
     dq, dk, dv = (_qkv_heads(dqkv, n_head, i) for i in range(3))
     dy = _heads(dout, n_head)
     hs = q.shape[-1]
     np.matmul(probs.swapaxes(-1, -2), dy, out=dv)        # dV = P^T dY
-    ds = np.matmul(dy, v.swapaxes(-1, -2))               # dP = dY V^T, the one T x T temporary
+    ds = np.matmul(dy, v.swapaxes(-1, -2), out=work)     # dP = dY V^T, the one T x T temporary
     _causal_softmax_backward(probs, ds, 1.0 / math.sqrt(hs))  # dS / sqrt(hs), in place
     np.matmul(ds, k, out=dq)                              # dQ = dS K / sqrt(hs)
     np.matmul(ds.swapaxes(-1, -2), q, out=dk)             # dK = dS^T Q / sqrt(hs)

@@ -10,10 +10,14 @@ gelu(v) = 0.5 v (1 + tanh(k (v + 0.044715 v^3))), k = sqrt(2/pi); relu's
 subgradient at 0 is 0). Column sums accumulate in float64 so the bias
 gradient does not lose bits to B additions.
 
-The activations are plain Python functions compiled twice - ``numba.njit``
-for the twin, ``numba.cuda.jit(device=True)`` for the kernels - so both run
-the same math. They live in this file because numba's disk cache only notices
-edits to the file of the function it cached.
+The activations are plain Python functions: the CUDA kernels compile them
+(``numba.cuda.jit(device=True)``), and so does the CPU twin's ReLU loop
+(``numba.njit``). The twin's identity is a NumPy broadcast add (plus a column-sum
+loop backward) and its GELU runs NumPy's SIMD tanh between two numba passes: the
+same formula, evaluated in float64 and rounded once on store, as the kernels do,
+only vectorised (scalar libm tanh in a loop does not vectorise). They live in
+this file because numba's disk cache only notices edits to the file of the
+function it cached.
 """
 
 from __future__ import annotations
@@ -58,50 +62,27 @@ def _gelu_grad(v):
 ACTIVATIONS = {"identity": (_identity, _identity_grad), "relu": (_relu, _relu_grad), "gelu": (_gelu, _gelu_grad)}
 
 
-# ---- CPU twin (numba) --------------------------------------------------------------
-# One compiled function for every activation (selected by index, a per-element
-# branch the CPU predicts perfectly): module-level functions, so numba's disk
-# cache works (closures specialised per activation would recompile every run).
-_ACT_INDEX = {"identity": 0, "relu": 1, "gelu": 2}
+# ---- CPU twin (numba + NumPy) -------------------------------------------------------
 _relu_cpu, _relu_grad_cpu = njit(_relu), njit(_relu_grad)
-_gelu_cpu, _gelu_grad_cpu = njit(_gelu), njit(_gelu_grad)
-
-
-@njit(cache=True)
-def _act(kind, v):
-    if kind == 1:
-        return _relu_cpu(v)
-    if kind == 2:
-        return _gelu_cpu(v)
-    return v
-
-
-@njit(cache=True)
-def _act_grad(kind, v):
-    if kind == 1:
-        return _relu_grad_cpu(v)
-    if kind == 2:
-        return _gelu_grad_cpu(v)
-    return 1.0
 
 
 @njit(cache=True, nogil=True)
-def _bias_act_forward(z, b, out, kind):
+def _bias_relu_forward(z, b, out):
     B, O = z.shape
     for r in range(B):
         for c in range(O):
             t = z[r, c] + b[c]
             z[r, c] = t
-            out[r, c] = _act(kind, t)
+            out[r, c] = _relu_cpu(t)
 
 
 @njit(cache=True, nogil=True)
-def _bias_act_backward(dout, z, dz, db, kind, accumulate):
+def _bias_relu_backward(dout, z, dz, db, accumulate):
     B, O = z.shape
     sums = np.zeros(O)  # float64
     for r in range(B):
         for c in range(O):
-            d = dout[r, c] * _act_grad(kind, z[r, c])
+            d = dout[r, c] * _relu_grad_cpu(z[r, c])
             dz[r, c] = d
             sums[c] += d
     for c in range(O):
@@ -188,7 +169,9 @@ def bias_act_forward(z, b, out, act):
         z += b
         _gelu_forward(z, out)
         return out
-    _bias_act_forward(z, b, out, _ACT_INDEX[act])
+    if act != "relu":
+        raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
+    _bias_relu_forward(z, b, out)
     return out
 
 
@@ -204,7 +187,9 @@ def bias_act_backward(dout, z, dz, db, act, accumulate=False):
     if act == "gelu":
         _gelu_backward(dout, z, dz, db, bool(accumulate))
         return dz
-    _bias_act_backward(dout, z, dz, db, _ACT_INDEX[act], bool(accumulate))
+    if act != "relu":
+        raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
+    _bias_relu_backward(dout, z, dz, db, bool(accumulate))
     return dz
 
 

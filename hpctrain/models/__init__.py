@@ -40,8 +40,9 @@ class TrainingData:
 
     ``reader.batch(step)`` gives this rank's (inputs, targets) host arrays of global step
     ``step`` (rows ``sampler.batch``); ``signature`` is what every rank must see alike
-    (compared across ranks before training); ``eval_shard(rank, size)`` yields (inputs,
-    targets) chunks of this rank's share of the evaluation set (None: no evaluation);
+    (compared across ranks before training); ``eval_shard(rank, size, whole)`` yields (inputs,
+    targets) chunks of this rank's share of the evaluation set (None: no evaluation), of all
+    of it when ``whole`` (the final evaluation) and otherwise of the family's usual subset;
     ``units`` names what a row's predictions are counted in (samples, tokens);
     ``bits_per_byte`` is True when a prediction is one byte (the loss in bits is then bits per byte).
     """
@@ -49,7 +50,7 @@ class TrainingData:
     sampler: object
     reader: object
     signature: str
-    eval_shard: Callable[[int, int], Iterator[tuple]] | None = None
+    eval_shard: Callable[..., Iterator[tuple]] | None = None
     describe: str = ""
     units: str = "samples"
     bits_per_byte: bool = False

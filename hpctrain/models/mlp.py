@@ -30,7 +30,7 @@ def open_data(cfg, world, device) -> TrainingData:
         raise DataError(f"data.eval has {ev.dim} features / {ev.n_classes} classes "
                         f"but data.train has {train.dim} / {train.n_classes}")
 
-    def eval_shard(rank, size):
+    def eval_shard(rank, size, whole=True):  # the evaluation file is always scored whole
         start, stop = shard_range(ev.n, rank, size)
         for lo in range(start, stop, EVAL_CHUNK_ROWS):
             hi = min(stop, lo + EVAL_CHUNK_ROWS)

@@ -69,10 +69,13 @@ class LayerNorm(Layer):
 
 class CausalSelfAttention(Layer):
     """QKV projection -> causal multi-head attention -> output projection (no parameters of its own
-    besides the two Linears). Keeps qkv (N, 3C) and the softmax probabilities (B, NH, T, T)."""
+    besides the two Linears). Keeps qkv (N, 3C) and the softmax probabilities (B, NH, T, T).
+    ``workspace``: a dict the layers of one model share for backward's (B, NH, T, T) work array
+    (layers run backward one at a time, so one array serves them all)."""
 
-    def __init__(self, device, name: str, channels: int, n_head: int):
+    def __init__(self, device, name: str, channels: int, n_head: int, workspace: dict | None = None):
         self.device, self.name, self.channels, self.n_head = device, name, channels, n_head
+        self.workspace = {} if workspace is None else workspace
         self.c_attn = Linear(device, f"{name}.c_attn", channels, 3 * channels)
         self.c_proj = Linear(device, f"{name}.c_proj", channels, channels)
         self.params = self.c_attn.params + self.c_proj.params
@@ -95,17 +98,23 @@ class CausalSelfAttention(Layer):
         dy = self.c_proj.backward(dout, accumulate)
         dqkv = self._buffer("dqkv", (B, T, 3 * C))
         self.device.ops.attention_backward(dy.reshape(B, T, C), self.qkv.reshape(B, T, 3 * C), self.probs,
-                                           self.n_head, dqkv)
+                                           self.n_head, dqkv, self._work(self.probs.shape))
         return self.c_attn.backward(dqkv.reshape(B * T, 3 * C), accumulate)
+
+    def _work(self, shape):
+        work = self.workspace.get(shape)
+        if work is None:
+            work = self.workspace[shape] = self.device.empty(shape)
+        return work
 
 
 class Block(Layer):
     """x + attn(ln_1(x)), then + mlp(ln_2(.)): GPT-2's pre-LN block; the MLP is Linear 4C -> GELU -> Linear C."""
 
-    def __init__(self, device, name: str, channels: int, n_head: int):
+    def __init__(self, device, name: str, channels: int, n_head: int, workspace: dict | None = None):
         self.device, self.name, C = device, name, channels
         self.ln_1 = LayerNorm(device, f"{name}.ln_1", C)
-        self.attn = CausalSelfAttention(device, f"{name}.attn", C, n_head)
+        self.attn = CausalSelfAttention(device, f"{name}.attn", C, n_head, workspace)
         self.ln_2 = LayerNorm(device, f"{name}.ln_2", C)
         self.c_fc = Linear(device, f"{name}.mlp.c_fc", C, 4 * C, activation="gelu")
         self.c_proj = Linear(device, f"{name}.mlp.c_proj", 4 * C, C)
