@@ -35,26 +35,28 @@ def mean_loss(model, x, y) -> float:
     return loss_sum / y.size
 
 
-def test_gradient_matches_finite_differences():
-    """Every parameter's gradient of the mean loss, against central differences in float64.
+def central_difference(model, x, y, i, eps=1e-6) -> float:
+    """d(mean loss)/d(parameter i) by central differences; the parameter is restored.
     eps 1e-6 keeps the truncation error (~eps^2) and the rounding error (~1e-16 / eps) both
     near 1e-10, far below rtol 1e-6 of gradients of size ~1e-2."""
+    data = model.flat.data
+    keep = data[i]
+    data[i] = keep + eps
+    up = mean_loss(model, x, y)
+    data[i] = keep - eps
+    down = mean_loss(model, x, y)
+    data[i] = keep
+    return (up - down) / (2 * eps)
+
+
+def test_gradient_matches_finite_differences():
+    """Every parameter's gradient of the mean loss, against central differences in float64."""
     model = tiny()
     x, y = batch(model)
     mean_loss(model, x, y)
     model.backward()
     analytic = model.flat.grad.copy()
-    numeric = np.empty_like(analytic)
-    eps = 1e-6
-    data = model.flat.data
-    for i in range(data.size):
-        keep = data[i]
-        data[i] = keep + eps
-        up = mean_loss(model, x, y)
-        data[i] = keep - eps
-        down = mean_loss(model, x, y)
-        data[i] = keep
-        numeric[i] = (up - down) / (2 * eps)
+    numeric = np.array([central_difference(model, x, y, i) for i in range(model.flat.size)])
     for s in model.flat.slots:
         sl = slice(s.offset, s.offset + s.size)
         np.testing.assert_allclose(analytic[sl], numeric[sl], rtol=1e-6, atol=1e-9, err_msg=s.name)
@@ -68,15 +70,8 @@ def test_shorter_windows_and_single_rows(T):
     mean_loss(model, x, y)
     model.backward()
     analytic = model.flat.grad.copy()
-    data, eps = model.flat.data, 1e-6
-    for i in np.random.default_rng(3).choice(data.size, 40, replace=False):
-        keep = data[i]
-        data[i] = keep + eps
-        up = mean_loss(model, x, y)
-        data[i] = keep - eps
-        down = mean_loss(model, x, y)
-        data[i] = keep
-        assert analytic[i] == pytest.approx((up - down) / (2 * eps), rel=1e-6, abs=1e-9)
+    for i in np.random.default_rng(3).choice(model.flat.size, 40, replace=False):
+        assert analytic[i] == pytest.approx(central_difference(model, x, y, i), rel=1e-6, abs=1e-9)
 
 
 def test_causal_a_later_token_never_changes_earlier_predictions():
