@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
+from .models import FAMILIES
 
 
 def _f(default, why, **kw):
@@ -22,7 +23,7 @@ def _f(default, why, **kw):
 @dataclass
 class ModelConfig:
     kind: str = _f("mlp", "mlp (classifier on the tabular x/y format) | gpt (GPT-2 language model on the token "
-                   "format)", choices=("mlp", "gpt"))
+                   "format)", choices=FAMILIES)
     hidden: list[int] = _f([256, 256], "mlp: two hidden layers learn the teacher task to >90% quickly")
     activation: str = _f("relu", "mlp: relu | gelu; relu is cheapest", choices=("relu", "gelu"))
     n_layer: int = _f(4, "gpt: transformer blocks; 4 x d 128 is ~1 M parameters, minutes on a CPU")

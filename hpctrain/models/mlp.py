@@ -130,10 +130,6 @@ class MLP:
                 for name, _ in layer.params:
                     ready(name)
 
-    def predict_correct(self, x, y) -> int:
-        """Correctly classified rows of (x, y); no gradients are touched."""
-        return self.forward(x, y)[1]
-
 
 def saved_hidden(shapes: dict):
     """model.hidden of the MLP a checkpoint was saved from (/model/fc<i>/weight is (in, out)), or None."""
