@@ -66,6 +66,12 @@ class TrainConfig:
     dtype: str = _f("float32", "float32 for speed; float64 for exactness checks", choices=("float32", "float64"))
     device: str = _f("auto", "auto | cpu | cuda; auto takes a GPU (local_rank % visible GPUs) when one is visible",
                      choices=("auto", "cpu", "cuda"))
+    gemm: str = _f("auto", "cuda GEMMs: numba (our tiled kernel, the reference) | cublas (CuPy's cuBLAS on the "
+                   "same memory and stream) | auto (cublas when CuPy imports, else numba); cpu: NumPy's BLAS",
+                   choices=("auto", "numba", "cublas"))
+    sync_phases: bool = _f(False, "cuda: wait for the GPU at the end of every phase (data, forward, backward, ...) "
+                           "so phase times are the GPU's; off, a step queues its kernels without waiting and "
+                           "phase times are the host's (tracing always waits)")
     seed: int = _f(0, "initial weights; rank 0's are broadcast so all ranks start equal")
     log_every: int = _f(100, "progress line period in steps (non-TTY logs get one line each)")
     eval_every: int = _f(0, "evaluate every k steps; 0 = only at the end")

@@ -22,19 +22,21 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .kernels import (adamw, attention, bias_act, embedding, finite, layernorm, linear, residual, scale, sgd,
-                      softmax_xent)
+from .kernels import (adamw, attention, attention_cuda, bias_act, embedding, finite, layernorm, linear, residual,
+                      scale, sgd, softmax_xent)
 
 CPU_OPS = SimpleNamespace(
     linear_forward=linear.linear_forward, linear_backward=linear.linear_backward,
+    tied_head_forward=linear.tied_head_forward, tied_head_backward=linear.tied_head_backward,
     bias_act_forward=bias_act.bias_act_forward, bias_act_backward=bias_act.bias_act_backward,
     softmax_xent_forward=softmax_xent.softmax_xent_forward,
     softmax_xent_backward=softmax_xent.softmax_xent_backward,
     sgd_step=sgd.sgd_step, adamw_step=adamw.adamw_step, scale=scale.scale, all_finite=finite.all_finite,
-    # GPT ops (CPU only for now: CudaDevice's table gains them with their CUDA kernels)
+    # the GPT's ops
     embedding_forward=embedding.embedding_forward, embedding_backward=embedding.embedding_backward,
     layernorm_forward=layernorm.layernorm_forward, layernorm_backward=layernorm.layernorm_backward,
     attention_forward=attention.attention_forward, attention_backward=attention.attention_backward,
+    attention_state_shapes=attention.attention_state_shapes,
     residual_forward=residual.residual_forward, residual_backward=residual.residual_backward,
 )
 
@@ -83,7 +85,7 @@ class CudaDevice:
 
     name = "cuda"
 
-    def __init__(self, dtype="float32", gpu: int = 0):
+    def __init__(self, dtype="float32", gpu: int = 0, gemm: str = "numba"):
         from numba import cuda
 
         from .kernels.cuda_support import serialize_simulator_launches
@@ -96,18 +98,37 @@ class CudaDevice:
         self.stream = cuda.stream()
         self._scratch: dict = {}
         self._uploads: dict = {}
+        self.gemm = gemm_backend(gemm)
         s = dict(stream=self.stream)
         p = functools.partial
         self.ops = SimpleNamespace(
             linear_forward=p(linear.linear_forward_cuda, **s),
             linear_backward=p(linear.linear_backward_cuda, **s),
+            tied_head_forward=p(linear.tied_head_forward_cuda, **s),
+            tied_head_backward=p(linear.tied_head_backward_cuda, **s),
             bias_act_forward=p(bias_act.bias_act_forward_cuda, **s),
             bias_act_backward=p(bias_act.bias_act_backward_cuda, **s, scratch=self.scratch),
             softmax_xent_forward=p(softmax_xent.softmax_xent_forward_cuda, **s, scratch=self.scratch),
             softmax_xent_backward=p(softmax_xent.softmax_xent_backward_cuda, **s),
             sgd_step=p(sgd.sgd_step_cuda, **s), adamw_step=p(adamw.adamw_step_cuda, **s),
             scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s),
+            # the GPT's ops
+            embedding_forward=p(embedding.embedding_forward_cuda, **s),
+            embedding_backward=p(embedding.embedding_backward_cuda, **s, scratch=self.scratch),
+            layernorm_forward=p(layernorm.layernorm_forward_cuda, **s),
+            layernorm_backward=p(layernorm.layernorm_backward_cuda, **s, scratch=self.scratch),
+            attention_forward=p(attention_cuda.attention_forward_cuda, **s),
+            attention_backward=p(attention_cuda.attention_backward_cuda, **s),
+            attention_state_shapes=attention_cuda.attention_state_shapes,
+            residual_forward=p(residual.residual_forward_cuda, **s),
+            residual_backward=p(residual.residual_backward_cuda, **s),
         )
+        if self.gemm == "cublas":
+            from .kernels.cublas import CublasLinear
+
+            fast = CublasLinear(self.stream)
+            for op in ("linear_forward", "linear_backward", "tied_head_forward", "tied_head_backward"):
+                setattr(self.ops, op, getattr(fast, op))
 
     def empty(self, shape, dtype=None):
         return self._cuda.device_array(shape, dtype=dtype or self.dtype, stream=self.stream)
@@ -155,10 +176,31 @@ class CudaDevice:
         return buf
 
     def describe(self) -> str:
-        return f"cuda:{self.gpu} ({gpu_name(self.gpu)}, {self.dtype.name})"
+        return f"cuda:{self.gpu} ({gpu_name(self.gpu)}, {self.dtype.name}, GEMM {self.gemm})"
 
 
 # ---- choosing a device -------------------------------------------------------------
+def gemm_backend(choice: str) -> str:
+    """``train.gemm`` resolved: "cublas" or "numba". auto takes cuBLAS when CuPy imports
+    (never on the simulator, which CuPy cannot run on); cublas without CuPy is a ConfigError."""
+    from .errors import ConfigError
+
+    if choice not in ("auto", "numba", "cublas"):
+        raise ConfigError(f"train.gemm={choice!r}: choose auto, numba or cublas")
+    if choice == "numba" or (choice == "auto" and simulated()):
+        return "numba"
+    from .kernels.cublas import cupy_status
+
+    ok, why = (False, "the numba CUDA simulator is active") if simulated() else cupy_status()
+    if ok:
+        return "cublas"
+    if choice == "cublas":
+        raise ConfigError(f"train.gemm='cublas' needs CuPy on a GPU ({why}); install cupy-cuda12x "
+                          f"(pip install -e .[gpu]) or use train.gemm='numba'")
+    return "numba"
+
+
+
 def cuda_status() -> tuple[int, str]:
     """(number of usable GPUs, why not when 0). The simulator counts as one GPU."""
     try:
@@ -191,7 +233,7 @@ def gpu_name(index: int) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def make_device(name: str, dtype: str, world=None):
+def make_device(name: str, dtype: str, world=None, gemm: str = "auto"):
     """The device a rank computes on.
 
     ``auto`` is cuda when a real GPU is visible (never the simulator: it is a
@@ -213,4 +255,4 @@ def make_device(name: str, dtype: str, world=None):
         raise ConfigError(f"train.device='cuda' but no GPU is usable{hint}: {why}; "
                           f"use train.device='auto' or 'cpu', or run on a GPU node")
     local_rank = world.local_rank if world is not None else 0
-    return CudaDevice(dtype, gpu_for_rank(local_rank, n_gpus))
+    return CudaDevice(dtype, gpu_for_rank(local_rank, n_gpus), gemm)

@@ -16,9 +16,9 @@ import time
 from collections import defaultdict
 from types import SimpleNamespace
 
-FAMILIES = {"linear": "gemm", "attention": "attention", "layernorm": "layernorm", "embedding": "embedding",
-            "softmax_xent": "loss", "bias_act": "elementwise", "residual": "elementwise", "sgd": "optimizer",
-            "adamw": "optimizer"}
+FAMILIES = {"linear": "gemm", "tied_head": "gemm", "attention": "attention", "layernorm": "layernorm",
+            "embedding": "embedding", "softmax_xent": "loss", "bias_act": "elementwise", "residual": "elementwise",
+            "sgd": "optimizer", "adamw": "optimizer"}
 
 
 def family_of(op: str) -> str | None:

@@ -102,7 +102,8 @@ class Trainer:
 
                 self.peak_flops = world_peak_flops(world, self.device)
         with wd.watch("start-up", "trace clock and checkpoint directory", slack=10):
-            self.timers = Timers(sync=self.device.synchronize)
+            # waiting at each phase end serialises the GPU: only when asked (or tracing, below)
+            self.timers = Timers(sync=self.device.synchronize if cfg.train.sync_phases else None)
             self.tracer = None  # hpctrain.trace.Tracer when train.trace is set: spans per phase, layer, bucket
             if cfg.train.trace:
                 from .trace import TracedTimers, Tracer
@@ -120,7 +121,7 @@ class Trainer:
 
     def _build(self):
         cfg, world = self.cfg, self.world
-        self.device = make_device(cfg.train.device, cfg.train.dtype, world)
+        self.device = make_device(cfg.train.device, cfg.train.dtype, world, cfg.train.gemm)
         self.op_times = None
         if cfg.train.op_times:
             from .op_times import OpTimes

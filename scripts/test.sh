@@ -32,7 +32,9 @@ done
 
 # Real-GPU pass: every CUDA test again, on the GPU instead of the simulator
 # (the small simulated shapes too: ragged tiles and the float rules differ).
-GPU_TESTS="tests/test_cuda_kernels.py tests/test_cuda_device.py tests/test_gpu_training.py"
+GPU_TESTS="tests/test_cuda_kernels.py tests/test_cuda_device.py tests/test_gpu_training.py
+           tests/test_compress_kernels_cuda.py tests/test_attention_cuda.py tests/test_gpt_cuda_kernels.py
+           tests/test_gpt_cuda_step.py"
 if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
     echo "== GPU: NUMBA_ENABLE_CUDASIM=0 pytest $GPU_TESTS"
     # shellcheck disable=SC2086

@@ -9,7 +9,9 @@ answered here with the target's.
 
 When pip's ptxas is present (nvidia-cuda-nvcc-cu12, part of numba-cuda[cu12]),
 each PTX is also assembled for sm_90 and its registers, shared memory and
-spills are printed; a spilling GEMM fails (its accumulators belong in registers).
+spills are printed; a spilling GEMM or attention kernel fails (its accumulators
+belong in registers), and so does a float32 build of an elementwise kernel with
+float64 arithmetic in it (FLOAT32_ONLY).
 
 Prints one line per kernel; exit status 1 if any failed.
 """
@@ -33,6 +35,9 @@ from hpctrain.kernels import (adamw, bias_act, ef, finite, gather_scatter, linea
                               sign_pack, softmax_xent, topk_threshold)
 from numba.types import int32, uint8, uint16  # noqa: E402
 
+import ptx_attention  # noqa: E402 - beside this file: the GPT's attention kernels
+import ptx_gpt_ops  # noqa: E402 - beside this file: the GPT's embedding, layernorm and residual kernels
+
 
 def arr(dtype, ndim):
     return Array(dtype, ndim, "C")
@@ -48,20 +53,23 @@ def kernels():
                     # the per-thread accumulators must live in registers, not local memory
                     yield f"gemm {tile} TA={ta:d} TB={tb:d} {dt}", linear._gemm_kernel(ta, tb, dt.name, tile), \
                         (m, m, m, boolean), True
-        for act, (fwd, bwd) in bias_act._CUDA.items():
+        for act in ("identity", "relu", "gelu"):
+            fwd, bwd = bias_act.cuda_kernels(act, dt.name)
             yield f"bias_act forward {act} {dt}", fwd, (m, v, m), False
             yield f"bias_act backward {act} {dt}", bwd, (m, m, m, arr(float64, 2)), False
         f64 = arr(float64, 1)
         yield f"softmax_xent rows {dt}", softmax_xent._softmax_xent_rows_kernel, (m, arr(int64, 1), m, f64, f64), False
         yield f"softmax_xent backward {dt}", softmax_xent._softmax_xent_backward_kernel, \
-            (m, arr(int64, 1), float64, m), False
-        yield f"sgd {dt}", sgd._sgd_step_kernel, (v, v, v, float64, float64, float64, boolean), False
-        yield f"adamw {dt}", adamw._adamw_step_kernel, (v,) * 4 + (float64,) * 7, False
+            (m, arr(int64, 1), dt, m), False
+        yield f"sgd {dt}", sgd._sgd_step_kernel, (v, v, v, dt, dt, dt, boolean), False
+        yield f"adamw {dt}", adamw._adamw_step_kernel, (v,) * 4 + (dt,) * 8, False
         yield f"scale {dt}", scale._scale_kernel, (v, dt), False
         yield f"all_finite {dt}", finite._nonfinite_kernel, (v, arr(int32, 1)), False
         yield f"bias partial sums -> {dt}", bias_act._sum_partials, (arr(float64, 2), v, boolean), False
     yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3, False
     yield from compression_kernels()
+    yield from ptx_attention.kernels()
+    yield from ptx_gpt_ops.kernels()
 
 
 def compression_kernels():
@@ -88,6 +96,18 @@ def compression_kernels():
     yield "topk sample_abs", topk_threshold._sample_abs_kernel, (f32, int64, f32), False
     yield "topk threshold_compact", topk_threshold._threshold_compact_kernel, \
         (f32, float32, arr(int32, 1), f32, arr(int32, 1)), False
+
+
+# Kernels whose float32 build must be float32 arithmetic only: no .f64 instruction in the PTX
+# (a Python float literal or a float64 scalar argument would promote the element math).
+# Reductions that accumulate in float64 on purpose (bias and LayerNorm sums, the loss's row
+# sums, dwpe's batch sums) are not listed.
+FLOAT32_ONLY = ("bias_act forward", "attention forward", "attention backward", "sgd", "adamw", "scale",
+                "residual", "embedding forward", "softmax_xent backward")
+
+
+def float32_only(name: str) -> bool:
+    return name.endswith("float32") and name.startswith(FLOAT32_ONLY)
 
 
 def find_ptxas():
@@ -121,11 +141,18 @@ def main() -> int:
     print(f"ptxas: {ptxas or 'not found (PTX only)'}")
     for name, kernel, sig, registers_only in kernels():
         try:
-            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC)
+            # a kernel's launch bound (1024-thread attention tiles) caps its registers: pass it on
+            bound = getattr(kernel, "targetoptions", {}).get("launch_bounds")
+            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC, **({"launch_bounds": bound} if bound else {}))
             sass = assemble(ptxas, ptx) if ptxas else None
         except Exception as exc:  # noqa: BLE001 - report every kernel, then fail
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:600]}")
+            continue
+        code = [line for line in ptx.splitlines() if not line.lstrip().startswith("//")]
+        if float32_only(name) and any(".f64" in line for line in code):
+            failed += 1
+            print(f"FAIL {name}: float64 arithmetic in a float32 kernel (a float literal or scalar promotes it)")
             continue
         spilled = ".local" in ptx or (sass is not None and sass[2] > 0)
         if registers_only and spilled:

@@ -50,7 +50,18 @@ def test_unknown_device_is_a_config_error():
 def test_cuda_device_is_chosen_by_name_and_describes_itself():
     dev = make_device("cuda", "float64")
     assert isinstance(dev, CudaDevice) and dev.dtype == np.float64
-    assert dev.describe().startswith("cuda:0 (") and dev.describe().endswith("float64)")
+    # auto GEMM: cuBLAS where CuPy runs, never on the simulator
+    assert dev.describe().startswith("cuda:0 (") and dev.describe().endswith(f"float64, GEMM {dev.gemm})")
+    assert dev.gemm == "numba" if device_mod.simulated() else dev.gemm in ("numba", "cublas")
+
+
+@needs_cuda
+def test_gemm_choice_is_checked():
+    with pytest.raises(ConfigError, match="auto, numba or cublas"):
+        make_device("cuda", "float32", gemm="mkl")
+    if device_mod.simulated():
+        with pytest.raises(ConfigError, match="train.gemm='cublas' needs CuPy"):
+            make_device("cuda", "float32", gemm="cublas")
 
 
 # ---- moving data -----------------------------------------------------------------------

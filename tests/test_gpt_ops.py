@@ -276,7 +276,7 @@ def test_attention_backward_matches_finite_differences(shape):
 
     terms()
     dqkv = np.full((B, T, 3 * C), np.nan)  # overwritten, never accumulated
-    assert attention_backward(R, qkv, probs, NH, dqkv) is dqkv
+    assert attention_backward(R, qkv, out, probs, NH, dqkv) is dqkv
     np.testing.assert_allclose(dqkv, fd_grad(terms, qkv), **FD_TOL)
 
 
@@ -321,7 +321,7 @@ def test_attention_stable_with_huge_scores(dtype):
     if dtype == np.float64:  # float32 scores ~1e4 carry ~1e-3 absolute error: no tight comparison
         np.testing.assert_allclose(out, ref_out, rtol=1e-9, atol=1e-9)
     dqkv = np.empty_like(qkv)
-    attention_backward(np.ones_like(out), qkv, probs, NH, dqkv)
+    attention_backward(np.ones_like(out), qkv, out, probs, NH, dqkv)
     assert np.all(np.isfinite(dqkv))
 
 
@@ -332,7 +332,8 @@ def test_attention_rejects_bad_shapes():
     with pytest.raises(ValueError, match="probs has shape"):
         attention_forward(qkv, 2, np.empty((1, 3, 6)), np.empty((1, 2, 3, 4)))
     with pytest.raises(ValueError, match="C-contiguous"):
-        attention_backward(np.empty((1, 3, 6)), qkv, np.empty((1, 2, 3, 3)), 2, np.empty((1, 3, 36))[..., ::2])
+        attention_backward(np.empty((1, 3, 6)), qkv, np.empty((1, 3, 6)), np.empty((1, 2, 3, 3)), 2,
+                           np.empty((1, 3, 36))[..., ::2])
 
 
 # ---- residual ----------------------------------------------------------------------

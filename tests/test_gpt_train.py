@@ -129,7 +129,8 @@ def _token_file(path, vocab):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["heads", "context", "tokens-for-mlp", "table-for-gpt", "cuda", "bpb-of-non-bytes"])
+@pytest.mark.parametrize("case", ["heads", "context", "tokens-for-mlp", "table-for-gpt", "cuda-head-size",
+                                  "bpb-of-non-bytes"])
 def test_bad_gpt_input_is_one_clear_error(case, text_data, small_data, tmp_path):
     if case == "heads":
         proc = gpt_job(text_data, "--set", "model.n_head=3")
@@ -147,11 +148,12 @@ def test_bad_gpt_input_is_one_clear_error(case, text_data, small_data, tmp_path)
     elif case == "table-for-gpt":
         proc = gpt_job(small_data[0])
         fragments = [small_data[0], "model.kind"]
-    else:  # the simulator stands in for a GPU: the GPT's ops have no CUDA kernels yet
+    else:  # the simulator stands in for a GPU: one head of 256 is above the CUDA attention's limit
         proc = run_mpi(2, ["-m", "hpctrain", "train", "--config", "examples/gpt.toml", *TINY, "--set",
-                           f"data.train={text_data}", "--set", "train.device=cuda"],
+                           f"data.train={text_data}", "--set", "train.device=cuda", "--set", "model.n_head=1",
+                           "--set", "model.d_model=256"],
                        env_extra={"NUMBA_ENABLE_CUDASIM": "1"})
-        fragments = ["no cuda kernels yet", "attention_forward", "train.device=cpu"]
+        fragments = ["head size above the CUDA attention kernels' limit of 128", "model.n_head >= 2"]
     _one_error(proc, *fragments)
 
 

@@ -8,7 +8,8 @@ which does the rest the same way for both:
   checkpoint of ``benchmarks/peers/init_checkpoint.py``), ``--trace DIR``;
 * threads: ``torch.set_num_threads`` = hpctrain's per-rank share (cores / ranks on the node,
   ``OMP_NUM_THREADS`` if set), one inter-op thread;
-* DDP: gloo on the CPU, nccl on a GPU (``train.device``); buckets as hpctrain's: with the defaults
+* DDP: gloo on the CPU, nccl on a GPU (``train.device``; gloo when ranks share a GPU,
+  which NCCL refuses); buckets as hpctrain's: with the defaults
   (``dist.bucket_mb`` 25, ``first_bucket_mb`` 1) DDP's own defaults, which are the same, else
   ``bucket_cap_mb`` = ``dist.bucket_mb`` (DDP's first bucket is then as large); gradients averaged
   over ranks, as in hpctrain. Rendezvous over TCP at rank 0's host, port chosen by rank 0 and
@@ -183,8 +184,11 @@ def main(name: str, kind: str, doc: str, build, argv=None) -> int:
     device = torch.device(f"cuda:{world.local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=rendezvous(world), rank=rank,
-                            world_size=size)
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); ranks sharing a GPU (as
+    # hpctrain's may) reduce their CUDA tensors through gloo instead
+    shared_gpu = use_cuda and world.local_size > torch.cuda.device_count()
+    dist.init_process_group("nccl" if use_cuda and not shared_gpu else "gloo", init_method=rendezvous(world),
+                            rank=rank, world_size=size)
 
     model = peer.module.to(device)
     # DDP's defaults are hpctrain's (25 MB buckets, the first 1 MB); an explicit bucket_cap_mb would

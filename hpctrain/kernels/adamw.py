@@ -3,7 +3,9 @@
 p *= 1 - lr * wd;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
 p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)     (t = step, from 1)
 The per-element update is one plain function compiled for both targets; the
-bias corrections are computed once per step on the host.
+bias corrections, 1 - lr wd, 1 - b1 and 1 - b2 are computed once per step on the
+host in float64 and passed in the parameters' dtype, so float32 buffers are
+updated in float32 arithmetic (no float64 literal or scalar promotes it).
 """
 
 import math
@@ -13,11 +15,11 @@ from numba import cuda, njit
 from .cuda_support import THREADS, blocks_for
 
 
-def _update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2):
+def _update(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2):
     """One element: returns the new (p, m, v)."""
-    p = p * (1.0 - lr * weight_decay)
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p * decay
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
     return p - step_size * m / (math.sqrt(v) * inv_sqrt_bc2 + eps), m, v
 
 
@@ -25,37 +27,40 @@ _update_cpu = njit(_update)
 _update_gpu = cuda.jit(device=True)(_update)
 
 
-def _scalars(step, lr, beta1, beta2, eps, weight_decay):
+def _scalars(dtype, step, lr, beta1, beta2, eps, weight_decay):
+    """The update's eight scalars, computed in float64 and rounded once to ``dtype``."""
     bias_correction1 = 1.0 - beta1 ** step
     bias_correction2 = 1.0 - beta2 ** step
-    return (float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-            lr / bias_correction1, 1.0 / math.sqrt(bias_correction2))
+    t = dtype.type
+    return (t(1.0 - lr * weight_decay), t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps),
+            t(lr / bias_correction1), t(1.0 / math.sqrt(bias_correction2)))
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _adamw_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2):
+def _adamw_step(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2):
     for i in range(p.size):
-        p[i], m[i], v[i] = _update_cpu(p[i], g[i], m[i], v[i], lr, beta1, beta2, eps, weight_decay,
-                                       step_size, inv_sqrt_bc2)
+        p[i], m[i], v[i] = _update_cpu(p[i], g[i], m[i], v[i], decay, beta1, one_minus_beta1, beta2,
+                                       one_minus_beta2, eps, step_size, inv_sqrt_bc2)
 
 
 def adamw_step(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
     """One AdamW update of the flat ``params`` (P,); ``step`` counts from 1."""
-    _adamw_step(params, grads, exp_avg, exp_avg_sq, *_scalars(step, lr, beta1, beta2, eps, weight_decay))
+    _adamw_step(params, grads, exp_avg, exp_avg_sq, *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay))
 
 
 # ---- CUDA kernel -------------------------------------------------------------------
 @cuda.jit
-def _adamw_step_kernel(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2):
+def _adamw_step_kernel(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
+                       inv_sqrt_bc2):
     i = cuda.grid(1)
     while i < p.size:
-        p[i], m[i], v[i] = _update_gpu(p[i], g[i], m[i], v[i], lr, beta1, beta2, eps, weight_decay,
-                                       step_size, inv_sqrt_bc2)
+        p[i], m[i], v[i] = _update_gpu(p[i], g[i], m[i], v[i], decay, beta1, one_minus_beta1, beta2,
+                                       one_minus_beta2, eps, step_size, inv_sqrt_bc2)
         i += cuda.gridsize(1)
 
 
 # ---- launcher ----------------------------------------------------------------------
 def adamw_step_cuda(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, *, stream=0):
     _adamw_step_kernel[blocks_for(params.size), THREADS, stream](
-        params, grads, exp_avg, exp_avg_sq, *_scalars(step, lr, beta1, beta2, eps, weight_decay))
+        params, grads, exp_avg, exp_avg_sq, *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay))

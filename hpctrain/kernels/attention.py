@@ -182,12 +182,14 @@ def attention_forward(qkv, n_head, out, probs):
     return out
 
 
-def attention_backward(dout, qkv, probs, n_head, dqkv, work=None):
+def attention_backward(dout, qkv, out, probs, n_head, dqkv, work=None):
     """dqkv (B, T, 3C) <- gradients of q, k, v (overwritten, qkv's layout). Returns dqkv.
 
     dout (B, T, C) is the gradient of the forward's out; qkv and probs are the
-    forward's inputs and saved P. ``work``, shaped like probs, holds dP and dS (a
-    caller that keeps one per layer saves a T x T allocation per call); None: allocated.
+    forward's input and saved P. ``out`` (the forward's output) is unused here:
+    it is in the signature because the CUDA kernels, which keep no P, need it.
+    ``work``, shaped like probs, holds dP and dS (a caller that keeps one per
+    layer saves a T x T allocation per call); None: allocated.
     """
     B, T, C3 = qkv.shape
     work = np.empty_like(probs) if work is None else work
@@ -205,4 +207,11 @@ def attention_backward(dout, qkv, probs, n_head, dqkv, work=None):
     return dqkv
 
 
-# ---- CUDA kernels: not yet (the CudaDevice kernel table lacks these ops) ----
+def attention_state_shapes(B, n_head, T):
+    """(shape of the state forward saves for backward, shape of backward's work array):
+    P and dP/dS, both (B, NH, T, T), for this twin. The CUDA kernels (attention_cuda.py)
+    keep (B, NH, T) arrays instead; layers ask the device's table, so either fits."""
+    return (B, n_head, T, T), (B, n_head, T, T)
+
+
+# CUDA kernels: attention_cuda.py (a flash-attention tiling that keeps no T x T array)

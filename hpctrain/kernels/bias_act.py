@@ -6,23 +6,33 @@ backward: dz <- dout * act'(z); db <- sum over rows of dz (or db += ... when
           ``accumulate``). ``dz`` may be ``dout`` (each element is read before
           it is written).
 act is "identity", "relu" or "gelu" (tanh approximation, as GPT-2 and llm.c:
-gelu(v) = 0.5 v (1 + tanh(k (v + 0.044715 v^3))), k = sqrt(2/pi); relu's
-subgradient at 0 is 0). Column sums accumulate in float64 so the bias
-gradient does not lose bits to B additions.
+gelu(v) = 0.5 v (1 + tanh(u)), u = k (v + 0.044715 v^3), k = sqrt(2/pi); relu's
+subgradient at 0 is 0). GELU is evaluated through the identity
+0.5 (1 + tanh(u)) = s = 1 / (1 + exp(-2u)), so gelu(v) = v s and
+gelu'(v) = s + 2 v s (1 - s) k (1 + 3 * 0.044715 v^2): the same function, but
+without the cancellation in 1 + tanh(u) for v < 0 that costs the tanh form up
+to ~1e-4 relative in float32 (and exp vectorises where tanh does not).
+
+float32 stays float32: the activations are built per dtype with constants of
+that dtype (a Python float literal would promote float32 arithmetic to
+float64 in numba), so the twin and the kernels both round every step in the
+array's dtype. Column sums (the bias gradient) accumulate in float64: B
+additions in float32 would lose log2(B) bits, and they are cheap beside the
+element pass.
 
 The activations are plain Python functions: the CUDA kernels compile them
 (``numba.cuda.jit(device=True)``), and so does the CPU twin's ReLU loop
 (``numba.njit``). The twin's identity is a NumPy broadcast add (plus a column-sum
-loop backward) and its GELU runs NumPy's SIMD tanh between two numba passes: the
-same formula, evaluated in float64 and rounded once on store, as the kernels do,
-only vectorised (scalar libm tanh in a loop does not vectorise). They live in
-this file because numba's disk cache only notices edits to the file of the
-function it cached.
+loop backward) and its GELU runs NumPy's SIMD exp between two numba passes: the
+same formula in the same dtype as the kernels, only vectorised (a scalar libm
+call in a loop does not vectorise). They live in this file because numba's disk
+cache only notices edits to the file of the function it cached.
 """
 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float64, njit
@@ -31,122 +41,133 @@ from .cuda_support import blocks_for
 
 # ---- activations (plain Python, compiled for both targets) -------------------------
 _K = math.sqrt(2.0 / math.pi)
+_C = 0.044715
 
 
-def _identity(v):
-    return v
+def gelu_constants(dtype):
+    """(k, c, 3c, 0.5, 1, -2) in ``dtype``: the GELU's constants, typed so float32 math stays float32."""
+    t = np.dtype(dtype).type
+    return t(_K), t(_C), t(3.0 * _C), t(0.5), t(1.0), t(-2.0)
 
 
-def _identity_grad(v):
-    return 1.0
+@lru_cache(maxsize=None)
+def activations(dtype_name: str) -> dict:
+    """{"identity" | "relu" | "gelu": (act, act')} for one float dtype, constants of that dtype."""
+    k, c, c3, half, one, m2 = gelu_constants(dtype_name)
+    zero = np.dtype(dtype_name).type(0.0)
 
+    def identity(v):
+        return v
 
-def _relu(v):
-    return v if v > 0 else 0.0
+    def identity_grad(v):
+        return one
 
+    def relu(v):
+        return v if v > zero else zero
 
-def _relu_grad(v):
-    return 1.0 if v > 0 else 0.0
+    def relu_grad(v):
+        return one if v > zero else zero
 
+    def gelu(v):
+        s = one / (one + math.exp(m2 * k * (v + c * v * v * v)))
+        return v * s
 
-def _gelu(v):
-    return 0.5 * v * (1.0 + math.tanh(_K * (v + 0.044715 * v * v * v)))
+    def gelu_grad(v):
+        s = one / (one + math.exp(m2 * k * (v + c * v * v * v)))
+        return s - m2 * v * s * (one - s) * k * (one + c3 * v * v)
 
-
-def _gelu_grad(v):
-    t = math.tanh(_K * (v + 0.044715 * v * v * v))
-    dt = _K * (1.0 + 3.0 * 0.044715 * v * v)
-    return 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * dt
-
-
-ACTIVATIONS = {"identity": (_identity, _identity_grad), "relu": (_relu, _relu_grad), "gelu": (_gelu, _gelu_grad)}
+    return {"identity": (identity, identity_grad), "relu": (relu, relu_grad), "gelu": (gelu, gelu_grad)}
 
 
 # ---- CPU twin (numba + NumPy) -------------------------------------------------------
-_relu_cpu, _relu_grad_cpu = njit(_relu), njit(_relu_grad)
+@lru_cache(maxsize=None)
+def _relu_cpu(dtype_name: str):
+    relu, relu_grad = (njit(f) for f in activations(dtype_name)["relu"])
 
+    @njit(nogil=True)
+    def forward(z, b, out):
+        B, O = z.shape
+        for r in range(B):
+            for c in range(O):
+                t = z[r, c] + b[c]
+                z[r, c] = t
+                out[r, c] = relu(t)
 
-@njit(cache=True, nogil=True)
-def _bias_relu_forward(z, b, out):
-    B, O = z.shape
-    for r in range(B):
+    @njit(nogil=True)
+    def backward(dout, z, dz, db, accumulate):
+        B, O = z.shape
+        sums = np.zeros(O)  # float64
+        for r in range(B):
+            for c in range(O):
+                d = dout[r, c] * relu_grad(z[r, c])
+                dz[r, c] = d
+                sums[c] += d
         for c in range(O):
-            t = z[r, c] + b[c]
-            z[r, c] = t
-            out[r, c] = _relu_cpu(t)
+            db[c] = db[c] + sums[c] if accumulate else sums[c]
+
+    return forward, backward
 
 
-@njit(cache=True, nogil=True)
-def _bias_relu_backward(dout, z, dz, db, accumulate):
-    B, O = z.shape
-    sums = np.zeros(O)  # float64
-    for r in range(B):
-        for c in range(O):
-            d = dout[r, c] * _relu_grad_cpu(z[r, c])
-            dz[r, c] = d
-            sums[c] += d
-    for c in range(O):
-        db[c] = db[c] + sums[c] if accumulate else sums[c]
-
-
-# GELU: the numba loop's scalar libm tanh does not vectorise (2048 x 512 took 18 ms), so tanh
-# runs as NumPy's SIMD ufunc over a block of rows and numba does the vectorisable arithmetic
-# around it, one pass before and one after (4 ms forward + backward). Still evaluated in float64
-# and rounded once on store, as the scalar functions above and the CUDA kernels do; blocks of
-# about GELU_BLOCK elements keep the float64 work array in L2.
+# GELU: a scalar libm exp in a numba loop does not vectorise, so exp runs as NumPy's SIMD ufunc
+# over a block of rows and numba does the vectorisable arithmetic around it, one pass before
+# and one after. The work array has z's dtype (float32 math for float32); blocks of about
+# GELU_BLOCK elements keep it in L2. ``K`` is gelu_constants(z.dtype).
 GELU_BLOCK = 1 << 15
 
 
 @njit(cache=True, nogil=True)
-def _gelu_inner(z, r0, u):
-    """u[i, c] <- k (z + 0.044715 z^3) of row r0 + i, in float64."""
-    for i in range(u.shape[0]):
-        for c in range(u.shape[1]):
-            v = float64(z[r0 + i, c])
-            u[i, c] = _K * (v + 0.044715 * v * v * v)
+def _gelu_exponent(z, r0, e, K):
+    """e[i, c] <- -2 k (z + c z^3) of row r0 + i (exp of it is 1/s - 1)."""
+    k, c, _, _, _, m2 = K
+    for i in range(e.shape[0]):
+        for j in range(e.shape[1]):
+            v = z[r0 + i, j]
+            e[i, j] = m2 * k * (v + c * v * v * v)
 
 
 @njit(cache=True, nogil=True)
-def _gelu_out(z, t, r0, out):
-    """out <- 0.5 z (1 + t) for the block's rows, t = tanh of the inner value."""
-    for i in range(t.shape[0]):
-        for c in range(t.shape[1]):
-            v = float64(z[r0 + i, c])
-            out[r0 + i, c] = 0.5 * v * (1.0 + t[i, c])
+def _gelu_out(z, e, r0, out, K):
+    """out <- z s for the block's rows, e = exp(-2u)."""
+    one = K[4]
+    for i in range(e.shape[0]):
+        for j in range(e.shape[1]):
+            out[r0 + i, j] = z[r0 + i, j] * (one / (one + e[i, j]))
 
 
 @njit(cache=True, nogil=True)
-def _gelu_grad_out(dout, z, t, r0, dz, sums):
+def _gelu_grad_out(dout, z, e, r0, dz, sums, K):
     """dz <- dout * gelu'(z) for the block's rows; sums (float64) += their columns, rows in order."""
-    for i in range(t.shape[0]):
-        for c in range(t.shape[1]):
-            v = float64(z[r0 + i, c])
-            th = t[i, c]
-            g = 0.5 * (1.0 + th) + 0.5 * v * (1.0 - th * th) * _K * (1.0 + 3.0 * 0.044715 * v * v)
-            d = dout[r0 + i, c] * g
-            dz[r0 + i, c] = d
-            sums[c] += d
+    k, _, c3, _, one, m2 = K
+    for i in range(e.shape[0]):
+        for j in range(e.shape[1]):
+            v = z[r0 + i, j]
+            s = one / (one + e[i, j])
+            d = dout[r0 + i, j] * (s - m2 * v * s * (one - s) * k * (one + c3 * v * v))
+            dz[r0 + i, j] = d
+            sums[j] += d
 
 
 def _gelu_blocks(z):
+    K = gelu_constants(z.dtype)
     rows = max(1, GELU_BLOCK // max(1, z.shape[1]))
-    work = np.empty((min(rows, z.shape[0]), z.shape[1]))  # float64
+    work = np.empty((min(rows, z.shape[0]), z.shape[1]), z.dtype)
     for r in range(0, z.shape[0], rows):
-        t = work[:min(rows, z.shape[0] - r)]
-        _gelu_inner(z, r, t)
-        np.tanh(t, out=t)
-        yield r, t
+        e = work[:min(rows, z.shape[0] - r)]
+        _gelu_exponent(z, r, e, K)
+        with np.errstate(over="ignore"):  # v << 0: exp overflows to inf, s = 0, gelu = -0 (exact limit)
+            np.exp(e, out=e)
+        yield r, e, K
 
 
 def _gelu_forward(z, out):
-    for r, t in _gelu_blocks(z):
-        _gelu_out(z, t, r, out)
+    for r, e, K in _gelu_blocks(z):
+        _gelu_out(z, e, r, out, K)
 
 
 def _gelu_backward(dout, z, dz, db, accumulate):
     sums = np.zeros(z.shape[1])
-    for r, t in _gelu_blocks(z):
-        _gelu_grad_out(dout, z, t, r, dz, sums)
+    for r, e, K in _gelu_blocks(z):
+        _gelu_grad_out(dout, z, e, r, dz, sums, K)
     db[...] = db + sums if accumulate else sums
 
 
@@ -171,7 +192,7 @@ def bias_act_forward(z, b, out, act):
         return out
     if act != "relu":
         raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
-    _bias_relu_forward(z, b, out)
+    _relu_cpu(z.dtype.name)[0](z, b, out)
     return out
 
 
@@ -189,7 +210,7 @@ def bias_act_backward(dout, z, dz, db, act, accumulate=False):
         return dz
     if act != "relu":
         raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
-    _bias_relu_backward(dout, z, dz, db, bool(accumulate))
+    _relu_cpu(z.dtype.name)[1](dout, z, dz, db, bool(accumulate))
     return dz
 
 
@@ -254,14 +275,23 @@ def _sum_partials(partial, db, accumulate):
         db[c] = db[c] + s if accumulate else s
 
 
-_CUDA = {name: _make_cuda(cuda.jit(device=True)(f), cuda.jit(device=True)(df))
-         for name, (f, df) in ACTIVATIONS.items()}
+@lru_cache(maxsize=None)
+def cuda_kernels(act: str, dtype_name: str):
+    """(forward, backward_partial) kernels of ``act`` for one float dtype."""
+    f, df = activations(dtype_name)[act]
+    return _make_cuda(cuda.jit(device=True)(f), cuda.jit(device=True)(df))
 
 
 # ---- launchers ---------------------------------------------------------------------
+def _check_act(act):
+    if act not in ("identity", "relu", "gelu"):
+        raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
+
+
 def bias_act_forward_cuda(z, b, out, act, *, stream=0):
     B, O = z.shape
-    _CUDA[act][0][blocks_for(B * O), 256, stream](z, b, out)
+    _check_act(act)
+    cuda_kernels(act, z.dtype.name)[0][blocks_for(B * O), 256, stream](z, b, out)
     return out
 
 
@@ -273,10 +303,11 @@ def partial_shape(B, O):
 def bias_act_backward_cuda(dout, z, dz, db, act, accumulate=False, *, stream=0, scratch):
     """As :func:`bias_act_backward`; ``scratch(key, shape, dtype)`` lends a reusable device array."""
     B, O = z.shape
+    _check_act(act)
     partial = scratch("bias_partial", partial_shape(B, O), np.float64)
     if partial.shape[0] > 65535:  # gridDim.y limit
         raise ValueError(f"bias_act_backward with B={B} rows exceeds {65535 * ROWS_PER_BLOCK}; split the batch")
     grid = (-(-O // COLS), partial.shape[0])
-    _CUDA[act][1][grid, (COLS, LANES), stream](dout, z, dz, partial)
+    cuda_kernels(act, z.dtype.name)[1][grid, (COLS, LANES), stream](dout, z, dz, partial)
     _sum_partials[-(-O // 256), 256, stream](partial, db, bool(accumulate))
     return dz

@@ -11,7 +11,16 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
 from numba import config
+
+# numba-cuda <= 0.30 registers a typing overload for ``np.row_stack`` when it
+# compiles its first kernel; NumPy 2.5 removed that alias, so every compile then
+# fails with AttributeError (seen on a GPU image with numba-cuda 0.30.4 and
+# NumPy 2.5.2). ``row_stack`` was always ``vstack``: restore the alias only
+# where it is missing. Every CUDA launcher imports this module first.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
 
 THREADS = 256        # threads per block for 1-D (elementwise) kernels
 MAX_BLOCKS = 8192    # grid-stride loops cover the rest; ~60 blocks per H200 SM

@@ -13,12 +13,26 @@ backward: dwpe[t] <- (dwpe[t] +) sum over b of dout[b, t] for t < T (rows
 The dwte scatter-add is a serial loop in (b, t) order - no threads, no atomics
 - so a token that occurs many times gets its rows added in the same order on
 every run and the gradient has the same bits every time.
+
+The CUDA kernels give the twin's bits: forward is one add per element, dwpe
+sums the batch in b order in float64, and dwte uses no float atomics - the
+positions are bucketed by token id on the device (integer atomics), each
+bucket sorted ascending, and one thread per (id, channel) adds its rows into
+dwte one at a time in (b, t) order, the twin's loop. Nothing goes to the host: ids are not
+checked there (a stream sync) - the data file's were when it was opened - but
+an id outside [0, V) never reads outside wte: forward writes NaN into its row
+(the loss turns NaN; the trainer's non-finite guard stops the step), and
+backward drops it from dwte.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from numba import njit
+from numba import cuda, float64, int32, njit
+
+from .cuda_support import THREADS, blocks_for
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
@@ -111,4 +125,178 @@ def embedding_backward(dout, tokens, dwte, dwpe, accumulate=False):
         raise _bad_token(tokens, bad, dwte.shape[0], "embedding_backward")
 
 
-# ---- CUDA kernels: not yet (the CudaDevice kernel table lacks these ops) ----
+# ---- CUDA kernels ------------------------------------------------------------------
+TOKEN_THREADS = 128  # channels per dwte block (one token id)
+
+
+@cuda.jit
+def _embedding_forward_kernel(tokens, wte, wpe, out):
+    B, T, C = out.shape
+    V = wte.shape[0]
+    i = cuda.grid(1)
+    while i < B * T * C:
+        n, c = divmod(i, C)
+        b, t = divmod(n, T)
+        tok = tokens[b, t]
+        if tok >= 0 and tok < V:
+            out[b, t, c] = wte[tok, c] + wpe[t, c]
+        else:  # never read outside wte: a NaN row makes the loss NaN instead
+            out[b, t, c] = math.nan
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def _dwpe_kernel(dout, dwpe, accumulate):
+    # one thread per (t, c) of dwpe: the batch sum in b order, in float64, as the twin
+    B, T, C = dout.shape
+    i = cuda.grid(1)
+    while i < dwpe.shape[0] * C:
+        t, c = divmod(i, C)
+        if t < T:
+            s = float64(0.0)
+            for b in range(B):
+                s += dout[b, t, c]
+            dwpe[t, c] = dwpe[t, c] + s if accumulate else s
+        elif not accumulate:
+            dwpe[t, c] = 0.0
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def _zero_counts_kernel(counts):
+    i = cuda.grid(1)
+    while i < counts.size:
+        counts[i] = 0
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def _count_tokens_kernel(tokens, counts):
+    # bucket sizes: integer atomics, so the order they land in does not matter
+    B, T = tokens.shape
+    n = cuda.grid(1)
+    while n < B * T:
+        tok = tokens[n // T, n % T]
+        if tok >= 0 and tok < counts.size:
+            cuda.atomic.add(counts, tok, 1)
+        n += cuda.gridsize(1)
+
+
+@cuda.jit
+def _bucket_offsets_kernel(counts, offsets):
+    # one block: exclusive scan of counts into offsets (V + 1). Each thread sums
+    # a segment of ids, thread 0 scans the THREADS totals (a few microseconds),
+    # each thread writes its segment's offsets and zeroes the counts: cursors next.
+    t = cuda.threadIdx.x
+    sh = cuda.shared.array(THREADS, int32)
+    V = counts.size
+    seg = -(-V // THREADS)
+    lo = min(V, t * seg)
+    hi = min(V, lo + seg)
+    total = 0
+    for i in range(lo, hi):
+        total += counts[i]
+    sh[t] = total
+    cuda.syncthreads()
+    if t == 0:
+        run = 0
+        for k in range(THREADS):
+            size = sh[k]
+            sh[k] = run
+            run += size
+        offsets[V] = run
+    cuda.syncthreads()
+    run = sh[t]
+    for i in range(lo, hi):
+        offsets[i] = run
+        run += counts[i]
+        counts[i] = 0
+
+
+@cuda.jit
+def _place_positions_kernel(tokens, offsets, cursors, placed):
+    # each position n = b T + t into its token's bucket, in whatever order the atomics give
+    B, T = tokens.shape
+    n = cuda.grid(1)
+    while n < B * T:
+        tok = tokens[n // T, n % T]
+        if tok >= 0 and tok < cursors.size:
+            placed[offsets[tok] + cuda.atomic.add(cursors, tok, 1)] = n
+        n += cuda.gridsize(1)
+
+
+@cuda.jit
+def _sort_buckets_kernel(tokens, offsets, placed, order):
+    # sort each bucket by rank: its positions are distinct, so each one's place is
+    # how many in the bucket are smaller (O(m) for a bucket of m: a few hundred)
+    B, T = tokens.shape
+    V = offsets.size - 1
+    k = cuda.grid(1)
+    while k < offsets[V]:  # the placed positions: dropped ids left the slots past them unwritten
+        p = placed[k]
+        tok = tokens[p // T, p % T]
+        start, end = offsets[tok], offsets[tok + 1]
+        rank = 0
+        for j in range(start, end):
+            if placed[j] < p:
+                rank += 1
+        order[start + rank] = p
+        k += cuda.gridsize(1)
+
+
+@cuda.jit
+def _dwte_kernel(dout, offsets, order, dwte):
+    # block (token id v, chunk of channels), one thread per channel c, dout as
+    # (B T, C): dwte[v, c] += its bucket's rows one at a time in ascending
+    # position, i.e. (b, t), order - the twin's additions, in dwte's dtype.
+    # Empty buckets exit at once; blocks step over ids (grid-stride).
+    c = cuda.blockIdx.y * TOKEN_THREADS + cuda.threadIdx.x
+    v = cuda.blockIdx.x
+    while v < dwte.shape[0]:
+        start, end = offsets[v], offsets[v + 1]
+        if c < dout.shape[1] and end > start:
+            acc = dwte[v, c]
+            for k in range(start, end):
+                acc += dout[order[k], c]
+            dwte[v, c] = acc
+        v += cuda.gridDim.x
+
+
+# ---- launchers ---------------------------------------------------------------------
+def embedding_forward_cuda(tokens, wte, wpe, out, *, stream=0):
+    """As :func:`embedding_forward`, on ``stream``; tokens (B, T) int64 on the device. Returns out.
+
+    Shapes are checked on the host; an id outside [0, V) is not reported (a
+    stream sync) but gets a NaN output row, so the loss turns NaN.
+    """
+    _check_shapes(tokens, wpe.shape[0], "embedding_forward")
+    B, T = tokens.shape
+    _embedding_forward_kernel[blocks_for(B * T * wte.shape[1]), THREADS, stream](tokens, wte, wpe, out)
+    return out
+
+
+def embedding_backward_cuda(dout, tokens, dwte, dwpe, accumulate=False, *, stream=0, scratch):
+    """As :func:`embedding_backward`, on ``stream``, with the twin's bits; returns None.
+
+    ``scratch(key, shape, dtype)`` lends reusable device arrays (int32 bucket
+    counts and offsets (V + 1,), two position lists (B T,)). An id outside
+    [0, V) is dropped from dwte (forward made that row, and so the loss, NaN).
+    """
+    _check_shapes(tokens, dwpe.shape[0], "embedding_backward")
+    B, T = tokens.shape
+    V, C = dwte.shape
+    N = B * T
+    if N >= 2 ** 31:
+        raise ValueError(f"embedding_backward: B*T={N} positions overflow int32 buckets; split the batch")
+    _dwpe_kernel[blocks_for(dwpe.shape[0] * C), THREADS, stream](dout, dwpe, bool(accumulate))
+    counts = scratch("embed_counts", (V,), np.int32)
+    offsets = scratch("embed_offsets", (V + 1,), np.int32)
+    placed = scratch("embed_placed", (max(N, 1),), np.int32)
+    order = scratch("embed_order", (max(N, 1),), np.int32)
+    _zero_counts_kernel[blocks_for(V), THREADS, stream](counts)
+    _count_tokens_kernel[blocks_for(N), THREADS, stream](tokens, counts)
+    _bucket_offsets_kernel[1, THREADS, stream](counts, offsets)
+    _place_positions_kernel[blocks_for(N), THREADS, stream](tokens, offsets, counts, placed)
+    _sort_buckets_kernel[blocks_for(N), THREADS, stream](tokens, offsets, placed, order)
+    grid = (blocks_for(V, 1), -(-C // TOKEN_THREADS))
+    _dwte_kernel[grid, TOKEN_THREADS, stream](dout.reshape(N, C), offsets, order, dwte)  # contiguous: a view

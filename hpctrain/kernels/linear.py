@@ -4,6 +4,13 @@ x (B, I), w (I, O), z (B, O):  forward z = x @ w;  backward dw = x^T @ dz and
 dx = dz @ w^T. The weight is stored (I, O) so the forward GEMM reads it
 row-major. The CPU twin passes transposed views to BLAS; the CUDA kernel reads
 the transposed operand through its tile loader - no transpose is materialised.
+
+The tied LM head (``tied_head_*``) is the same pair with the weight stored the
+other way round, (O, I) = the embedding table wte (V, C): logits = x @ wte^T,
+dwte (+)= dlogits^T @ x, dx = dlogits @ wte. It has its own entry points
+because a numba device array's ``.T`` is not a view (numba copies it with a
+transpose kernel), so ``linear_*(x, wte.T, ...)`` would write a gradient
+nobody reads; the transpose flags of the GEMM do it without a copy.
 """
 
 from __future__ import annotations
@@ -33,6 +40,22 @@ def linear_backward(dz, x, w, dx, dw, accumulate=False):
         np.matmul(x.T, dz, out=dw)
     if dx is not None:
         np.matmul(dz, w.T, out=dx)
+    return dx
+
+
+def tied_head_forward(x, wte, logits):
+    """logits (N, V) <- x (N, C) @ wte (V, C)^T. Returns logits."""
+    np.matmul(x, wte.T, out=logits)
+    return logits
+
+
+def tied_head_backward(dlogits, x, wte, dx, dwte, accumulate=False):
+    """dwte (V, C) <- (dwte +) dlogits^T @ x; dx (N, C) <- dlogits @ wte. Returns dx."""
+    if accumulate:
+        dwte += dlogits.T @ x
+    else:
+        np.matmul(dlogits.T, x, out=dwte)
+    np.matmul(dlogits, wte, out=dx)
     return dx
 
 
@@ -183,3 +206,14 @@ def linear_backward_cuda(dz, x, w, dx, dw, accumulate=False, *, stream=0):
     if dx is not None:
         gemm_cuda(dz, w, dx, trans_b=True, stream=stream)
     return dx
+
+
+def tied_head_forward_cuda(x, wte, logits, *, stream=0):
+    """logits <- x @ wte^T on the GPU (wte read transposed)."""
+    return gemm_cuda(x, wte, logits, trans_b=True, stream=stream)
+
+
+def tied_head_backward_cuda(dlogits, x, wte, dx, dwte, accumulate=False, *, stream=0):
+    """dwte <- (dwte +) dlogits^T x (dlogits read transposed); dx <- dlogits wte."""
+    gemm_cuda(dlogits, x, dwte, trans_a=True, accumulate=accumulate, stream=stream)
+    return gemm_cuda(dlogits, wte, dx, stream=stream)

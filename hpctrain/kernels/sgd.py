@@ -2,7 +2,9 @@
 
 d = g + wd * p;  v = mu * v + d;  p -= lr * (d + mu * v if nesterov else v)
 With mu = 0 the momentum buffer is untouched and the step is p -= lr * d.
-The per-element update is one plain function compiled for both targets.
+The per-element update is one plain function compiled for both targets. Its
+scalars arrive in the parameters' dtype, so float32 buffers are updated in
+float32 arithmetic (a float64 scalar would promote every product to float64).
 """
 
 from numba import cuda, njit
@@ -32,7 +34,8 @@ def _sgd_step(p, g, v, lr, momentum, weight_decay, nesterov):
 
 def sgd_step(params, grads, momentum_buf, lr, momentum, weight_decay, nesterov):
     """Update the flat ``params`` (P,) in place from ``grads`` (P,); ``momentum_buf`` (P,) is state."""
-    _sgd_step(params, grads, momentum_buf, float(lr), float(momentum), float(weight_decay), bool(nesterov))
+    t = params.dtype.type
+    _sgd_step(params, grads, momentum_buf, t(lr), t(momentum), t(weight_decay), bool(nesterov))
 
 
 # ---- CUDA kernel -------------------------------------------------------------------
@@ -46,5 +49,6 @@ def _sgd_step_kernel(p, g, v, lr, momentum, weight_decay, nesterov):
 
 # ---- launcher ----------------------------------------------------------------------
 def sgd_step_cuda(params, grads, momentum_buf, lr, momentum, weight_decay, nesterov, *, stream=0):
+    t = params.dtype.type
     _sgd_step_kernel[blocks_for(params.size), THREADS, stream](
-        params, grads, momentum_buf, float(lr), float(momentum), float(weight_decay), bool(nesterov))
+        params, grads, momentum_buf, t(lr), t(momentum), t(weight_decay), bool(nesterov))

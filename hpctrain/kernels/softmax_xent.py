@@ -5,6 +5,10 @@ Forward returns (sum of per-row losses, number of rows whose argmax is the
 label) so that ranks can add them up; the mean loss is their sum / B. Ties in
 the argmax go to the first (lowest) class, as ``np.argmax``. On the GPU both
 numbers are reduced on the device and only those two scalars reach the host.
+Each row's sum of exponentials accumulates in float64 (C terms; float32 would
+lose log2(C) bits) and normalises in float64, each probability rounded once on
+store; exp and the backward's scaling run in the logits' dtype (float32 stays
+float32: the backward's scale is passed in that dtype).
 """
 
 import math
@@ -61,7 +65,7 @@ def softmax_xent_forward(logits, labels, probs):
 
 def softmax_xent_backward(probs, labels, scale, dlogits):
     """dlogits <- scale * (probs - onehot(labels)); scale = 1/B for a mean loss."""
-    _softmax_xent_backward(probs, labels, np.float64(scale), dlogits)
+    _softmax_xent_backward(probs, labels, probs.dtype.type(scale), dlogits)
     return dlogits
 
 
@@ -195,7 +199,8 @@ def softmax_xent_forward_cuda(logits, labels, probs, *, stream=0, scratch):
 
 def softmax_xent_backward_cuda(probs, labels, scale, dlogits, *, stream=0):
     B, C = probs.shape
-    _softmax_xent_backward_kernel[blocks_for(B * C), THREADS, stream](probs, labels, np.float64(scale), dlogits)
+    _softmax_xent_backward_kernel[blocks_for(B * C), THREADS, stream](probs, labels, probs.dtype.type(scale),
+                                                                        dlogits)
     return dlogits
 
 

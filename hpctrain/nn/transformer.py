@@ -69,9 +69,11 @@ class LayerNorm(Layer):
 
 class CausalSelfAttention(Layer):
     """QKV projection -> causal multi-head attention -> output projection (no parameters of its own
-    besides the two Linears). Keeps qkv (N, 3C) and the softmax probabilities (B, NH, T, T).
-    ``workspace``: a dict the layers of one model share for backward's (B, NH, T, T) work array
-    (layers run backward one at a time, so one array serves them all)."""
+    besides the two Linears). Keeps qkv (N, 3C), the attention output (B, T, C) and what the
+    device's attention saves for backward (``attention_state_shapes``: the softmax probabilities
+    (B, NH, T, T) on the CPU, one log-sum-exp per row (B, NH, T) on a GPU).
+    ``workspace``: a dict the layers of one model share for backward's work array (layers run
+    backward one at a time, so one array serves them all)."""
 
     def __init__(self, device, name: str, channels: int, n_head: int, workspace: dict | None = None):
         self.device, self.name, self.channels, self.n_head = device, name, channels, n_head
@@ -89,16 +91,18 @@ class CausalSelfAttention(Layer):
         self.B, self.T = B, T
         self.qkv = self.c_attn.forward(x)
         y = self._buffer("y", (B, T, C))
-        self.probs = self._buffer("probs", (B, NH, T, T))
-        self.device.ops.attention_forward(self.qkv.reshape(B, T, 3 * C), NH, y, self.probs)
+        saved, self._work_shape = self.device.ops.attention_state_shapes(B, NH, T)
+        self.saved = self._buffer("saved", saved)
+        self.y = y
+        self.device.ops.attention_forward(self.qkv.reshape(B, T, 3 * C), NH, y, self.saved)
         return self.c_proj.forward(y.reshape(B * T, C))
 
     def backward(self, dout, accumulate=False):     # dout (N, C) -> dx (N, C)
         B, T, C = self.B, self.T, self.channels
         dy = self.c_proj.backward(dout, accumulate)
         dqkv = self._buffer("dqkv", (B, T, 3 * C))
-        self.device.ops.attention_backward(dy.reshape(B, T, C), self.qkv.reshape(B, T, 3 * C), self.probs,
-                                           self.n_head, dqkv, self._work(self.probs.shape))
+        self.device.ops.attention_backward(dy.reshape(B, T, C), self.qkv.reshape(B, T, 3 * C), self.y, self.saved,
+                                           self.n_head, dqkv, self._work(self._work_shape))
         return self.c_attn.backward(dqkv.reshape(B * T, 3 * C), accumulate)
 
     def _work(self, shape):
@@ -151,12 +155,12 @@ class TiedHead(Layer):
     def forward(self, x):
         self.x = x
         logits = self._buffer("logits", (x.shape[0], self.embedding.vocab))
-        return self.device.ops.linear_forward(x, self.embedding.wte.T, logits)
+        return self.device.ops.tied_head_forward(x, self.embedding.wte, logits)
 
     def backward(self, dlogits, accumulate=False):  # writes (or adds) dwte first of all its users
         dx = self._buffer("dx", self.x.shape)
-        return self.device.ops.linear_backward(dlogits, self.x, self.embedding.wte.T, dx,
-                                               self.embedding.dwte.T, accumulate)
+        return self.device.ops.tied_head_backward(dlogits, self.x, self.embedding.wte, dx, self.embedding.dwte,
+                                                  accumulate)
 
 
 def gpt2_init(rng: np.random.Generator, name: str, shape: tuple, n_layer: int) -> np.ndarray:

@@ -1,0 +1,110 @@
+"""The Linear op's GEMMs through cuBLAS (CuPy), on the device's own memory and stream.
+
+``train.gemm = "cublas"`` (or ``"auto"`` where CuPy imports) puts these in the CUDA
+kernel table in place of :func:`.linear.linear_forward_cuda` / ``linear_backward_cuda``,
+with the same contract:
+
+    linear_forward(x, w, z)                          z (B, O) <- x (B, I) @ w (I, O)
+    linear_backward(dz, x, w, dx, dw, accumulate)    dw <- (dw +) x^T dz;  dx <- dz w^T
+    tied_head_forward / tied_head_backward           the same with the weight stored (O, I)
+
+No copies: each numba device array is wrapped as a CuPy array over the same pointer,
+shape and strides; transposes are taken on the CuPy side, where ``.T`` is a view that cuBLAS
+reads with its transpose flags (a numba device array's ``.T`` would be a copy). The wrap is built from the array's
+``__cuda_array_interface__`` pointer rather than by ``cupy.asarray``, because CuPy, as a
+consumer of that interface, would synchronise the producer's stream on every call;
+everything here is queued on the one stream already. Wrappers are cached per
+(pointer, shape, strides, dtype): a step reuses its buffers, so after the first step a
+GEMM costs one cuBLAS call and no allocation. ``accumulate`` (gradient accumulation)
+computes into a cached scratch product and adds it (one extra elementwise pass; plain
+``matmul`` has no beta). TF32 stays off (CuPy's default, unless ``CUPY_TF32=1``), so
+float32 products are IEEE float32 like the numba kernel's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def cupy_status() -> tuple[bool, str]:
+    """(whether CuPy imports and sees a GPU, why not)."""
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+        return True, ""
+    except Exception as exc:  # noqa: BLE001 - a missing or broken CuPy is a status
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def _c_strides(shape, itemsize):
+    """Byte strides of a C-contiguous array (the interface omits them for one)."""
+    out, step = [], itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+class CublasLinear:
+    """The two Linear ops for one device stream (a numba ``cuda.stream()``)."""
+
+    def __init__(self, stream):
+        import cupy
+
+        self.cp = cupy
+        self.stream = cupy.cuda.ExternalStream(int(stream))  # numba's Stream converts to its CUstream handle
+        self._views: dict = {}
+        self._scratch: dict = {}
+
+    def view(self, a):
+        """A CuPy array over ``a``'s device memory (no copy, no synchronisation)."""
+        cai = a.__cuda_array_interface__
+        ptr = cai["data"][0]
+        dtype = np.dtype(cai["typestr"])
+        strides = cai.get("strides") or _c_strides(cai["shape"], dtype.itemsize)
+        key = (ptr, tuple(cai["shape"]), tuple(strides), dtype.str)
+        v = self._views.get(key)
+        if v is None:
+            cp = self.cp
+            span = sum((n - 1) * s for n, s in zip(cai["shape"], strides)) + dtype.itemsize if a.size else 0
+            mem = cp.cuda.UnownedMemory(ptr, span, owner=a)
+            v = self._views[key] = cp.ndarray(cai["shape"], dtype, cp.cuda.MemoryPointer(mem, 0), strides)
+        return v
+
+    def gemm(self, a, b, c, trans_a=False, trans_b=False, accumulate=False):
+        """c <- (c +) op(a) @ op(b), all three numba device arrays; op transposes when its flag is set."""
+        cp = self.cp
+        A, B, C = self.view(a), self.view(b), self.view(c)
+        A, B = A.T if trans_a else A, B.T if trans_b else B
+        with self.stream:
+            if accumulate:
+                key = (C.shape, C.dtype.str)
+                tmp = self._scratch.get(key)
+                if tmp is None:
+                    tmp = self._scratch[key] = cp.empty(C.shape, C.dtype)
+                cp.matmul(A, B, out=tmp)
+                C += tmp
+            else:
+                cp.matmul(A, B, out=C)
+        return c
+
+    def linear_forward(self, x, w, z):
+        """z <- x @ w."""
+        return self.gemm(x, w, z)
+
+    def linear_backward(self, dz, x, w, dx, dw, accumulate=False):
+        """dw <- (dw +) x^T dz; dx <- dz w^T unless dx is None. Returns dx."""
+        self.gemm(x, dz, dw, trans_a=True, accumulate=accumulate)
+        if dx is not None:
+            self.gemm(dz, w, dx, trans_b=True)
+        return dx
+
+    def tied_head_forward(self, x, wte, logits):
+        """logits <- x @ wte^T."""
+        return self.gemm(x, wte, logits, trans_b=True)
+
+    def tied_head_backward(self, dlogits, x, wte, dx, dwte, accumulate=False):
+        """dwte <- (dwte +) dlogits^T x; dx <- dlogits wte. Returns dx."""
+        self.gemm(dlogits, x, dwte, trans_a=True, accumulate=accumulate)
+        return self.gemm(dlogits, wte, dx)

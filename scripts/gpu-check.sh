@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One command that validates hpctrain on a machine with an NVIDIA GPU (docs/gpu.md):
+#
+#     bash scripts/gpu-check.sh OUTDIR
+#
+# Needs only the project tree and a python3 that has numba (+ numba-cuda), mpi4py, h5py,
+# pytest and, for the yardsticks, cupy and torch (no .venv, no install: PYTHONPATH=.).
+# Runs, each with its own time limit, logging into OUTDIR/logs/:
+#   1. every CUDA test on the GPU (NUMBA_ENABLE_CUDASIM=0; also the simulator-sized ones),
+#   2. the kernel benchmark (benchmarks/kernels.py: each kernel validated, then timed
+#      against the copy bandwidth and cuBLAS),
+#   3. MLP and GPT training on cuda at 1 and 2 ranks (2 ranks share the GPU),
+#   4. the GPT against PyTorch on the same GPU (benchmarks/scaling.py, weak scaling, 1 and 2 ranks),
+# then writes OUTDIR/gpu-check.md and OUTDIR/gpu-check.json (scripts/gpu_report.py).
+# Exit 0 when every step passed. About 5-8 minutes on one H100.
+# GPU_CHECK_SKIP="gpu-tests kernels" leaves steps out (to rerun the rest after a fix).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash scripts/gpu-check.sh OUTDIR}
+mkdir -p "$OUT/logs" "$OUT/runs"
+OUT=$(cd "$OUT" && pwd)
+PY=${HPCTRAIN_PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+MPIRUN=${MPIRUN:-mpirun --oversubscribe}
+DATA=$OUT/data
+mkdir -p "$DATA"
+: > "$OUT/steps.tsv"
+
+# step NAME LIMIT_S CMD...: runs CMD with a time limit, logs to logs/NAME.log, records rc and seconds
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local t0 rc ms
+    case " ${GPU_CHECK_SKIP:-} " in *" $name "*) echo "== $name: skipped (GPU_CHECK_SKIP)"; return 0 ;; esac
+    t0=$(date +%s%N)
+    echo "== $name (limit ${limit} s)"
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+    rc=$?
+    ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+    printf '%s\t%s\t%d.%03d\n' "$name" "$rc" $((ms / 1000)) $((ms % 1000)) >> "$OUT/steps.tsv"
+    echo "   rc=$rc in $((ms / 1000)) s"
+    return 0
+}
+
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$PY" -c "import sys, numba, numpy; print('python', sys.version.split()[0], 'numba', numba.__version__, 'numpy', numpy.__version__)"
+  "$PY" -c "import cupy; print('cupy', cupy.__version__)" 2>&1 | tail -1
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tail -1
+  mpirun --version 2>&1 | head -1; nproc; } > "$OUT/env.txt" 2>&1
+
+step gpu-tests 300 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/logs/gpu-tests.xml" \
+    tests/test_cuda_kernels.py tests/test_cuda_device.py tests/test_gpu_training.py tests/test_compress_kernels_cuda.py \
+    tests/test_attention_cuda.py tests/test_gpt_cuda_kernels.py tests/test_gpt_cuda_step.py
+step kernels 180 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json"
+
+step data 120 bash -c "'$PY' -m hpctrain data synth --out '$DATA/synth-train.h5' --n 65536 --seed 1 && \
+    '$PY' -m hpctrain data synth --out '$DATA/synth-eval.h5' --n 8192 --seed 2 && \
+    '$PY' -m hpctrain data text --out '$DATA/text.h5'"
+
+for n in 1 2; do
+    step "mlp-cuda-$n" 120 $MPIRUN -n $n "$PY" -m hpctrain train --config examples/mlp.toml \
+        --set train.device=cuda --set "data.train=$DATA/synth-train.h5" --set "data.eval=$DATA/synth-eval.h5" \
+        --set "checkpoint.dir=$OUT/runs/mlp$n" --set "train.metrics=$OUT/runs/mlp-$n.jsonl"
+    # the example GPT, shortened (its accuracy target is for the whole run: not checked here)
+    step "gpt-cuda-$n" 180 $MPIRUN -n $n "$PY" -m hpctrain train --config examples/gpt.toml \
+        --set train.device=cuda --set "data.train=$DATA/text.h5" --set train.steps=200 --set train.eval_every=0 --set train.eval_tokens=65536 \
+        --set train.target_bpb_vs_bigram=0 --set "checkpoint.dir=$OUT/runs/gpt$n" \
+        --set "train.metrics=$OUT/runs/gpt-$n.jsonl"
+done
+
+# a GPT that gives the GPU work (6 layers, d 384, 6 heads of 64, context 256; 16 windows per rank),
+# hpctrain and PyTorch DDP from the same weights on the same data, losses compared first
+step gpt-vs-torch 300 "$PY" benchmarks/scaling.py --device cuda --models gpu=gpt:6-384-6-256 --ranks 1 2 \
+    --modes weak --peer-models gpu --ceiling-models "" --trace-config "" --steps 40 --warmup 10 \
+    --text "$DATA/text.h5" --out "$OUT/scaling"
+
+"$PY" scripts/gpu_report.py "$OUT"

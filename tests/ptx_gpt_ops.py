@@ -1,0 +1,49 @@
+"""The GPT ops' CUDA kernels (embedding, layernorm, residual) for the PTX
+compile check: ``kernels()`` yields them as tests/ptx_compile.py's does.
+
+Import tests/ptx_compile.py first (it answers numba's compute-capability
+question for device functions). Run alone, this compiles and assembles them:
+    NUMBA_ENABLE_CUDASIM=0 PYTHONPATH=.:tests python tests/ptx_gpt_ops.py
+"""
+
+import sys
+
+import ptx_compile  # noqa: F401 - first: patches numba's get_current_device
+from numba.types import Array, boolean, float32, float64, int32, int64
+
+from hpctrain.kernels import embedding, layernorm, residual
+
+
+def arr(dtype, ndim):
+    return Array(dtype, ndim, "C")
+
+
+def kernels():
+    """(name, kernel, argument types, must the PTX be free of local memory)."""
+    i32, tokens = arr(int32, 1), arr(int64, 2)
+    f64m = arr(float64, 2)
+    for dt in (float32, float64):
+        v, m, t3 = arr(dt, 1), arr(dt, 2), arr(dt, 3)
+        yield f"embedding forward {dt}", embedding._embedding_forward_kernel, (tokens, m, m, t3), False
+        yield f"embedding dwpe {dt}", embedding._dwpe_kernel, (t3, m, boolean), False
+        yield f"embedding dwte {dt}", embedding._dwte_kernel, (m, i32, i32, m), False  # dout as (B T, C)
+        yield f"layernorm forward {dt}", layernorm._layernorm_forward_kernel, (m, v, v, m, v, v, float64), False
+        yield f"layernorm param partials {dt}", layernorm._layernorm_param_partials_kernel, \
+            (m, m, v, v, f64m, f64m), False
+        yield f"layernorm param sums -> {dt}", layernorm._layernorm_param_sums_kernel, \
+            (f64m, f64m, v, v, boolean), False
+        yield f"layernorm dx {dt}", layernorm._layernorm_dx_kernel, (m, m, v, v, v, m, boolean), False
+        yield f"residual forward {dt}", residual._residual_forward_kernel, (v, v, v), False
+        yield f"residual copy_or_add {dt}", residual._copy_or_add_kernel, (v, v, boolean), False
+        yield f"residual backward {dt}", residual._residual_backward_kernel, (v, v, v, boolean), False
+    # the dwte bucketing: integers only
+    yield "embedding zero counts", embedding._zero_counts_kernel, (i32,), False
+    yield "embedding count tokens", embedding._count_tokens_kernel, (tokens, i32), False
+    yield "embedding bucket offsets", embedding._bucket_offsets_kernel, (i32, i32), False
+    yield "embedding place positions", embedding._place_positions_kernel, (tokens, i32, i32, i32), False
+    yield "embedding sort buckets", embedding._sort_buckets_kernel, (tokens, i32, i32, i32), False
+
+
+if __name__ == "__main__":
+    ptx_compile.kernels = kernels  # reuse its compile-assemble-report loop on these kernels
+    sys.exit(ptx_compile.main())

@@ -1,0 +1,47 @@
+"""The GPT on the CUDA device inside an MPI job of 2 ranks: token upload, forward, backward,
+the gradients' way out through the host-staging path (pinned buffers; chosen on the
+simulator, whose arrays MPI would otherwise take directly) and AdamW equal the same job
+on the CPU (float64; tolerance as tests/test_gpt_cuda_step.py). Runs under mpirun -n 2
+only: on the simulator each run takes about a minute, and 2 ranks is the case the
+staging path has to get right.
+"""
+
+import numpy as np
+import pytest
+
+from hpctrain.device import cuda_status
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
+              pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
+
+
+def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data):
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.size != 2:
+        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
+    from hpctrain.log import Log
+    from hpctrain.runtime import init_world
+    from hpctrain.train import Trainer
+    from test_gpt_cuda_step import _config, assert_close
+
+    world = init_world()
+    runs = {}
+    for device in ("cpu", "cuda"):
+        cfg = _config(mpi_text_data, device)
+        cfg.train.global_batch = 4 * world.size
+        trainer = Trainer(cfg, world, Log(False))
+        if device == "cuda":
+            assert trainer.staging.mode == "pinned"
+        losses = [trainer.train_step() for _ in range(2)]
+        runs[device] = losses, trainer.device.to_host(trainer.model.flat.data).copy()
+        trainer.close()
+    (l_cpu, p_cpu), (l_gpu, p_gpu) = runs["cpu"], runs["cuda"]
+    for (a, ca), (b, cb) in zip(l_cpu, l_gpu):
+        np.testing.assert_allclose(b, a, rtol=1e-12)
+        assert ca == cb
+    assert_close(p_gpu, p_cpu)
+    # data parallelism kept every rank's parameters identical
+    gathered = world.comm.allgather(p_gpu)
+    for other in gathered[1:]:
+        np.testing.assert_array_equal(other, gathered[0])
