@@ -98,7 +98,7 @@ class CudaDevice:
         self.stream = cuda.stream()
         self._scratch: dict = {}
         self._uploads: dict = {}
-        self.gemm = gemm_backend(gemm)
+        self.gemm = gemm_backend(gemm, gpu)
         s = dict(stream=self.stream)
         p = functools.partial
         self.ops = SimpleNamespace(
@@ -126,7 +126,7 @@ class CudaDevice:
         if self.gemm == "cublas":
             from .kernels.cublas import CublasLinear
 
-            fast = CublasLinear(self.stream)
+            fast = CublasLinear(self.stream, gpu)
             for op in ("linear_forward", "linear_backward", "tied_head_forward", "tied_head_backward"):
                 setattr(self.ops, op, getattr(fast, op))
 
@@ -180,7 +180,7 @@ class CudaDevice:
 
 
 # ---- choosing a device -------------------------------------------------------------
-def gemm_backend(choice: str) -> str:
+def gemm_backend(choice: str, gpu: int = 0) -> str:
     """``train.gemm`` resolved: "cublas" or "numba". auto takes cuBLAS when CuPy imports
     (never on the simulator, which CuPy cannot run on); cublas without CuPy is a ConfigError."""
     from .errors import ConfigError
@@ -191,7 +191,7 @@ def gemm_backend(choice: str) -> str:
         return "numba"
     from .kernels.cublas import cupy_status
 
-    ok, why = (False, "the numba CUDA simulator is active") if simulated() else cupy_status()
+    ok, why = (False, "the numba CUDA simulator is active") if simulated() else cupy_status(gpu)
     if ok:
         return "cublas"
     if choice == "cublas":

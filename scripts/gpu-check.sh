@@ -15,14 +15,14 @@
 # Exit 0 when every step passed. About 5-8 minutes on one H100.
 # GPU_CHECK_SKIP="gpu-tests kernels" leaves steps out (to rerun the rest after a fix).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/gpu-check.sh OUTDIR}
 mkdir -p "$OUT/logs" "$OUT/runs"
-OUT=$(cd "$OUT" && pwd)
+OUT=$(cd "$OUT" && pwd)   # relative to where it was called from, before the cd below
+cd "$(dirname "$0")/.."
 PY=${HPCTRAIN_PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-MPIRUN=${MPIRUN:-mpirun --oversubscribe}
+MPIRUN=${MPIRUN:-mpirun}  # Open MPI may oversubscribe through the variable above; others need no flag
 DATA=$OUT/data
 mkdir -p "$DATA"
 : > "$OUT/steps.tsv"
@@ -32,7 +32,9 @@ step() {
     local name=$1 limit=$2
     shift 2
     local t0 rc ms
-    case " ${GPU_CHECK_SKIP:-} " in *" $name "*) echo "== $name: skipped (GPU_CHECK_SKIP)"; return 0 ;; esac
+    case " ${GPU_CHECK_SKIP:-} " in *" $name "*)
+        echo "== $name: skipped (GPU_CHECK_SKIP)"; printf '%s\tskipped\t0\n' "$name" >> "$OUT/steps.tsv"; return 0 ;;
+    esac
     t0=$(date +%s%N)
     echo "== $name (limit ${limit} s)"
     timeout --kill-after=10 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1

@@ -102,8 +102,8 @@ def compression_kernels():
 # (a Python float literal or a float64 scalar argument would promote the element math).
 # Reductions that accumulate in float64 on purpose (bias and LayerNorm sums, the loss's row
 # sums, dwpe's batch sums) are not listed.
-FLOAT32_ONLY = ("bias_act forward", "attention forward", "attention backward", "sgd", "adamw", "scale",
-                "residual", "embedding forward", "softmax_xent backward")
+FLOAT32_ONLY = ("bias_act forward", "attention forward", "attention backward", "attention dsum", "sgd", "adamw",
+                "scale", "residual", "embedding forward", "embedding dwte", "softmax_xent backward")
 
 
 def float32_only(name: str) -> bool:

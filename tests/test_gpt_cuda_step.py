@@ -2,7 +2,8 @@
 
 Without a GPU the device is numba's CUDA simulator (tiny shapes: every simulated thread
 is a Python thread); on a GPU machine scripts/test.sh and scripts/gpu-check.sh run the
-same tests on the GPU. Everything the GPT runs is on the device: embedding, layernorm,
+same tests on the GPU, there with the GEMMs through cuBLAS as well (train.gemm). Two
+micro-batches, the second accumulating into the gradient, then AdamW. Everything the GPT runs is on the device: embedding, layernorm,
 attention (the CUDA kernels keep one log-sum-exp per row where the CPU twin keeps P),
 GELU, residual adds, the tied head's GEMMs, the loss and AdamW.
 
@@ -33,23 +34,35 @@ def assert_close(got, ref):
 
 
 def _step(dev, tokens, targets):
+    """Two micro-batches (the second's gradient accumulated), then AdamW."""
     model = GPT(dev, VOCAB, T, LAYERS, HEADS, D)
     model.init(3)
-    loss, correct = model.forward(dev.from_host(tokens, np.int64), dev.from_host(targets, np.int64))
-    model.backward()
+    for i, rows in enumerate((slice(0, 2), slice(2, None))):
+        loss, correct = model.forward(dev.from_host(tokens[rows], np.int64), dev.from_host(targets[rows], np.int64))
+        model.backward(accumulate=i > 0)
     grad = dev.to_host(model.flat.grad).copy()
     state = [dev.zeros(model.flat.size) for _ in range(2)]
     dev.ops.adamw_step(model.flat.data, model.flat.grad, *state, 1, 1e-2, 0.9, 0.95, 1e-8, 0.1)
     return loss, correct, grad, dev.to_host(model.flat.data).copy()
 
 
-def test_gpt_step_on_cuda_equals_cpu_step():
+def _gemms():
+    """numba's GEMM everywhere; cuBLAS too where CuPy runs (a real GPU)."""
+    from hpctrain.device import simulated
+    from hpctrain.kernels.cublas import cupy_status
+
+    real = not simulated() and cupy_status()[0]
+    return ["numba", pytest.param("cublas", marks=pytest.mark.skipif(not real, reason="CuPy on a real GPU only"))]
+
+
+@pytest.mark.parametrize("gemm", _gemms())
+def test_gpt_step_on_cuda_equals_cpu_step(gemm):
     r = np.random.default_rng(17)
     tokens = r.integers(0, VOCAB, (3, T))
     tokens[1] = 4   # one window of a single repeated token: the embedding gradient's worst case
     targets = r.integers(0, VOCAB, (3, T))
     (l0, c0, g0, p0), (l1, c1, g1, p1) = (_step(d, tokens, targets) for d in (CpuDevice("float64"),
-                                                                               CudaDevice("float64")))
+                                                                               CudaDevice("float64", gemm=gemm)))
     np.testing.assert_allclose(l1, l0, rtol=1e-12)
     assert c1 == c0
     assert_close(g1, g0)

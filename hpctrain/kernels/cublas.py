@@ -26,12 +26,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def cupy_status() -> tuple[bool, str]:
-    """(whether CuPy imports and sees a GPU, why not)."""
+def cupy_status(gpu: int = 0) -> tuple[bool, str]:
+    """(whether CuPy imports and its cuBLAS multiplies on GPU ``gpu``, why not)."""
     try:
         import cupy
 
-        cupy.cuda.runtime.getDeviceCount()
+        with cupy.cuda.Device(gpu):  # on the rank's own GPU: no context on GPU 0 for every rank
+            a = cupy.ones((2, 2), cupy.float32)
+            if float((a @ a)[0, 0]) != 2.0:  # loads cuBLAS: a broken install fails here, not at step 1
+                return False, "CuPy's cuBLAS gave a wrong product"
         return True, ""
     except Exception as exc:  # noqa: BLE001 - a missing or broken CuPy is a status
         return False, f"{type(exc).__name__}: {exc}"
@@ -49,9 +52,10 @@ def _c_strides(shape, itemsize):
 class CublasLinear:
     """The two Linear ops for one device stream (a numba ``cuda.stream()``)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, gpu: int = 0):
         import cupy
 
+        cupy.cuda.Device(gpu).use()  # the rank's GPU (numba selected it; CuPy keeps its own current device)
         self.cp = cupy
         self.stream = cupy.cuda.ExternalStream(int(stream))  # numba's Stream converts to its CUstream handle
         self._views: dict = {}
@@ -68,6 +72,8 @@ class CublasLinear:
         if v is None:
             cp = self.cp
             span = sum((n - 1) * s for n, s in zip(cai["shape"], strides)) + dtype.itemsize if a.size else 0
+            # owner=a keeps the numba array (and so the pointer) alive while the view is cached, so a
+            # cached key never names freed memory; the trainer's buffers live for the run anyway
             mem = cp.cuda.UnownedMemory(ptr, span, owner=a)
             v = self._views[key] = cp.ndarray(cai["shape"], dtype, cp.cuda.MemoryPointer(mem, 0), strides)
         return v
