@@ -12,7 +12,10 @@ median and min-max are reported next to ceilings measured in the same run:
   - memory-bound kernels: GB/s against device-to-device copy bandwidth (the
     better of cudaMemcpy D2D and a grid-stride copy kernel), target >= 0.8x;
   - GEMMs: GFLOP/s against cuBLAS fp32 SGEMM through CuPy at the same shapes
-    (TF32 off), target >= 0.5x at 4096^3; "n/a" without CuPy.
+    (TF32 off), target >= 0.5x at 4096^3; "n/a" without CuPy;
+  - the GPT's layernorm, attention and whole step (benchmarks/kernels_gpt.py):
+    copy bandwidth, PyTorch's scaled_dot_product_attention and PyTorch eager on
+    the same GPT shape; "n/a" without PyTorch.
 Writes JSON (--json). Exit 2 when there is no GPU (and no simulator).
 """
 
@@ -36,6 +39,9 @@ from hpctrain.device import CPU_OPS, CudaDevice, cuda_status, gpu_name, simulate
 from hpctrain.kernels import softmax_xent as sx  # noqa: E402
 from hpctrain.kernels.cuda_support import THREADS, blocks_for  # noqa: E402
 from hpctrain.kernels.linear import gemm_cuda  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernels_gpt  # noqa: E402 - beside this file: the GPT's rows
 
 BW_TARGET, GEMM_TARGET = 0.8, 0.5
 SPIN_ITERS = 2000  # x ~1 us nanosleep: the GPU stays busy while Python enqueues a timed call
@@ -178,6 +184,7 @@ def validate(dev, small, rng):
     Sg = up(p)
     ops.scale(Sg, 1.0 / 3.0)  # one multiply by the same dtype-rounded factor: bitwise equal to the twin
     ok["scale"] = check("scale", host(Sg), CPU_OPS.scale(p.copy(), 1.0 / 3.0), 0.0)
+    ok.update(kernels_gpt.validate(dev, small, rng, check))
     return ok
 
 
@@ -253,7 +260,7 @@ def cases(dev, small, rng, cp):
              ("adamw_step", f"P={P:,}", "GB/s", 7 * P * s,  # p g m v in, p m v out
               lambda: ops.adamw_step(p, g, m, v, 10, 1e-3, 0.9, 0.999, 1e-8, 1e-2), None, BW_TARGET),
              ("scale", f"P={P:,}", "GB/s", 2 * P * s, lambda: ops.scale(g, 1.0), None, BW_TARGET)]  # buf in, out
-    return rows
+    return rows + kernels_gpt.cases(dev, small, rng)
 
 
 def copy_ceiling(dev, small, rng, args):
@@ -335,11 +342,13 @@ def main() -> None:
             continue
         ms = time_ms(fn, dev, args)
         row.update(median_ms=float(np.median(ms)), min_ms=min(ms), max_ms=max(ms))
-        row["rate"] = work / row["median_ms"] / 1e6  # per ms -> per s, then G
+        per_ms = 1e3 if unit == "tokens/s" else 1e-6  # per ms -> per s (tokens), or per s then G (FLOP, B)
+        row["rate"] = work / row["median_ms"] * per_ms
+        ref_fn, ref_name = ref_fn if isinstance(ref_fn, tuple) else (ref_fn, "cuBLAS")
         if unit == "GB/s":
             row["ceiling"], row["ceiling_name"] = ceiling["gbs"], f"copy ({ceiling['source']})"
         elif ref_fn is not None:
-            row["ceiling"], row["ceiling_name"] = work / np.median(time_ms(ref_fn, dev, args)) / 1e6, "cuBLAS"
+            row["ceiling"], row["ceiling_name"] = work / np.median(time_ms(ref_fn, dev, args)) * per_ms, ref_name
         row["ratio"] = row["rate"] / row["ceiling"] if "ceiling" in row else None
         row["target"] = target if no_target is None else None
         row["met"] = bool(row["ratio"] >= target) if row["target"] and row["ratio"] is not None else None

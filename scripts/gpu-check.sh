@@ -2,6 +2,7 @@
 # One command that validates hpctrain on a machine with an NVIDIA GPU (docs/gpu.md):
 #
 #     bash scripts/gpu-check.sh OUTDIR
+#     bash scripts/gpu-check.sh --simulate OUTDIR   # a dry run on numba's CUDA simulator, tiny sizes (CI)
 #
 # Needs only the project tree and a python3 that has numba (+ numba-cuda), mpi4py, h5py,
 # pytest and, for the yardsticks, cupy and torch (no .venv, no install: PYTHONPATH=.).
@@ -14,13 +15,18 @@
 # then writes OUTDIR/gpu-check.md and OUTDIR/gpu-check.json (scripts/gpu_report.py).
 # Exit 0 when every step passed. About 5-8 minutes on one H100.
 # GPU_CHECK_SKIP="gpu-tests kernels" leaves steps out (to rerun the rest after a fix).
+# --simulate: every step's plumbing on the simulator with tiny sizes and a few steps, the
+# test step and the PyTorch comparison left out (the suite runs the CUDA tests on the
+# simulator anyway; the peer needs a GPU to mean anything): about a minute, no GPU.
 set -uo pipefail
-OUT=${1:?usage: bash scripts/gpu-check.sh OUTDIR}
+SIM=0
+if [ "${1:-}" = "--simulate" ]; then SIM=1; shift; fi
+OUT=${1:?usage: bash scripts/gpu-check.sh [--simulate] OUTDIR}
 mkdir -p "$OUT/logs" "$OUT/runs"
 OUT=$(cd "$OUT" && pwd)   # relative to where it was called from, before the cd below
 cd "$(dirname "$0")/.."
 PY=${HPCTRAIN_PYTHON:-python3}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=$SIM
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 MPIRUN=${MPIRUN:-mpirun}  # Open MPI may oversubscribe through the variable above; others need no flag
 DATA=$OUT/data
@@ -45,7 +51,24 @@ step() {
     return 0
 }
 
-{ nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# sizes: the real check, or the simulator's (each simulated thread is a Python thread)
+if [ $SIM = 1 ]; then
+    GPU_CHECK_SKIP="${GPU_CHECK_SKIP:-} gpu-tests gpt-vs-torch"
+    KERNELS_ARGS=(--small --repeats 1 --warmup 1)
+    N_SYNTH=(512 128)
+    MLP_SETS=(--set train.steps=3 --set train.global_batch=8 --set "model.hidden=[8]" --set train.target_accuracy=0)
+    GPT_SETS=(--set train.steps=2 --set train.global_batch=2 --set model.n_layer=1 --set model.d_model=8
+              --set model.n_head=2 --set model.context=8 --set train.eval_tokens=16)
+else
+    KERNELS_ARGS=()
+    N_SYNTH=(65536 8192)
+    MLP_SETS=()
+    GPT_SETS=(--set train.steps=200 --set train.eval_tokens=65536)
+fi
+echo "simulate=$SIM" > "$OUT/mode.txt"
+
+{ [ $SIM = 1 ] && echo "numba CUDA simulator (--simulate)"
+  nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   "$PY" -c "import sys, numba, numpy; print('python', sys.version.split()[0], 'numba', numba.__version__, 'numpy', numpy.__version__)"
   "$PY" -c "import cupy; print('cupy', cupy.__version__)" 2>&1 | tail -1
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tail -1
@@ -54,21 +77,44 @@ step() {
 step gpu-tests 300 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/logs/gpu-tests.xml" \
     tests/test_cuda_kernels.py tests/test_cuda_device.py tests/test_gpu_training.py tests/test_compress_kernels_cuda.py \
     tests/test_attention_cuda.py tests/test_gpt_cuda_kernels.py tests/test_gpt_cuda_step.py
-step kernels 180 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json"
+step kernels 180 "$PY" benchmarks/kernels.py "${KERNELS_ARGS[@]}" --json "$OUT/kernels.json"
 
-step data 120 bash -c "'$PY' -m hpctrain data synth --out '$DATA/synth-train.h5' --n 65536 --seed 1 && \
-    '$PY' -m hpctrain data synth --out '$DATA/synth-eval.h5' --n 8192 --seed 2 && \
-    '$PY' -m hpctrain data text --out '$DATA/text.h5'"
+# the data: synthetic tables, and the text corpus (the running Python's standard library);
+# simulated, a token file with a 96-token /val (the final evaluation scores all of it, and
+# the simulator runs about one small forward per second)
+make_data() {
+    "$PY" -m hpctrain data synth --out "$DATA/synth-train.h5" --n "$1" --seed 1 &&
+    "$PY" -m hpctrain data synth --out "$DATA/synth-eval.h5" --n "$2" --seed 2 || return 1
+    if [ "$SIM" = 1 ]; then
+        "$PY" - "$DATA/text.h5" <<'PYEOF'
+import sys
+
+import h5py
+import numpy as np
+
+r = np.random.default_rng(0)
+with h5py.File(sys.argv[1], "w") as f:
+    f["train"] = r.integers(0, 256, 4096).astype(np.uint16)
+    f["val"] = r.integers(0, 256, 96).astype(np.uint16)
+    f.attrs.update(format="hpctrain-tokens", format_version=1, vocab_size=256)
+PYEOF
+    else
+        "$PY" -m hpctrain data text --out "$DATA/text.h5"
+    fi
+}
+export -f make_data
+export PY DATA SIM
+step data 120 bash -c 'make_data "$@"' make_data "${N_SYNTH[@]}"
 
 for n in 1 2; do
     step "mlp-cuda-$n" 120 $MPIRUN -n $n "$PY" -m hpctrain train --config examples/mlp.toml \
         --set train.device=cuda --set "data.train=$DATA/synth-train.h5" --set "data.eval=$DATA/synth-eval.h5" \
-        --set "checkpoint.dir=$OUT/runs/mlp$n" --set "train.metrics=$OUT/runs/mlp-$n.jsonl"
+        --set "checkpoint.dir=$OUT/runs/mlp$n" --set "train.metrics=$OUT/runs/mlp-$n.jsonl" "${MLP_SETS[@]}"
     # the example GPT, shortened (its accuracy target is for the whole run: not checked here)
     step "gpt-cuda-$n" 180 $MPIRUN -n $n "$PY" -m hpctrain train --config examples/gpt.toml \
-        --set train.device=cuda --set "data.train=$DATA/text.h5" --set train.steps=200 --set train.eval_every=0 --set train.eval_tokens=65536 \
+        --set train.device=cuda --set "data.train=$DATA/text.h5" --set train.eval_every=0 \
         --set train.target_bpb_vs_bigram=0 --set "checkpoint.dir=$OUT/runs/gpt$n" \
-        --set "train.metrics=$OUT/runs/gpt-$n.jsonl"
+        --set "train.metrics=$OUT/runs/gpt-$n.jsonl" "${GPT_SETS[@]}"
 done
 
 # a GPT that gives the GPU work (6 layers, d 384, 6 heads of 64, context 256; 16 windows per rank),

@@ -1,0 +1,38 @@
+"""scripts/gpu-check.sh --simulate: the one-command GPU validation, dry-run on numba's CUDA
+simulator with tiny sizes (no GPU here). Every step the real check runs must run and pass
+(the test step and the PyTorch comparison are reported as skipped), and the report must
+say what ran: 1- and 2-rank training on the cuda device end with the same loss."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_gpu_check_dry_run_on_the_simulator(tmp_path):
+    out = tmp_path / "check"
+    env = dict(os.environ, HPCTRAIN_PYTHON=sys.executable)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)   # the script sets it itself
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu-check.sh"), "--simulate", str(out)],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=840)
+    report = (out / "gpu-check.md").read_text() if (out / "gpu-check.md").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + report[-3000:]
+    doc = json.loads((out / "gpu-check.json").read_text())
+    assert doc["passed"] is True
+    ran = {s["name"]: s["rc"] for s in doc["steps"]}
+    assert ran == {"gpu-tests": None, "kernels": 0, "data": 0, "mlp-cuda-1": 0, "gpt-cuda-1": 0, "mlp-cuda-2": 0,
+                   "gpt-cuda-2": 0, "gpt-vs-torch": None}
+    assert doc["skipped"] == ["gpu-tests", "gpt-vs-torch"]
+    assert "numba CUDA simulator" in doc["env"][0]
+    runs = doc["runs"]
+    assert runs["gpt-1"]["steps"] == runs["gpt-2"]["steps"] == 2
+    assert runs["gpt-1"]["loss"] == pytest.approx(runs["gpt-2"]["loss"], rel=1e-6)   # 2 ranks = 1 rank
+    assert runs["mlp-1"]["loss"] == pytest.approx(runs["mlp-2"]["loss"], rel=1e-6)
+    assert doc["kernels"]["simulator"] is True and doc["kernels"]["rows"]
+    assert "**PASSED** (skipped: gpu-tests, gpt-vs-torch)" in report
