@@ -1,8 +1,9 @@
-"""Gradient compression: cost per call against MPI_Allreduce, and time to a target loss.
+"""Gradient compression: cost per call against MPI_Allreduce, and what it buys in training.
 
     mpirun -n 2 python benchmarks/compression.py                        # part A, 16 MB bucket
     mpirun -n 4 --oversubscribe python benchmarks/compression.py --mb 4
-    python benchmarks/compression.py --train --launcher "benchmarks/emulated_cluster.sh --rate 1gbit --np 4 --"
+    python benchmarks/compression.py --train --model gpt --seeds 0 1 2 \
+        --launcher "benchmarks/emulated_cluster.sh --rate 100mbit --np 4 --"
 
 Part A (under mpirun, any number of ranks): one synthetic bucket shaped like a
 layer stack (d x d matrices, each followed by a d-vector; d = 1024 unless the
@@ -18,31 +19,34 @@ bucket is too small), summed over ranks by ``CompressedSum`` per compressor.
    load from elsewhere hits all alike. "x MPI" = MPI time / our time.
 
 Part B (``--train``, plain python, no mpirun around it): ``python -m hpctrain
-train`` once per compressor through ``--launcher``, each writing per-step
-metrics; from them, steps and seconds (sum of step_time) until the loss,
-smoothed over ``--window`` steps, first drops below the target (default 1.02 x
-the uncompressed run's final smoothed loss). ``spec@inter`` runs a compressor
-with ``dist.allreduce=hierarchical``, ``dist.compress_scope=inter``.
+train`` once per compressor spec and seed through ``--launcher``, each writing
+per-step metrics; from them bytes per step, encode + decode time, the loss
+curve against steps and seconds, and the time to a target loss
+(benchmarks/compression_train.py has the definitions). ``--model gpt`` trains
+examples/gpt-compress.toml (the GPT of docs/benchmarks.md), ``--model mlp``
+examples/mlp.toml; ``--config`` names another.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
-import shlex
-import subprocess
 import sys
-import time
-import tomllib
+
+from compression_report import dump, fmt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 YARDSTICK = "MPI_Allreduce"
 PERIOD = 16  # see the docstring: keeps every partial sum an integer exact in bf16
 EXACT = ("none", "fp16", "bf16")  # compressors whose sum of small integers must be exact
 STEP = 1000  # Context.step of timed calls: past any powersgd start_step
+
+
+MODELS = {  # --model: the config part B trains and the specs it compares by default
+    "mlp": ("examples/mlp.toml", "none,topk(0.01),powersgd(4),sign"),
+    "gpt": ("examples/gpt-compress.toml", "none,fp16,bf16,topk(0.01),randk(0.01),sign,powersgd(4),topk(0.01)@inter"),
+}
 
 
 def split_specs(text: str) -> list[str]:
@@ -56,17 +60,25 @@ def parse_args(argv=None):
     p.add_argument("--mb", type=float, default=16, help="part A bucket size, MiB of float32 (16)")
     p.add_argument("--warmup", type=int, default=2, help="part A untimed calls per compressor")
     p.add_argument("--repeats", type=int, default=5, help="part A timed calls per compressor (median)")
-    p.add_argument("--train", action="store_true", help="part B: time to target loss instead of part A")
-    p.add_argument("--train-compressors", default="none,topk(0.01),powersgd(4),sign",
-                   help="part B specs; spec@inter = hierarchical all-reduce, compress_scope inter")
+    p.add_argument("--train", action="store_true", help="part B: training runs instead of part A")
+    p.add_argument("--model", choices=sorted(MODELS), default="mlp", help="part B: the model (mlp)")
+    p.add_argument("--train-compressors", help="part B specs COMPRESSOR[@SCOPE][:STEPS] (@inter: hierarchical "
+                   "all-reduce, compress_scope inter; :STEPS: train.steps); default per --model")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="part B train.seed values, each run per spec")
     p.add_argument("--launcher", default="mpirun -n 2 --oversubscribe", help="part B command prefix")
-    p.add_argument("--config", default="examples/mlp.toml")
+    p.add_argument("--baseline", help="part B: take the 'none' runs from this earlier part B JSON (same config, "
+                   "launcher and seeds) instead of training them again")
+    p.add_argument("--config", help="part B config (default per --model)")
     p.add_argument("--set", action="append", default=[], help="extra --set for every part B run")
-    p.add_argument("--window", type=int, default=50, help="part B loss smoothing, steps (50)")
-    p.add_argument("--target-loss", type=float, default=0.0, help="0: --target-factor x the uncompressed final loss")
-    p.add_argument("--target-factor", type=float, default=1.02, help="target over the uncompressed final loss")
+    p.add_argument("--window", type=int, default=50, help="part B, MLP: training-loss smoothing, steps (50)")
+    p.add_argument("--target-loss", type=float, default=0.0, help="0: --target-factor x none's final loss")
+    p.add_argument("--target-factor", type=float, default=1.02, help="target over none's final loss (1.02)")
     p.add_argument("--json", default=os.path.join(REPO, "runs", "bench", "compression.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    config, specs = MODELS[args.model]
+    args.config = args.config or config
+    args.train_compressors = split_specs(args.train_compressors or specs)
+    return args
 
 
 # ---- part A: one bucket, per call ------------------------------------------------------
@@ -175,10 +187,6 @@ def part_a(args) -> int:
     return 1 if bad else 0
 
 
-def fmt(v, spec=".2f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def table_a(rows, info, shapes) -> str:
     mpi = next(r["median_s"] for r in rows if r["compressor"] == YARDSTICK)
     d = shapes[0][0]
@@ -198,102 +206,13 @@ def table_a(rows, info, shapes) -> str:
     return "\n".join(lines)
 
 
-# ---- part B: time to a target loss ------------------------------------------------------
-def run_training(args, spec: str, out_dir: str) -> dict:
-    comp, _, scope = spec.partition("@")
-    path = os.path.join(out_dir, re.sub(r"[^a-z0-9.]+", "_", spec) + ".jsonl")
-    if os.path.exists(path):
-        os.remove(path)  # a metrics file is appended to only on resume; start clean
-    sets = [f'dist.compress="{comp}"', f'train.metrics="{path}"', "train.target_accuracy=0", *args.set]
-    if scope:
-        sets += ['dist.allreduce="hierarchical"', f'dist.compress_scope="{scope}"']
-    cmd = shlex.split(args.launcher) + [sys.executable, "-m", "hpctrain", "train", "--config", args.config]
-    for s in sets:
-        cmd += ["--set", s]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    wall = time.time() - t0
-    text = proc.stdout + proc.stderr
-    m = re.search(r"(\d+) rank\(s\) on (\d+) node", text)
-    steps = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-    return {"spec": spec, "rc": proc.returncode, "wall_s": wall, "metrics": path, "steps": steps,
-            "ranks": int(m.group(1)) if m else None, "nodes": int(m.group(2)) if m else None,
-            "accuracy": (re.findall(r"accuracy[^\d]*([\d.]+)\s*%", text) or [None])[-1],
-            "tail": text[-1500:] if proc.returncode else ""}
-
-
-def summarise(run: dict, window: int) -> dict:
-    import numpy as np
-
-    st = run.pop("steps")
-    loss = np.array([s["loss"] for s in st])
-    # smooth[i]: steps i .. i+window-1; none for a run that failed before its first window
-    smooth = np.convolve(loss, np.ones(window) / window, "valid") if loss.size >= window else np.zeros(0)
-    p = run["ranks"] or 1
-    sent = sum(s.get("bytes_sent", 2 * (p - 1) * s["bytes_reduced"] // p) for s in st)
-    return dict(run, n_steps=len(st), step_time_s=[s["step_time"] for s in st], smooth=smooth.tolist(),
-                final_loss=float(smooth[-1]) if smooth.size else None, bytes_sent=int(sent))
-
-
-def part_b(args) -> int:
-    cfg = tomllib.load(open(os.path.join(REPO, args.config), "rb"))
-    specs = split_specs(args.train_compressors)
-    if not args.target_loss and "none" not in specs:
-        print("compression.py: error: --target-loss 0 needs 'none' in --train-compressors", file=sys.stderr)
-        return 2
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(args.json)), "compression-metrics")
-    os.makedirs(out_dir, exist_ok=True)
-    load0, runs = os.getloadavg()[0], []
-    for spec in specs:
-        print(f"training with {spec} ...", file=sys.stderr, flush=True)
-        run = summarise(run_training(args, spec, out_dir), args.window)
-        runs.append(run)
-        if run["rc"]:
-            print(f"  exit {run['rc']}:\n{run['tail']}", file=sys.stderr)
-    base = next((r["final_loss"] for r in runs if r["spec"] == "none"), None)
-    target = args.target_loss or (args.target_factor * base if base else None)  # None: none's run failed
-    for r in runs:
-        hit = next((i for i, v in enumerate(r.pop("smooth")) if target is not None and v < target), None)
-        st = r.pop("step_time_s")
-        r.update(target_step=None if hit is None else hit + args.window,
-                 target_s=None if hit is None else float(sum(st[:hit + args.window])), train_s=float(sum(st)),
-                 loss_vs_none=r["final_loss"] / base if base and r["final_loss"] else None)
-    info = {"launcher": args.launcher, "config": args.config, "seed": cfg["train"].get("seed", 0),
-            "steps": max((r["n_steps"] for r in runs), default=0) or cfg["train"].get("steps"), "extra_set": args.set, "window": args.window, "target_loss": target,
-            "target_factor": None if args.target_loss else args.target_factor,
-            "loadavg_1min_start": load0, "loadavg_1min_end": os.getloadavg()[0], "cores": os.cpu_count()}
-    print(table_b(runs, info))
-    dump(args.json, {"part": "B", "info": info, "rows": runs})
-    return 1 if any(r["rc"] or not r["n_steps"] for r in runs) else 0
-
-
-def table_b(runs, info) -> str:
-    r0 = runs[0]
-    by = f" = {info['target_factor']} x none's final" if info["target_factor"] else ""
-    lines = [f"time to smoothed loss < {fmt(info['target_loss'], '.4f')}{by} ({info['window']}-step mean), {info['config']}, "
-             f"{''.join(f'--set {x}, ' for x in info['extra_set'])}train.seed {info['seed']}, {info['steps']} steps, {r0['ranks']} ranks on {r0['nodes']} node(s) via "
-             f"`{info['launcher']}`; load average {info['loadavg_1min_start']:.1f} -> {info['loadavg_1min_end']:.1f} "
-             f"on {info['cores']} cores", "",
-             "| compressor | steps to target | s to target | train s | final loss | x none | sent/rank MB "
-             "| eval acc % | exit |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in runs:
-        lines.append(f"| {r['spec']} | {fmt(r['target_step'], 'd')} | {fmt(r['target_s'], '.1f')} | "
-                     f"{r['train_s']:.1f} | {fmt(r['final_loss'], '.4f')} | {fmt(r['loss_vs_none'], '.3f')} | "
-                     f"{r['bytes_sent'] / 1e6:.1f} | {r['accuracy'] or '-'} | {r['rc']} |")
-    return "\n".join(lines)
-
-
-def dump(path: str, doc: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.node(), **doc}, fh, indent=1)
-    print(f"json: {path}")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return part_b(args) if args.train else part_a(args)
+    if args.train:
+        from compression_train import part_b
+
+        return part_b(args)
+    return part_a(args)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
 #   benchmarks/emulated_cluster.sh -- .venv/bin/python benchmarks/allreduce.py --max 64M
 #
 # Ranks are mapped by node (rank 0 -> nodeA, 1 -> nodeB, 2 -> nodeA, ...), so a
-# flat ring crosses the link at every hop. Exit status: the command's, or 77
+# flat ring crosses the link at every hop. At the end it prints the bytes that
+# crossed the link each way ("emulated cluster: link bytes ..."). Exit status: the command's, or 77
 # (skipped) with one line saying why when network namespaces cannot be made
 # here, or 2 for a usage error.
 set -uo pipefail
@@ -106,5 +107,10 @@ ip netns exec "$nsA" unshare --uts sh -c 'hostname nodeA; exec "$@"' sh \
     "$@" &
 wait $!
 status=$?
+# What crossed the link, each way, over the whole job (start-up, training, evaluation, and
+# TCP/IP headers): the veths' own counters, read before the namespaces go.
+ab=$(ip netns exec "$nsA" cat /sys/class/net/vethA/statistics/tx_bytes 2>/dev/null)
+ba=$(ip netns exec "$nsB" cat /sys/class/net/vethB/statistics/tx_bytes 2>/dev/null)
+[[ -n $ab && -n $ba ]] && echo "emulated cluster: link bytes nodeA->nodeB $ab, nodeB->nodeA $ba"
 cleanup
 exit $status

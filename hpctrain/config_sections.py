@@ -126,6 +126,10 @@ class OptimConfig:
     beta1: float = _f(0.9, "AdamW first-moment decay")
     beta2: float = _f(0.999, "AdamW second-moment decay")
     eps: float = _f(1e-8, "AdamW denominator guard")
+    freeze_step: int = _f(0, "AdamW: the second moment stops changing after this step (1-bit Adam's frozen "
+                          "variance), so the update is linear in the gradient and error-feedback compression "
+                          "adds up as the uncompressed gradient would; set it to dist.compress_start_step "
+                          "(docs/dist.md); 0 = never")
     schedule: str = _f("cosine", "after warmup: cosine | step | constant",
                        choices=("cosine", "step", "constant"))
     warmup_steps: int = _f(100, "linear warmup from 0; large batches need it")
@@ -149,6 +153,8 @@ class OptimConfig:
             raise ConfigError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError(f"optim.beta1/beta2=({self.beta1}, {self.beta2}): each must be in [0, 1)")
+        if self.freeze_step < 0:
+            raise ConfigError(f"optim.freeze_step={self.freeze_step}: a step >= 0 (0 = never freeze)")
         if self.eps <= 0 or self.warmup_steps < 0 or self.step_size < 1 or self.base_batch < 1:
             raise ConfigError("optim.eps > 0, optim.warmup_steps >= 0, optim.step_size >= 1 "
                               "and optim.base_batch >= 1 are required")
@@ -174,6 +180,9 @@ class DistConfig:
     ranks_per_node: int = _f(0, "simulate nodes of k ranks on one machine; 0 = real nodes (shared memory)")
     compress: str = _f("none", "gradient compression: none | fp16 | bf16 | topk(ratio) | randk(ratio) | sign | "
                        "powersgd(rank[, start_step]); with error feedback except none (docs/dist.md)")
+    compress_start_step: int = _f(0, "steps before this one are all-reduced uncompressed by dist.allreduce "
+                                  "(compression's warm-up: the early, fast-changing gradients go exact; with "
+                                  "adamw set optim.freeze_step to the same step, docs/dist.md)")
     compress_scope: str = _f("all", "all = compress every bucket everywhere | inter = only hierarchical's "
                              "cross-node phase (intra-node stays exact)", choices=("all", "inter"))
     cuda_aware_mpi: str = _f("auto", "hand GPU buffers to MPI directly: auto (ask the MPI library) | on | off "
@@ -193,6 +202,9 @@ class DistConfig:
             raise ConfigError(f"dist.ranks_per_node={self.ranks_per_node}: must be >= 0")
         if not 0 <= self.comm_timeout < math.inf:  # also catches nan
             raise ConfigError(f"dist.comm_timeout={self.comm_timeout}: seconds >= 0 (0 = no watchdog)")
+        if self.compress_start_step < 0:
+            raise ConfigError(f"dist.compress_start_step={self.compress_start_step}: a step >= 0 (0 = compress "
+                              f"from the first step)")
         from .compress import make_compressor
         try:
             make_compressor(self.compress)

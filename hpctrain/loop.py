@@ -40,7 +40,9 @@ def _loop(trainer) -> dict:
              f"device {trainer.device.describe()}, allreduce {cfg.dist.allreduce} "
              f"(MPI staging: {trainer.staging.mode}; {len(trainer.buckets)} bucket(s), "
              f"overlap {'on' if cfg.dist.overlap else 'off'}"
-             + (f", compress {cfg.dist.compress} scope {cfg.dist.compress_scope}" if trainer.compression else "")
+             + (f", compress {cfg.dist.compress} scope {cfg.dist.compress_scope}"
+                + (f" from step {cfg.dist.compress_start_step}" if cfg.dist.compress_start_step else "")
+                if trainer.compression else "")
              + "), "
              f"global batch {tc.global_batch} = {b} x {world.size}, {trainer.model.flat.size:,} parameters, "
              f"{trainer.sampler.steps_per_epoch} steps/epoch; data: {data.describe}")

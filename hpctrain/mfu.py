@@ -33,11 +33,21 @@ def gemm_peak_flops(dtype, n: int = PEAK_N, repeats: int = PEAK_REPEATS) -> floa
     return 2.0 * n ** 3 / best
 
 
+_MEASURED: dict = {}  # (dtype, the world ranks of the communicator) -> its peak, once per process
+
+
 def world_peak_flops(world, device) -> float | None:
     """The sum over ranks of :func:`gemm_peak_flops`, measured by all ranks at once (collective);
-    None on a GPU (its peak is not measured here yet)."""
+    None on a GPU (its peak is not measured here yet). Measured once per process and group of
+    ranks: a second trainer in the same process (tests, sweeps) reuses it, and since every member
+    of the group built the first one too, all of them skip the collectives alike."""
     if device.name != "cpu":
         return None
-    world.comm.Barrier()  # measure together: ranks sharing a core must see each other's load
-    mine = gemm_peak_flops(device.dtype)
-    return float(world.comm.allreduce(mine))
+    from mpi4py import MPI
+
+    key = (str(device.dtype), tuple(world.comm.group.Translate_ranks(range(world.size), MPI.COMM_WORLD.group)))
+    if key not in _MEASURED:
+        world.comm.Barrier()  # measure together: ranks sharing a core must see each other's load
+        mine = gemm_peak_flops(device.dtype)
+        _MEASURED[key] = float(world.comm.allreduce(mine))
+    return _MEASURED[key]

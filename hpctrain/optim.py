@@ -116,7 +116,7 @@ class AdamW(_Optimizer):
     def _kernel(self, s, lr, weight_decay):
         c, f = self.cfg, self.flat
         self.device.ops.adamw_step(f.data[s], f.grad[s], self.exp_avg[s], self.exp_avg_sq[s],
-                                   self.t, lr, c.beta1, c.beta2, c.eps, weight_decay)
+                                   self.t, lr, c.beta1, c.beta2, c.eps, weight_decay, c.freeze_step)
 
     def state(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

@@ -84,7 +84,7 @@ class Trainer:
             if cfg.dist.compress != "none":
                 self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, world,
                                          self.staging, self.allreduce, self.buckets, self.model.flat, cfg.train.seed,
-                                         self.log)
+                                         self.log, cfg.dist.compress_start_step)
         self.guard = NumericGuard(cfg.guard, self.log)
         self.comm = BucketedAllreduce(self.allreduce, self.model.flat.grad, self.buckets, self.device,
                                       overlap=cfg.dist.overlap, compression=self.compression,

@@ -191,3 +191,44 @@ def test_trainer_on_cuda_compresses_on_the_device_like_the_host_path(small_data,
     (p_dev, s_dev), (p_host, s_host) = params["device"], params["host"]
     assert same_bits(p_dev, p_host)
     assert sorted(s_dev) == sorted(s_host) == ["residual/0"] and all(same_bits(s_dev[k], s_host[k]) for k in s_dev)
+
+
+@pytest.mark.parametrize("spec", ["topk(0.05)", "powersgd(2)"])
+def test_gpt_buckets_compress_on_the_device_like_the_host_path(comm, spec):
+    """The GPT's gradient buckets (its matrices as PowerSGD's layers, in the flat buffer's order)
+    through GradientCompression's device path and its host path, two steps: top-k bit for bit,
+    PowerSGD to the float32 rounding of its products. (A whole simulated GPT step takes ~45 s
+    here; the buckets are what compression sees of the model.)"""
+    from hpctrain.comm import make_allreduce
+    from hpctrain.comm.buckets import plan_buckets
+    from hpctrain.comm.compression import GradientCompression
+    from hpctrain.comm.staging import Staging
+    from hpctrain.models.gpt import GPT
+    from hpctrain.runtime import init_world
+
+    world, dev = init_world(comm), CudaDevice("float32")
+    model = GPT(dev, 7, 3, 1, 2, 4)  # small: the simulator runs PowerSGD's GEMMs a Python thread per element
+    buckets = plan_buckets(model.flat, 4, 0.0004, 0.0002)
+    staging = Staging(dev)
+    paths = [GradientCompression(spec, "all", world, staging, make_allreduce("mpi", world, dev, staging), buckets,
+                                 model.flat, seed=3) for _ in range(2)]
+    assert len(buckets) >= 3 and all(p.on_device for p in paths)
+    host = paths[1]
+    host._sum, host.on_device = CompressedSum(world.comm, host.compressor), False
+    for step in range(2):  # the first Q, then the warm-started one
+        g = grads(step, model.flat.size, "float32")
+        out = []
+        for path in paths:
+            flat = dev.from_host(g, np.float32)
+            for b in buckets:
+                path.reduce(flat[b.lo:b.hi], b.index, step)
+            out.append(dev.to_host(flat))
+        if spec.startswith("topk"):
+            assert same_bits(out[0], out[1]), step
+        else:
+            np.testing.assert_allclose(out[0], out[1], rtol=0, atol=1e-5 * np.abs(out[1]).max())
+    s_dev, s_host = (p.state() for p in paths)
+    assert sorted(s_dev) == sorted(s_host) and s_dev
+    if spec.startswith("powersgd"):  # every matrix rank 2 shrinks (wte, c_attn, c_fc, mlp c_proj) as a matrix
+        shrunk = [sh for b in paths[0].shapes for sh in b if paths[0].compressor.compresses(sh)]
+        assert sum(k.startswith("q/") for k in s_dev) == len(shrunk) == 4, shrunk

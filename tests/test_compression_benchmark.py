@@ -58,11 +58,11 @@ def test_compression_benchmark_part_b_tiny_training(tmp_path):
                            "--set", "train.steps=20", "--set", "train.log_every=10", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| compressor | steps to target | s to target |" in proc.stdout
+    assert "| compressor | scope | steps | sent/rank/step MB |" in proc.stdout
     doc = json.loads(out.read_text())
     assert [r["spec"] for r in doc["rows"]] == ["none", "topk(0.01)"]
     assert all(r["n_steps"] == 20 and r["rc"] == 0 and r["ranks"] == 1 for r in doc["rows"])
-    assert doc["rows"][0]["loss_vs_none"] == 1.0 and doc["info"]["seed"] == 0
+    assert doc["rows"][0]["loss_vs_none"] == 1.0 and doc["info"]["seeds"] == [0]
 
 
 def test_compression_benchmark_part_b_reports_a_failed_run_instead_of_crashing(tmp_path):
@@ -72,6 +72,13 @@ def test_compression_benchmark_part_b_reports_a_failed_run_instead_of_crashing(t
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "none.h5" in proc.stderr  # each run's own error, shown
-    assert "| none | - | - | 0.0 | - | - | 0.0 | - | 2 |" in proc.stdout
+    assert "| none | all | 0 | - | - | - | - | - | - | - | - | 0/1 | - | - | - | - | 2 |" in proc.stdout
     doc = json.loads(out.read_text())
-    assert [r["rc"] for r in doc["rows"]] == [2, 2] and doc["info"]["target_loss"] is None
+    assert [r["rc"] for r in doc["rows"]] == [2, 2] and all(r["target"] is None for r in doc["rows"])
+
+
+def test_compression_benchmark_part_b_bad_spec_is_one_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/compression.py", "--train", "--launcher", "",
+                           "--train-compressors", "none,topk(0.01):many", "--json", str(tmp_path / "x.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "topk(0.01):many" in proc.stderr and "Traceback" not in proc.stderr

@@ -8,6 +8,7 @@ and is skipped, with the script's reason, where namespaces cannot be made
 """
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -110,11 +111,40 @@ def test_every_strategy_on_an_emulated_two_node_cluster(tmp_path):
     for name in names:
         expected = f"refused across nodes: {name}" if name in ONE_MACHINE else f"ok: {name}"
         assert expected in out, out[-4000:]
+    # what crossed the link, counted by the veths: every strategy's traffic, both ways
+    link = re.search(r"emulated cluster: link bytes nodeA->nodeB (\d+), nodeB->nodeA (\d+)", out)
+    assert link and min(int(b) for b in link.groups()) > 4 * 65537, out[-2000:]
     # torn down: neither namespace outlives the run
     down = [line for line in out.splitlines() if line.startswith("emulated cluster: torn down")]
     assert down, out[-2000:]
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in left for ns in down[0].split()[4:]), left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compressed_gpt_sends_fewer_bytes_across_the_link(tmp_path, text_data):
+    """benchmarks/compression.py part B on the two nodes: a small GPT (68,544 parameters) for 20
+    steps, uncompressed and with powersgd(4) (1/10.2 of the values per step, see
+    test_compress_gpt_convergence.py); the link's own byte counts, read by the benchmark, must show it."""
+    out = tmp_path / "compression.json"
+    sets = [f'data.train="{text_data}"', "model.n_layer=1", "model.d_model=64", "model.context=32",
+            "train.global_batch=16", "train.steps=20", "train.eval_every=10", "train.eval_tokens=2048",
+            "optim.freeze_step=0", "dist.compress_start_step=0"]
+    proc = subprocess.run([sys.executable, "benchmarks/compression.py", "--train", "--model", "gpt",
+                           "--train-compressors", "none,powersgd(4)", "--json", str(out), "--launcher",
+                           "benchmarks/emulated_cluster.sh --rate none --np 4 --",
+                           *(a for s in sets for a in ("--set", s))],
+                          cwd=REPO, capture_output=True, text=True, timeout=270)
+    if "emulated_cluster: skipped:" in proc.stderr + proc.stdout:
+        pytest.skip(next(line for line in (proc.stderr + proc.stdout).splitlines() if "skipped:" in line))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["spec"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all(r["nodes"] == 2 and r["ranks"] == 4 and r["n_steps"] == 20 for r in rows.values()), rows
+    none, psgd = rows["none"]["link_bytes"], rows["powersgd(4)"]["link_bytes"]
+    # none: hierarchical sends each node's 274 KB of gradients across per step and direction (11 MB
+    # in 20 steps); both runs also pay the same start-up (the weights' broadcast, MPI's wire-up)
+    assert none > 2 * 20 * 4 * 68544 and psgd < none / 3, (none, psgd)
 
 
 @pytest.mark.timeout(180)

@@ -1,6 +1,8 @@
 """Training with gradient compression (run under mpirun -n 1..4): every compressor with
-every strategy and both scopes trains, keeps all ranks' parameters identical, and a
-signal-stopped, resumed run with compression on is bit-exact."""
+every strategy and both scopes trains the MLP, keeps all ranks' parameters identical, and a
+signal-stopped, resumed run with compression on is bit-exact, for the MLP and for the GPT
+(with compression's warm-up and AdamW's frozen second moment crossed before the stop).
+The GPT's compressor-by-strategy matrix is test_mpi_compress_gpt.py."""
 
 import hashlib
 import os
@@ -16,7 +18,14 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 SPECS = ["fp16", "bf16", "topk(0.05)", "randk(0.2)", "sign", "powersgd(2)"]
 
 
-def _config(train, compress, allreduce="mpi", scope="all", steps=12, ckpt_dir="/tmp/hpctrain-unused", resume=""):
+def _config(train, compress, allreduce="mpi", scope="all", steps=12, ckpt_dir="/tmp/hpctrain-unused", resume="",
+            model="mlp"):
+    if model == "gpt":  # compression from step 3, the second moment frozen there too
+        from tiny_gpt import gpt_config
+
+        return gpt_config(train, compress, allreduce, scope, steps, optim={"freeze_step": 3},
+                          dist={"compress_start_step": 3},
+                          checkpoint={"dir": ckpt_dir, "resume": resume, "keep_last": 0})
     cfg = Config()
     cfg.data.train, cfg.data.eval = train, ""
     cfg.model.hidden = [16, 12]
@@ -85,22 +94,25 @@ def test_inter_scope_on_one_node_compresses_nothing(mpi_small_data):
     np.testing.assert_array_equal(plain.model.flat.data, inter.model.flat.data)
 
 
-@pytest.mark.parametrize("spec,allreduce,scope", [("topk(0.05)", "mpi", "all"), ("powersgd(2)", "mpi", "all"),
-                                                  ("sign", "hierarchical", "inter")])
-def test_resume_with_compression_is_bit_exact(node_world, mpi_small_data, spec, allreduce, scope):
+@pytest.mark.parametrize("spec,allreduce,scope,model", [
+    ("topk(0.05)", "mpi", "all", "mlp"), ("powersgd(2)", "mpi", "all", "mlp"), ("sign", "hierarchical", "inter", "mlp"),
+    ("powersgd(2)", "ring", "all", "gpt"), ("topk(0.05)", "hierarchical", "inter", "gpt")])
+def test_resume_with_compression_is_bit_exact(node_world, mpi_small_data, mpi_text_data, spec, allreduce, scope,
+                                              model):
     import shutil
 
     from hpctrain.ckpt.format import list_checkpoints
 
     world = node_world
+    data = mpi_text_data if model == "gpt" else mpi_small_data[0]
     d = world.comm.bcast(f"/tmp/hpctrain-compress-resume-{os.getpid()}" if world.rank == 0 else None)
     if world.rank == 0:
         shutil.rmtree(d, ignore_errors=True)
     world.comm.Barrier()
     n_steps, k = 14, 6
-    straight = _trainer(_config(mpi_small_data[0], spec, allreduce, scope, n_steps), world)
+    straight = _trainer(_config(data, spec, allreduce, scope, n_steps, model=model), world)
     straight.run()
-    first = _trainer(_config(mpi_small_data[0], spec, allreduce, scope, n_steps, ckpt_dir=d), world)
+    first = _trainer(_config(data, spec, allreduce, scope, n_steps, ckpt_dir=d, model=model), world)
     step = first.compute_step
 
     def signalled(update):
@@ -110,7 +122,7 @@ def test_resume_with_compression_is_bit_exact(node_world, mpi_small_data, spec, 
     first.compute_step = signalled
     assert first.run()["stopped_by"]
     assert [s for s, _ in list_checkpoints(d)] == [k]
-    resumed = _trainer(_config(mpi_small_data[0], spec, allreduce, scope, n_steps, ckpt_dir=d, resume="auto"), world)
+    resumed = _trainer(_config(data, spec, allreduce, scope, n_steps, ckpt_dir=d, resume="auto", model=model), world)
     assert resumed.step == k
     restored = world.comm.allreduce(len(resumed.compression.state()))  # 0: nothing was compressed (one node)
     resumed.run()
@@ -119,7 +131,7 @@ def test_resume_with_compression_is_bit_exact(node_world, mpi_small_data, spec, 
         np.testing.assert_array_equal(resumed.optimizer.state()[name], buf)
     # without the compressor state the continuation differs (the test is not vacuous)
     if restored:
-        fresh = _trainer(_config(mpi_small_data[0], spec, allreduce, scope, n_steps, ckpt_dir=d, resume="auto"),
+        fresh = _trainer(_config(data, spec, allreduce, scope, n_steps, ckpt_dir=d, resume="auto", model=model),
                          world)
         fresh.compression.load_state({})
         fresh.run()

@@ -48,16 +48,19 @@ def sgd_ref(p0, grads, lrs, momentum, weight_decay, nesterov):
     return p, buf
 
 
-def adamw_ref(p0, grads, lrs, beta1, beta2, eps, weight_decay):
+def adamw_ref(p0, grads, lrs, beta1, beta2, eps, weight_decay, freeze_step=0):
+    """float64 AdamW; after step ``freeze_step`` (> 0) v and its bias correction stay as they were."""
     p = p0.astype(np.float64)
     m, v = np.zeros_like(p), np.zeros_like(p)
     for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
         g = g.astype(np.float64)
+        frozen = 0 < freeze_step < t
         p = p * (1 - lr * weight_decay)
         m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
+        if not frozen:
+            v = beta2 * v + (1 - beta2) * g * g
         m_hat = m / (1 - beta1 ** t)
-        v_hat = v / (1 - beta2 ** t)
+        v_hat = v / (1 - beta2 ** (freeze_step if frozen else t))
         p = p - lr * m_hat / (np.sqrt(v_hat) + eps)
     return p, m, v
 
@@ -123,6 +126,37 @@ def test_adamw_step_matches_reference(dtype, weight_decay, betas):
     np.testing.assert_allclose(v, ref_v, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("freeze_step", [1, 2])
+def test_adamw_with_a_frozen_second_moment_matches_reference(dtype, freeze_step):
+    p0, grads = problem(dtype, key=5)
+    p, m, v = p0.copy(), np.zeros(P, dtype=dtype), np.zeros(P, dtype=dtype)
+    for t, (g, lr) in enumerate(zip(grads, LRS), start=1):
+        adamw_step(p, g, m, v, t, lr, 0.9, 0.95, 1e-8, 0.01, freeze_step)
+        if t == freeze_step:
+            v_frozen = v.copy()
+    assert freeze_step < STEPS and np.array_equal(v, v_frozen)  # not one bit moved after the freeze
+    ref_p, ref_m, ref_v = adamw_ref(p0, grads, LRS, 0.9, 0.95, 1e-8, 0.01, freeze_step)
+    np.testing.assert_allclose(p, ref_p, **TOL[dtype])
+    np.testing.assert_allclose(m, ref_m, **TOL[dtype])
+    # the freeze changes the result (the test is not vacuous)
+    assert not np.allclose(ref_p, adamw_ref(p0, grads, LRS, 0.9, 0.95, 1e-8, 0.01)[0], rtol=1e-6, atol=0)
+
+
+def test_adamw_after_the_freeze_is_linear_in_the_gradient():
+    # what error-feedback compression needs: two steps of g/2 from equal states move p as one
+    # step of g would, up to the momentum's decay between them (here beta1 = 0: exactly)
+    p0, grads = problem(np.float64, key=6)
+    v = np.abs(grads[0]) + 0.5
+    moved = []
+    for gs in ([grads[1]], [grads[1] / 2, grads[1] / 2]):
+        p, m, vv = p0.copy(), np.zeros(P), v.copy()
+        for g in gs:
+            adamw_step(p, g, m, vv, 5, 0.01, 0.0, 0.9, 1e-8, 0.0, 2)
+        moved.append(p - p0)
+    np.testing.assert_allclose(moved[1], moved[0], rtol=1e-12, atol=1e-15)
+
+
 def test_adamw_first_step_is_lr_times_sign_of_grad():
     # t=1: m_hat = g and v_hat = g^2 exactly, so the step is lr * g / (|g| + eps)
     g = np.array([3.0, -0.5, 1e-3])
@@ -166,8 +200,9 @@ def test_sgd_class_matches_reference(dtype, nesterov):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_adamw_class_matches_reference_and_counts_steps(dtype):
-    cfg = OptimConfig(name="adamw", beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01)
+@pytest.mark.parametrize("freeze_step", [0, 2])
+def test_adamw_class_matches_reference_and_counts_steps(dtype, freeze_step):
+    cfg = OptimConfig(name="adamw", beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, freeze_step=freeze_step)
     device = CpuDevice(dtype)
     p0, grads = problem(np.dtype(dtype).type, key=4)
     flat = flat_with(device, p0)
@@ -177,7 +212,7 @@ def test_adamw_class_matches_reference_and_counts_steps(dtype):
         flat.grad[...] = g
         opt.step(lr)
     assert opt.t == STEPS
-    ref_p, ref_m, ref_v = adamw_ref(p0, grads, LRS, 0.9, 0.99, 1e-8, 0.01)
+    ref_p, ref_m, ref_v = adamw_ref(p0, grads, LRS, 0.9, 0.99, 1e-8, 0.01, freeze_step)
     tol = TOL[np.dtype(dtype).type]
     np.testing.assert_allclose(flat.data, ref_p, **tol)
     state = opt.state()

@@ -42,10 +42,10 @@ from ..errors import ConfigError
 
 
 class GradientCompression:
-    def __init__(self, spec, scope, world, staging, strategy, buckets, flat, seed, log=None):
+    def __init__(self, spec, scope, world, staging, strategy, buckets, flat, seed, log=None, start_step=0):
         self.world, self.staging, self.strategy, self.seed = world, staging, strategy, seed
         self.compressor = make_compressor(spec)
-        self.scope = scope
+        self.scope, self.start_step = scope, start_step
         by_name = {s.name: s for s in flat.slots}
         # layer shapes in memory order (buckets list their parameters in reverse)
         self.shapes = [[tuple(by_name[n].shape) for n in reversed(b.slots)] for b in buckets]
@@ -75,11 +75,18 @@ class GradientCompression:
         self.encode_s = self.decode_s = 0.0
 
     def reduce(self, view, index: int, step: int) -> None:
-        """Replace bucket ``index`` (device slice ``view``) by its compressed sum over ranks. Collective."""
+        """Replace bucket ``index`` (device slice ``view``) by its compressed sum over ranks, or before
+        ``start_step`` by its plain sum through the all-reduce strategy. Collective."""
+        if step < self.start_step:
+            self._reduce_uncompressed(view)
+            return
         ctx = Context(step=step, bucket=index, seed=self.seed)
         if self.scope == "inter":
             self.strategy.compress_context = ctx
-            self.strategy(view, "sum")
+            try:
+                self.strategy(view, "sum")
+            finally:
+                self.strategy.compress_context = None  # no stale context for an uncompressed call
         elif self.on_device:
             self._sum(view, ctx, self.shapes[index])
         else:
@@ -94,6 +101,21 @@ class GradientCompression:
             self.dense_bytes += s.dense_bytes
             self.encode_s += s.encode_s
             self.decode_s += s.decode_s
+
+    def _reduce_uncompressed(self, view) -> None:
+        """Compression's warm-up (``dist.compress_start_step``): the bucket summed exactly by the
+        strategy (hierarchical's phase 2 too: no context, no compression). Bytes are counted with
+        the compressed path's measure of the dense float32 bucket, sent as it is."""
+        self.strategy(view, "sum")
+        if self.scope == "inter":  # this rank's chunk of phase 2, summed over the nodes
+            if self._sum is None:  # one node, or a rank beyond the smallest node's size: nothing crosses
+                return
+            n, p = self.strategy.cross_chunk(view.size), self._sum.size
+        else:
+            n, p = view.size, self.world.size
+        dense = 2 * (p - 1) * 4 * n // p
+        self.sent_bytes += dense
+        self.dense_bytes += dense
 
     @property
     def ratio(self):

@@ -78,7 +78,8 @@ class HierarchicalAllreduce:
 
     def compress_inter(self, make_sum):
         """Sum phase 2 (op sum only) through ``make_sum(cross_comm)``, a CompressedSum; the
-        intra-node phases stay exact. The caller sets ``compress_context`` before each call.
+        intra-node phases stay exact. The caller sets ``compress_context`` before each call
+        (None: this call is not compressed, e.g. compression's warm-up).
         Buffers then go unsegmented: error feedback keeps one residual per bucket chunk."""
         if self.in_cross and self._single_node is None:
             self.cross_compressed = make_sum(self.world.cross_comm)
@@ -105,6 +106,11 @@ class HierarchicalAllreduce:
         while in_flight:
             self._finish(*in_flight.popleft())
 
+    def cross_chunk(self, n: int) -> int:
+        """Elements of an n-element buffer that this rank sums across nodes in phase 2."""
+        off = self._offsets(n)
+        return off[self.world.local_rank + 1] - off[self.world.local_rank]
+
     def _offsets(self, n):
         # chunk c < L is local rank c's; ranks beyond the smallest node's size own nothing
         return chunk_offsets(n, self.L) + [n] * (self.world.local_size - self.L)
@@ -115,7 +121,7 @@ class HierarchicalAllreduce:
         chunk = seg[offsets[r]:offsets[r + 1]]
         if self._inner is None or not chunk.size:
             return None
-        if self.cross_compressed is not None and kind == "sum":
+        if self.cross_compressed is not None and kind == "sum" and self.compress_context is not None:
             x = chunk.astype(np.float32)
             self.cross_compressed(x, self.compress_context)
             chunk[:] = x
