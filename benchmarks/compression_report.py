@@ -35,6 +35,10 @@ def _header(info: dict, summary: list[dict]) -> str:
     sets = "".join(f"--set {x}, " for x in info["extra_set"])
     if info.get("baseline"):
         target += f" (none's runs from {info['baseline']})"
+    if info.get("compress_start_step"):
+        target += (f"; compressed from step {info['compress_start_step']}, AdamW's second moment frozen from "
+                   f"step {info['freeze_step']}" if info.get("freeze_step") else
+                   f"; compressed from step {info['compress_start_step']}")
     return (f"{info['loss']} of {info['config']} ({sets.rstrip(', ') or 'as it is'}), seeds "
             f"{', '.join(map(str, info['seeds']))}, {s0['ranks']} ranks on {s0['nodes']} node(s) via "
             f"`{info['launcher']}`; {target}; load average {info['loadavg_1min_start']:.1f} -> "
@@ -71,7 +75,7 @@ def mean_curve(runs: list[dict]) -> list[tuple]:
 
 def plot_curves(doc: dict, path: str) -> list[str]:
     """Loss against steps and against seconds of training, one line per spec (mean over seeds), the
-    target of seed 0 dotted; [] without matplotlib or curves."""
+    target of the first seed dotted; [] without matplotlib or curves."""
     try:
         import matplotlib
 

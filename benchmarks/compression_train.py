@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import time
-import tomllib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK = re.compile(r"emulated cluster: link bytes \S+ (\d+), \S+ (\d+)")
@@ -47,7 +46,7 @@ def parse_spec(spec: str) -> tuple[str, str, int | None]:
 def run_training(args, spec: str, seed: int, out_dir: str) -> dict:
     """One training run; its metrics, exit status, and what the launcher and the run printed."""
     comp, scope, steps = parse_spec(spec)
-    name = re.sub(r"[^a-z0-9.]+", "_", f"{spec}-seed{seed}")
+    name = re.sub(r"[^a-z0-9.]+", "_", spec.replace("@", "-at-").replace(":", "-steps-")) + f"-seed{seed}"
     path = os.path.join(out_dir, name + ".jsonl")
     if os.path.exists(path):
         os.remove(path)  # a metrics file is appended to only on resume; start clean
@@ -97,20 +96,22 @@ def curve(rows: list[dict], window: int, val: bool) -> list[list[float]]:
     return out
 
 
-def summarise(run: dict, window: int, val: bool) -> dict:
-    """A run's row: its curve, final loss, bytes (per step at the end, and over the run), codec and step times."""
+def summarise(run: dict, window: int, val: bool, start_step: int) -> dict:
+    """A run's row: its curve, final loss, bytes (per step at the end, and over the run), and the
+    median codec and step times of the steps from ``start_step`` on (compression's, once warm)."""
     st = run.pop("steps")
     p = run["ranks"] or 1
     sent = [s.get("bytes_sent", 2 * (p - 1) * s["bytes_reduced"] // p) for s in st]
     dense = [s.get("bytes_dense", x) for s, x in zip(st, sent)]
-    codec = [1e3 * (s.get("encode_time", 0.0) + s.get("decode_time", 0.0)) for s in st]
+    warm = [s for s in st if s["step"] > start_step] or st  # metrics count steps from 1
     points = curve(st, window, val)
     final = st[-1].get("val_loss") if val and st else points[-1][2] if points else None
     return dict(run, n_steps=len(st), curve=points, final_loss=final,
                 train_s=sum(s["step_time"] for s in st), bytes_sent=int(sum(sent)), bytes_dense=int(sum(dense)),
                 step_sent_bytes=sent[-1] if st else None, step_dense_bytes=dense[-1] if st else None,
-                codec_ms=statistics.median(codec) if st else None,
-                step_ms=1e3 * statistics.median(s["step_time"] for s in st) if st else None)
+                codec_ms=statistics.median(1e3 * (s.get("encode_time", 0.0) + s.get("decode_time", 0.0))
+                                           for s in warm) if st else None,
+                step_ms=1e3 * statistics.median(s["step_time"] for s in warm) if st else None)
 
 
 def time_to(points, target):
@@ -149,7 +150,8 @@ def aggregate(runs: list[dict], target_loss: float, factor: float) -> list[dict]
                     "run_ratio": _mean([r["bytes_dense"] / r["bytes_sent"] for r in sel if r["bytes_sent"]]),
                     "codec_ms": _mean([r["codec_ms"] for r in sel]), "step_ms": _mean([r["step_ms"] for r in sel]),
                     "train_s": _mean([r["train_s"] for r in sel]),
-                    "reached": len(reached), "target_step": _mean([r["target_step"] for r in sel]),
+                    "reached": len(reached),  # steps and seconds: means when every seed reached it
+                    "target_step": _mean([r["target_step"] for r in sel]) if len(reached) == len(sel) else None,
                     "target_s": _mean(reached) if len(reached) == len(sel) else None,
                     "link_mb": _mean([r["link_bytes"] / 1e6 for r in sel if r["link_bytes"] is not None]),
                     "accuracy": _mean([float(r["accuracy"]) for r in sel if r["accuracy"]]),
@@ -178,14 +180,18 @@ def baseline_runs(path: str, seeds) -> dict:
 def part_b(args) -> int:
     from compression_report import dump, plot_curves, table_b
 
-    cfg = tomllib.load(open(os.path.join(REPO, args.config), "rb"))
-    val = cfg.get("model", {}).get("kind", "mlp") == "gpt"
+    sys.path.insert(0, REPO)
+    from hpctrain.config import load_config
+    from hpctrain.errors import ConfigError
+
     specs = args.train_compressors
     try:
         [parse_spec(s) for s in specs]
-    except ValueError as exc:
+        cfg = load_config(os.path.join(REPO, args.config), args.set)  # what every run starts from
+    except (ValueError, ConfigError) as exc:
         print(f"compression.py: error: {exc}", file=sys.stderr)
         return 2
+    val = cfg.model.kind == "gpt"
     if not args.target_loss and "none" not in specs:
         print("compression.py: error: --target-loss 0 needs 'none' in --train-compressors", file=sys.stderr)
         return 2
@@ -199,15 +205,18 @@ def part_b(args) -> int:
                 runs.append(reused[seed])
                 continue
             print(f"training with {spec}, seed {seed} ...", file=sys.stderr, flush=True)
-            run = summarise(run_training(args, spec, seed, out_dir), args.window, val)
+            run = summarise(run_training(args, spec, seed, out_dir), args.window, val, cfg.dist.compress_start_step)
             runs.append(run)
             if run["rc"]:
                 print(f"  exit {run['rc']}:\n{run['tail']}", file=sys.stderr)
     summary = aggregate(runs, args.target_loss, args.target_factor)
-    info = {"launcher": args.launcher, "config": args.config, "model": cfg.get("model", {}),
-            "baseline": args.baseline,
+    m = cfg.model
+    info = {"launcher": args.launcher, "config": args.config, "baseline": args.baseline,
+            "model": {"kind": m.kind, "n_layer": m.n_layer, "n_head": m.n_head, "d_model": m.d_model,
+                      "context": m.context} if val else {"kind": m.kind, "hidden": list(m.hidden)},
+            "compress_start_step": cfg.dist.compress_start_step, "freeze_step": cfg.optim.freeze_step,
             "loss": "validation loss" if val else f"training loss, {args.window}-step mean",
-            "seeds": args.seeds, "steps": cfg.get("train", {}).get("steps"), "extra_set": args.set,
+            "seeds": args.seeds, "steps": cfg.train.steps, "extra_set": args.set,
             "window": args.window, "target_loss": args.target_loss or None,
             "target_factor": None if args.target_loss else args.target_factor,
             "loadavg_1min_start": load0, "loadavg_1min_end": os.getloadavg()[0], "cores": os.cpu_count()}

@@ -126,10 +126,10 @@ class OptimConfig:
     beta1: float = _f(0.9, "AdamW first-moment decay")
     beta2: float = _f(0.999, "AdamW second-moment decay")
     eps: float = _f(1e-8, "AdamW denominator guard")
-    freeze_step: int = _f(0, "AdamW: the second moment stops changing after this step (1-bit Adam's frozen "
-                          "variance), so the update is linear in the gradient and error-feedback compression "
-                          "adds up as the uncompressed gradient would; set it to dist.compress_start_step "
-                          "(docs/dist.md); 0 = never")
+    freeze_step: int = _f(0, "adamw: the second moment takes the gradients of global steps 0 .. F-1 and is "
+                          "frozen from global step F on (1-bit Adam's frozen variance), so the update is linear "
+                          "in the gradient and error-feedback compression adds up as the uncompressed gradient "
+                          "would; set it to dist.compress_start_step (docs/dist.md); 0 = never")
     schedule: str = _f("cosine", "after warmup: cosine | step | constant",
                        choices=("cosine", "step", "constant"))
     warmup_steps: int = _f(100, "linear warmup from 0; large batches need it")
@@ -155,6 +155,9 @@ class OptimConfig:
             raise ConfigError(f"optim.beta1/beta2=({self.beta1}, {self.beta2}): each must be in [0, 1)")
         if self.freeze_step < 0:
             raise ConfigError(f"optim.freeze_step={self.freeze_step}: a step >= 0 (0 = never freeze)")
+        if self.freeze_step and self.name != "adamw":
+            raise ConfigError(f"optim.freeze_step={self.freeze_step} freezes AdamW's second moment; optim.name = "
+                              f"{self.name!r} has none (set it to 0, or use adamw)")
         if self.eps <= 0 or self.warmup_steps < 0 or self.step_size < 1 or self.base_batch < 1:
             raise ConfigError("optim.eps > 0, optim.warmup_steps >= 0, optim.step_size >= 1 "
                               "and optim.base_batch >= 1 are required")
@@ -180,9 +183,9 @@ class DistConfig:
     ranks_per_node: int = _f(0, "simulate nodes of k ranks on one machine; 0 = real nodes (shared memory)")
     compress: str = _f("none", "gradient compression: none | fp16 | bf16 | topk(ratio) | randk(ratio) | sign | "
                        "powersgd(rank[, start_step]); with error feedback except none (docs/dist.md)")
-    compress_start_step: int = _f(0, "steps before this one are all-reduced uncompressed by dist.allreduce "
-                                  "(compression's warm-up: the early, fast-changing gradients go exact; with "
-                                  "adamw set optim.freeze_step to the same step, docs/dist.md)")
+    compress_start_step: int = _f(0, "global steps 0 .. S-1 are all-reduced exactly by dist.allreduce, "
+                                  "compression starts at step S (its warm-up: the early, fast-changing gradients go "
+                                  "exact; with adamw set optim.freeze_step to the same step, docs/dist.md)")
     compress_scope: str = _f("all", "all = compress every bucket everywhere | inter = only hierarchical's "
                              "cross-node phase (intra-node stays exact)", choices=("all", "inter"))
     cuda_aware_mpi: str = _f("auto", "hand GPU buffers to MPI directly: auto (ask the MPI library) | on | off "

@@ -45,7 +45,10 @@ def world_peak_flops(world, device) -> float | None:
         return None
     from mpi4py import MPI
 
-    key = (str(device.dtype), tuple(world.comm.group.Translate_ranks(range(world.size), MPI.COMM_WORLD.group)))
+    group, everyone = world.comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    key = (str(device.dtype), tuple(group.Translate_ranks(list(range(world.size)), everyone)))
+    group.Free()
+    everyone.Free()
     if key not in _MEASURED:
         world.comm.Barrier()  # measure together: ranks sharing a core must see each other's load
         mine = gemm_peak_flops(device.dtype)

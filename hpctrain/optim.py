@@ -1,7 +1,7 @@
 """Optimizers over the flat parameter buffer, and the learning-rate schedule.
 
 Each optimizer owns flat state buffers of P elements (momentum; Adam moments)
-and runs one device kernel per step, or one per gradient bucket: ``begin_step()``
+and runs one device kernel per step, or one per gradient bucket: ``begin_step(step)``
 then ``update(lr, lo, hi)`` for element ranges as their buckets are reduced
 (the update is elementwise, so slices give the same result as the whole).
 ``step(lr)`` does both for the whole buffer. State is exposed by ``state()``
@@ -77,8 +77,8 @@ class _Optimizer:
             if a < b:
                 self._kernel(slice(a, b), lr, self.cfg.weight_decay if decays else 0.0)
 
-    def step(self, lr: float):
-        self.begin_step()
+    def step(self, lr: float, global_step: int | None = None):
+        self.begin_step(global_step)
         self.update(lr)
 
 
@@ -89,7 +89,7 @@ class SGD(_Optimizer):
         super().__init__(device, flat, cfg_optim, no_decay)
         self.momentum_buf = device.zeros(flat.size)
 
-    def begin_step(self):
+    def begin_step(self, step: int | None = None):
         """Nothing per step for SGD."""
 
     def _kernel(self, s, lr, weight_decay):
@@ -102,21 +102,31 @@ class SGD(_Optimizer):
 
 
 class AdamW(_Optimizer):
-    """Adam with decoupled weight decay (PyTorch semantics); ``t`` counts steps taken."""
+    """Adam with decoupled weight decay (PyTorch semantics); ``t`` counts steps taken.
+
+    ``optim.freeze_step`` F > 0: from global step F on (0-based, the step at which
+    ``dist.compress_start_step`` = F starts compressing) the second moment is frozen, bias-corrected
+    as after F updates. It is decided by the global step, not by ``t``, so that a step the guard
+    skipped (no update, ``t`` unchanged) cannot shift the freeze against compression's start.
+    """
 
     def __init__(self, device, flat, cfg_optim, no_decay=frozenset()):
         super().__init__(device, flat, cfg_optim, no_decay)
         self.exp_avg = device.zeros(flat.size)
         self.exp_avg_sq = device.zeros(flat.size)
         self.t = 0
+        self.frozen_at = 0
 
-    def begin_step(self):
-        self.t += 1  # once per step, however many slices get updated
+    def begin_step(self, step: int | None = None):
+        """Once per update, however many slices get updated; ``step``: the global step (0-based)."""
+        self.t += 1
+        f = self.cfg.freeze_step
+        self.frozen_at = f if f and step is not None and step >= f else 0
 
     def _kernel(self, s, lr, weight_decay):
         c, f = self.cfg, self.flat
         self.device.ops.adamw_step(f.data[s], f.grad[s], self.exp_avg[s], self.exp_avg_sq[s],
-                                   self.t, lr, c.beta1, c.beta2, c.eps, weight_decay, c.freeze_step)
+                                   self.t, lr, c.beta1, c.beta2, c.eps, weight_decay, self.frozen_at)
 
     def state(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

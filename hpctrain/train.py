@@ -193,7 +193,7 @@ class Trainer:
         # the optimizer waits for each bucket in turn and updates just its slice
         # ("allreduce" is the exposed wait; the overlapped part hides in backward)
         if update:
-            self.optimizer.begin_step()
+            self.optimizer.begin_step(self.step)
         lr = self.schedule.lr(self.step)
         for bucket, name in zip(self.buckets, self._bucket_names):
             with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {self.step}", self.step):
@@ -205,7 +205,7 @@ class Trainer:
 
     def apply_update(self) -> None:
         """The optimizer step of a judged step whose buckets are all reduced (deferred guard policies)."""
-        self.optimizer.begin_step()
+        self.optimizer.begin_step(self.step)
         lr = self.schedule.lr(self.step)
         with self.timers("optimizer"):
             for bucket in self.buckets:

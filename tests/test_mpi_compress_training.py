@@ -139,3 +139,29 @@ def test_resume_with_compression_is_bit_exact(node_world, mpi_small_data, mpi_te
     world.comm.Barrier()
     if world.rank == 0:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_freeze_and_compression_start_at_the_same_global_step_past_a_skipped_step(mpi_small_data, monkeypatch):
+    """dist.compress_start_step = optim.freeze_step = 3 with step 1 skipped by the guard (a NaN in
+    rank 0's batch): AdamW's second moment takes steps 0 and 2 and is frozen from step 3 on, the
+    step where compression starts, though only 2 updates came before it."""
+    from hpctrain.runtime import init_world
+
+    world = init_world()
+    monkeypatch.setenv("HPCTRAIN_FAULT", "nan:1")
+    cfg = _config(mpi_small_data[0], "topk(0.05)", steps=6)
+    cfg.guard.nonfinite, cfg.optim.freeze_step, cfg.dist.compress_start_step = "skip", 3, 3
+    t = _trainer(cfg.validate(), world)
+    v_before, compute = {}, t.compute_step  # v_before[s]: the second moment as step s starts
+
+    def recording(update):
+        v_before[t.step] = t.optimizer.exp_avg_sq.copy()
+        return compute(update)
+    t.compute_step = recording
+    t.run()
+    v_before[6] = t.optimizer.exp_avg_sq.copy()
+    assert t.guard.bad_steps == 1 and t.optimizer.t == 5 and sorted(v_before) == list(range(7))
+    assert np.array_equal(v_before[2], v_before[1])      # step 1 skipped: no update
+    assert not np.array_equal(v_before[3], v_before[2])  # step 2 entered v
+    assert all(np.array_equal(v_before[s], v_before[3]) for s in (4, 5, 6))  # frozen from step 3
+

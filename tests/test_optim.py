@@ -131,8 +131,8 @@ def test_adamw_step_matches_reference(dtype, weight_decay, betas):
 def test_adamw_with_a_frozen_second_moment_matches_reference(dtype, freeze_step):
     p0, grads = problem(dtype, key=5)
     p, m, v = p0.copy(), np.zeros(P, dtype=dtype), np.zeros(P, dtype=dtype)
-    for t, (g, lr) in enumerate(zip(grads, LRS), start=1):
-        adamw_step(p, g, m, v, t, lr, 0.9, 0.95, 1e-8, 0.01, freeze_step)
+    for t, (g, lr) in enumerate(zip(grads, LRS), start=1):  # step t is global step t - 1
+        adamw_step(p, g, m, v, t, lr, 0.9, 0.95, 1e-8, 0.01, freeze_step if t > freeze_step else 0)
         if t == freeze_step:
             v_frozen = v.copy()
     assert freeze_step < STEPS and np.array_equal(v, v_frozen)  # not one bit moved after the freeze
@@ -208,9 +208,9 @@ def test_adamw_class_matches_reference_and_counts_steps(dtype, freeze_step):
     flat = flat_with(device, p0)
     opt = make_optimizer(device, flat, cfg)
     assert isinstance(opt, AdamW) and opt.t == 0
-    for g, lr in zip(grads, LRS):
+    for step, (g, lr) in enumerate(zip(grads, LRS)):
         flat.grad[...] = g
-        opt.step(lr)
+        opt.step(lr, step)
     assert opt.t == STEPS
     ref_p, ref_m, ref_v = adamw_ref(p0, grads, LRS, 0.9, 0.99, 1e-8, 0.01, freeze_step)
     tol = TOL[np.dtype(dtype).type]

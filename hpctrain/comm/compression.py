@@ -1,7 +1,9 @@
 """Compressed gradient buckets: ``dist.compress`` and ``dist.compress_scope`` (docs/dist.md).
 
 ``GradientCompression.reduce(view, index, step)`` sums one gradient bucket
-(a slice of the flat device buffer) over ranks through the compressor:
+(a slice of the flat device buffer) over ranks: before ``dist.compress_start_step``
+exactly, through the all-reduce strategy (compression's warm-up), then through
+the compressor:
 
   * scope "all": the whole bucket is compressed on every rank and summed over
     ``world.comm`` by a :class:`~hpctrain.compress.reducer.CompressedSum`;
@@ -104,16 +106,14 @@ class GradientCompression:
 
     def _reduce_uncompressed(self, view) -> None:
         """Compression's warm-up (``dist.compress_start_step``): the bucket summed exactly by the
-        strategy (hierarchical's phase 2 too: no context, no compression). Bytes are counted with
-        the compressed path's measure of the dense float32 bucket, sent as it is."""
+        strategy (hierarchical's phase 2 too: no context, no compression, its usual segments).
+        Sent and dense bytes are both the compressed path's yardstick, a bandwidth-optimal
+        all-reduce of the float32 bucket (of this rank's phase-2 chunk with scope inter)."""
         self.strategy(view, "sum")
-        if self.scope == "inter":  # this rank's chunk of phase 2, summed over the nodes
-            if self._sum is None:  # one node, or a rank beyond the smallest node's size: nothing crosses
-                return
-            n, p = self.strategy.cross_chunk(view.size), self._sum.size
-        else:
-            n, p = view.size, self.world.size
-        dense = 2 * (p - 1) * 4 * n // p
+        if self._sum is None:  # scope inter on one node, or a rank outside phase 2: nothing crosses
+            return
+        n = self.strategy.cross_chunk(view) if self.scope == "inter" else view.size
+        dense = self._sum.allreduce_bytes(4 * n)
         self.sent_bytes += dense
         self.dense_bytes += dense
 

@@ -75,15 +75,17 @@ class HierarchicalAllreduce:
         # compress_scope = "inter": phase 2 sums through a compressor (compress_inter)
         self.cross_compressed = None
         self.compress_context = None
+        self._compressing = False  # compress_inter was called (on every rank, also those outside phase 2)
 
     def compress_inter(self, make_sum):
         """Sum phase 2 (op sum only) through ``make_sum(cross_comm)``, a CompressedSum; the
         intra-node phases stay exact. The caller sets ``compress_context`` before each call
-        (None: this call is not compressed, e.g. compression's warm-up).
-        Buffers then go unsegmented: error feedback keeps one residual per bucket chunk."""
+        (None: this call is not compressed, e.g. compression's warm-up). Compressed calls go
+        unsegmented (error feedback keeps one residual per bucket chunk); the others keep the
+        pipelined segments. Collective: every rank calls it."""
         if self.in_cross and self._single_node is None:
             self.cross_compressed = make_sum(self.world.cross_comm)
-        self.segment_bytes = 0
+        self._compressing = True
 
     def __call__(self, buf, op="mean"):
         if self._single_node is not None:
@@ -91,10 +93,16 @@ class HierarchicalAllreduce:
             return self._single_node(buf, op)
         return host_allreduce(self, buf, op, self._hierarchical)
 
+    def _segments(self, buf, compressed: bool) -> list[int]:
+        """Segment bounds of ``buf``: they depend only on its size and on whether the call is
+        compressed (decided alike on every rank), so they agree on every rank."""
+        seg_bytes = 0 if compressed else self.segment_bytes
+        n_seg = max(1, -(-buf.nbytes // seg_bytes)) if seg_bytes > 0 else 1
+        return chunk_offsets(buf.size, min(n_seg, max(1, buf.size)))
+
     def _hierarchical(self, flat, kind):
-        # segment boundaries depend only on the size, so they agree on every rank
-        n_seg = max(1, -(-flat.nbytes // self.segment_bytes)) if self.segment_bytes > 0 else 1
-        bounds = chunk_offsets(flat.size, min(n_seg, max(1, flat.size)))
+        compressed = self._compressing and kind == "sum" and self.compress_context is not None
+        bounds = self._segments(flat, compressed)
         in_flight = collections.deque()
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             seg = flat[lo:hi]
@@ -106,10 +114,10 @@ class HierarchicalAllreduce:
         while in_flight:
             self._finish(*in_flight.popleft())
 
-    def cross_chunk(self, n: int) -> int:
-        """Elements of an n-element buffer that this rank sums across nodes in phase 2."""
-        off = self._offsets(n)
-        return off[self.world.local_rank + 1] - off[self.world.local_rank]
+    def cross_chunk(self, buf) -> int:
+        """Elements of ``buf`` this rank sums across nodes in phase 2 of an uncompressed sum."""
+        r, bounds = self.world.local_rank, self._segments(buf, compressed=False)
+        return sum(off[r + 1] - off[r] for off in (self._offsets(hi - lo) for lo, hi in zip(bounds, bounds[1:])))
 
     def _offsets(self, n):
         # chunk c < L is local rank c's; ranks beyond the smallest node's size own nothing

@@ -70,7 +70,7 @@ class DeviceCompressedSum(CompressedSum):
     def __call__(self, view, ctx, shapes=None):
         n = view.size
         x = view.reshape(n)
-        self.dense_bytes = self._allreduce_bytes(4 * n)
+        self.dense_bytes = self.allreduce_bytes(4 * n)
         if self.c.combine == "lowrank":
             return self._lowrank_device(x, ctx, shapes or [(n,)])
         self.encode_s = self.decode_s = 0.0

@@ -46,7 +46,7 @@ class CompressedSum:
 
     def __call__(self, x: np.ndarray, ctx, shapes=None) -> np.ndarray:
         x = x.reshape(-1)
-        self.dense_bytes = self._allreduce_bytes(4 * x.size)
+        self.dense_bytes = self.allreduce_bytes(4 * x.size)
         if self.c.combine == "lowrank":
             return self._lowrank(x, ctx, shapes or [(x.size,)])
         self.encode_s = self.decode_s = 0.0
@@ -84,7 +84,7 @@ class CompressedSum:
                 a = np.ascontiguousarray(a, np.float32)
                 if self.size > 1:
                     self.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
-                    self.sent_bytes += self._allreduce_bytes(a.nbytes)
+                    self.sent_bytes += self.allreduce_bytes(a.nbytes)
                 summed[key] = a
         return summed
 
@@ -177,7 +177,7 @@ class CompressedSum:
                 t = time.perf_counter()
                 self.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
                 comm_s[0] += time.perf_counter() - t
-                self.sent_bytes += self._allreduce_bytes(a.nbytes)
+                self.sent_bytes += self.allreduce_bytes(a.nbytes)
             return a
         return allreduce_sum
 
@@ -190,7 +190,7 @@ class CompressedSum:
             return out
         return run
 
-    def _allreduce_bytes(self, nbytes: int) -> int:
+    def allreduce_bytes(self, nbytes: int) -> int:
         """Bytes per rank of a bandwidth-optimal all-reduce of ``nbytes``: 2 (p-1)/p of them."""
         return 2 * (self.size - 1) * nbytes // self.size
 

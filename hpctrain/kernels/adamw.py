@@ -2,9 +2,9 @@
 
 p *= 1 - lr * wd;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
 p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)     (t = step, from 1)
-With a freeze step F > 0, v stops changing after step F and its bias correction stays
-1 - b2^F (1-bit Adam's frozen variance, Tang et al. 2021): the update is then linear in g,
-which is what error-feedback compression needs (docs/dist.md).
+Frozen at F > 0 (1-bit Adam's frozen variance, Tang et al. 2021): v keeps its value and its
+bias correction is 1 - b2^F; the update is then linear in g, which is what error-feedback
+compression needs (docs/dist.md). The optimizer decides when (optim.freeze_step).
 The per-element update is one plain function compiled for both targets; the
 bias corrections, 1 - lr wd, 1 - b1 and 1 - b2 are computed once per step on the
 host in float64 and passed in the parameters' dtype, so float32 buffers are
@@ -30,16 +30,15 @@ _update_cpu = njit(_update)
 _update_gpu = cuda.jit(device=True)(_update)
 
 
-def _scalars(dtype, step, lr, beta1, beta2, eps, weight_decay, freeze_step=0):
+def _scalars(dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0):
     """The update's eight scalars, computed in float64 and rounded once to ``dtype``.
 
-    Past ``freeze_step`` (> 0) the second moment is frozen: v = 1 * v + 0 * g^2 leaves it as
-    it was (bit for bit, for finite g) and its bias correction stays that of ``freeze_step``.
+    ``frozen_at`` > 0 freezes the second moment: v = 1 * v + 0 * g^2 leaves it as it was (bit
+    for bit, for finite g) and its bias correction is that of step ``frozen_at``.
     """
-    frozen = 0 < freeze_step < step
     bias_correction1 = 1.0 - beta1 ** step
-    bias_correction2 = 1.0 - beta2 ** (freeze_step if frozen else step)
-    b2 = 1.0 if frozen else beta2
+    bias_correction2 = 1.0 - beta2 ** (frozen_at or step)
+    b2 = 1.0 if frozen_at else beta2
     t = dtype.type
     return (t(1.0 - lr * weight_decay), t(beta1), t(1.0 - beta1), t(b2), t(1.0 - b2), t(eps),
             t(lr / bias_correction1), t(1.0 / math.sqrt(bias_correction2)))
@@ -53,11 +52,11 @@ def _adamw_step(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta
                                        one_minus_beta2, eps, step_size, inv_sqrt_bc2)
 
 
-def adamw_step(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, freeze_step=0):
-    """One AdamW update of the flat ``params`` (P,); ``step`` counts from 1; ``exp_avg_sq`` stays as it
-    is after step ``freeze_step`` (0: never frozen)."""
+def adamw_step(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0):
+    """One AdamW update of the flat ``params`` (P,); ``step`` counts from 1; with ``frozen_at`` > 0
+    ``exp_avg_sq`` stays as it is and is bias-corrected as of step ``frozen_at``."""
     _adamw_step(params, grads, exp_avg, exp_avg_sq,
-                *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay, freeze_step))
+                *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at))
 
 
 # ---- CUDA kernel -------------------------------------------------------------------
@@ -72,8 +71,8 @@ def _adamw_step_kernel(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_min
 
 
 # ---- launcher ----------------------------------------------------------------------
-def adamw_step_cuda(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, freeze_step=0, *,
+def adamw_step_cuda(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0, *,
                     stream=0):
     _adamw_step_kernel[blocks_for(params.size), THREADS, stream](
         params, grads, exp_avg, exp_avg_sq,
-        *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay, freeze_step))
+        *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at))
