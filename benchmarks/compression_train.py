@@ -195,7 +195,8 @@ def part_b(args) -> int:
     if not args.target_loss and "none" not in specs:
         print("compression.py: error: --target-loss 0 needs 'none' in --train-compressors", file=sys.stderr)
         return 2
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(args.json)), "compression-metrics")
+    # beside the JSON and named after it: two benchmarks writing beside each other keep their runs
+    out_dir = os.path.splitext(os.path.abspath(args.json))[0] + "-metrics"
     os.makedirs(out_dir, exist_ok=True)
     load0, runs = os.getloadavg()[0], []
     reused = baseline_runs(args.baseline, args.seeds) if args.baseline else {}

@@ -13,7 +13,9 @@ spills are printed; a spilling GEMM or attention kernel fails (its accumulators
 belong in registers), and so does a float32 build of an elementwise kernel with
 float64 arithmetic in it (FLOAT32_ONLY).
 
-Prints one line per kernel; exit status 1 if any failed.
+Prints one line per kernel; exit status 1 if any failed. ``--shard I/N`` compiles only the
+kernels whose index is I modulo N, so N processes share the work (test_cuda_compile.py runs two:
+the serial suite leaves the second core idle, and NVVM and ptxas are single-threaded).
 """
 
 import glob
@@ -135,11 +137,26 @@ def assemble(ptxas, ptx):
     return regs, int(smem.group(1)) if smem else 0, spills
 
 
-def main() -> int:
+def parse_shard(argv) -> tuple:
+    """(index, count) from ``--shard I/N``; (0, 1) without it."""
+    if not argv:
+        return 0, 1
+    if len(argv) != 2 or argv[0] != "--shard" or not re.fullmatch(r"\d+/[1-9]\d*", argv[1]):
+        raise SystemExit("usage: ptx_compile.py [--shard I/N]")
+    index, count = map(int, argv[1].split("/"))
+    if index >= count:
+        raise SystemExit(f"ptx_compile.py: shard {index} of {count} does not exist")
+    return index, count
+
+
+def main(argv) -> int:
+    index, count = parse_shard(argv)
     failed = 0
     ptxas = find_ptxas()
     print(f"ptxas: {ptxas or 'not found (PTX only)'}")
-    for name, kernel, sig, registers_only in kernels():
+    for i, (name, kernel, sig, registers_only) in enumerate(kernels()):
+        if i % count != index:
+            continue
         try:
             # a kernel's launch bound (1024-thread attention tiles) caps its registers: pass it on
             bound = getattr(kernel, "targetoptions", {}).get("launch_bounds")
@@ -165,4 +182,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -103,6 +103,8 @@ def test_powersgd_is_exact_when_its_rank_covers_the_gradients(mpi_text_data):
     assert not np.allclose(low, want, rtol=1e-5, atol=1e-7)
 
 
+# ("sign", "inter") compresses only from 3 ranks up (two simulated nodes); at 1 and 2 ranks it
+# checks that scope inter on one node stays the uncompressed run throughout
 @pytest.mark.parametrize("spec,scope", [("topk(0.05)", "all"), ("powersgd(2)", "all"), ("sign", "inter")])
 def test_before_compress_start_step_a_run_is_an_uncompressed_run(node_world, mpi_text_data, spec, scope):
     world = node_world
