@@ -88,9 +88,9 @@ class CudaDevice:
     def __init__(self, dtype="float32", gpu: int = 0, gemm: str = "numba"):
         from numba import cuda
 
-        from .kernels.cuda_support import serialize_simulator_launches
+        from .kernels.cuda_support import make_simulator_thread_safe
 
-        serialize_simulator_launches()  # the simulator runs one launch at a time; a GPU is untouched
+        make_simulator_thread_safe()  # simulator: one launch at a time, shared arrays shared; a GPU is untouched
         self._cuda = cuda
         self.dtype = np.dtype(dtype)
         self.gpu = gpu

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole suite: serial pytest, then the MPI tests under mpirun -n 1, 2, 3, 4,
+# The whole suite: serial pytest (two workers, then the exclusive tests alone), then the
+# MPI tests under mpirun -n 1, 2, 3, 4,
 # then (only where nvidia-smi lists a GPU) the gpu-marked tests on the real GPU.
 # CUDA kernels run on numba's simulator everywhere else (tests/conftest.py).
 # Every run has a per-test timeout (setup.cfg) and an outer timeout, so a hang
@@ -17,8 +18,18 @@ rm -rf .test-logs && mkdir -p .test-logs
 status=0
 t0=$(date +%s)
 
-echo "== serial: pytest -m 'not mpi'"
-timeout 2400 "$PY" -m pytest -q -m "not mpi" --junitxml=.test-logs/serial.xml "$@" || status=1
+# pytest's exit status 5 is "no test selected" (arguments that name only other tests): not a failure
+ok() { local rc=$?; [ $rc = 0 ] || [ $rc = 5 ]; }
+
+# The serial tests on two workers (pytest-xdist), a whole module per worker (module fixtures are
+# built once); those marked exclusive (timing-sensitive, or the local SLURM cluster) then run
+# with nothing beside them. Ranks of the tests' own mpirun jobs yield the CPU while they wait
+# (two workers' jobs share two cores).
+echo "== serial, two workers: pytest -m 'not mpi and not exclusive' -n 2"
+OMPI_MCA_mpi_yield_when_idle=1 timeout 1800 "$PY" -m pytest -q -m "not mpi and not exclusive" -n 2 --dist loadfile \
+    --junitxml=.test-logs/serial.xml "$@"; ok || status=1
+echo "== serial, alone: pytest -m 'not mpi and exclusive'"
+timeout 900 "$PY" -m pytest -q -m "not mpi and exclusive" --junitxml=.test-logs/exclusive.xml "$@"; ok || status=1
 
 for n in 1 2 3 4; do
     echo "== mpirun -n $n: pytest --with-mpi -m mpi"

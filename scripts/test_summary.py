@@ -16,7 +16,7 @@ def main(folder: str, sizes=(1, 2, 3, 4)) -> int:
     outcomes = {}  # (run, test id) -> "passed" | "failed" | "skipped"
     failures = []
     # a rank killed by a timeout or an abort writes no XML: that is a failure
-    expected = ["serial.xml"] + [f"mpi-n{n}-rank{r}.xml" for n in sizes for r in range(n)]
+    expected = ["serial.xml", "exclusive.xml"] + [f"mpi-n{n}-rank{r}.xml" for n in sizes for r in range(n)]
     for name in expected:
         if not os.path.exists(os.path.join(folder, name)):
             failures.append(f"{name[:-4]}: no report (killed, timed out or never started)")

@@ -23,6 +23,14 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def pytest_configure(config):
+    """Tests launch kernels without a CudaDevice too: make the simulator's launches and
+    shared arrays thread-safe for them as CudaDevice does (nothing changes on a GPU)."""
+    from hpctrain.kernels.cuda_support import make_simulator_thread_safe
+
+    make_simulator_thread_safe()
+
 # small, fast datasets: 8 features, 4 classes
 SMALL = {"n": 2048, "dim": 8, "classes": 4}
 

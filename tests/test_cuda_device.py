@@ -166,3 +166,46 @@ def test_trainer_steps_on_cuda_equal_cpu_steps(small_data):
     np.testing.assert_allclose(p_gpu, p_cpu, rtol=1e-11, atol=1e-13)
     np.testing.assert_allclose(v_gpu, v_cpu, rtol=1e-11, atol=1e-20)
     assert np.abs(p_cpu - initial).max() > 1e-4   # the two steps did move the parameters
+
+
+def test_simulator_shared_arrays_are_one_array_per_call_site_for_every_thread():
+    """numba's simulator creates a block's shared array on first use without a lock, so two
+    threads could each get their own (a GEMM then read cells nobody wrote, now and then);
+    after CudaDevice, 64 threads released at once get one array per line, and a GEMM with
+    ragged tiles gives the same bits on every repetition, with the GIL switching often."""
+    import sys
+    import threading
+
+    from numba import cuda
+
+    from hpctrain.device import simulated
+    from hpctrain.kernels.linear import gemm_cuda
+
+    if not simulated():
+        pytest.skip("a simulator property")
+    CudaDevice("float64")
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    shared, start, got = FakeCUDAShared(0), threading.Barrier(64), []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def grab():
+            start.wait()
+            a = shared.array(16, np.float64)
+            b = shared.array(16, np.float64)
+            got.append((id(a), id(b)))
+        threads = [threading.Thread(target=grab) for _ in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(set(got)) == 1 and got[0][0] != got[0][1]
+        rng = np.random.default_rng(0)
+        a, b = rng.standard_normal((1, 16)), rng.standard_normal((16, 16))
+        da, db = cuda.to_device(a), cuda.to_device(b)
+        outs = {gemm_cuda(da, db, cuda.device_array((1, 16))).copy_to_host().tobytes() for _ in range(8)}
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(outs) == 1
+    np.testing.assert_allclose(np.frombuffer(outs.pop()).reshape(1, 16), a @ b, rtol=1e-13)

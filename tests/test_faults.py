@@ -12,7 +12,7 @@ import pytest
 
 from mpi_jobs import alive, ckpt_command, finish, metrics_steps, rank_pid, rank_pids, start, wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.exclusive]  # watchdog limits of 2-4 s
 
 EXIT_STALLED = 4
 

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.exclusive]  # one cluster; time limits
 JOBS = os.path.join(REPO, "jobs")
 
 

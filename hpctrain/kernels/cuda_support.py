@@ -9,6 +9,7 @@ imported.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import numpy as np
@@ -43,8 +44,9 @@ def blocks_for(n: int, threads: int = THREADS) -> int:
 _sim_lock = threading.Lock()
 
 
-def serialize_simulator_launches() -> None:
-    """Under the simulator, let one kernel launch run at a time, process-wide. Idempotent.
+def make_simulator_thread_safe() -> None:
+    """Under the simulator, let one kernel launch run at a time, process-wide, and give a
+    block's threads one shared array per ``cuda.shared.array`` call site. Idempotent.
 
     The simulator keeps the running kernel in one module global, so a launch
     from a second thread (the bucket thread's scale and compression kernels
@@ -69,3 +71,42 @@ def serialize_simulator_launches() -> None:
             return launch(self, *args)
     kernel.__call__ = serialized
     kernel._hpctrain_serialized = True
+    _lock_simulator_shared_arrays()
+
+
+_shared_lock = threading.Lock()
+
+
+def _lock_simulator_shared_arrays() -> None:
+    """Make the simulator's ``cuda.shared.array`` give every thread of a block the same array.
+
+    numba-cuda's simulator (0.30) keys a block's shared arrays by the calling
+    line and creates one on a miss with no lock: two of the block's threads can
+    both miss, each get its own array, and each read cells only the other
+    wrote (seen as a GEMM on the simulator returning other values now and then,
+    more often under load). The replacement does the lookup under a lock, with
+    the same keys (file and line of the call; size 0 is the dynamic array).
+    """
+    from numba.core import types
+    from numba.np import numpy_support
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    if getattr(FakeCUDAShared, "_hpctrain_locked", False):
+        return
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None:
+            raise RuntimeError("Array alignment is not supported in cudasim")
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        if shape == 0:  # dynamic shared memory: one buffer, as many whole items as fit
+            return np.frombuffer(self._dynshared.data, dtype=dtype, count=self._dynshared_size // dtype.itemsize)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with _shared_lock:
+            found = self._allocations.get(key)
+            if found is None:
+                found = self._allocations[key] = np.empty(shape, dtype)
+        return found
+    FakeCUDAShared.array = array
+    FakeCUDAShared._hpctrain_locked = True
