@@ -46,7 +46,19 @@ def real_gpu_reason() -> str:
     return "" if n else f"no GPU visible ({why})"
 
 
+# The longest serial modules (seconds measured in CI, 2 cores), started first: the serial phase
+# runs on two xdist workers a module at a time (--dist loadfile), and a long module started
+# last leaves the other worker idle at the end. Order only; every test still runs.
+LONGEST_FIRST = ("test_gpu_check", "test_benchmarks", "test_fuzz_checkpoint", "test_cuda_kernels",
+                 "test_compress_cuda", "test_launch", "test_numguard", "test_gpt_cuda_step", "test_gpt_cuda_kernels",
+                 "test_emulated_cluster", "test_compress_convergence", "test_bad_inputs", "test_cli",
+                 "test_gpt_train", "test_scaling_benchmark", "test_checkpoint_jobs", "test_cuda_compile")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2] if item.module else "",
+                                         len(rank)))  # stable: the rest keep their order
     gpu_items = [item for item in items if "gpu" in item.keywords]
     reason = real_gpu_reason() if gpu_items else ""
     if reason:
