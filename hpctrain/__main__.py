@@ -109,6 +109,14 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument("dir", help="the output directory of benchmarks/scaling.py")
     br.set_defaults(func=lambda a: _lazy("bench_report", "cmd_report", a))
 
+    la = sub.add_parser("launch", help="run train under mpirun and restart it from the newest checkpoint "
+                        "after a failure (no MPI in this process)",
+                        description="python -m hpctrain launch -n N [--max-failures K] [mpirun options] -- "
+                                    "train ARGS: see hpctrain/launch.py and docs/reliability.md")
+    la.add_argument("-n", type=int, metavar="N", help="ranks (mpirun -n)")
+    la.add_argument("--max-failures", type=int, metavar="K",
+                    help="restarts before giving up (default HPCTRAIN_MAX_FAILURES, else 3)")
+
     i = sub.add_parser("info", help="print topology and library support per rank")
     i.add_argument("--ranks-per-node", type=int, default=0, metavar="K", help="simulate nodes of K ranks")
     i.set_defaults(func=cmd_info)
@@ -144,6 +152,7 @@ def cmd_train(args) -> int:
 
     job = slurm.current()  # inside SLURM the default checkpoint.dir is per job (runs/ckpt/<job>)
     cfg.checkpoint.dir = slurm.checkpoint_dir(cfg.checkpoint.dir, CheckpointConfig().dir)
+    cfg.train.metrics = slurm.metrics_path(cfg.train.metrics)  # and its metrics (runs/mlp/<job>/metrics.jsonl)
     if world.is_root:
         print(f"resolved config ({args.config or 'defaults'}):\n{cfg.to_toml()}", flush=True)
         if job:
@@ -182,6 +191,11 @@ def cmd_info(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"] and not {"-h", "--help"} & set(argv[1:argv.index("--") if "--" in argv else None]):
+        from .launch import cmd_launch  # before the thread limits below: the ranks choose their own
+
+        return cmd_launch(argv[1:])
     limit_threads_per_rank()  # before numpy is imported by any command
     # a fatal signal (SIGSEGV in native code, SIGBUS, SIGFPE, SIGABRT, SIGILL) prints every thread's
     # Python stack before the process dies; the launcher then names the rank and the signal

@@ -61,7 +61,11 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     global_batch: int = _f(256, "rows per step over all ranks (mlp: samples; gpt: windows of context tokens); "
-                           "per-rank batch = global / world size")
+                           "per-rank batch = global / world size (shares differ by at most one row where "
+                           "the world size does not divide it)")
+    exact_shares: bool = _f(False, "true = refuse a world size that does not divide train.global_batch; false = "
+                            "ranks take shares that differ by at most one row and the gradient average is "
+                            "weighted by share, so any world size trains as one rank with the whole batch")
     steps: int = _f(1500, "optimizer steps; epochs follow from the dataset size")
     dtype: str = _f("float32", "float32 for speed; float64 for exactness checks", choices=("float32", "float64"))
     device: str = _f("auto", "auto | cpu | cuda; auto takes a GPU (local_rank % visible GPUs) when one is visible",
@@ -85,7 +89,8 @@ class TrainConfig:
                           "evaluation always scores the whole split")
     metrics: str = _f("", "per-step metrics as JSON lines, written by rank 0; empty = off")
     grad_accum_steps: int = _f(1, "micro-batches per step: gradients accumulate locally and are "
-                               "communicated once, on the last (the per-rank batch must divide evenly)")
+                               "communicated once, on the last (micro-batches differ by at most one row; "
+                               "with train.exact_shares the per-rank batch must divide evenly)")
     op_times: bool = _f(False, "time every model op by family (gemm, attention, layernorm, embedding, loss, "
                         "elementwise, optimizer) into the metrics as t_op_*; on a GPU it synchronises per op")
     trace: str = _f("", "write a Chrome trace per rank into this directory (also --trace; merge with "

@@ -10,6 +10,7 @@ EXIT_USER_ERROR = 2
 EXIT_TARGET_MISSED = 3
 EXIT_STALLED = 4       # the watchdog ended a collective that waited longer than dist.comm_timeout
 EXIT_DIVERGED = 5      # non-finite loss/gradients or a loss spike under guard.nonfinite = abort, or too many bad steps
+EXIT_GAVE_UP = 6       # python -m hpctrain launch: too many failures, or two in a row before a step
 EXIT_CHECKPOINTED = 75  # stopped by SIGUSR1/SIGTERM after saving a checkpoint (EX_TEMPFAIL: run again)
 
 

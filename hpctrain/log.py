@@ -72,19 +72,32 @@ def format_eta(seconds: float) -> str:
 
 
 class Metrics:
-    """Per-step metrics as JSON lines, written by rank 0 (no-op elsewhere or when path is empty)."""
+    """Per-step metrics as JSON lines, written by rank 0 (no-op elsewhere or when path is empty).
 
-    def __init__(self, path: str, is_root: bool, append: bool = False):
+    The file is opened (and so checked writable) at start-up without touching
+    its contents; :meth:`begin` then keeps them when the run resumed from a
+    checkpoint (its steps continue the file) and empties the file otherwise,
+    so a fresh start never appends to an older run's steps.
+    """
+
+    def __init__(self, path: str, is_root: bool):
         self._fh = None
+        self.path = path
         if path and is_root:
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                self._fh = open(path, "a" if append else "w", buffering=1 << 16)
+                self._fh = open(path, "a", buffering=1 << 16)
             except OSError as exc:
                 from .errors import ConfigError
 
                 raise ConfigError(f"train.metrics={path!r} cannot be written ({exc.strerror or exc}); "
                                   f"choose a writable path or set train.metrics = \"\"") from None
+
+    def begin(self, resumed: bool) -> None:
+        """Keep the file's records when ``resumed``, else start it empty."""
+        if self._fh is not None and not resumed:
+            self._fh.seek(0)
+            self._fh.truncate()
 
     def write(self, **record) -> None:
         if self._fh is not None:

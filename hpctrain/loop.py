@@ -28,7 +28,16 @@ def run(trainer) -> dict:
         return _loop(trainer)
     finally:
         trainer.metrics.close()  # after the final evaluation's line
+        trainer.progress.close()
         trainer.watchdog.stop()
+
+
+def _shares(global_batch: int, size: int) -> str:
+    """How the global batch splits over ranks, for the start-up line."""
+    b, extra = divmod(global_batch, size)
+    if not extra:
+        return f"{b} x {size}"
+    return f"{b + 1} x {extra} + {b} x {size - extra} (uneven shares, gradients weighted by share)"
 
 
 def _loop(trainer) -> dict:
@@ -44,7 +53,8 @@ def _loop(trainer) -> dict:
                 + (f" from step {cfg.dist.compress_start_step}" if cfg.dist.compress_start_step else "")
                 if trainer.compression else "")
              + "), "
-             f"global batch {tc.global_batch} = {b} x {world.size}, {trainer.model.flat.size:,} parameters, "
+             f"global batch {tc.global_batch} = {_shares(tc.global_batch, world.size)}, "
+             f"{trainer.model.flat.size:,} parameters, "
              f"{trainer.sampler.steps_per_epoch} steps/epoch; data: {data.describe}")
     peak = trainer.peak_flops  # this machine's GEMM peak over all ranks (FLOP/s), or None: no MFU
     if peak:
@@ -71,6 +81,7 @@ def _loop(trainer) -> dict:
                 if trainer.step in guard.skip_steps:
                     log.info(f"guard: stepping over the batch of step {trainer.step} (bad before the rollback)")
                     trainer.step += 1
+                    trainer.progress.mark("step", trainer.step)
                     if ckpt.step_due(trainer.step) or (tc.steps == trainer.step and cfg.checkpoint.save_final):
                         with wd.watch("checkpoint save", f"step {trainer.step}", trainer.step, 10):
                             ckpt.save(trainer)
@@ -95,6 +106,7 @@ def _loop(trainer) -> dict:
                 elif trainer.compression is not None:
                     trainer.compression.load_state({})  # the residuals hold the bad gradient too
                 trainer.step += 1
+                trainer.progress.mark("step", trainer.step)
                 signalled = {n: int(c) for n, c in zip(STOP_SIGNALS, stats[6:]) if c}
                 if signalled or stats[3] or ckpt.step_due(trainer.step) or (tc.steps == trainer.step and
                                                                       cfg.checkpoint.save_final):

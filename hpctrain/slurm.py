@@ -1,13 +1,14 @@
 """What SLURM tells a job through its environment: job, array task, nodes, restarts, time limit.
 
-Read-only and MPI-free; used by ``train`` (one log line at start-up and the
-default checkpoint directory) and by ``info``. Outside SLURM, :func:`current`
+Read-only and MPI-free; used by ``train`` (one log line at start-up, the
+default checkpoint directory and the metrics path) and by ``info``. Outside SLURM, :func:`current`
 returns None and nothing changes.
 
 The default checkpoint directory inside a job is ``runs/ckpt/<job>`` (see
 :func:`checkpoint_dir`): a requeued job keeps its job id, so ``--resume auto``
 finds its own checkpoints, and the tasks of a job array, which share one
-submit directory, never resume from each other's.
+submit directory, never resume from each other's. The metrics file goes into
+a folder named after the job beside the configured one (:func:`metrics_path`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,21 @@ def checkpoint_dir(configured: str, default: str, env=None) -> str:
     if job is None or os.path.normpath(configured) != os.path.normpath(default):
         return configured
     return os.path.join(configured, job.tag)
+
+
+def metrics_path(configured: str, env=None) -> str:
+    """Where the metrics go: inside a SLURM job, ``dir/file`` becomes ``dir/<job tag>/file``.
+
+    Jobs that share a config (the examples' ``runs/mlp/metrics.jsonl``) then
+    keep their own records, and a requeued job (same id) finds its file again
+    to append to. A path that already names the job (a component equal to its
+    tag, e.g. ``runs/$SLURM_JOB_ID/m.jsonl``) and "" (off) are kept as they are.
+    """
+    job = current(env)
+    if job is None or not configured or job.tag in os.path.normpath(configured).split(os.sep):
+        return configured
+    head, tail = os.path.split(configured)
+    return os.path.join(head, job.tag, tail)
 
 
 def query_end_time(job: SlurmJob, timeout: float = 5.0) -> float | None:

@@ -25,12 +25,14 @@ from .comm.buckets import BucketedAllreduce, layout_signature, plan_buckets
 from .comm.collectives import Collectives
 from .comm.compression import GradientCompression
 from .comm.staging import Staging
+from .data.sampler import shard_range
 from .faults import Faults
 from .guard import agree
 from .log import Log, Metrics, Timers
 from .models import family
 from .numguard import NumericGuard
 from .optim import LRSchedule, make_optimizer, peak_lr
+from .progress import Progress
 from .watchdog import Watchdog
 
 
@@ -47,6 +49,8 @@ class Trainer:
         # as opening the data), so a rank that stops before training also ends the job, with a report
         self.watchdog = Watchdog(world.comm, cfg.dist.comm_timeout, self.log)  # collective (a Dup)
         self.faults = Faults(world.rank)
+        self.progress = Progress(world.is_root)  # for a supervising launcher (HPCTRAIN_PROGRESS)
+        self.progress.mark("start", 0)
         self.watchdog.start()
         try:
             self._start_up(cfg, world)
@@ -118,6 +122,8 @@ class Trainer:
             self.checkpoints = CheckpointManager(cfg, world, self.log)
         with self.watchdog.watch("checkpoint load", "resume", slack=10):
             self.checkpoints.resume(self)  # may restore parameters, optimizer state, step and RNG
+        self.metrics.begin(resumed=self.checkpoints.saved_path is not None)
+        self.progress.mark("ready", self.step)
 
     def _build(self):
         cfg, world = self.cfg, self.world
@@ -140,9 +146,19 @@ class Trainer:
         self.buckets = plan_buckets(self.model.flat, self.device.dtype.itemsize, cfg.dist.bucket_mb,
                                     cfg.dist.first_bucket_mb)
         k = cfg.train.grad_accum_steps
-        if self.sampler.batch % k:
+        if cfg.train.exact_shares and self.sampler.batch % k:
             raise ConfigError(f"train.grad_accum_steps={k} does not divide the per-rank batch "
-                              f"{self.sampler.batch} (global {cfg.train.global_batch} / {world.size} ranks)")
+                              f"{self.sampler.batch} (global {cfg.train.global_batch} / {world.size} ranks); "
+                              f"or set train.exact_shares = false to let micro-batches differ by one row")
+        if self.sampler.batch < k:
+            raise ConfigError(f"train.grad_accum_steps={k} exceeds this rank's {self.sampler.batch} rows per step "
+                              f"(global {cfg.train.global_batch} over {world.size} ranks); lower it")
+        # Shares (and micro-batches) that differ: every prediction's loss gets the same weight,
+        # size k / (G predictions per row), instead of 1 / (the rows of its micro-batch), so the
+        # sum over ranks scaled by 1 / (size k) is the whole batch's mean. Even shares keep 1/B.
+        self.uneven = not self.sampler.even or self.sampler.batch % k != 0
+        if self.uneven:
+            self.model.loss.row_weight = (world.size * k) / (cfg.train.global_batch * self.model.targets_per_row)
         if cfg.optim.schedule == "cosine" and cfg.optim.min_lr > peak:
             raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds the peak lr {peak:g} "
                               f"(after the linear scaling rule); lower optim.min_lr")
@@ -151,9 +167,9 @@ class Trainer:
             from .trace import make_trace_dir
 
             make_trace_dir(cfg.train.trace)
-        # opened here so an unwritable path is an agreed user error, not an abort;
-        # a resumed run appends to the metrics of the run it continues
-        self.metrics = Metrics(cfg.train.metrics, world.is_root, append=bool(cfg.checkpoint.resume))
+        # opened here so an unwritable path is an agreed user error, not an abort; emptied
+        # after the resume unless a checkpoint was loaded (a resumed run appends to its metrics)
+        self.metrics = Metrics(cfg.train.metrics, world.is_root)
 
     # ---- one step ----------------------------------------------------------------
     def train_step(self) -> tuple[float, int]:
@@ -171,18 +187,19 @@ class Trainer:
         With k = grad_accum_steps, the rank's rows are k micro-batches whose
         gradients add up locally; only the last backward feeds the buckets, and
         the sum over ranks and micro-batches is scaled once by 1 / (size k).
+        Where shares differ, each loss is weighted so that the result is still
+        the mean over the whole global batch (see ``_build``).
         """
         t, k, wd = self.timers, self.cfg.train.grad_accum_steps, self.watchdog
         with t("data"):
             x_all, y_all = self.reader.batch(self.step)
             x_all = self.faults.before_step(self.step, x_all)
-        rows = len(y_all) // k
         self.comm.start(scale=1.0 / (self.world.size * k), step=self.step)
         loss_sum, correct = 0.0, 0
         for micro in range(k):
             last = micro == k - 1
             with t("data"):
-                part = slice(micro * rows, (micro + 1) * rows)
+                part = slice(*shard_range(len(y_all), micro, k))  # k equal parts, or differing by one row
                 x = self.device.upload(x_all[part], "x", self.model.input_dtype)
                 y = self.device.upload(y_all[part], "y", np.int64)
             with t("forward"):

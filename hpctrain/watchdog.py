@@ -15,6 +15,15 @@ wakes every ``poll`` seconds and
     it; which are elsewhere and where; which did not answer: stopped, dead or
     hung outside Python) and calls ``MPI_Abort``, which ends every rank.
 
+A stop signal (SIGTERM, SIGUSR1) shortens the wait: the main thread cannot
+act on it while blocked, and a launcher that sends SIGTERM because a rank died
+(srun --kill-on-bad-exit) would otherwise leave the others in the collective
+until its kill (SLURM's KillWait, 30 s by default) or the limit. When this
+rank is still in the same collective :data:`SIGNAL_GRACE` seconds after the
+signal, it asks the others once; if one does not answer (dead, stopped), the
+save the signal asks for cannot happen, and it reports and aborts at once.
+Ranks that all answer are a slow but live collective: nothing happens.
+
 Only the lowest-numbered rank blocked in a collective prints; the others defer
 to it, and to a rank whose watchdog has reported already (it keeps answering,
 saying so, until the abort ends it), and abort on their own only if that
@@ -30,9 +39,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .ckpt.signals import signals_seen
 from .errors import EXIT_STALLED
 
 TAG_QUERY, TAG_REPLY = 7101, 7102
+SIGNAL_GRACE = 3.0  # s in one collective after a stop signal before the other ranks are asked
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,8 @@ class Watchdog:
         self._sends: list = []
         self.fired: str | None = None   # the diagnostic, once printed (tests read it)
         self._deferred_until = None
+        self._signal = None          # (name, monotonic time) of the last stop signal seen by the thread
+        self._signal_asked = None    # the region whose ranks were asked after it
         self.can_ask = self.enabled and _thread_multiple()
         if self._comm is not None:
             from mpi4py import MPI
@@ -119,6 +132,8 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
             try:
+                for name in signals_seen():
+                    self._signal = (name, time.monotonic())
                 self._answer_queries()
                 self._check()
             except Exception as exc:  # noqa: BLE001 - a broken watchdog must not kill training
@@ -159,6 +174,8 @@ class Watchdog:
                 self._fire(r, self._ask(r), waited)  # the lowest waiting rank did not end the job
             return
         if waited < r.limit:
+            if self._signal is not None and self.can_ask and self._signal_asked != r.seq:
+                self._check_after_signal(r)
             return
         replies = self._ask(r)
         if self._region is not r:
@@ -171,6 +188,27 @@ class Watchdog:
             self._fire(r, replies, time.monotonic() - r.t0)
         else:  # that rank reports when its own wait passes the limit (it may have entered later)
             self._deferred_until = (r.seq, time.monotonic() + r.limit + 2 * self.grace)
+
+    def _check_after_signal(self, r: Region) -> None:
+        """Still in ``r`` SIGNAL_GRACE s after a stop signal: ask once; a silent rank ends the job now."""
+        name, t_signal = self._signal
+        now = time.monotonic()
+        if now - max(r.t0, t_signal) < SIGNAL_GRACE:
+            return
+        self._signal_asked = r.seq
+        replies = self._ask(r)
+        if self._region is not r:
+            return  # completed while we asked: a live collective
+        silent = [q for q in range(self.size) if q != self.rank and q not in replies]
+        if not silent:
+            return
+        note = (f"  {name} arrived {time.monotonic() - t_signal:.1f} s ago, and the save it asks for needs every "
+                f"rank: ending the job now instead of waiting for dist.comm_timeout or the launcher's kill")
+        blocked = [self.rank] + [s.rank for s in replies.values() if s.inside]
+        if min(blocked) == self.rank and not any(s.reported for s in replies.values()):
+            self._fire(r, replies, time.monotonic() - r.t0, note)
+        else:
+            self._deferred_until = (r.seq, time.monotonic() + 2 * self.grace)
 
     def _ask(self, r: Region) -> dict[int, _Status]:
         """Every other rank's status, as far as it answers within ``grace`` seconds."""
@@ -195,8 +233,10 @@ class Watchdog:
         self._answer_queries()  # a rank that asked while we collected must hear from us before we act
         return replies
 
-    def _fire(self, r: Region, replies: dict[int, _Status], waited: float) -> None:
+    def _fire(self, r: Region, replies: dict[int, _Status], waited: float, note: str = "") -> None:
         self.fired = diagnose(r, waited, self.rank, self.size, replies, self.grace, self.can_ask)
+        if note:
+            self.fired += "\n" + note
         print("\n".join(f"[rank {self.rank}] {line}" for line in self.fired.splitlines()), file=sys.stderr,
               flush=True)
         self._abort(EXIT_STALLED)

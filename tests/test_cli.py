@@ -94,9 +94,16 @@ def test_dataset_with_wrong_shape(tmp_path):
     _one_error(proc, "/x must be a 2-D float array")
 
 
-def test_global_batch_not_divisible_by_world_size(small_data):
-    proc = run_mpi(3, TRAIN + _data_set(small_data[0]) + ["--set", "train.global_batch=64"])
+def test_global_batch_not_divisible_by_world_size_with_exact_shares(small_data):
+    proc = run_mpi(3, TRAIN + _data_set(small_data[0]) + ["--set", "train.global_batch=64",
+                                                            "--set", "train.exact_shares=true"])
     _one_error(proc, "global_batch=64 is not divisible by the world size 3", "63", "66")
+
+
+def test_uneven_shares_are_named_at_start_up(small_data):
+    proc = run_mpi(3, TRAIN + _data_set(small_data[0]) + ["--set", "train.global_batch=64", "--set", "train.steps=2"])
+    assert proc.returncode == 0, proc.stderr
+    assert "global batch 64 = 22 x 1 + 21 x 2 (uneven shares, gradients weighted by share)" in proc.stdout
 
 
 def test_dataset_smaller_than_one_global_batch(small_data):
@@ -192,6 +199,26 @@ def test_unwritable_metrics_path(small_data, tmp_path):
     blocker.write_text("")
     proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", f"train.metrics={blocker}/m.jsonl"])
     _one_error(proc, "train.metrics", "cannot be written")
+
+
+def test_metrics_are_appended_only_by_a_run_that_resumed(small_data, tmp_path):
+    """--resume auto with no checkpoint is a fresh start: it must not append to an older run's
+    metrics (seen: a second "step": 1 in the middle of the file); a real resume continues them."""
+    import json
+
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ck"
+    metrics.write_text('{"step": 1, "from": "an older run"}\n')
+    run = TRAIN + _data_set(small_data[0]) + ["--set", f"train.metrics={metrics}", "--set", f"checkpoint.dir={ckpt}",
+                                             "--set", "train.log_every=1", "--resume", "auto"]
+    first = run_mpi(1, run + ["--set", "train.steps=3", "--set", "checkpoint.save_final=true"])
+    assert first.returncode == 0, first.stderr
+    steps = [json.loads(line).get("step") for line in metrics.read_text().splitlines()]
+    assert "an older run" not in metrics.read_text() and steps[0] == 1, steps
+    second = run_mpi(1, run + ["--set", "train.steps=5"])
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout + second.stderr
+    after = [json.loads(line).get("step") for line in metrics.read_text().splitlines()]
+    assert after[:len(steps)] == steps and [s for s in after[len(steps):] if s is not None][:2] == [4, 5], after
 
 
 def test_usage_error_printed_once():

@@ -259,9 +259,24 @@ def test_per_rank_batch_not_divisible_suggests_a_fix(G, size):
     assert all(b > 0 and b % size == 0 for b in suggested), msg
 
 
-def test_sampler_rejects_a_world_size_that_does_not_divide_the_batch():
+def test_sampler_with_exact_shares_rejects_a_world_size_that_does_not_divide_the_batch():
     with pytest.raises(LaunchError):
-        DistributedSampler(100, 10, 0, 3, seed=0)
+        DistributedSampler(100, 10, 0, 3, seed=0, exact=True)
+
+
+@pytest.mark.parametrize("G, size", [(10, 3), (10, 4), (55, 2), (7, 7)])
+def test_uneven_shares_differ_by_one_row_and_cover_each_global_batch_once(G, size):
+    samplers = [DistributedSampler(100, G, rank, size, seed=3) for rank in range(size)]
+    assert [s.batch for s in samplers] == [G // size + (r < G % size) for r in range(size)]
+    assert all(s.even == (G % size == 0) for s in samplers)
+    for step in (0, 1, 100 // G + 1):   # an epoch boundary too
+        whole = DistributedSampler(100, G, 0, 1, seed=3).indices(step)
+        np.testing.assert_array_equal(np.concatenate([s.indices(step) for s in samplers]), whole)
+
+
+def test_a_global_batch_smaller_than_the_world_size_is_an_error():
+    with pytest.raises(LaunchError, match="smaller than the world size 4"):
+        DistributedSampler(100, 3, 0, 4, seed=0)
 
 
 # ---- read_rows ---------------------------------------------------------------------

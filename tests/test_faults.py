@@ -88,6 +88,38 @@ def test_sigstop_one_rank_fires_the_watchdog_with_a_diagnostic(small_data, tmp_p
     assert f"from rank {victim}: stopped (SIGSTOP" in err, err[-3000:]
 
 
+def test_sigterm_while_a_peer_is_gone_ends_the_job_at_once(small_data, tmp_path):
+    """srun --kill-on-bad-exit answers a dead rank with SIGTERM to the others, which sit in a
+    collective where Python cannot run their handler; without help they wait for SLURM's KillWait
+    (30 s) or dist.comm_timeout (here 300 s). The watchdog thread sees the SIGTERM, finds a rank
+    that does not answer (here: stopped) and ends the job within seconds."""
+    marker, args = _train(small_data[0], tmp_path, "--set", "dist.comm_timeout=300")
+    proc = start(3, args)
+    stopped = None
+    try:
+        wait_for(lambda: metrics_steps(tmp_path / "metrics.jsonl") >= 20, 90, "20 training steps")
+        stopped = rank_pid(marker, 2)
+        os.kill(stopped, signal.SIGSTOP)
+        time.sleep(1.0)   # ranks 0 and 1 now wait for rank 2 in a collective
+        t0 = time.monotonic()
+        for rank in (0, 1):
+            os.kill(rank_pid(marker, rank), signal.SIGTERM)
+        code, out, err = finish(proc, timeout=60)
+        ended_after = time.monotonic() - t0
+    finally:
+        if stopped:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except OSError:
+                pass
+        _cleanup(marker)
+    assert code == EXIT_STALLED, (code, err[-3000:])
+    assert ended_after < 20, ended_after   # SIGNAL_GRACE (3 s) + the answers' grace (10 s at most) + abort
+    report = [line for line in err.splitlines() if "] hpctrain: watchdog:" in line]
+    assert len(report) == 1, err[-3000:]
+    assert "from rank 2: stopped (SIGSTOP" in err and "SIGTERM arrived" in err, err[-3000:]
+
+
 def _injected(data, tmp_path, fault, *extra):
     """A 3-rank job of 200 steps with HPCTRAIN_FAULT=fault, run to its end: (exit code, stdout, stderr)."""
     marker, args = _train(data, tmp_path, *extra, steps=200)

@@ -79,9 +79,9 @@ def test_gradient_accumulation_equals_the_large_batch(mpi_small_data, world):
     np.testing.assert_allclose(accum, big, rtol=1e-10, atol=1e-13)
 
 
-def test_grad_accum_that_does_not_divide_the_batch_is_an_error(mpi_small_data, world):
+def test_grad_accum_that_does_not_divide_the_batch_is_an_error_with_exact_shares(mpi_small_data, world):
     with pytest.raises(UserError, match="grad_accum_steps=3 does not divide the per-rank batch 8"):
-        _train(_config(mpi_small_data[0], world.size, train__grad_accum_steps=3), world)
+        _train(_config(mpi_small_data[0], world.size, train__grad_accum_steps=3, train__exact_shares=True), world)
 
 
 @pytest.mark.parametrize("allreduce", ["shm", "mpi"])

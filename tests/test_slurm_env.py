@@ -35,6 +35,16 @@ def test_checkpoint_dir_is_per_job_only_when_left_at_the_default():
     assert slurm.checkpoint_dir("/scratch/me/ck", "runs/ckpt", env=JOB) == "/scratch/me/ck"
 
 
+def test_metrics_go_to_a_folder_named_after_the_job():
+    assert slurm.metrics_path("runs/mlp/metrics.jsonl", env={}) == "runs/mlp/metrics.jsonl"
+    assert slurm.metrics_path("runs/mlp/metrics.jsonl", env=JOB) == os.path.join("runs/mlp", "1234", "metrics.jsonl")
+    assert slurm.metrics_path("m.jsonl", env=JOB) == os.path.join("1234", "m.jsonl")
+    assert slurm.metrics_path("", env=JOB) == ""                                   # off stays off
+    assert slurm.metrics_path("runs/1234/m.jsonl", env=JOB) == "runs/1234/m.jsonl"  # already names the job
+    task = {**JOB, "SLURM_JOB_ID": "1236", "SLURM_ARRAY_JOB_ID": "1234", "SLURM_ARRAY_TASK_ID": "2"}
+    assert slurm.metrics_path("/s/m.jsonl", env=task) == os.path.join("/s", "1234_2", "m.jsonl")
+
+
 def test_describe_names_job_nodes_restarts_and_time_left():
     job = slurm.current({**JOB, "SLURM_RESTART_COUNT": "1", "SLURM_JOB_END_TIME": "10000"})
     assert slurm.describe(job, now=10000 - 3723) == ("slurm: job 1234 (hpctrain), 2 node(s) n[1-2], restart 1, "

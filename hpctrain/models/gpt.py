@@ -58,7 +58,8 @@ def _windows(cfg, world, T, train, held) -> TrainingData:
                         f"{cfg.data.train!r} has {train.vocab_size}; evaluate on a file made the same way")
     windows = TokenWindows(train.train, T, f"data.train {cfg.data.train!r}", split="train")
     val = TokenWindows(held.val, T, f"{'data.eval' if cfg.data.eval else 'data.train'} {held.path!r}", split="val")
-    sampler = DistributedSampler(windows.n, cfg.train.global_batch, world.rank, world.size, cfg.data.shuffle_seed)
+    sampler = DistributedSampler(windows.n, cfg.train.global_batch, world.rank, world.size, cfg.data.shuffle_seed,
+                                 exact=cfg.train.exact_shares)
     chosen = eval_indices(val.n, -(-cfg.train.eval_tokens // T) if cfg.train.eval_tokens else 0)
     every = np.arange(val.n)
     # the baselines belong to the file whose /val is scored

@@ -23,7 +23,8 @@ EVAL_CHUNK_ROWS = 8192  # rows per forward pass during evaluation (bounded memor
 def open_data(cfg, world, device) -> TrainingData:
     """``data.train`` (and ``data.eval``) opened on this rank; collective only through the caller."""
     train = open_dataset(cfg.data.train, "data.train")
-    sampler = DistributedSampler(train.n, cfg.train.global_batch, world.rank, world.size, cfg.data.shuffle_seed)
+    sampler = DistributedSampler(train.n, cfg.train.global_batch, world.rank, world.size, cfg.data.shuffle_seed,
+                                 exact=cfg.train.exact_shares)
     reader = BatchReader(train, sampler, device.dtype)
     ev = open_dataset(cfg.data.eval, "data.eval") if cfg.data.eval else None
     if ev and (ev.dim, ev.n_classes) != (train.dim, train.n_classes):

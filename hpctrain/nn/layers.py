@@ -67,6 +67,9 @@ class SoftmaxCrossEntropy(Layer):
 
     def __init__(self, device):
         self.device = device
+        # d loss / d (one row's loss) in backward; None = 1/B, the mean over this call's B rows.
+        # The trainer sets it when ranks' shares differ (then size k / (G predictions per row)).
+        self.row_weight = None
 
     def forward(self, logits, labels):
         self.labels = labels
@@ -76,5 +79,5 @@ class SoftmaxCrossEntropy(Layer):
     def backward(self):
         dlogits = self._buffer("dlogits", self.probs.shape)
         # 1/B: the mean over this rank's rows; the all-reduce averages over ranks
-        scale = 1.0 / self.probs.shape[0]
+        scale = 1.0 / self.probs.shape[0] if self.row_weight is None else self.row_weight
         return self.device.ops.softmax_xent_backward(self.probs, self.labels, scale, dlogits)

@@ -1,0 +1,228 @@
+"""``python -m hpctrain launch``: run a training job under mpirun and restart it after a failure.
+
+    python -m hpctrain launch -n 4 [--max-failures 3] [mpirun options] -- train --config my.toml
+
+runs ``mpirun -n 4 [options] python -m hpctrain train ...``; when the job fails
+it starts it again with ``--resume auto`` (the newest valid checkpoint in
+checkpoint.dir; a fresh start when there is none), up to ``--max-failures``
+times (default: ``HPCTRAIN_MAX_FAILURES``, else 3). What ends a job decides:
+
+  0            finished: exit 0
+  75           stopped after saving a checkpoint (a signal): exit 75, no restart
+  2, 3, 5      a user error, a missed target, divergence: a restart cannot
+               change them; exit with the job's code
+  anything else (a rank killed or crashed, the watchdog's 4 for a stalled
+  rank, an abort): a failure; restart
+
+A job that fails twice in a row without completing a step (a crash at start-up,
+a bad node) is not transient: the launcher gives up instead of looping. Giving
+up exits :data:`~hpctrain.errors.EXIT_GAVE_UP` (6) with one ``hpctrain launch:
+error:`` line. SIGUSR1 and SIGTERM to the launcher reach the ranks as SIGUSR1
+(mpirun forwards it; its own SIGTERM handling kills the ranks without a save):
+they save, exit 75, and nothing restarts.
+
+Each restart is logged with its cause, the hosts, and what it cost: the
+restarted run's start-up, checkpoint load and first step, from the moment the
+failed job ended, and the steps redone since the checkpoint. The job reports
+its progress through ``HPCTRAIN_PROGRESS`` (:mod:`hpctrain.progress`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import progress
+from .errors import EXIT_CHECKPOINTED, EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_TARGET_MISSED, EXIT_USER_ERROR
+
+FINAL = {0: "finished", EXIT_CHECKPOINTED: "stopped after saving a checkpoint", EXIT_USER_ERROR: "a user error",
+         EXIT_TARGET_MISSED: "finished with its target missed", EXIT_DIVERGED: "diverged"}
+POLL_S = 0.05  # how often the job's progress file is read while it runs
+
+
+def usage_error(message: str) -> int:
+    print(f"hpctrain launch: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR
+
+
+def split_args(argv: list[str]):
+    """``-n N [--max-failures K] [mpirun options] -- hpctrain command`` -> (n, k, options, command)."""
+    if "--" not in argv:
+        raise ValueError("expected '-- train ARGS' after the launcher's options")
+    cut = argv.index("--")
+    mine, command = argv[:cut], argv[cut + 1:]
+    n, k, options, i = None, None, [], 0
+    while i < len(mine):
+        arg = mine[i]
+        name, _, inline = arg.partition("=")
+        if name in ("-n", "-np", "--np", "--max-failures"):
+            value = inline if inline else (mine[i + 1] if i + 1 < len(mine) else "")
+            i += 1 if inline else 2
+            if not value.isdigit():
+                raise ValueError(f"{name} needs a whole number, got {value!r}")
+            if name == "--max-failures":
+                k = int(value)
+            else:
+                n = int(value)
+            continue
+        options.append(arg)
+        i += 1
+    if n is None or n < 1:
+        raise ValueError("-n N (the number of ranks, >= 1) is required")
+    if not command or command[0] != "train":
+        raise ValueError(f"the command after '--' must be 'train ...', got {' '.join(command) or 'nothing'!r}")
+    if k is None:
+        env = os.environ.get("HPCTRAIN_MAX_FAILURES", "3")
+        if not env.isdigit():
+            raise ValueError(f"HPCTRAIN_MAX_FAILURES={env!r} must be a whole number")
+        k = int(env)
+    return n, k, options, command
+
+
+def with_resume_auto(command: list[str]) -> list[str]:
+    """The train command with ``--resume auto`` (any --resume of the user's replaced)."""
+    out, i = [], 0
+    while i < len(command):
+        if command[i] == "--resume":
+            i += 2
+            continue
+        if command[i].startswith("--resume="):
+            i += 1
+            continue
+        out.append(command[i])
+        i += 1
+    return out + ["--resume", "auto"]
+
+
+def describe_exit(rc: int) -> str:
+    if rc < 0:
+        return f"mpirun killed by signal {-rc} ({signal.Signals(-rc).name})"
+    if rc > 128 and rc - 128 in signal.valid_signals():
+        return f"exit code {rc} (a rank killed by signal {rc - 128}, {signal.Signals(rc - 128).name})"
+    if rc == 4:
+        return "exit code 4 (the stall watchdog ended a stalled job)"
+    return f"exit code {rc}"
+
+
+def hosts_of(options: list[str]) -> str:
+    """The hosts named in mpirun's options, or this machine."""
+    for i, arg in enumerate(options):
+        if arg in ("-H", "--host", "-host", "--hostfile", "-hostfile", "--machinefile") and i + 1 < len(options):
+            return options[i + 1]
+    return socket.gethostname()
+
+
+class Supervisor:
+    """Runs the job, judges each end, restarts; ``run()`` returns the launcher's exit code."""
+
+    def __init__(self, n, max_failures, options, command, mpirun="mpirun", say=None):
+        self.n, self.max_failures, self.options, self.command = n, max_failures, options, command
+        self.mpirun = mpirun
+        self.say = say or (lambda line: print(f"hpctrain launch: {line}", flush=True))
+        self.proc = None
+        self.stop = None  # the signal that asked the job to stop: no restart after it
+
+    def _forward(self, signum, frame):
+        self.stop = signal.Signals(signum).name
+        if self.proc is not None and self.proc.poll() is None:
+            self.say(f"got {self.stop}: passing SIGUSR1 to the job (save and stop)")
+            self.proc.send_signal(signal.SIGUSR1)
+
+    def run(self) -> int:
+        if shutil.which(self.mpirun) is None:
+            return usage_error(f"{self.mpirun!r} is not on PATH; load your MPI (module load ...) first")
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._forward)
+        with tempfile.TemporaryDirectory(prefix="hpctrain-launch-") as tmp:
+            return self._loop(os.path.join(tmp, "progress"))
+
+    def _loop(self, progress_path: str) -> int:
+        failures, idle_failures, command, failed_at, last = 0, 0, self.command, None, None
+        hosts = hosts_of(self.options)
+        while True:
+            if os.path.exists(progress_path):
+                os.remove(progress_path)
+            cmd = [self.mpirun, "-n", str(self.n), *self.options, sys.executable, "-m", "hpctrain", *command]
+            env = dict(os.environ, **{progress.ENV: progress_path, "HPCTRAIN_RESTART": str(failures)})
+            started = time.time()
+            self.say(f"{'start' if not failures else f'restart {failures} of at most {self.max_failures}'}: "
+                     f"{self.n} rank(s) on {hosts}: {' '.join(cmd[:3 + len(self.options)])} ... "
+                     f"{' '.join(command)}")
+            self.proc = subprocess.Popen(cmd, env=env)
+            reported = failed_at is None
+            while True:
+                try:
+                    rc = self.proc.wait(timeout=POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if not reported:
+                        reported = self._report_recovery(progress_path, failed_at, last)
+                except KeyboardInterrupt:  # Ctrl-C reached mpirun too (same process group): it ends the job
+                    self.stop = "SIGINT"
+            ended = time.time()
+            marks = progress.read(progress_path)
+            if not reported:
+                self._report_recovery(progress_path, failed_at, last, final=True)
+            if rc in FINAL or self.stop is not None:
+                what = FINAL.get(rc, describe_exit(rc))
+                self.say(f"the job {what}" + (f" (after {failures} restart(s))" if failures else "")
+                         + (f"; {self.stop} asked it to stop, so no restart" if self.stop and rc else ""))
+                return rc if rc >= 0 else 128 - rc
+            failures += 1
+            ready, step = marks.get("ready"), marks.get("step")
+            progressed = step is not None and ready is not None and step.step > ready.step
+            idle_failures = 0 if progressed else idle_failures + 1
+            last = step.step if step is not None else (ready.step if ready is not None else None)
+            reached = f"at step {last}" if last is not None else "before its first step"
+            self.say(f"failure {failures}: {describe_exit(rc)} {reached}, {ended - started:.1f} s after its start")
+            if idle_failures >= 2:
+                return self._give_up(f"the job failed twice in a row before completing a step (last: "
+                                     f"{describe_exit(rc)}); that is not transient: fix the cause and run again")
+            if failures > self.max_failures:
+                return self._give_up(f"{failures} failures, more than --max-failures={self.max_failures} "
+                                     f"(last: {describe_exit(rc)})")
+            command, failed_at = with_resume_auto(self.command), ended
+
+    def _report_recovery(self, path, failed_at, last_step, final=False) -> bool:
+        """Print what the restart cost once its first step is done (or, ``final``, as far as it got)."""
+        marks = progress.read(path)
+        start, ready, step = marks.get("start"), marks.get("ready"), marks.get("step")
+        if step is None and not final:
+            return False
+        parts = []
+        if start is not None:
+            parts.append(f"start-up {start.time - failed_at:.1f} s")
+        if start is not None and ready is not None:
+            parts.append(f"checkpoint load and set-up {ready.time - start.time:.1f} s")
+        if ready is not None and step is not None:
+            parts.append(f"first step {step.time - ready.time:.1f} s")
+        resumed = f"resumed at step {ready.step}" if ready is not None else "never got ready"
+        redone = (f", {max(0, last_step - ready.step)} step(s) redone" if ready is not None and last_step is not None
+                  else "")
+        if step is not None:
+            self.say(f"recovered: first new step {step.time - failed_at:.1f} s after the failed job ended "
+                     f"({', '.join(parts)}); {resumed}{redone}")
+        else:
+            self.say(f"the restarted job ended before its first step ({', '.join(parts) or 'no start-up'}); "
+                     f"{resumed}")
+        return True
+
+    def _give_up(self, why: str) -> int:
+        print(f"hpctrain launch: error: giving up: {why}; the newest checkpoint stays in checkpoint.dir "
+              f"(--resume auto continues from it)", file=sys.stderr, flush=True)
+        return EXIT_GAVE_UP
+
+
+def cmd_launch(argv: list[str]) -> int:
+    try:
+        n, k, options, command = split_args(argv)
+    except ValueError as exc:
+        return usage_error(f"{exc}\nusage: python -m hpctrain launch -n N [--max-failures K] [mpirun options] "
+                           f"-- train ARGS")
+    return Supervisor(n, k, options, command).run()
