@@ -7,8 +7,8 @@ returns None and nothing changes.
 The default checkpoint directory inside a job is ``runs/ckpt/<job>`` (see
 :func:`checkpoint_dir`): a requeued job keeps its job id, so ``--resume auto``
 finds its own checkpoints, and the tasks of a job array, which share one
-submit directory, never resume from each other's. The metrics file goes into
-a folder named after the job beside the configured one (:func:`metrics_path`).
+submit directory, never resume from each other's. A relative metrics path gets
+a folder named after the job beside the configured file (:func:`metrics_path`).
 """
 
 from __future__ import annotations
@@ -108,15 +108,18 @@ def checkpoint_dir(configured: str, default: str, env=None) -> str:
 
 
 def metrics_path(configured: str, env=None) -> str:
-    """Where the metrics go: inside a SLURM job, ``dir/file`` becomes ``dir/<job tag>/file``.
+    """Where the metrics go: inside a SLURM job, a relative ``dir/file`` becomes ``dir/<job tag>/file``.
 
-    Jobs that share a config (the examples' ``runs/mlp/metrics.jsonl``) then
-    keep their own records, and a requeued job (same id) finds its file again
-    to append to. A path that already names the job (a component equal to its
+    A relative path is relative to the submit directory, which every job
+    submitted from there shares: jobs that share a config (the examples'
+    ``runs/mlp/metrics.jsonl``) then keep their own records, and a requeued job
+    (same id) finds its file again to append to. An absolute path (yours, or a
+    benchmark's), a path that already names the job (a component equal to its
     tag, e.g. ``runs/$SLURM_JOB_ID/m.jsonl``) and "" (off) are kept as they are.
     """
     job = current(env)
-    if job is None or not configured or job.tag in os.path.normpath(configured).split(os.sep):
+    if (job is None or not configured or os.path.isabs(configured)
+            or job.tag in os.path.normpath(configured).split(os.sep)):
         return configured
     head, tail = os.path.split(configured)
     return os.path.join(head, job.tag, tail)

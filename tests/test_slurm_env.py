@@ -42,7 +42,8 @@ def test_metrics_go_to_a_folder_named_after_the_job():
     assert slurm.metrics_path("", env=JOB) == ""                                   # off stays off
     assert slurm.metrics_path("runs/1234/m.jsonl", env=JOB) == "runs/1234/m.jsonl"  # already names the job
     task = {**JOB, "SLURM_JOB_ID": "1236", "SLURM_ARRAY_JOB_ID": "1234", "SLURM_ARRAY_TASK_ID": "2"}
-    assert slurm.metrics_path("/s/m.jsonl", env=task) == os.path.join("/s", "1234_2", "m.jsonl")
+    assert slurm.metrics_path("runs/m.jsonl", env=task) == os.path.join("runs", "1234_2", "m.jsonl")
+    assert slurm.metrics_path("/scratch/me/m.jsonl", env=JOB) == "/scratch/me/m.jsonl"  # absolute: as given
 
 
 def test_describe_names_job_nodes_restarts_and_time_left():
