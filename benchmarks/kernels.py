@@ -16,7 +16,8 @@ median and min-max are reported next to ceilings measured in the same run:
   - the GPT's layernorm, attention and whole step (benchmarks/kernels_gpt.py):
     copy bandwidth, PyTorch's scaled_dot_product_attention and PyTorch eager on
     the same GPT shape; "n/a" without PyTorch.
-Writes JSON (--json). Exit 2 when there is no GPU (and no simulator).
+Last, the host time of one kernel launch (benchmarks/launch_cost.py) beside
+PyTorch's. Writes JSON (--json). Exit 2 when there is no GPU (and no simulator).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from hpctrain.kernels.linear import gemm_cuda  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels_gpt  # noqa: E402 - beside this file: the GPT's rows
+import launch_cost  # noqa: E402 - beside this file: host time per kernel launch
 
 BW_TARGET, GEMM_TARGET = 0.8, 0.5
 SPIN_ITERS = 2000  # x ~1 us nanosleep: the GPU stays busy while Python enqueues a timed call
@@ -95,7 +97,7 @@ def check(name, got, ref, bound):
     return ok
 
 
-def validate(dev, small, rng):
+def validate(dev, small, rng, step_dev=None):
     """{check name: passed}. Shapes leave tiles, blocks and grid-stride loops partly filled."""
     ops, dt, u = dev.ops, dev.dtype, float(np.finfo(dev.dtype).eps) / 2  # u: unit roundoff
     up, host, f64 = dev.from_host, dev.to_host, (lambda a: np.array(a, np.float64))
@@ -184,7 +186,7 @@ def validate(dev, small, rng):
     Sg = up(p)
     ops.scale(Sg, 1.0 / 3.0)  # one multiply by the same dtype-rounded factor: bitwise equal to the twin
     ok["scale"] = check("scale", host(Sg), CPU_OPS.scale(p.copy(), 1.0 / 3.0), 0.0)
-    ok.update(kernels_gpt.validate(dev, small, rng, check))
+    ok.update(kernels_gpt.validate(dev, small, rng, check, step_dev or dev))
     return ok
 
 
@@ -195,7 +197,7 @@ def xent_forward_kernels(dev, logits, labels, probs):
     sx.softmax_xent_totals_cuda(logits, labels, probs, stream=dev.stream, scratch=dev.scratch)
 
 
-def cases(dev, small, rng, cp):
+def cases(dev, small, rng, cp, step_dev=None):
     """Rows to time: (kernel, shape, unit, work, fn, cuBLAS fn or None, target); the
     kernel's first word names its validation.
 
@@ -260,7 +262,7 @@ def cases(dev, small, rng, cp):
              ("adamw_step", f"P={P:,}", "GB/s", 7 * P * s,  # p g m v in, p m v out
               lambda: ops.adamw_step(p, g, m, v, 10, 1e-3, 0.9, 0.999, 1e-8, 1e-2), None, BW_TARGET),
              ("scale", f"P={P:,}", "GB/s", 2 * P * s, lambda: ops.scale(g, 1.0), None, BW_TARGET)]  # buf in, out
-    return rows + kernels_gpt.cases(dev, small, rng)
+    return rows + kernels_gpt.cases(dev, small, rng, step_dev or dev)
 
 
 def copy_ceiling(dev, small, rng, args):
@@ -305,6 +307,9 @@ def main() -> None:
                    help="untimed calls first: JIT compile, first touch, clocks up (default 3; 1 with --small)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype")
     p.add_argument("--json", default="runs/bench/kernels.json", help="where to write results")
+    p.add_argument("--gemm", default="auto", choices=["auto", "numba", "cublas"],
+                   help="the GEMMs of the whole-GPT-step row, as train.gemm (default auto: cuBLAS where CuPy "
+                        "runs); the GEMM and Linear rows always time the numba kernels against cuBLAS")
     args = p.parse_args()
     args.repeats = args.repeats or (3 if args.small else 20)
     args.warmup = max(1, args.warmup or (1 if args.small else 3))
@@ -320,13 +325,14 @@ def main() -> None:
         sys.exit(2)
     warnings.filterwarnings("ignore", message="Simulator timings are bogus")
     dev = CudaDevice(args.dtype)
+    step_dev = dev.with_gemm(args.gemm)  # same stream: one timer serves both
     print(dev.describe())
     if sim:
         print("NOTE: numba CUDA simulator: kernels ran as Python threads on the CPU. The times below are "
               "NOT GPU measurements; targets are n/a.")
     rng = np.random.default_rng(2024)
     print("validation against the CPU twins (run in float64 on the same inputs):")
-    ok = validate(dev, args.small, rng)
+    ok = validate(dev, args.small, rng, step_dev)
     cp, cublas_line = load_cupy()
     ceiling = copy_ceiling(dev, args.small, rng, args)
     print(f"copy ceiling: {num(ceiling['gbs'])} GB/s ({ceiling['source']}; memcpy D2D "
@@ -335,7 +341,7 @@ def main() -> None:
     print(cublas_line)
     no_target = "n/a (simulator)" if sim else "n/a (--small)" if args.small else None
     results = []
-    for kernel, shape, unit, work, fn, ref_fn, target in cases(dev, args.small, rng, cp):
+    for kernel, shape, unit, work, fn, ref_fn, target in cases(dev, args.small, rng, cp, step_dev):
         row = {"kernel": kernel, "shape": shape, "unit": unit, "work": work, "validated": ok[kernel.split()[0]]}
         results.append(row)
         if not row["validated"]:
@@ -364,11 +370,15 @@ def main() -> None:
         ratio = "n/a" if r["ratio"] is None else f"{num(r['ratio'])}x"
         print(f"| {r['kernel']} | {r['shape']} | {r['median_ms']:.4g} | {r['min_ms']:.4g}-{r['max_ms']:.4g} | "
               f"{num(r['rate'])} {r['unit']} | {ceil} | {ratio} | {tgt} | {met} |")
+    launches = launch_cost.measure(dev, 3 if sim else 3000)
+    print("\nhost time per launch (benchmarks/launch_cost.py): "
+          + ", ".join(f"{k} {v:.1f} us" for k, v in launches.items()))
     report = {"benchmark": "kernels", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": dev.describe(),
               "gpu": gpu_name(dev.gpu), "simulator": sim, "numba": __import__("numba").__version__,
               "cupy": getattr(cp, "__version__", None), "dtype": args.dtype, "small": args.small,
               "warmup": args.warmup, "repeats": args.repeats, "ceilings": {"copy": ceiling, "cublas": cublas_line},
-              "validation": ok, "rows": results}
+              "validation": ok, "rows": results,
+              "launch_us": launches}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump(report, fh, indent=1, default=float)

@@ -31,8 +31,9 @@ def _f64(a):
     return np.array(a, np.float64)
 
 
-def validate(dev, small, rng, check):
-    """{check name: passed} for the GPT's rows (``check`` is kernels.py's).
+def validate(dev, small, rng, check, step_dev):
+    """{check name: passed} for the GPT's rows (``check`` is kernels.py's); the whole step on
+    ``step_dev`` (``dev`` with the GEMMs chosen by kernels.py's --gemm, the same stream).
 
     Bounds as kernels.py's: generous multiples of each result's accumulated rounding (sum
     lengths times u times the terms' size), so FMA contraction, summation order and the
@@ -75,7 +76,7 @@ def validate(dev, small, rng, check):
     ops.attention_backward(up(dy), up(qkv), Y, S, NH, DQKV, dev.empty(work))
     ok["attention_backward"] = check("attention_backward dqkv", host(DQKV), dqkv,
                                      bound * np.abs(dy).max() * 4 * np.sqrt(T))
-    ok["gpt_step"] = _validate_step(dev, rng, check, small)
+    ok["gpt_step"] = _validate_step(step_dev, rng, check, small)
     return ok
 
 
@@ -116,8 +117,9 @@ def _torch(dev):
     return torch, lambda: torch.cuda.stream(torch.cuda.ExternalStream(int(dev.stream)))
 
 
-def cases(dev, small, rng):
-    """Rows as kernels.py's ``cases``: (kernel, shape, unit, work, fn, (ceiling fn, name) or None, target)."""
+def cases(dev, small, rng, step_dev):
+    """Rows as kernels.py's ``cases``: (kernel, shape, unit, work, fn, (ceiling fn, name) or None, target);
+    the whole step runs on ``step_dev`` (see :func:`validate`)."""
     s, ops = dev.dtype.itemsize, dev.ops
     torch, on_stream = _torch(dev)
 
@@ -159,7 +161,7 @@ def cases(dev, small, rng):
              ("attention_backward (+forward)", f"B{B} NH{NH} T{T} hs{hs}", "GFLOP/s", 3.5 * flops,
               lambda: (ops.attention_forward(qkv, NH, y, lse),
                        ops.attention_backward(dy, qkv, y, lse, NH, dqkv, wk)), sdpa_bwd, None)]
-    rows.append(_step_row(dev, small, rng, torch, on_stream))
+    rows.append(_step_row(step_dev, small, rng, torch, on_stream))
     return rows
 
 

@@ -16,14 +16,15 @@ and allocate through ``device.empty``/``device.zeros``. Both devices offer:
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from types import SimpleNamespace
 
 import numpy as np
 
-from .kernels import (adamw, attention, attention_cuda, bias_act, embedding, finite, layernorm, linear, residual,
-                      scale, sgd, softmax_xent)
+from .kernels import (adamw, attention, attention_cuda, bias_act, embedding, finite, layernorm, layernorm_cuda, linear,
+                      residual, scale, sgd, softmax_xent)
 
 CPU_OPS = SimpleNamespace(
     linear_forward=linear.linear_forward, linear_backward=linear.linear_backward,
@@ -115,8 +116,8 @@ class CudaDevice:
             # the GPT's ops
             embedding_forward=p(embedding.embedding_forward_cuda, **s),
             embedding_backward=p(embedding.embedding_backward_cuda, **s, scratch=self.scratch),
-            layernorm_forward=p(layernorm.layernorm_forward_cuda, **s),
-            layernorm_backward=p(layernorm.layernorm_backward_cuda, **s, scratch=self.scratch),
+            layernorm_forward=p(layernorm_cuda.layernorm_forward_cuda, **s),
+            layernorm_backward=p(layernorm_cuda.layernorm_backward_cuda, **s, scratch=self.scratch),
             attention_forward=p(attention_cuda.attention_forward_cuda, **s),
             attention_backward=p(attention_cuda.attention_backward_cuda, **s),
             attention_state_shapes=attention_cuda.attention_state_shapes,
@@ -124,11 +125,28 @@ class CudaDevice:
             residual_backward=p(residual.residual_backward_cuda, **s),
         )
         if self.gemm == "cublas":
-            from .kernels.cublas import CublasLinear
+            self._use_cublas()
 
-            fast = CublasLinear(self.stream, gpu)
+    def _use_cublas(self):
+        from .kernels.cublas import CublasLinear
+
+        fast = CublasLinear(self.stream, self.gpu)
+        for op in ("linear_forward", "linear_backward", "tied_head_forward", "tied_head_backward"):
+            setattr(self.ops, op, getattr(fast, op))
+
+    def with_gemm(self, choice: str) -> "CudaDevice":
+        """This device (same GPU, stream, scratch and uploads) with ``train.gemm = choice``'s
+        GEMMs: one benchmark can time the numba kernels and a model on cuBLAS side by side."""
+        twin = copy.copy(self)
+        twin.ops = SimpleNamespace(**vars(self.ops))
+        twin.gemm = gemm_backend(choice, self.gpu)
+        if twin.gemm == "cublas" and self.gemm != "cublas":
+            twin._use_cublas()
+        elif twin.gemm == "numba" and self.gemm != "numba":
+            s = dict(stream=self.stream)
             for op in ("linear_forward", "linear_backward", "tied_head_forward", "tied_head_backward"):
-                setattr(self.ops, op, getattr(fast, op))
+                setattr(twin.ops, op, functools.partial(getattr(linear, f"{op}_cuda"), **s))
+        return twin
 
     def empty(self, shape, dtype=None):
         return self._cuda.device_array(shape, dtype=dtype or self.dtype, stream=self.stream)

@@ -11,7 +11,7 @@ import sys
 import ptx_compile  # noqa: F401 - first: patches numba's get_current_device
 from numba.types import Array, boolean, float32, float64, int32, int64
 
-from hpctrain.kernels import embedding, layernorm, residual
+from hpctrain.kernels import embedding, layernorm_cuda, residual
 
 
 def arr(dtype, ndim):
@@ -27,12 +27,12 @@ def kernels():
         yield f"embedding forward {dt}", embedding._embedding_forward_kernel, (tokens, m, m, t3), False
         yield f"embedding dwpe {dt}", embedding._dwpe_kernel, (t3, m, boolean), False
         yield f"embedding dwte {dt}", embedding._dwte_kernel, (m, i32, i32, m), False  # dout as (B T, C)
-        yield f"layernorm forward {dt}", layernorm._layernorm_forward_kernel, (m, v, v, m, v, v, float64), False
-        yield f"layernorm param partials {dt}", layernorm._layernorm_param_partials_kernel, \
+        yield f"layernorm forward {dt}", layernorm_cuda._layernorm_forward_kernel, (m, v, v, m, v, v, float64), False
+        yield f"layernorm param partials {dt}", layernorm_cuda._layernorm_param_partials_kernel, \
             (m, m, v, v, f64m, f64m), False
-        yield f"layernorm param sums -> {dt}", layernorm._layernorm_param_sums_kernel, \
+        yield f"layernorm param sums -> {dt}", layernorm_cuda._layernorm_param_sums_kernel, \
             (f64m, f64m, v, v, boolean), False
-        yield f"layernorm dx {dt}", layernorm._layernorm_dx_kernel, (m, m, v, v, v, m, boolean), False
+        yield f"layernorm dx {dt}", layernorm_cuda._layernorm_dx_kernel, (m, m, v, v, v, m, boolean), False
         yield f"residual forward {dt}", residual._residual_forward_kernel, (v, v, v), False
         yield f"residual copy_or_add {dt}", residual._copy_or_add_kernel, (v, v, boolean), False
         yield f"residual backward {dt}", residual._residual_backward_kernel, (v, v, v, boolean), False

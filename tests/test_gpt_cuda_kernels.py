@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from hpctrain.device import CudaDevice, cuda_status
-from hpctrain.kernels import embedding, layernorm, residual
+from hpctrain.kernels import embedding, layernorm, layernorm_cuda, residual
 
 pytestmark = pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}")
 
@@ -156,7 +156,7 @@ def small_chunks(monkeypatch):
     from hpctrain.kernels.cuda_support import simulated
 
     if simulated():
-        monkeypatch.setattr(layernorm, "GRAD_ROWS", 8)
+        monkeypatch.setattr(layernorm_cuda, "GRAD_ROWS", 8)
 
 
 def ln_case(dtype, shape):
@@ -190,14 +190,14 @@ def test_layernorm_forward_matches_twin(dev, shape):
     layernorm.layernorm_forward(x, weight, bias, out, mean, rstd)
     OUT, MEAN, RSTD = (up(dev, np.full(a.shape, np.nan, dev.dtype)) for a in (out, mean, rstd))
     W, B_ = up(dev, weight), up(dev, bias)
-    layernorm.layernorm_forward_cuda(up(dev, x), W, B_, OUT, MEAN, RSTD, stream=dev.stream)
+    layernorm_cuda.layernorm_forward_cuda(up(dev, x), W, B_, OUT, MEAN, RSTD, stream=dev.stream)
     got = down(dev, OUT), down(dev, MEAN), down(dev, RSTD)
     # C-term sums in another order: ~C u of sum|x| (C <= 768 -> < 1e-13 relative)
     assert_close(dev, got[1], mean, 1e-13, np.abs(x).mean(axis=1))
     assert_close(dev, got[2], rstd, 1e-13, rstd)
     assert_close(dev, got[0], out, 1e-12, np.abs(x - mean[:, None]) * rstd[:, None] * np.abs(weight)
                  + np.abs(bias) + 1)
-    layernorm.layernorm_forward_cuda(up(dev, x), W, B_, OUT, MEAN, RSTD, stream=dev.stream)
+    layernorm_cuda.layernorm_forward_cuda(up(dev, x), W, B_, OUT, MEAN, RSTD, stream=dev.stream)
     assert down(dev, OUT).tobytes() == got[0].tobytes()  # a fixed order: the same bits every run
 
 
@@ -217,7 +217,7 @@ def test_layernorm_backward_matches_twin(dev, small_chunks, shape, accumulate, a
     layernorm.layernorm_backward(dout, x, weight, mean, rstd, dx, dw, db, accumulate, add_dx)
     DX, DW, DB = up(dev, dx0), up(dev, dw0), up(dev, db0)
     args = up(dev, x), up(dev, weight), up(dev, mean), up(dev, rstd)
-    layernorm.layernorm_backward_cuda(up(dev, dout), *args, DX, DW, DB, accumulate, add_dx,
+    layernorm_cuda.layernorm_backward_cuda(up(dev, dout), *args, DX, DW, DB, accumulate, add_dx,
                                       stream=dev.stream, scratch=dev.scratch)
     xhat = np.abs((x - mean[:, None]) * rstd[:, None])
     g = np.abs(dout * weight)
@@ -227,6 +227,14 @@ def test_layernorm_backward_matches_twin(dev, small_chunks, shape, accumulate, a
     # N-term float64 column sums in another order: 2 (N + 2) u of sum|terms|
     for got, ref, terms, old in ((DW, dw, np.abs(dout) * xhat, dw0), (DB, db, np.abs(dout), db0)):
         assert_close(dev, down(dev, got), ref, 2 * (N + 2) * U64, terms.sum(axis=0) + accumulate * np.abs(old))
+
+
+def test_layernorm_four_element_steps_match_twin(dev):
+    """40 rows x 130 channels, one 128-row gradient chunk: each lane's four-channel steps
+    (forward and dx), the partial sums' four-row steps, and both loops' remainders; the
+    shapes above are too narrow or their chunks too short to reach them."""
+    test_layernorm_forward_matches_twin(dev, (40, 130))
+    test_layernorm_backward_matches_twin(dev, None, (40, 130), True, True)
 
 
 def test_layernorm_backward_dx_may_be_dout_and_is_deterministic(dev, small_chunks):
@@ -239,7 +247,7 @@ def test_layernorm_backward_dx_may_be_dout_and_is_deterministic(dev, small_chunk
     for alias in (False, True):
         D, DW, DB = up(dev, dout), dev.empty(C), dev.empty(C)
         DX = D if alias else dev.empty((N, C))
-        layernorm.layernorm_backward_cuda(D, *args, DX, DW, DB, stream=dev.stream, scratch=dev.scratch)
+        layernorm_cuda.layernorm_backward_cuda(D, *args, DX, DW, DB, stream=dev.stream, scratch=dev.scratch)
         results.append(b"".join(down(dev, a).tobytes() for a in (DX, DW, DB)))
     # dweight and dbias read dout before dx overwrites it: aliasing changes no bit,
     # and the second run has the first one's bits (fixed summation orders)
@@ -247,7 +255,9 @@ def test_layernorm_backward_dx_may_be_dout_and_is_deterministic(dev, small_chunk
 
 
 # ---- residual ----------------------------------------------------------------------
-RES_SHAPES = [(1, 1, 3), (2, 7, 45), pytest.param((8, 1024, 768), marks=gpu)]
+# 1600 elements: past three grid strides of the simulator's 2 x 256 threads, so the
+# kernels' four-element steps run, then their remainder
+RES_SHAPES = [(1, 1, 3), (2, 7, 45), (4, 8, 50), pytest.param((8, 1024, 768), marks=gpu)]
 
 
 @pytest.mark.parametrize("shape", RES_SHAPES)

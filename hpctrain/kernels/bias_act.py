@@ -37,7 +37,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float64, njit
 
-from .cuda_support import blocks_for
+from .cuda_support import row_grid
 
 # ---- activations (plain Python, compiled for both targets) -------------------------
 _K = math.sqrt(2.0 / math.pi)
@@ -223,19 +223,40 @@ ROWS_PER_BLOCK = 128  # rows one backward block sums; partial sums go to scratch
 def _make_cuda(act, grad):
     @cuda.jit
     def forward(z, b, out):
+        # threads across columns, block rows over rows (row_grid): no index division per
+        # element, and UNROLL (4) rows loaded before any is stored (cuda_support.UNROLL)
         B, O = z.shape
-        i = cuda.grid(1)
-        stride = cuda.gridsize(1)
-        while i < B * O:
-            r, c = i // O, i % O
-            t = z[r, c] + b[c]
+        c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if c >= O:
+            return
+        bc = b[c]
+        s = cuda.gridDim.y
+        r = cuda.blockIdx.y
+        while r + 3 * s < B:
+            t0 = z[r, c] + bc
+            t1 = z[r + s, c] + bc
+            t2 = z[r + 2 * s, c] + bc
+            t3 = z[r + 3 * s, c] + bc
+            z[r, c] = t0
+            z[r + s, c] = t1
+            z[r + 2 * s, c] = t2
+            z[r + 3 * s, c] = t3
+            out[r, c] = act(t0)
+            out[r + s, c] = act(t1)
+            out[r + 2 * s, c] = act(t2)
+            out[r + 3 * s, c] = act(t3)
+            r += 4 * s
+        while r < B:
+            t = z[r, c] + bc
             z[r, c] = t
             out[r, c] = act(t)
-            i += stride
+            r += s
 
     @cuda.jit
     def backward_partial(dout, z, dz, partial):
-        # block (COLS, LANES) owns columns c0..c0+31 of rows [r0, r0 + ROWS_PER_BLOCK)
+        # block (COLS, LANES) owns columns c0..c0+31 of rows [r0, r0 + ROWS_PER_BLOCK); a
+        # lane's rows go four at a time, loaded before any dz is stored (cuda_support.UNROLL)
+        # and added to s in row order, as one at a time would
         B, O = z.shape
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         c = cuda.blockIdx.x * COLS + tx
@@ -243,8 +264,24 @@ def _make_cuda(act, grad):
         acc = cuda.shared.array((LANES, COLS), float64)
         s = 0.0
         if c < O:
+            end = min(B, r0 + ROWS_PER_BLOCK)
             r = r0 + ty
-            while r < min(B, r0 + ROWS_PER_BLOCK):
+            while r + 3 * LANES < end:
+                g0, g1 = dout[r, c], dout[r + LANES, c]
+                g2, g3 = dout[r + 2 * LANES, c], dout[r + 3 * LANES, c]
+                v0, v1 = z[r, c], z[r + LANES, c]
+                v2, v3 = z[r + 2 * LANES, c], z[r + 3 * LANES, c]
+                d0, d1, d2, d3 = g0 * grad(v0), g1 * grad(v1), g2 * grad(v2), g3 * grad(v3)
+                dz[r, c] = d0
+                dz[r + LANES, c] = d1
+                dz[r + 2 * LANES, c] = d2
+                dz[r + 3 * LANES, c] = d3
+                s += d0
+                s += d1
+                s += d2
+                s += d3
+                r += 4 * LANES
+            while r < end:
                 d = dout[r, c] * grad(z[r, c])
                 dz[r, c] = d
                 s += d
@@ -266,12 +303,23 @@ def _make_cuda(act, grad):
 
 @cuda.jit
 def _sum_partials(partial, db, accumulate):
-    # one thread per column sums the row-chunk partials in order (no atomics)
+    # one thread per column sums the row-chunk partials in order (no atomics), four
+    # loaded ahead of their adds (cuda_support.UNROLL)
     c = cuda.grid(1)
     if c < db.shape[0]:
+        n = partial.shape[0]
         s = 0.0
-        for g in range(partial.shape[0]):
+        g = 0
+        while g + 3 < n:
+            p0, p1, p2, p3 = partial[g, c], partial[g + 1, c], partial[g + 2, c], partial[g + 3, c]
+            s += p0
+            s += p1
+            s += p2
+            s += p3
+            g += 4
+        while g < n:
             s += partial[g, c]
+            g += 1
         db[c] = db[c] + s if accumulate else s
 
 
@@ -291,7 +339,8 @@ def _check_act(act):
 def bias_act_forward_cuda(z, b, out, act, *, stream=0):
     B, O = z.shape
     _check_act(act)
-    cuda_kernels(act, z.dtype.name)[0][blocks_for(B * O), 256, stream](z, b, out)
+    grid, threads = row_grid(B, O)
+    cuda_kernels(act, z.dtype.name)[0][grid, threads, stream](z, b, out)
     return out
 
 

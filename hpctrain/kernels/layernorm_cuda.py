@@ -1,0 +1,285 @@
+"""Layer normalisation's CUDA kernels: the contract, shapes and float64 rules of
+layernorm.py's twin (its docstring), on one stream.
+
+32 lanes (a warp) per row, 8 rows per block; lane 0 adds the lanes' shares left
+to right - two barriers per sum, not a tree's six (the simulator pays ~40 ms a
+barrier). The order is fixed: the same bits on every run, though not the twin's.
+dweight and dbias: float64 partial column sums per chunk of up to 128 rows, then
+one ordered sum per column (no atomics). Each lane reads its channels four at a
+time before it adds or stores any (cuda_support.UNROLL), in the same order as
+one at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float64
+
+from .cuda_support import THREADS, blocks_for
+
+LANES = 32        # threads over one row's channels: a warp, coalesced loads
+ROWS = 8          # rows per block (one warp each)
+GRAD_COLS = 32    # parameter-gradient block: 32 columns ...
+GRAD_LANES = 8    # ... x 8 row lanes, as bias_act's backward
+GRAD_ROWS = 128   # rows per chunk (at most) that one block sums into a float64 partial
+
+
+@cuda.jit(device=True)
+def _row_sum(acc, row):
+    """acc[row, 0] + ... + acc[row, LANES - 1], left to right: a fixed order."""
+    s = acc[row, 0]
+    for k in range(1, LANES):
+        s += acc[row, k]
+    return s
+
+
+@cuda.jit(device=True)
+def _lane_sum(x, i, lane, width):
+    """float64 sum of x[i, lane], x[i, lane + LANES], ... below ``width``, in that order,
+    four loaded ahead of their adds (cuda_support.UNROLL)."""
+    s = float64(0.0)
+    c = lane
+    while c + 3 * LANES < width:
+        a0, a1, a2, a3 = x[i, c], x[i, c + LANES], x[i, c + 2 * LANES], x[i, c + 3 * LANES]
+        s += a0
+        s += a1
+        s += a2
+        s += a3
+        c += 4 * LANES
+    while c < width:
+        s += x[i, c]
+        c += LANES
+    return s
+
+
+@cuda.jit(device=True)
+def _lane_centred_squares(x, i, m, lane, width):
+    """float64 sum of (x[i, c] - m)^2 over the lane's channels, as :func:`_lane_sum`."""
+    s = float64(0.0)
+    c = lane
+    while c + 3 * LANES < width:
+        a0, a1, a2, a3 = x[i, c] - m, x[i, c + LANES] - m, x[i, c + 2 * LANES] - m, x[i, c + 3 * LANES] - m
+        s += a0 * a0
+        s += a1 * a1
+        s += a2 * a2
+        s += a3 * a3
+        c += 4 * LANES
+    while c < width:
+        d = x[i, c] - m
+        s += d * d
+        c += LANES
+    return s
+
+
+@cuda.jit(device=True)
+def _put_dx(dx, i, c, g, xc, mi, ri, g_mean, gx_mean, add_dx):
+    """dx[i, c] (+)= (g - mean(g) - xhat mean(g xhat)) rstd; g and xhat in x's dtype, the rest float64."""
+    v = (float64(g) - g_mean - float64((xc - mi) * ri) * gx_mean) * ri
+    if add_dx:
+        dx[i, c] += v
+    else:
+        dx[i, c] = v
+
+
+@cuda.jit
+def _layernorm_forward_kernel(x, weight, bias, out, mean, rstd, eps):
+    # Memory-bound: the row is read three times (twice from L1) and its sums
+    # run in float64 at no cost in time. Blocks step over groups of ROWS rows;
+    # the loop bound is block-uniform, so every thread reaches every barrier.
+    N, C = x.shape
+    lane, row = cuda.threadIdx.x, cuda.threadIdx.y
+    acc = cuda.shared.array((ROWS, LANES), float64)  # the lanes' shares
+    res = cuda.shared.array((ROWS, 2), float64)      # mean, rstd: lane 0 -> all lanes
+    base = cuda.blockIdx.x * ROWS
+    while base < N:
+        i = base + row
+        width = C if i < N else 0  # a row past N: no channels, but every barrier
+        s = _lane_sum(x, i, lane, width)  # the mean
+        acc[row, lane] = s
+        cuda.syncthreads()
+        if lane == 0:
+            res[row, 0] = _row_sum(acc, row) / C
+        cuda.syncthreads()
+        m = res[row, 0]
+        s = _lane_centred_squares(x, i, m, lane, width)  # no E[x^2] - E[x]^2 cancellation
+        acc[row, lane] = s  # lane 0 read the first shares before the last barrier
+        cuda.syncthreads()
+        if lane == 0:
+            res[row, 1] = 1.0 / math.sqrt(_row_sum(acc, row) / C + eps)
+        cuda.syncthreads()
+        r = res[row, 1]
+        c = lane
+        while c + 3 * LANES < width:  # four loaded before any is stored (cuda_support.UNROLL)
+            x0, x1, x2, x3 = x[i, c], x[i, c + LANES], x[i, c + 2 * LANES], x[i, c + 3 * LANES]
+            out[i, c] = (x0 - m) * r * weight[c] + bias[c]
+            out[i, c + LANES] = (x1 - m) * r * weight[c + LANES] + bias[c + LANES]
+            out[i, c + 2 * LANES] = (x2 - m) * r * weight[c + 2 * LANES] + bias[c + 2 * LANES]
+            out[i, c + 3 * LANES] = (x3 - m) * r * weight[c + 3 * LANES] + bias[c + 3 * LANES]
+            c += 4 * LANES
+        while c < width:
+            out[i, c] = (x[i, c] - m) * r * weight[c] + bias[c]
+            c += LANES
+        if i < N and lane == 0:
+            mean[i] = m
+            rstd[i] = r
+        base += cuda.gridDim.x * ROWS
+
+
+@cuda.jit
+def _layernorm_param_partials_kernel(dout, x, mean, rstd, pw, pb):
+    # block (GRAD_COLS, GRAD_LANES) owns columns c0..c0+31 of row chunk blockIdx.y
+    # (the launcher picks the number of chunks: gridDim.y)
+    N, C = x.shape
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    c = cuda.blockIdx.x * GRAD_COLS + tx
+    rows = -(-N // cuda.gridDim.y)
+    r0 = cuda.blockIdx.y * rows
+    aw = cuda.shared.array((GRAD_LANES, GRAD_COLS), float64)
+    ab = cuda.shared.array((GRAD_LANES, GRAD_COLS), float64)
+    sw = sb = float64(0.0)
+    if c < C:
+        end = min(N, r0 + rows)
+        r = r0 + ty
+        while r + 3 * GRAD_LANES < end:  # four rows loaded ahead, summed in row order
+            d0, d1 = dout[r, c], dout[r + GRAD_LANES, c]
+            d2, d3 = dout[r + 2 * GRAD_LANES, c], dout[r + 3 * GRAD_LANES, c]
+            y0, y1 = x[r, c], x[r + GRAD_LANES, c]
+            y2, y3 = x[r + 2 * GRAD_LANES, c], x[r + 3 * GRAD_LANES, c]
+            h0 = (y0 - mean[r]) * rstd[r]  # xhat in x's dtype, as the twin
+            h1 = (y1 - mean[r + GRAD_LANES]) * rstd[r + GRAD_LANES]
+            h2 = (y2 - mean[r + 2 * GRAD_LANES]) * rstd[r + 2 * GRAD_LANES]
+            h3 = (y3 - mean[r + 3 * GRAD_LANES]) * rstd[r + 3 * GRAD_LANES]
+            sw += float64(d0) * h0
+            sb += d0
+            sw += float64(d1) * h1
+            sb += d1
+            sw += float64(d2) * h2
+            sb += d2
+            sw += float64(d3) * h3
+            sb += d3
+            r += 4 * GRAD_LANES
+        while r < end:
+            d = dout[r, c]
+            xhat = (x[r, c] - mean[r]) * rstd[r]  # in x's dtype, as the twin
+            sw += float64(d) * xhat
+            sb += d
+            r += GRAD_LANES
+    aw[ty, tx] = sw
+    ab[ty, tx] = sb
+    cuda.syncthreads()
+    if ty == 0 and c < C:  # the row lanes' sums, in lane order
+        for k in range(1, GRAD_LANES):
+            sw += aw[k, tx]
+            sb += ab[k, tx]
+        pw[cuda.blockIdx.y, c] = sw
+        pb[cuda.blockIdx.y, c] = sb
+
+
+@cuda.jit
+def _layernorm_param_sums_kernel(pw, pb, dweight, dbias, accumulate):
+    # one thread per column sums the row-chunk partials in order (no atomics)
+    c = cuda.grid(1)
+    while c < dweight.size:
+        sw = sb = float64(0.0)
+        for g in range(pw.shape[0]):
+            sw += pw[g, c]
+            sb += pb[g, c]
+        dweight[c] = dweight[c] + sw if accumulate else sw
+        dbias[c] = dbias[c] + sb if accumulate else sb
+        c += cuda.gridsize(1)
+
+
+@cuda.jit
+def _layernorm_dx_kernel(dout, x, weight, mean, rstd, dx, add_dx):
+    # rows as the forward; each lane reads its dout elements before writing the
+    # same elements of dx, so dx may be dout. xhat and g = dout * weight are
+    # formed in x's dtype (as the twin), their row sums and dx in float64.
+    N, C = x.shape
+    lane, row = cuda.threadIdx.x, cuda.threadIdx.y
+    ag = cuda.shared.array((ROWS, LANES), float64)
+    agx = cuda.shared.array((ROWS, LANES), float64)
+    res = cuda.shared.array((ROWS, 2), float64)  # mean(g), mean(g xhat): lane 0 -> all lanes
+    base = cuda.blockIdx.x * ROWS
+    while base < N:
+        i = base + row
+        width = C if i < N else 0  # a row past N: no channels, but every barrier
+        sg = sgx = float64(0.0)  # sums of g and g xhat
+        mi, ri = mean[min(i, N - 1)], rstd[min(i, N - 1)]  # a row past N reads row N - 1's, unused
+        c = lane
+        while c + 3 * LANES < width:  # four loaded ahead, summed in channel order
+            g0, g1 = dout[i, c], dout[i, c + LANES]
+            g2, g3 = dout[i, c + 2 * LANES], dout[i, c + 3 * LANES]
+            x0, x1, x2, x3 = x[i, c], x[i, c + LANES], x[i, c + 2 * LANES], x[i, c + 3 * LANES]
+            g = float64(g0 * weight[c])
+            sg += g
+            sgx += g * ((x0 - mi) * ri)
+            g = float64(g1 * weight[c + LANES])
+            sg += g
+            sgx += g * ((x1 - mi) * ri)
+            g = float64(g2 * weight[c + 2 * LANES])
+            sg += g
+            sgx += g * ((x2 - mi) * ri)
+            g = float64(g3 * weight[c + 3 * LANES])
+            sg += g
+            sgx += g * ((x3 - mi) * ri)
+            c += 4 * LANES
+        while c < width:
+            g = float64(dout[i, c] * weight[c])
+            sg += g
+            sgx += g * ((x[i, c] - mi) * ri)
+            c += LANES
+        ag[row, lane] = sg
+        agx[row, lane] = sgx
+        cuda.syncthreads()
+        if lane == 0:
+            res[row, 0] = _row_sum(ag, row) / C
+            res[row, 1] = _row_sum(agx, row) / C
+        cuda.syncthreads()
+        g_mean, gx_mean = res[row, 0], res[row, 1]
+        c = lane
+        while c + 3 * LANES < width:  # four loaded before any dx is stored (dx may be dout)
+            g0, g1 = dout[i, c], dout[i, c + LANES]
+            g2, g3 = dout[i, c + 2 * LANES], dout[i, c + 3 * LANES]
+            x0, x1, x2, x3 = x[i, c], x[i, c + LANES], x[i, c + 2 * LANES], x[i, c + 3 * LANES]
+            _put_dx(dx, i, c, g0 * weight[c], x0, mi, ri, g_mean, gx_mean, add_dx)
+            _put_dx(dx, i, c + LANES, g1 * weight[c + LANES], x1, mi, ri, g_mean, gx_mean, add_dx)
+            _put_dx(dx, i, c + 2 * LANES, g2 * weight[c + 2 * LANES], x2, mi, ri, g_mean, gx_mean, add_dx)
+            _put_dx(dx, i, c + 3 * LANES, g3 * weight[c + 3 * LANES], x3, mi, ri, g_mean, gx_mean, add_dx)
+            c += 4 * LANES
+        while c < width:
+            _put_dx(dx, i, c, dout[i, c] * weight[c], x[i, c], mi, ri, g_mean, gx_mean, add_dx)
+            c += LANES
+        base += cuda.gridDim.x * ROWS
+
+
+# ---- launchers ---------------------------------------------------------------------
+def layernorm_forward_cuda(x, weight, bias, out, mean, rstd, eps=1e-5, *, stream=0):
+    """As :func:`layernorm_forward`, on ``stream``. Returns out."""
+    N, _ = x.shape
+    _layernorm_forward_kernel[blocks_for(N, ROWS), (LANES, ROWS), stream](
+        x, weight, bias, out, mean, rstd, np.float64(eps))
+    return out
+
+
+def layernorm_backward_cuda(dout, x, weight, mean, rstd, dx, dweight, dbias, accumulate=False, add_dx=False, *,
+                            stream=0, scratch):
+    """As :func:`layernorm_backward`, on ``stream``; dx may be dout. Returns dx.
+
+    ``scratch(key, shape, dtype)`` lends the two float64 (ceil(N / GRAD_ROWS), C)
+    partial sums of dweight and dbias.
+    """
+    N, C = x.shape
+    chunks = max(1, -(-N // GRAD_ROWS))
+    if chunks > 65535:  # gridDim.y limit
+        raise ValueError(f"layernorm_backward with N={N} rows exceeds {65535 * GRAD_ROWS}; split the batch")
+    pw = scratch("ln_dweight_partial", (chunks, C), np.float64)
+    pb = scratch("ln_dbias_partial", (chunks, C), np.float64)
+    # the parameter gradients first: they read all of dout, which the dx kernel may overwrite
+    _layernorm_param_partials_kernel[(-(-C // GRAD_COLS), chunks), (GRAD_COLS, GRAD_LANES), stream](
+        dout, x, mean, rstd, pw, pb)
+    _layernorm_param_sums_kernel[blocks_for(C), THREADS, stream](pw, pb, dweight, dbias, bool(accumulate))
+    _layernorm_dx_kernel[blocks_for(N, ROWS), (LANES, ROWS), stream](
+        dout, x, weight, mean, rstd, dx, bool(add_dx))
+    return dx
