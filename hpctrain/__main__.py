@@ -109,11 +109,15 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument("dir", help="the output directory of benchmarks/scaling.py")
     br.set_defaults(func=lambda a: _lazy("bench_report", "cmd_report", a))
 
-    la = sub.add_parser("launch", help="run train under mpirun and restart it from the newest checkpoint "
-                        "after a failure (no MPI in this process)",
+    la = sub.add_parser("launch", help="run train under mpirun (or srun in an allocation) and restart it from "
+                        "the newest checkpoint after a failure (no MPI in this process)",
                         description="python -m hpctrain launch -n N [--max-failures K] [mpirun options] -- "
-                                    "train ARGS: see hpctrain/launch.py and docs/reliability.md")
+                                    "train ARGS, or launch --srun [--max-failures K] [srun options] -- train ARGS "
+                                    "inside a SLURM allocation: see hpctrain/launch.py and docs/reliability.md")
     la.add_argument("-n", type=int, metavar="N", help="ranks (mpirun -n)")
+    la.add_argument("--srun", action="store_true",
+                    help="start each run with srun inside this SLURM allocation; after a failure, on the nodes "
+                         "that still work (sbatch --no-kill; jobs/requeue.sbatch)")
     la.add_argument("--max-failures", type=int, metavar="K",
                     help="restarts before giving up (default HPCTRAIN_MAX_FAILURES, else 3)")
 

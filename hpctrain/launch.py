@@ -1,11 +1,14 @@
-"""``python -m hpctrain launch``: run a training job under mpirun and restart it after a failure.
+"""``python -m hpctrain launch``: run a training job and restart it after a failure.
 
     python -m hpctrain launch -n 4 [--max-failures 3] [mpirun options] -- train --config my.toml
+    python -m hpctrain launch --srun [--max-failures 3] [srun options] -- train --config my.toml
 
-runs ``mpirun -n 4 [options] python -m hpctrain train ...``; when the job fails
-it starts it again with ``--resume auto`` (the newest valid checkpoint in
-checkpoint.dir; a fresh start when there is none), up to ``--max-failures``
-times (default: ``HPCTRAIN_MAX_FAILURES``, else 3). What ends a job decides:
+runs ``mpirun -n 4 [options] python -m hpctrain train ...`` (or, inside a SLURM
+allocation, ``srun --kill-on-bad-exit=1 [options] ...``: :mod:`hpctrain.launch_backends`);
+when the job fails it starts it again with ``--resume auto`` (the newest valid
+checkpoint in checkpoint.dir; a fresh start when there is none), up to
+``--max-failures`` times (default: ``HPCTRAIN_MAX_FAILURES``, else 3); under
+srun, on the allocation's nodes that still work. What ends a job decides:
 
   0            finished: exit 0
   75           stopped after saving a checkpoint (a signal): exit 75, no restart
@@ -17,9 +20,10 @@ times (default: ``HPCTRAIN_MAX_FAILURES``, else 3). What ends a job decides:
 A job that fails twice in a row without completing a step (a crash at start-up,
 a bad node) is not transient: the launcher gives up instead of looping. Giving
 up exits :data:`~hpctrain.errors.EXIT_GAVE_UP` (6) with one ``hpctrain launch:
-error:`` line. SIGUSR1 and SIGTERM to the launcher reach the ranks as SIGUSR1
-(mpirun forwards it; its own SIGTERM handling kills the ranks without a save):
-they save, exit 75, and nothing restarts.
+error:`` line, as does a restart with no usable node left. SIGUSR1 and SIGTERM
+to the launcher reach the ranks as SIGUSR1 (mpirun and srun forward it; mpirun's
+own SIGTERM handling kills the ranks without a save): they save, exit 75, and
+nothing restarts.
 
 Each restart is logged with its cause, the hosts, and what it cost: the
 restarted run's start-up, checkpoint load and first step, from the moment the
@@ -30,15 +34,14 @@ its progress through ``HPCTRAIN_PROGRESS`` (:mod:`hpctrain.progress`).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from . import progress
+from .launch_backends import Mpirun, NoNodes, Srun
 from .errors import EXIT_CHECKPOINTED, EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_TARGET_MISSED, EXIT_USER_ERROR
 
 FINAL = {0: "finished", EXIT_CHECKPOINTED: "stopped after saving a checkpoint", EXIT_USER_ERROR: "a user error",
@@ -52,15 +55,19 @@ def usage_error(message: str) -> int:
 
 
 def split_args(argv: list[str]):
-    """``-n N [--max-failures K] [mpirun options] -- hpctrain command`` -> (n, k, options, command)."""
+    """``-n N | --srun  [--max-failures K] [mpirun or srun options] -- hpctrain command`` ->
+    (n or None under --srun, k, options, command, srun?)."""
     if "--" not in argv:
         raise ValueError("expected '-- train ARGS' after the launcher's options")
     cut = argv.index("--")
     mine, command = argv[:cut], argv[cut + 1:]
-    n, k, options, i = None, None, [], 0
+    n, k, options, i, srun = None, None, [], 0, False
     while i < len(mine):
         arg = mine[i]
         name, _, inline = arg.partition("=")
+        if arg == "--srun":
+            srun, i = True, i + 1
+            continue
         if name in ("-n", "-np", "--np", "--max-failures"):
             value = inline if inline else (mine[i + 1] if i + 1 < len(mine) else "")
             i += 1 if inline else 2
@@ -73,7 +80,10 @@ def split_args(argv: list[str]):
             continue
         options.append(arg)
         i += 1
-    if n is None or n < 1:
+    if srun and n is not None:
+        raise ValueError("--srun takes its ranks from the allocation (sbatch -N, --ntasks-per-node), not -n; "
+                         "fewer after a node is lost")
+    if not srun and (n is None or n < 1):
         raise ValueError("-n N (the number of ranks, >= 1) is required")
     if not command or command[0] != "train":
         raise ValueError(f"the command after '--' must be 'train ...', got {' '.join(command) or 'nothing'!r}")
@@ -82,7 +92,7 @@ def split_args(argv: list[str]):
         if not env.isdigit():
             raise ValueError(f"HPCTRAIN_MAX_FAILURES={env!r} must be a whole number")
         k = int(env)
-    return n, k, options, command
+    return n, k, options, command, srun
 
 
 def with_resume_auto(command: list[str]) -> list[str]:
@@ -102,7 +112,7 @@ def with_resume_auto(command: list[str]) -> list[str]:
 
 def describe_exit(rc: int) -> str:
     if rc < 0:
-        return f"mpirun killed by signal {-rc} ({signal.Signals(-rc).name})"
+        return f"mpirun or srun killed by signal {-rc} ({signal.Signals(-rc).name})"
     if rc > 128 and rc - 128 in signal.valid_signals():
         return f"exit code {rc} (a rank killed by signal {rc - 128}, {signal.Signals(rc - 128).name})"
     if rc == 4:
@@ -110,20 +120,11 @@ def describe_exit(rc: int) -> str:
     return f"exit code {rc}"
 
 
-def hosts_of(options: list[str]) -> str:
-    """The hosts named in mpirun's options, or this machine."""
-    for i, arg in enumerate(options):
-        if arg in ("-H", "--host", "-host", "--hostfile", "-hostfile", "--machinefile") and i + 1 < len(options):
-            return options[i + 1]
-    return socket.gethostname()
-
-
 class Supervisor:
     """Runs the job, judges each end, restarts; ``run()`` returns the launcher's exit code."""
 
-    def __init__(self, n, max_failures, options, command, mpirun="mpirun", say=None):
-        self.n, self.max_failures, self.options, self.command = n, max_failures, options, command
-        self.mpirun = mpirun
+    def __init__(self, backend, max_failures, command, say=None):
+        self.backend, self.max_failures, self.command = backend, max_failures, command
         self.say = say or (lambda line: print(f"hpctrain launch: {line}", flush=True))
         self.proc = None
         self.stop = None  # the signal that asked the job to stop: no restart after it
@@ -135,8 +136,9 @@ class Supervisor:
             self.proc.send_signal(signal.SIGUSR1)
 
     def run(self) -> int:
-        if shutil.which(self.mpirun) is None:
-            return usage_error(f"{self.mpirun!r} is not on PATH; load your MPI (module load ...) first")
+        problem = self.backend.problem()
+        if problem:
+            return usage_error(problem)
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._forward)
         with tempfile.TemporaryDirectory(prefix="hpctrain-launch-") as tmp:
@@ -144,16 +146,17 @@ class Supervisor:
 
     def _loop(self, progress_path: str) -> int:
         failures, idle_failures, command, failed_at, last = 0, 0, self.command, None, None
-        hosts = hosts_of(self.options)
         while True:
             if os.path.exists(progress_path):
                 os.remove(progress_path)
-            cmd = [self.mpirun, "-n", str(self.n), *self.options, sys.executable, "-m", "hpctrain", *command]
+            try:
+                cmd, where = self.backend.start(failures, command, self.say)
+            except NoNodes as exc:
+                return self._give_up(str(exc))
             env = dict(os.environ, **{progress.ENV: progress_path, "HPCTRAIN_RESTART": str(failures)})
             started = time.time()
             self.say(f"{'start' if not failures else f'restart {failures} of at most {self.max_failures}'}: "
-                     f"{self.n} rank(s) on {hosts}: {' '.join(cmd[:3 + len(self.options)])} ... "
-                     f"{' '.join(command)}")
+                     f"{where}: {' '.join(cmd[:cmd.index(sys.executable)])} ... {' '.join(command)}")
             self.proc = subprocess.Popen(cmd, env=env)
             reported = failed_at is None
             while True:
@@ -221,8 +224,9 @@ class Supervisor:
 
 def cmd_launch(argv: list[str]) -> int:
     try:
-        n, k, options, command = split_args(argv)
+        n, k, options, command, srun = split_args(argv)
     except ValueError as exc:
         return usage_error(f"{exc}\nusage: python -m hpctrain launch -n N [--max-failures K] [mpirun options] "
-                           f"-- train ARGS")
-    return Supervisor(n, k, options, command).run()
+                           f"-- train ARGS\n       python -m hpctrain launch --srun [--max-failures K] "
+                           f"[srun options] -- train ARGS  (inside a SLURM allocation)")
+    return Supervisor(Srun(options) if srun else Mpirun(n, options), k, command).run()

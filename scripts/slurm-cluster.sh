@@ -8,6 +8,9 @@
 #   scripts/slurm-cluster.sh start DIR [NODES]  start a cluster of NODES (default 2) nodes n1..nN
 #   scripts/slurm-cluster.sh stop DIR           cancel its jobs, stop its daemons by pid
 #   scripts/slurm-cluster.sh status DIR         sinfo + squeue
+#   scripts/slurm-cluster.sh lose-node DIR NODE a node crash: SIGKILL to its slurmd, its slurmstepd
+#                                               and every job process under them, all at once
+#   scripts/slurm-cluster.sh revive-node DIR NODE  its slurmd again; waits until SLURM hears from it
 #
 # Clients find the cluster with `export SLURM_CONF=DIR/etc/slurm.conf` (start
 # writes DIR/env with that line). Every slurmd runs on this host under its own
@@ -221,10 +224,51 @@ cmd_status() {
     sinfo -N; squeue
 }
 
+node_pids() {  # DIR NODE: the slurmstepd of NODE (a job process under it runs as NODE) and their descendants
+    local dir=$1 node=$2 p c kids
+    for p in $(cluster_pids "$dir"); do
+        [ "$(cat "/proc/$p/comm" 2>/dev/null)" = slurmstepd ] || continue
+        kids=$(descendants "$p")
+        for c in $kids; do
+            if tr '\0' '\n' <"/proc/$c/environ" 2>/dev/null | grep -qx "SLURMD_NODENAME=$node"; then
+                echo "$p" $kids
+                break
+            fi
+        done
+    done
+    return 0
+}
+
+cmd_lose_node() {  # DIR NODE
+    [ -n "${2:-}" ] || die "usage: $0 lose-node DIR NODE"
+    local dir node=$2 victims
+    dir=$(cd "$1" && pwd)
+    victims="$(cat "$dir/run/slurmd-$node.pid" 2>/dev/null) $(node_pids "$dir" "$node")"
+    [ -n "${victims// /}" ] || die "no slurmd or job process of node $node in $dir"
+    # shellcheck disable=SC2086
+    kill -KILL $victims 2>/dev/null || true
+    say "lost $node: SIGKILL to" $victims
+}
+
+cmd_revive_node() {  # DIR NODE
+    [ -n "${2:-}" ] || die "usage: $0 revive-node DIR NODE"
+    local dir node=$2 state
+    dir=$(cd "$1" && pwd)
+    export SLURM_CONF=$dir/etc/slurm.conf
+    (cd "$dir/log" && slurmd -f "$SLURM_CONF" -N "$node")
+    for _ in $(seq 1 150); do  # up to 30 s
+        state=$(sinfo -h -N -n "$node" -o '%t' 2>/dev/null)
+        case $state in *'*'* | down* | "") sleep 0.2 ;; *) say "$node is back ($state)"; return 0 ;; esac
+    done
+    die "$node not back after 30 s: $(sinfo -h -N -n "$node" 2>&1)"
+}
+
 case "${1:-}" in
     install) cmd_install ;;
     start) shift; cmd_start "$@" ;;
     stop) shift; cmd_stop "$@" ;;
     status) shift; cmd_status "$@" ;;
-    *) die "usage: $0 install | start DIR [NODES] | stop DIR | status DIR" ;;
+    lose-node) shift; cmd_lose_node "$@" ;;
+    revive-node) shift; cmd_revive_node "$@" ;;
+    *) die "usage: $0 install | start DIR [NODES] | stop DIR | status DIR | lose-node DIR NODE | revive-node DIR NODE" ;;
 esac

@@ -3,8 +3,10 @@ checkpoint. A kill -9 of one rank mid-run costs a restart, and the run then ends
 of a run resumed from the same checkpoint without the failure; a crash before the first step
 restarts once, then gives up; more failures than allowed give up with exit 6; a stalled rank
 (the watchdog's exit 4) is a failure like a crash; SIGTERM to the launcher saves and stops
-with no restart; a user error is not restarted. Every launch has a timeout."""
+with no restart; a user error is not restarted; benchmarks/recovery.py splits a restart into its
+phases. Every launch has a timeout."""
 
+import json
 import os
 import re
 import signal
@@ -153,3 +155,17 @@ def test_resume_auto_replaces_the_users_resume():
     assert with_resume_auto(["train", "--resume", "x.h5", "--set", "a=1"]) == ["train", "--set", "a=1", "--resume",
                                                                                "auto"]
     assert with_resume_auto(["train", "--resume=x.h5"]) == ["train", "--resume", "auto"]
+
+
+def test_recovery_benchmark_splits_a_restart_into_its_phases(small_data, tmp_path):
+    """benchmarks/recovery.py on the MLP: one kill -9, one restart, a row whose phases add up."""
+    out = tmp_path / "recovery.json"
+    proc = subprocess.run([sys.executable, "benchmarks/recovery.py", "--models", "mlp", "--every", "5", "--kill-at",
+                           "10", "--mlp-data", small_data[0], "--json", str(out), "--timeout", "150"],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    (row,) = json.load(open(out))["rows"]
+    assert row["model"] == "mlp" and row["ranks"] == 2 and row["resumed_at"] >= 10, row
+    phases = row["detect_s"] + row["startup_s"] + row["load_s"] + row["first_step_s"]
+    assert 0 < row["detect_s"] and abs(row["total_s"] - phases) < 0.5, row  # the printed parts: 0.1 s each
+    assert "| mlp | 2 |" in proc.stdout, proc.stdout

@@ -251,3 +251,80 @@ def test_kill_9_of_one_rank_ends_the_train_sbatch_job(slurm_cluster, small_data,
     wait_for(lambda: not alive(pids), 10, "every rank to be gone")
     assert record["JobState"] == "FAILED" and record["ExitCode"] != "0:0", (record, _read(out)[-3000:])
     print(f"\nslurm kill -9: job {job} {record['JobState']} {record['ExitCode']} {took:.1f} s after the kill")
+
+
+def _slurm_rank_pid(marker: str, rank: int):
+    """Pid of srun task ``rank`` (SLURM_PROCID) among the rank processes holding ``marker``."""
+    from mpi_jobs import rank_pids
+
+    for pid in rank_pids(marker):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if f"SLURM_PROCID={rank}".encode() in fh.read().split(b"\0"):
+                    return pid
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.timeout(600)
+def test_requeue_template_restarts_after_a_crash_and_on_the_nodes_left_after_a_node_is_lost(
+        slurm_cluster, small_data, tmp_path):
+    """requeue.sbatch on 2 nodes x 2 ranks: kill -9 of one rank restarts training on both nodes;
+    then node n2 crashes (its slurmd, slurmstepd and ranks killed at once): the watchdog ends the
+    stuck ranks, the launcher finds n2 unusable and restarts on n1 alone with 2 ranks (63 rows:
+    uneven shares), and the job finishes. Its final state equals a plain 2-rank resume from the
+    checkpoint that restart loaded, bit for bit."""
+    from mpi_jobs import wait_for
+
+    script = os.path.join(REPO, "scripts", "slurm-cluster.sh")
+    ck, out, steps = tmp_path / "ck", tmp_path / "resilient.out", 1200
+    env = slurm_cluster.env(two_nodes=True, HPCTRAIN_HOME=REPO)
+    args = _small_args(small_data[0], steps, "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every_steps=50",
+                       "--set", "checkpoint.every_minutes=0", "--set", "checkpoint.keep_last=0",
+                       "--set", "checkpoint.save_final=true", "--set", "train.global_batch=63",
+                       "--set", "model.hidden=[64]", "--set", "train.dtype=float64",
+                       "--set", "dist.comm_timeout=10")  # the watchdog is what notices a lost node
+    job = slurm_cluster.sbatch(["-N", "2", "--ntasks-per-node=2", f"--output={out}",
+                                os.path.join(JOBS, "requeue.sbatch"), *args], env=env, cwd=tmp_path)
+    try:
+        wait_for(lambda: (ck / "ckpt-00000100.h5").exists(), 240, "the checkpoint of step 100")
+        os.kill(_slurm_rank_pid(str(ck), 1), 9)  # a rank on n1
+        wait_for(lambda: "recovered: first new step" in _read(out), 120, "the first restart's first step")
+        done = len(list(ck.glob("ckpt-*.h5")))
+        wait_for(lambda: len(list(ck.glob("ckpt-*.h5"))) >= done + 2, 120, "two more checkpoints")
+        lost = slurm_cluster.run(["bash", script, "lose-node", slurm_cluster.root, "n2"], timeout=30)
+        assert lost.returncode == 0, lost.stdout + lost.stderr
+        # the script ends, but the job stays COMPLETING until every node of it answers: n2 comes back first
+        ended = re.compile(r"^requeue\.sbatch: (training finished|training failed|the launcher gave up|checkpoint saved)",
+                           re.M)
+        wait_for(lambda: ended.search(_read(out)), 240, "the end of the batch script")
+    finally:
+        back = slurm_cluster.run(["bash", script, "revive-node", slurm_cluster.root, "n2"], timeout=60)
+    (record,) = slurm_cluster.wait(job, 60, str(out))
+    text = _read(out)
+    print("\n".join(line for line in text.splitlines() if line.startswith(("hpctrain launch", "requeue.sbatch"))))
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
+    assert "failure 1: exit code" in text and "restart 1 of at most 3: 4 rank(s) on 2 node(s) n1,n2" in text, text
+    assert "failure 2: exit code 4 (the stall watchdog ended a stalled job)" in text, text
+    assert "node n2 is not usable" in text, text
+    assert "restart 2 of at most 3: 2 rank(s) on 1 node(s) n1 (1 of 2 lost)" in text, text
+    assert text.count("recovered: first new step") == 2, text
+    assert "hpctrain 0.1.0: 2 rank(s) on 1 node(s)" in text and "global batch 63 = 32 x 1 + 31 x 1" in text, text
+    assert "training finished after 0 restart(s)" in text, text  # no requeue: the failures stayed inside
+
+    # the last restart from its checkpoint, without failures, on the same 2 ranks
+    resumed = int(re.findall(r"recovered: .*resumed at step (\d+)", text)[-1])
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    shutil.copy(ck / f"ckpt-{resumed:08d}.h5", ref)
+    again = slurm_cluster.run(["srun", "-N", "1", "-n", "2", "-w", "n1", sys.executable, "-m", "hpctrain", "train",
+                               *args, "--set", f"checkpoint.dir={ref}", "--resume", "auto"],
+                              timeout=300, env=env, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    final = f"ckpt-{steps:08d}.h5"
+    got, want = _datasets(str(ck / final)), _datasets(str(ref / final))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{name} differs from a plain resume"

@@ -1,0 +1,165 @@
+"""Where ``python -m hpctrain launch`` starts each run: mpirun, or srun inside a SLURM allocation.
+
+A back-end turns "start the job (again)" into a command line and says where it runs:
+
+  ``Mpirun(n, options)``  ``mpirun -n N [options] python -m hpctrain train ...``, every time.
+  ``Srun(options)``       inside ``sbatch --no-kill`` (jobs/requeue.sbatch): the first run is
+                          ``srun --kill-on-bad-exit=1 [options] python -m hpctrain train ...`` over
+                          the whole allocation. Before a restart it asks which nodes still work
+                          (SLURM's node states, then a one-task ``srun`` on each that passed, all
+                          at once, each with a time limit) and starts on those only, the same
+                          ranks per node: fewer nodes, fewer ranks, the same global batch (uneven
+                          shares where the new world size does not divide it). With ``--overlap``:
+                          the failed step keeps its CPUs until SLURM hears from every node it
+                          ran on, and a lost node is heard from only when SLURM declares it
+                          down (SlurmdTimeout, minutes). No usable node left: :class:`NoNodes`,
+                          and the launcher gives up.
+
+The batch script and the launcher run on the allocation's first node; when that node dies
+SLURM ends the job whatever ``--no-kill`` says, so a restart needs it alive.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+PROBE_S = 20  # a working node answers a one-task srun in about a second; a dead one never does
+# sinfo's short states (%t) in which a node can run a step; a suffix (* not responding,
+# ~ powered off, # powering up, % powering down, ! pending power down, $ maintenance,
+# @ pending reboot, ^ rebooting, - planned) rules it out, as do down, drain, fail, maint...
+USABLE_STATES = {"alloc", "mix", "idle", "comp", "resv", "plnd"}
+
+
+class NoNodes(RuntimeError):
+    """No node of the allocation can run the job any more."""
+
+
+class Mpirun:
+    """Every start: ``mpirun -n N [options]`` (the same hosts, the same world size)."""
+
+    def __init__(self, n: int, options: list[str], mpirun: str = "mpirun"):
+        self.n, self.options, self.program = n, options, mpirun
+
+    def problem(self) -> str | None:
+        if shutil.which(self.program) is None:
+            return f"{self.program!r} is not on PATH; load your MPI (module load ...) first"
+        return None
+
+    def start(self, restart: int, command: list[str], say) -> tuple[list[str], str]:
+        """(argv, "N rank(s) on WHERE") for one start of ``command`` (hpctrain's arguments)."""
+        argv = [self.program, "-n", str(self.n), *self.options, sys.executable, "-m", "hpctrain", *command]
+        return argv, f"{self.n} rank(s) on {hosts_of(self.options)}"
+
+
+def hosts_of(options: list[str]) -> str:
+    """The hosts named in mpirun's options, or this machine."""
+    for i, arg in enumerate(options):
+        if arg in ("-H", "--host", "-host", "--hostfile", "-hostfile", "--machinefile") and i + 1 < len(options):
+            return options[i + 1]
+    return socket.gethostname()
+
+
+def tasks_per_node(env) -> int | None:
+    """Ranks per node of the allocation: SLURM_NTASKS_PER_NODE, else the first count of
+    SLURM_TASKS_PER_NODE ("4(x2)" or "4,3"), else SLURM_NTASKS / SLURM_JOB_NUM_NODES."""
+    for key in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        m = re.match(r"(\d+)", env.get(key, ""))
+        if m:
+            return int(m.group(1))
+    try:
+        return max(1, int(env["SLURM_NTASKS"]) // int(env["SLURM_JOB_NUM_NODES"]))
+    except (KeyError, ValueError, ZeroDivisionError):
+        return None
+
+
+class Srun:
+    """Every start an srun step inside this allocation; after a failure, on the nodes that still work."""
+
+    def __init__(self, options: list[str], env=None, srun: str = "srun", probe_s: float = PROBE_S):
+        self.options, self.env, self.program, self.probe_s = options, env or os.environ, srun, probe_s
+        self.nodes: list[str] = []
+
+    def problem(self) -> str | None:
+        for tool in (self.program, "scontrol", "sinfo"):
+            if shutil.which(tool) is None:
+                return f"{tool!r} is not on PATH; --srun runs inside a SLURM allocation (sbatch jobs/requeue.sbatch)"
+        if not self.env.get("SLURM_JOB_ID") or not self.env.get("SLURM_JOB_NODELIST"):
+            return "--srun runs inside a SLURM allocation (SLURM_JOB_ID is not set): use it from an sbatch script"
+        out = subprocess.run(["scontrol", "show", "hostnames", self.env["SLURM_JOB_NODELIST"]],
+                             capture_output=True, text=True, timeout=30)
+        self.nodes = out.stdout.split()
+        if out.returncode or not self.nodes:
+            return f"scontrol show hostnames {self.env['SLURM_JOB_NODELIST']} failed: {out.stderr.strip()}"
+        if tasks_per_node(self.env) is None:
+            return "cannot tell the ranks per node (SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE, SLURM_NTASKS)"
+        return None
+
+    def start(self, restart: int, command: list[str], say) -> tuple[list[str], str]:
+        head = [self.program, "--kill-on-bad-exit=1"]
+        tail = [*self.options, sys.executable, "-m", "hpctrain", *command]
+        per_node = tasks_per_node(self.env)
+        if restart == 0:
+            n = int(self.env.get("SLURM_NTASKS", per_node * len(self.nodes)))
+            return head + tail, f"{n} rank(s) on {len(self.nodes)} node(s) {','.join(self.nodes)}"
+        good = self.usable_nodes(say)
+        if not good:
+            raise NoNodes(f"none of the allocation's nodes ({','.join(self.nodes)}) can run a task any more")
+        if good == self.nodes:
+            n = int(self.env.get("SLURM_NTASKS", per_node * len(self.nodes)))
+            return head + ["--overlap"] + tail, f"{n} rank(s) on {len(good)} node(s) {','.join(good)}"
+        n = per_node * len(good)
+        where = f"{n} rank(s) on {len(good)} node(s) {','.join(good)}"
+        if len(good) < len(self.nodes):
+            where += f" ({len(self.nodes) - len(good)} of {len(self.nodes)} lost)"
+        # --overlap: the failed step holds its CPUs until every node it ran on has answered, and
+        # a lost node answers only when SLURM declares it down (SlurmdTimeout, minutes later)
+        return head + ["--overlap", "-N", str(len(good)), "-n", str(n), "-w", ",".join(good)] + tail, where
+
+    def usable_nodes(self, say) -> list[str]:
+        """The allocation's nodes that SLURM calls usable and that run a one-task srun within probe_s."""
+        states = self.states()  # {} when sinfo does not answer: the probes alone decide
+        candidates = []
+        for node in self.nodes:
+            state = states.get(node, "unknown")
+            if not states or state in USABLE_STATES:
+                candidates.append(node)
+            else:
+                say(f"node {node} is not usable: SLURM state {state!r}")
+        probes = {node: subprocess.Popen([self.program, "--overlap", "-N", "1", "-n", "1", "-w", node,
+                                          "--kill-on-bad-exit=1", "true"], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                  for node in candidates}
+        good = []
+        for node, proc in probes.items():
+            try:
+                _, err = proc.communicate(timeout=self.probe_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                say(f"node {node} is not usable: a one-task srun did not finish in {self.probe_s:g} s")
+                continue
+            if proc.returncode == 0:
+                good.append(node)
+            else:
+                last = (err.strip().splitlines() or ["no message"])[-1]
+                say(f"node {node} is not usable: a one-task srun failed ({last})")
+        return good
+
+    def states(self) -> dict[str, str]:
+        """{node: sinfo's short state} for the allocation's nodes ({} when sinfo fails)."""
+        try:
+            out = subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(self.nodes), "-o", "%N %t"],
+                                 capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return {}
+        states = {}
+        for line in out.stdout.splitlines():
+            fields = line.split()
+            if len(fields) == 2:
+                states[fields[0]] = fields[1]
+        return states

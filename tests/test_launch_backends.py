@@ -1,0 +1,95 @@
+"""``launch --srun`` without a cluster: the allocation read from SLURM's variables, the usable-node
+choice (SLURM states, then a one-task srun per node, with a time limit) and giving up when no node
+is left, against stand-in ``scontrol``, ``sinfo`` and ``srun`` scripts on PATH. The real cluster
+runs in tests/test_slurm.py."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from hpctrain.launch import split_args
+from hpctrain.launch_backends import NoNodes, Srun, tasks_per_node
+
+# sinfo's view; srun's probe of n3 fails, of n4 hangs; a training step exits as TRAIN_RC says
+SCONTROL = "#!/bin/sh\nfor n in n1 n2 n3 n4; do echo $n; done\n"
+SINFO = "#!/bin/sh\nprintf 'n1 alloc\\nn2 down*\\nn3 mix\\nn4 idle\\n'\n"
+SRUN = """#!/bin/sh
+case " $* " in
+  *" true "*)
+    [ -n "$ALL_DEAD" ] && { echo "srun: error: Job step aborted" >&2; exit 1; }
+    case " $* " in
+      *" -w n3 "*) echo "srun: error: Task launch for StepId=7.3 failed on node n3: Communication connection failure" >&2; exit 1 ;;
+      *" -w n4 "*) exec sleep 30 ;;
+    esac
+    exit 0 ;;
+esac
+echo "srun $*"
+exit "${TRAIN_RC:-0}"
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    for name, text in (("scontrol", SCONTROL), ("sinfo", SINFO), ("srun", SRUN)):
+        path = tmp_path / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    return {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_NTASKS": "8",
+            "SLURM_JOB_NUM_NODES": "4", "SLURM_TASKS_PER_NODE": "2(x4)"}
+
+
+@pytest.mark.parametrize("env, want", [({"SLURM_NTASKS_PER_NODE": "4"}, 4), ({"SLURM_TASKS_PER_NODE": "2(x3)"}, 2),
+                                       ({"SLURM_TASKS_PER_NODE": "4,3"}, 4),
+                                       ({"SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2"}, 4), ({}, None)])
+def test_tasks_per_node_from_slurms_variables(env, want):
+    assert tasks_per_node(env) == want
+
+
+def test_srun_takes_its_ranks_from_the_allocation():
+    assert split_args(["--srun", "--mpi=pmix", "--", "train", "--config", "x.toml"])[1:] == \
+        (3, ["--mpi=pmix"], ["train", "--config", "x.toml"], True)
+    with pytest.raises(ValueError, match="--srun takes its ranks from the allocation"):
+        split_args(["--srun", "-n", "4", "--", "train"])
+
+
+def test_a_restart_runs_on_the_nodes_that_pass_both_checks(fake_slurm):
+    said = []
+    backend = Srun(["--mpi=pmix"], env=fake_slurm, probe_s=1.0)
+    assert backend.problem() is None
+    argv, where = backend.start(0, ["train", "--config", "x.toml"], said.append)
+    assert argv[:3] == ["srun", "--kill-on-bad-exit=1", "--mpi=pmix"] and where.startswith("8 rank(s) on 4 node(s)")
+    argv, where = backend.start(1, ["train", "--config", "x.toml", "--resume", "auto"], said.append)
+    assert argv[:9] == ["srun", "--kill-on-bad-exit=1", "--overlap", "-N", "1", "-n", "2", "-w", "n1"], argv
+    assert argv[9:] == ["--mpi=pmix", sys.executable, "-m", "hpctrain", "train", "--config", "x.toml", "--resume", "auto"]
+    assert where == "2 rank(s) on 1 node(s) n1 (3 of 4 lost)"
+    assert said == ["node n2 is not usable: SLURM state 'down*'",
+                    "node n3 is not usable: a one-task srun failed (srun: error: Task launch for StepId=7.3 failed on "
+                    "node n3: Communication connection failure)",
+                    "node n4 is not usable: a one-task srun did not finish in 1 s"]
+
+
+def test_no_usable_node_left_is_no_nodes(fake_slurm, monkeypatch):
+    monkeypatch.setenv("ALL_DEAD", "1")
+    backend = Srun([], env=fake_slurm, probe_s=0.5)
+    assert backend.problem() is None
+    with pytest.raises(NoNodes, match=r"none of the allocation's nodes \(n1,n2,n3,n4\)"):
+        backend.start(1, ["train"], lambda line: None)
+
+
+def test_outside_an_allocation_is_one_clear_error(fake_slurm):
+    assert "inside a SLURM allocation (SLURM_JOB_ID is not set)" in Srun([], env={}).problem()
+
+
+def test_the_launcher_gives_up_when_a_failed_job_has_no_node_left(fake_slurm):
+    env = dict(os.environ, **fake_slurm, TRAIN_RC="137", ALL_DEAD="1", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "launch", "--srun", "--", "train", "--config", "x.toml"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 6, (proc.stdout, proc.stderr)
+    assert "failure 1: exit code 137 (a rank killed by signal 9, SIGKILL) before its first step" in proc.stdout
+    assert proc.stderr.count("hpctrain launch: error:") == 1
+    assert "giving up: none of the allocation's nodes (n1,n2,n3,n4) can run a task any more" in proc.stderr
