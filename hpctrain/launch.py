@@ -28,7 +28,7 @@ nothing restarts.
 Each restart is logged with its cause, the hosts, and what it cost: the
 restarted run's start-up, checkpoint load and first step, from the moment the
 failed job ended, and the steps redone since the checkpoint. The job reports
-its progress through ``HPCTRAIN_PROGRESS`` (:mod:`hpctrain.progress`).
+its progress through ``HPCTRAIN_LAUNCH_PROGRESS`` (:mod:`hpctrain.progress`).
 """
 
 from __future__ import annotations

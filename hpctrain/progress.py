@@ -1,4 +1,4 @@
-"""How far a run got, for the launcher that supervises it: ``HPCTRAIN_PROGRESS=FILE``.
+"""How far a run got, for the launcher that supervises it: ``HPCTRAIN_LAUNCH_PROGRESS=FILE``.
 
 Rank 0 writes one fixed-width line per phase into FILE (one ``pwrite`` at the
 phase's offset, no fsync: the reader is on the same machine, and a crash of
@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 
-ENV = "HPCTRAIN_PROGRESS"
+ENV = "HPCTRAIN_LAUNCH_PROGRESS"  # not HPCTRAIN_PROGRESS: that one picks the progress display (log.py)
 PHASES = ("start", "ready", "step")   # each has its own line in the file, so no mark hides another
 _WIDTH = 40  # "phase step unix-time", padded: every write replaces its whole line
 
@@ -33,7 +33,7 @@ class Mark:
 
 
 class Progress:
-    """Writes the marks of this run on rank 0 when ``HPCTRAIN_PROGRESS`` names a file."""
+    """Writes the marks of this run on rank 0 when ``HPCTRAIN_LAUNCH_PROGRESS`` names a file."""
 
     def __init__(self, is_root: bool, path: str | None = None):
         path = os.environ.get(ENV, "") if path is None else path

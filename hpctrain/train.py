@@ -49,7 +49,7 @@ class Trainer:
         # as opening the data), so a rank that stops before training also ends the job, with a report
         self.watchdog = Watchdog(world.comm, cfg.dist.comm_timeout, self.log)  # collective (a Dup)
         self.faults = Faults(world.rank)
-        self.progress = Progress(world.is_root)  # for a supervising launcher (HPCTRAIN_PROGRESS)
+        self.progress = Progress(world.is_root)  # for a supervising launcher (HPCTRAIN_LAUNCH_PROGRESS)
         self.progress.mark("start", 0)
         self.watchdog.start()
         try:

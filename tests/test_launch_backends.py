@@ -93,3 +93,22 @@ def test_the_launcher_gives_up_when_a_failed_job_has_no_node_left(fake_slurm):
     assert "failure 1: exit code 137 (a rank killed by signal 9, SIGKILL) before its first step" in proc.stdout
     assert proc.stderr.count("hpctrain launch: error:") == 1
     assert "giving up: none of the allocation's nodes (n1,n2,n3,n4) can run a task any more" in proc.stderr
+
+
+def test_progress_marks_go_only_where_the_launcher_asks(tmp_path, monkeypatch):
+    """The launcher's marks use their own variable: HPCTRAIN_PROGRESS picks the progress display
+    (tty | lines), and a run with HPCTRAIN_PROGRESS=lines once wrote its marks to a file named lines."""
+    from hpctrain import progress
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HPCTRAIN_PROGRESS", "lines")
+    monkeypatch.delenv(progress.ENV, raising=False)
+    marks = progress.Progress(is_root=True)
+    marks.mark("start", 0)
+    marks.close()
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setenv(progress.ENV, str(tmp_path / "marks"))
+    marks = progress.Progress(is_root=True)
+    marks.mark("ready", 7)
+    marks.close()
+    assert progress.read(str(tmp_path / "marks"))["ready"].step == 7
