@@ -18,6 +18,7 @@ arrive, the run is split into
 
 Then the launcher gets SIGTERM: the ranks save and stop (exit 75). Data are made in a
 temporary folder unless --mlp-data / --text name files. Prints a table, writes JSON.
+Rank 1 is found by Open MPI's OMPI_COMM_WORLD_RANK (mpirun from Open MPI).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ RECOVERED = re.compile(r"recovered: first new step ([\d.]+) s after the failed j
                        r"(\d+) step\(s\) redone")
 
 
-def _hpctrain(*args, env=None):
+def _hpctrain(*args):
     return [sys.executable, "-m", "hpctrain", *args]
 
 
@@ -57,6 +58,7 @@ def _train_args(model, data, ckpt, args):
 
 
 def _rank_pid(marker, rank):
+    """The pid of MPI rank ``rank`` of the job holding ``marker`` (Open MPI's OMPI_COMM_WORLD_RANK)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue

@@ -103,10 +103,6 @@ class CudaDevice:
         s = dict(stream=self.stream)
         p = functools.partial
         self.ops = SimpleNamespace(
-            linear_forward=p(linear.linear_forward_cuda, **s),
-            linear_backward=p(linear.linear_backward_cuda, **s),
-            tied_head_forward=p(linear.tied_head_forward_cuda, **s),
-            tied_head_backward=p(linear.tied_head_backward_cuda, **s),
             bias_act_forward=p(bias_act.bias_act_forward_cuda, **s),
             bias_act_backward=p(bias_act.bias_act_backward_cuda, **s, scratch=self.scratch),
             softmax_xent_forward=p(softmax_xent.softmax_xent_forward_cuda, **s, scratch=self.scratch),
@@ -124,15 +120,21 @@ class CudaDevice:
             residual_forward=p(residual.residual_forward_cuda, **s),
             residual_backward=p(residual.residual_backward_cuda, **s),
         )
+        self._install_gemms()
+
+    GEMM_OPS = ("linear_forward", "linear_backward", "tied_head_forward", "tied_head_backward")
+
+    def _install_gemms(self):
+        """The GEMM ops of ``self.gemm``: cuBLAS through CuPy, or the numba kernels."""
         if self.gemm == "cublas":
-            self._use_cublas()
+            from .kernels.cublas import CublasLinear
 
-    def _use_cublas(self):
-        from .kernels.cublas import CublasLinear
-
-        fast = CublasLinear(self.stream, self.gpu)
-        for op in ("linear_forward", "linear_backward", "tied_head_forward", "tied_head_backward"):
-            setattr(self.ops, op, getattr(fast, op))
+            fast = CublasLinear(self.stream, self.gpu)
+            for op in self.GEMM_OPS:
+                setattr(self.ops, op, getattr(fast, op))
+        else:
+            for op in self.GEMM_OPS:
+                setattr(self.ops, op, functools.partial(getattr(linear, f"{op}_cuda"), stream=self.stream))
 
     def with_gemm(self, choice: str) -> "CudaDevice":
         """This device (same GPU, stream, scratch and uploads) with ``train.gemm = choice``'s
@@ -140,12 +142,7 @@ class CudaDevice:
         twin = copy.copy(self)
         twin.ops = SimpleNamespace(**vars(self.ops))
         twin.gemm = gemm_backend(choice, self.gpu)
-        if twin.gemm == "cublas" and self.gemm != "cublas":
-            twin._use_cublas()
-        elif twin.gemm == "numba" and self.gemm != "numba":
-            s = dict(stream=self.stream)
-            for op in ("linear_forward", "linear_backward", "tied_head_forward", "tied_head_backward"):
-                setattr(twin.ops, op, functools.partial(getattr(linear, f"{op}_cuda"), **s))
+        twin._install_gemms()
         return twin
 
     def empty(self, shape, dtype=None):

@@ -56,19 +56,23 @@ def usage_error(message: str) -> int:
 
 def split_args(argv: list[str]):
     """``-n N | --srun  [--max-failures K] [mpirun or srun options] -- hpctrain command`` ->
-    (n or None under --srun, k, options, command, srun?)."""
+    (n or None under --srun, k, options, command, srun?). Under --srun every option but
+    --max-failures is srun's, -n included (the ranks of the first start: the allocation's
+    by default; a restart on fewer nodes sets its own)."""
     if "--" not in argv:
         raise ValueError("expected '-- train ARGS' after the launcher's options")
     cut = argv.index("--")
     mine, command = argv[:cut], argv[cut + 1:]
-    n, k, options, i, srun = None, None, [], 0, False
+    srun = "--srun" in mine
+    n, k, options, i = None, None, [], 0
     while i < len(mine):
         arg = mine[i]
         name, _, inline = arg.partition("=")
         if arg == "--srun":
-            srun, i = True, i + 1
+            i += 1
             continue
-        if name in ("-n", "-np", "--np", "--max-failures"):
+        # under --srun, -n is srun's own option (the first start's ranks; a restart sets its own)
+        if name in ("--max-failures",) or (name in ("-n", "-np", "--np") and not srun):
             value = inline if inline else (mine[i + 1] if i + 1 < len(mine) else "")
             i += 1 if inline else 2
             if not value.isdigit():
@@ -80,9 +84,6 @@ def split_args(argv: list[str]):
             continue
         options.append(arg)
         i += 1
-    if srun and n is not None:
-        raise ValueError("--srun takes its ranks from the allocation (sbatch -N, --ntasks-per-node), not -n; "
-                         "fewer after a node is lost")
     if not srun and (n is None or n < 1):
         raise ValueError("-n N (the number of ranks, >= 1) is required")
     if not command or command[0] != "train":
@@ -141,7 +142,12 @@ class Supervisor:
             return usage_error(problem)
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._forward)
-        with tempfile.TemporaryDirectory(prefix="hpctrain-launch-") as tmp:
+        # the progress file must be where the job's rank 0 runs: a shared folder under srun
+        try:
+            folder = tempfile.TemporaryDirectory(prefix=".hpctrain-launch-", dir=self.backend.progress_dir())
+        except OSError:  # not writable: this machine's, which rank 0 shares when it runs here
+            folder = tempfile.TemporaryDirectory(prefix="hpctrain-launch-")
+        with folder as tmp:
             return self._loop(os.path.join(tmp, "progress"))
 
     def _loop(self, progress_path: str) -> int:
@@ -153,6 +159,11 @@ class Supervisor:
                 cmd, where = self.backend.start(failures, command, self.say)
             except NoNodes as exc:
                 return self._give_up(str(exc))
+            if self.stop is not None:  # it came while no job ran (the probes take seconds): start none
+                when = "between a failure and its restart" if failures else "before the job started"
+                self.say(f"{self.stop} arrived {when}: not starting it; the newest checkpoint stays in "
+                         f"checkpoint.dir (exit {EXIT_CHECKPOINTED}, as after a save)")
+                return EXIT_CHECKPOINTED
             env = dict(os.environ, **{progress.ENV: progress_path, "HPCTRAIN_RESTART": str(failures)})
             started = time.time()
             self.say(f"{'start' if not failures else f'restart {failures} of at most {self.max_failures}'}: "
@@ -172,6 +183,11 @@ class Supervisor:
             marks = progress.read(progress_path)
             if not reported:
                 self._report_recovery(progress_path, failed_at, last, final=True)
+            if self.stop is not None and rc in (-signal.SIGUSR1, 128 + signal.SIGUSR1) and "ready" not in marks:
+                # the ranks got SIGUSR1 before hpctrain set its handler (Python still starting):
+                # they had nothing to save, and the newest checkpoint is the one to resume from
+                self.say(f"{self.stop} reached the job before it could save (still starting): nothing lost")
+                rc = EXIT_CHECKPOINTED
             if rc in FINAL or self.stop is not None:
                 what = FINAL.get(rc, describe_exit(rc))
                 self.say(f"the job {what}" + (f" (after {failures} restart(s))" if failures else "")
@@ -188,7 +204,7 @@ class Supervisor:
                 return self._give_up(f"the job failed twice in a row before completing a step (last: "
                                      f"{describe_exit(rc)}); that is not transient: fix the cause and run again")
             if failures > self.max_failures:
-                return self._give_up(f"{failures} failures, more than --max-failures={self.max_failures} "
+                return self._give_up(f"{failures} failure(s), more than --max-failures={self.max_failures} "
                                      f"(last: {describe_exit(rc)})")
             command, failed_at = with_resume_auto(self.command), ended
 

@@ -27,12 +27,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 PROBE_S = 20  # a working node answers a one-task srun in about a second; a dead one never does
 # sinfo's short states (%t) in which a node can run a step; a suffix (* not responding,
 # ~ powered off, # powering up, % powering down, ! pending power down, $ maintenance,
 # @ pending reboot, ^ rebooting, - planned) rules it out, as do down, drain, fail, maint...
-USABLE_STATES = {"alloc", "mix", "idle", "comp", "resv", "plnd"}
+USABLE_STATES = {"alloc", "mix", "idle", "comp", "resv", "plnd", "drng"}  # draining: new jobs no, our steps yes
 
 
 class NoNodes(RuntimeError):
@@ -50,6 +51,9 @@ class Mpirun:
             return f"{self.program!r} is not on PATH; load your MPI (module load ...) first"
         return None
 
+    def progress_dir(self) -> str | None:
+        return None  # mpirun's rank 0 runs here (a temporary folder of this machine)
+
     def start(self, restart: int, command: list[str], say) -> tuple[list[str], str]:
         """(argv, "N rank(s) on WHERE") for one start of ``command`` (hpctrain's arguments)."""
         argv = [self.program, "-n", str(self.n), *self.options, sys.executable, "-m", "hpctrain", *command]
@@ -65,12 +69,15 @@ def hosts_of(options: list[str]) -> str:
 
 
 def tasks_per_node(env) -> int | None:
-    """Ranks per node of the allocation: SLURM_NTASKS_PER_NODE, else the first count of
-    SLURM_TASKS_PER_NODE ("4(x2)" or "4,3"), else SLURM_NTASKS / SLURM_JOB_NUM_NODES."""
-    for key in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
-        m = re.match(r"(\d+)", env.get(key, ""))
-        if m:
-            return int(m.group(1))
+    """Ranks per node of the allocation: SLURM_NTASKS_PER_NODE, else the smallest count of
+    SLURM_TASKS_PER_NODE ("4(x2)", or "4(x2),3" when nodes differ: a restart then asks no node
+    for more than the smallest has), else SLURM_NTASKS / SLURM_JOB_NUM_NODES."""
+    m = re.match(r"(\d+)", env.get("SLURM_NTASKS_PER_NODE", ""))
+    if m:
+        return int(m.group(1))
+    counts = [int(c) for c in re.findall(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_TASKS_PER_NODE", ""))]
+    if counts:
+        return min(counts)
     try:
         return max(1, int(env["SLURM_NTASKS"]) // int(env["SLURM_JOB_NUM_NODES"]))
     except (KeyError, ValueError, ZeroDivisionError):
@@ -81,7 +88,8 @@ class Srun:
     """Every start an srun step inside this allocation; after a failure, on the nodes that still work."""
 
     def __init__(self, options: list[str], env=None, srun: str = "srun", probe_s: float = PROBE_S):
-        self.options, self.env, self.program, self.probe_s = options, env or os.environ, srun, probe_s
+        self.options, self.program, self.probe_s = options, srun, probe_s
+        self.env = os.environ if env is None else env
         self.nodes: list[str] = []
 
     def problem(self) -> str | None:
@@ -90,8 +98,11 @@ class Srun:
                 return f"{tool!r} is not on PATH; --srun runs inside a SLURM allocation (sbatch jobs/requeue.sbatch)"
         if not self.env.get("SLURM_JOB_ID") or not self.env.get("SLURM_JOB_NODELIST"):
             return "--srun runs inside a SLURM allocation (SLURM_JOB_ID is not set): use it from an sbatch script"
-        out = subprocess.run(["scontrol", "show", "hostnames", self.env["SLURM_JOB_NODELIST"]],
-                             capture_output=True, text=True, timeout=30)
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", self.env["SLURM_JOB_NODELIST"]],
+                                 capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return "scontrol show hostnames did not answer in 30 s: is slurmctld reachable?"
         self.nodes = out.stdout.split()
         if out.returncode or not self.nodes:
             return f"scontrol show hostnames {self.env['SLURM_JOB_NODELIST']} failed: {out.stderr.strip()}"
@@ -99,9 +110,15 @@ class Srun:
             return "cannot tell the ranks per node (SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE, SLURM_NTASKS)"
         return None
 
+    def progress_dir(self) -> str:
+        """Where the job's rank 0 can write: the submit folder (shared, as sbatch's output is)."""
+        return self.env.get("SLURM_SUBMIT_DIR") or os.getcwd()
+
     def start(self, restart: int, command: list[str], say) -> tuple[list[str], str]:
-        head = [self.program, "--kill-on-bad-exit=1"]
-        tail = [*self.options, sys.executable, "-m", "hpctrain", *command]
+        # a restart's geometry comes after the user's options: srun takes the last of a repeated
+        # option, so an -n or -N in SRUN_ARGS cannot bring a lost node back
+        head = [self.program, "--kill-on-bad-exit=1", *self.options]
+        tail = [sys.executable, "-m", "hpctrain", *command]
         per_node = tasks_per_node(self.env)
         if restart == 0:
             n = int(self.env.get("SLURM_NTASKS", per_node * len(self.nodes)))
@@ -134,13 +151,17 @@ class Srun:
                                           "--kill-on-bad-exit=1", "true"], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                   for node in candidates}
-        good = []
+        good, deadline = [], time.monotonic() + self.probe_s  # one limit for all: they run at once
         for node, proc in probes.items():
             try:
-                _, err = proc.communicate(timeout=self.probe_s)
+                _, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+                proc.terminate()  # srun cancels its step on SIGTERM (SIGKILL would leave it registered)
+                try:
+                    proc.communicate(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate()
                 say(f"node {node} is not usable: a one-task srun did not finish in {self.probe_s:g} s")
                 continue
             if proc.returncode == 0:

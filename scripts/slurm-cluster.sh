@@ -250,15 +250,24 @@ cmd_lose_node() {  # DIR NODE
     say "lost $node: SIGKILL to" $victims
 }
 
+slurmd_started() {  # NODE: when slurmctld last heard a slurmd of NODE register
+    scontrol show node "$1" -o 2>/dev/null | grep -o 'SlurmdStartTime=[^ ]*'
+}
+
 cmd_revive_node() {  # DIR NODE
     [ -n "${2:-}" ] || die "usage: $0 revive-node DIR NODE"
-    local dir node=$2 state
+    local dir node=$2 state before
     dir=$(cd "$1" && pwd)
     export SLURM_CONF=$dir/etc/slurm.conf
+    before=$(slurmd_started "$node")
     (cd "$dir/log" && slurmd -f "$SLURM_CONF" -N "$node")
+    # back = registered anew (right after lose-node the state still reads alloc or mix)
     for _ in $(seq 1 150); do  # up to 30 s
         state=$(sinfo -h -N -n "$node" -o '%t' 2>/dev/null)
-        case $state in *'*'* | down* | "") sleep 0.2 ;; *) say "$node is back ($state)"; return 0 ;; esac
+        if [ "$(slurmd_started "$node")" != "$before" ]; then
+            case $state in *'*'* | down* | "") ;; *) say "$node is back ($state)"; return 0 ;; esac
+        fi
+        sleep 0.2
     done
     die "$node not back after 30 s: $(sinfo -h -N -n "$node" 2>&1)"
 }

@@ -129,7 +129,8 @@ def test_linear_forward_backward_match_twin(dev64, shape):
 # ---- bias + activation -------------------------------------------------------------
 # (B, O): one column block; two column blocks (O > 32); B > ROWS_PER_BLOCK so
 # the bias gradient is summed from two row-chunk partials.
-BIAS_SHAPES = [(9, 7), (12, 40), (130, 3), pytest.param((4096, 3072), marks=gpu)]
+# (400, 3): four 128-row chunks, so the chunk partials are summed four at a time.
+BIAS_SHAPES = [(9, 7), (12, 40), (130, 3), (400, 3), pytest.param((4096, 3072), marks=gpu)]
 
 
 @pytest.mark.parametrize("act", ["identity", "relu", "gelu"])
@@ -152,6 +153,26 @@ def test_bias_act_forward_backward_match_twin(dev64, act, shape):
         dev64.ops.bias_act_backward(up(dev64, dout), Z, DZ, DB, act, accumulate)
         np.testing.assert_allclose(dev64.to_host(DZ), dz, **TIGHT)
         assert_sums_close(dev64.to_host(DB), db, np.abs(dz).sum(axis=0) + accumulate * np.abs(db0), B + 1)
+
+
+@pytest.mark.parametrize("act", ["identity", "relu", "gelu"])
+def test_bias_act_outputs_may_alias_their_inputs(dev64, act):
+    """dz may be dout (backward), and with identity out may be z (forward): each element is read
+    before it is written, also in the kernels' four-rows-per-trip loops (130 rows reach them)."""
+    r = rng_for(5)
+    z0, b, dout = 2 * r.standard_normal((130, 40)), r.standard_normal(40), r.standard_normal((130, 40))
+    Z, OUT = up(dev64, z0), up(dev64, np.zeros((130, 40)))
+    dev64.ops.bias_act_forward(Z, up(dev64, b), OUT, act)
+    DZ, DB = up(dev64, np.zeros((130, 40))), up(dev64, np.zeros(40))
+    dev64.ops.bias_act_backward(up(dev64, dout), Z, DZ, DB, act)
+    D, DB2 = up(dev64, dout), up(dev64, np.zeros(40))
+    dev64.ops.bias_act_backward(D, Z, D, DB2, act)  # dz is dout
+    assert dev64.to_host(D).tobytes() == dev64.to_host(DZ).tobytes()
+    assert dev64.to_host(DB2).tobytes() == dev64.to_host(DB).tobytes()
+    if act == "identity":
+        Z2 = up(dev64, z0)
+        dev64.ops.bias_act_forward(Z2, up(dev64, b), Z2, act)  # out is z
+        assert dev64.to_host(Z2).tobytes() == dev64.to_host(OUT).tobytes()
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu"])

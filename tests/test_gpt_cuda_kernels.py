@@ -237,8 +237,9 @@ def test_layernorm_four_element_steps_match_twin(dev):
     test_layernorm_backward_matches_twin(dev, None, (40, 130), True, True)
 
 
-def test_layernorm_backward_dx_may_be_dout_and_is_deterministic(dev, small_chunks):
-    x, weight, bias, dout, _, _, _ = ln_case(dev.dtype, (20, 33))
+@pytest.mark.parametrize("shape", [(20, 33), (40, 130)])  # 130 channels: the lanes' four-channel steps
+def test_layernorm_backward_dx_may_be_dout_and_is_deterministic(dev, small_chunks, shape):
+    x, weight, bias, dout, _, _, _ = ln_case(dev.dtype, shape)
     N, C = x.shape
     mean, rstd = np.empty(N, dev.dtype), np.empty(N, dev.dtype)
     layernorm.layernorm_forward(x, weight, bias, np.empty_like(x), mean, rstd)

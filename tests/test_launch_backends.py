@@ -4,14 +4,17 @@ is left, against stand-in ``scontrol``, ``sinfo`` and ``srun`` scripts on PATH. 
 runs in tests/test_slurm.py."""
 
 import os
+import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from conftest import REPO
-from hpctrain.launch import split_args
+from hpctrain.launch import Supervisor, split_args
 from hpctrain.launch_backends import NoNodes, Srun, tasks_per_node
 
 # sinfo's view; srun's probe of n3 fails, of n4 hangs; a training step exits as TRAIN_RC says
@@ -22,7 +25,7 @@ case " $* " in
   *" true "*)
     [ -n "$ALL_DEAD" ] && { echo "srun: error: Job step aborted" >&2; exit 1; }
     case " $* " in
-      *" -w n3 "*) echo "srun: error: Task launch for StepId=7.3 failed on node n3: Communication connection failure" >&2; exit 1 ;;
+      *" -w n3 "*) [ -n "$HANG_N3" ] && exec sleep 30; echo "srun: error: Task launch for StepId=7.3 failed on node n3: Communication connection failure" >&2; exit 1 ;;
       *" -w n4 "*) exec sleep 30 ;;
     esac
     exit 0 ;;
@@ -44,28 +47,32 @@ def fake_slurm(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("env, want", [({"SLURM_NTASKS_PER_NODE": "4"}, 4), ({"SLURM_TASKS_PER_NODE": "2(x3)"}, 2),
-                                       ({"SLURM_TASKS_PER_NODE": "4,3"}, 4),
+                                       ({"SLURM_TASKS_PER_NODE": "4(x2),3"}, 3),
                                        ({"SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2"}, 4), ({}, None)])
 def test_tasks_per_node_from_slurms_variables(env, want):
     assert tasks_per_node(env) == want
 
 
-def test_srun_takes_its_ranks_from_the_allocation():
-    assert split_args(["--srun", "--mpi=pmix", "--", "train", "--config", "x.toml"])[1:] == \
-        (3, ["--mpi=pmix"], ["train", "--config", "x.toml"], True)
-    with pytest.raises(ValueError, match="--srun takes its ranks from the allocation"):
-        split_args(["--srun", "-n", "4", "--", "train"])
+def test_under_srun_every_option_but_max_failures_is_sruns(monkeypatch):
+    monkeypatch.delenv("HPCTRAIN_MAX_FAILURES", raising=False)
+    assert split_args(["--srun", "--mpi=pmix", "--", "train", "--config", "x.toml"]) == \
+        (None, 3, ["--mpi=pmix"], ["train", "--config", "x.toml"], True)
+    assert split_args(["-n", "4", "--max-failures", "2", "--srun", "-N", "2", "--", "train"]) == \
+        (None, 2, ["-n", "4", "-N", "2"], ["train"], True)
 
 
 def test_a_restart_runs_on_the_nodes_that_pass_both_checks(fake_slurm):
     said = []
-    backend = Srun(["--mpi=pmix"], env=fake_slurm, probe_s=1.0)
+    backend = Srun(["--mpi=pmix", "-n", "8"], env=fake_slurm, probe_s=1.0)
     assert backend.problem() is None
     argv, where = backend.start(0, ["train", "--config", "x.toml"], said.append)
-    assert argv[:3] == ["srun", "--kill-on-bad-exit=1", "--mpi=pmix"] and where.startswith("8 rank(s) on 4 node(s)")
+    assert argv[:5] == ["srun", "--kill-on-bad-exit=1", "--mpi=pmix", "-n", "8"], argv
+    assert where.startswith("8 rank(s) on 4 node(s)")
     argv, where = backend.start(1, ["train", "--config", "x.toml", "--resume", "auto"], said.append)
-    assert argv[:9] == ["srun", "--kill-on-bad-exit=1", "--overlap", "-N", "1", "-n", "2", "-w", "n1"], argv
-    assert argv[9:] == ["--mpi=pmix", sys.executable, "-m", "hpctrain", "train", "--config", "x.toml", "--resume", "auto"]
+    # the restart's geometry after the user's options: srun takes the last -n
+    assert argv[:12] == ["srun", "--kill-on-bad-exit=1", "--mpi=pmix", "-n", "8", "--overlap", "-N", "1", "-n", "2",
+                         "-w", "n1"], argv
+    assert argv[12:] == [sys.executable, "-m", "hpctrain", "train", "--config", "x.toml", "--resume", "auto"]
     assert where == "2 rank(s) on 1 node(s) n1 (3 of 4 lost)"
     assert said == ["node n2 is not usable: SLURM state 'down*'",
                     "node n3 is not usable: a one-task srun failed (srun: error: Task launch for StepId=7.3 failed on "
@@ -112,3 +119,67 @@ def test_progress_marks_go_only_where_the_launcher_asks(tmp_path, monkeypatch):
     marks.mark("ready", 7)
     marks.close()
     assert progress.read(str(tmp_path / "marks"))["ready"].step == 7
+
+
+def test_probes_that_hang_share_one_time_limit(fake_slurm, monkeypatch):
+    """n3 and n4 both hang: they run at once, so the restart waits one probe limit, not two."""
+    monkeypatch.setenv("HANG_N3", "1")
+    said = []
+    backend = Srun([], env=fake_slurm, probe_s=2.0)
+    assert backend.problem() is None
+    t0 = time.monotonic()
+    argv, where = backend.start(1, ["train"], said.append)
+    took = time.monotonic() - t0
+    assert where == "2 rank(s) on 1 node(s) n1 (3 of 4 lost)", (where, said)
+    assert sum("did not finish in 2 s" in line for line in said) == 2, said
+    assert took < 3.8, f"{took:.1f} s: the probes' limits added up (two of 2 s each)"
+
+
+class _Backend:
+    """One failing start, then a restart during which the stop signal arrives (as during the probes)."""
+
+    def __init__(self, marker):
+        self.marker, self.supervisor = marker, None
+
+    def problem(self):
+        return None
+
+    def progress_dir(self):
+        return None
+
+    def start(self, restart, command, say):
+        if restart:
+            self.supervisor._forward(signal.SIGTERM, None)
+            return [sys.executable, "-c", f"open({str(self.marker)!r}, 'w')"], "here"
+        return [sys.executable, "-c", "raise SystemExit(1)"], "here"
+
+
+def test_a_stop_signal_between_a_failure_and_its_restart_starts_nothing(tmp_path, capsys):
+    backend = _Backend(tmp_path / "restarted")
+    sup = backend.supervisor = Supervisor(backend, 3, ["train"])
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        assert sup.run() == 75
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    out = capsys.readouterr().out
+    assert not (tmp_path / "restarted").exists(), out
+    assert "failure 1: exit code 1" in out and "SIGTERM arrived between a failure and its restart" in out, out
+
+
+class _StartingJob(_Backend):
+    """The stop signal reaches a job whose Python has not yet set hpctrain's handler: SIGUSR1 kills it."""
+
+    def start(self, restart, command, say):
+        # _forward's record of the signal, once the job runs (before its Python could set a handler)
+        threading.Timer(0.1, lambda: setattr(self.supervisor, "stop", "SIGUSR1")).start()
+        return [sys.executable, "-c", "import os, signal, time; time.sleep(1); os.kill(os.getpid(), signal.SIGUSR1)"], \
+            "here"
+
+
+def test_a_job_stopped_before_it_could_save_counts_as_saved(tmp_path, capsys):
+    backend = _StartingJob(tmp_path / "unused")
+    sup = backend.supervisor = Supervisor(backend, 3, ["train"])
+    assert sup.run() == 75  # 138 before: requeue.sbatch then took it for a failure and did not requeue
+    assert "reached the job before it could save (still starting): nothing lost" in capsys.readouterr().out

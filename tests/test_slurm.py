@@ -273,8 +273,9 @@ def test_requeue_template_restarts_after_a_crash_and_on_the_nodes_left_after_a_n
     """requeue.sbatch on 2 nodes x 2 ranks: kill -9 of one rank restarts training on both nodes;
     then node n2 crashes (its slurmd, slurmstepd and ranks killed at once): the watchdog ends the
     stuck ranks, the launcher finds n2 unusable and restarts on n1 alone with 2 ranks (63 rows:
-    uneven shares), and the job finishes. Its final state equals a plain 2-rank resume from the
-    checkpoint that restart loaded, bit for bit."""
+    uneven shares), and the job finishes. Each restart's work equals a plain resume from the
+    checkpoint it loaded, at its world size, bit for bit: the first restart's checkpoints against
+    4 ranks on both nodes, the final state against 2 ranks on n1."""
     from mpi_jobs import wait_for
 
     script = os.path.join(REPO, "scripts", "slurm-cluster.sh")
@@ -314,17 +315,37 @@ def test_requeue_template_restarts_after_a_crash_and_on_the_nodes_left_after_a_n
     assert "hpctrain 0.1.0: 2 rank(s) on 1 node(s)" in text and "global batch 63 = 32 x 1 + 31 x 1" in text, text
     assert "training finished after 0 restart(s)" in text, text  # no requeue: the failures stayed inside
 
-    # the last restart from its checkpoint, without failures, on the same 2 ranks
-    resumed = int(re.findall(r"recovered: .*resumed at step (\d+)", text)[-1])
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    shutil.copy(ck / f"ckpt-{resumed:08d}.h5", ref)
-    again = slurm_cluster.run(["srun", "-N", "1", "-n", "2", "-w", "n1", sys.executable, "-m", "hpctrain", "train",
-                               *args, "--set", f"checkpoint.dir={ref}", "--resume", "auto"],
-                              timeout=300, env=env, cwd=tmp_path)
-    assert again.returncode == 0, again.stdout + again.stderr
-    final = f"ckpt-{steps:08d}.h5"
-    got, want = _datasets(str(ck / final)), _datasets(str(ref / final))
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert np.array_equal(got[name], want[name]), f"{name} differs from a plain resume"
+    # each restart from its checkpoint again, without failures, at its world size
+    first, last = (int(s) for s in re.findall(r"recovered: .*resumed at step (\d+)", text))
+    for name, resumed, srun, compare in (("ref4", first, ["-N", "2", "-n", "4"], f"ckpt-{last:08d}.h5"),
+                                         ("ref2", last, ["-N", "1", "-n", "2", "-w", "n1"], f"ckpt-{steps:08d}.h5")):
+        ref = tmp_path / name
+        ref.mkdir()
+        shutil.copy(ck / f"ckpt-{resumed:08d}.h5", ref)
+        again = slurm_cluster.run(["srun", *srun, sys.executable, "-m", "hpctrain", "train", *args,
+                                   "--set", f"checkpoint.dir={ref}", "--resume", "auto"],
+                                  timeout=300, env=env, cwd=tmp_path)
+        assert again.returncode == 0, again.stdout + again.stderr
+        got, want = _datasets(str(ck / compare)), _datasets(str(ref / compare))
+        assert sorted(got) == sorted(want)
+        for key in want:
+            assert np.array_equal(got[key], want[key]), f"{compare}: {key} differs from a plain resume ({name})"
+
+
+@pytest.mark.timeout(300)
+def test_requeue_template_gives_up_after_more_failures_than_allowed(slurm_cluster, small_data, tmp_path):
+    """A rank that crashes (SIGSEGV) at step 5, HPCTRAIN_MAX_FAILURES=0: the launcher gives up with one
+    error line instead of restarting, the script does not requeue, the job is FAILED with exit code 6.
+    (How many restarts come first is the launcher's policy, tested with mpirun in test_launch.py.)"""
+    out = tmp_path / "giveup.out"
+    env = slurm_cluster.env(HPCTRAIN_HOME=REPO, HPCTRAIN_MAX_FAILURES="0", HPCTRAIN_FAULT="segv:5:1")
+    args = _small_args(small_data[0], 100, "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set",
+                       "model.hidden=[16]")
+    job = slurm_cluster.sbatch(["-n", "2", f"--output={out}", os.path.join(JOBS, "requeue.sbatch"), *args],
+                               env=env, cwd=tmp_path)
+    (record,) = slurm_cluster.wait(job, 240, str(out))
+    text = _read(out)
+    assert (record["JobState"], record["ExitCode"]) == ("FAILED", "6:0"), text[-3000:]
+    assert "failure 1: " in text and "restart 1" not in text, text
+    assert text.count("hpctrain launch: error: giving up: 1 failure(s), more than --max-failures=0") == 1, text
+    assert "the launcher gave up after repeated failures" in text and "requeueing job" not in text, text

@@ -46,7 +46,9 @@ def blocks_for(n: int, threads: int = THREADS) -> int:
 # flight (the compiler may not move a load above a store that could alias it),
 # and the GPU's resident threads then cannot cover DRAM latency: a one-load
 # copy loop reached 0.75x of cudaMemcpy's bandwidth on an H200. Each element is
-# still computed alone, by the same formula, so the results keep their bits.
+# still computed alone by the same expression, and every sum adds in the same
+# order as one element per trip would: the unrolling changes when loads issue,
+# not what is computed (the tests hold each kernel to its CPU twin, as before).
 UNROLL = 4
 
 
