@@ -23,8 +23,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .kernels import (adamw, attention, attention_cuda, bias_act, embedding, finite, layernorm, layernorm_cuda, linear,
-                      residual, scale, sgd, softmax_xent)
+from .kernels import (adamw, attention, attention_cuda, bias_act, bias_act_cuda, embedding, finite, layernorm,
+                      layernorm_cuda, linear, residual, scale, sgd, softmax_xent)
 
 CPU_OPS = SimpleNamespace(
     linear_forward=linear.linear_forward, linear_backward=linear.linear_backward,
@@ -103,8 +103,8 @@ class CudaDevice:
         s = dict(stream=self.stream)
         p = functools.partial
         self.ops = SimpleNamespace(
-            bias_act_forward=p(bias_act.bias_act_forward_cuda, **s),
-            bias_act_backward=p(bias_act.bias_act_backward_cuda, **s, scratch=self.scratch),
+            bias_act_forward=p(bias_act_cuda.bias_act_forward_cuda, **s),
+            bias_act_backward=p(bias_act_cuda.bias_act_backward_cuda, **s, scratch=self.scratch),
             softmax_xent_forward=p(softmax_xent.softmax_xent_forward_cuda, **s, scratch=self.scratch),
             softmax_xent_backward=p(softmax_xent.softmax_xent_backward_cuda, **s),
             sgd_step=p(sgd.sgd_step_cuda, **s), adamw_step=p(adamw.adamw_step_cuda, **s),

@@ -33,7 +33,7 @@ from numba.types import Array, boolean, float32, float64, int64
 CC = (9, 0)  # sm_90: H100 / H200
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=CC)
 
-from hpctrain.kernels import (adamw, bias_act, ef, finite, gather_scatter, linear, quantize16, scale, sgd,  # noqa: E402
+from hpctrain.kernels import (adamw, bias_act_cuda, ef, finite, gather_scatter, linear, quantize16, scale, sgd,  # noqa: E402
                               sign_pack, softmax_xent, topk_threshold)
 from numba.types import int32, uint8, uint16  # noqa: E402
 
@@ -56,7 +56,7 @@ def kernels():
                     yield f"gemm {tile} TA={ta:d} TB={tb:d} {dt}", linear._gemm_kernel(ta, tb, dt.name, tile), \
                         (m, m, m, boolean), True
         for act in ("identity", "relu", "gelu"):
-            fwd, bwd = bias_act.cuda_kernels(act, dt.name)
+            fwd, bwd = bias_act_cuda.cuda_kernels(act, dt.name)
             yield f"bias_act forward {act} {dt}", fwd, (m, v, m), False
             yield f"bias_act backward {act} {dt}", bwd, (m, m, m, arr(float64, 2)), False
         f64 = arr(float64, 1)
@@ -67,7 +67,7 @@ def kernels():
         yield f"adamw {dt}", adamw._adamw_step_kernel, (v,) * 4 + (dt,) * 8, False
         yield f"scale {dt}", scale._scale_kernel, (v, dt), False
         yield f"all_finite {dt}", finite._nonfinite_kernel, (v, arr(int32, 1)), False
-        yield f"bias partial sums -> {dt}", bias_act._sum_partials, (arr(float64, 2), v, boolean), False
+        yield f"bias partial sums -> {dt}", bias_act_cuda._sum_partials, (arr(float64, 2), v, boolean), False
     yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3, False
     yield from compression_kernels()
     yield from ptx_attention.kernels()

@@ -1,0 +1,164 @@
+"""Bias add + activation's CUDA kernels: the contract of bias_act.py's twin (its docstring),
+on one stream, compiling the same activation functions (``activations``) per dtype.
+
+forward: threads across the columns, block rows over the rows (no index division per
+element), four rows loaded before any is stored (cuda_support.UNROLL). backward: a block
+of 32 columns x 8 row lanes sums up to 128 rows of dz into a float64 partial per column,
+then one thread per column adds the partials in order: no atomics, the same bits every run.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float64
+
+from .bias_act import activations
+from .cuda_support import row_grid
+
+COLS = 32          # backward block: 32 columns (one warp, coalesced rows) ...
+LANES = 8          # ... x 8 row lanes
+ROWS_PER_BLOCK = 128  # rows one backward block sums; partial sums go to scratch
+
+
+def _make_cuda(act, grad):
+    @cuda.jit
+    def forward(z, b, out):
+        # threads across columns, block rows over rows (row_grid): no index division per
+        # element, and UNROLL (4) rows loaded before any is stored (cuda_support.UNROLL)
+        B, O = z.shape
+        c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if c >= O:
+            return
+        bc = b[c]
+        s = cuda.gridDim.y
+        r = cuda.blockIdx.y
+        while r + 3 * s < B:
+            t0 = z[r, c] + bc
+            t1 = z[r + s, c] + bc
+            t2 = z[r + 2 * s, c] + bc
+            t3 = z[r + 3 * s, c] + bc
+            z[r, c] = t0
+            z[r + s, c] = t1
+            z[r + 2 * s, c] = t2
+            z[r + 3 * s, c] = t3
+            out[r, c] = act(t0)
+            out[r + s, c] = act(t1)
+            out[r + 2 * s, c] = act(t2)
+            out[r + 3 * s, c] = act(t3)
+            r += 4 * s
+        while r < B:
+            t = z[r, c] + bc
+            z[r, c] = t
+            out[r, c] = act(t)
+            r += s
+
+    @cuda.jit
+    def backward_partial(dout, z, dz, partial):
+        # block (COLS, LANES) owns columns c0..c0+31 of rows [r0, r0 + ROWS_PER_BLOCK); a
+        # lane's rows go four at a time, loaded before any dz is stored (cuda_support.UNROLL)
+        # and added to s in row order, as one at a time would
+        B, O = z.shape
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        c = cuda.blockIdx.x * COLS + tx
+        r0 = cuda.blockIdx.y * ROWS_PER_BLOCK
+        acc = cuda.shared.array((LANES, COLS), float64)
+        s = 0.0
+        if c < O:
+            end = min(B, r0 + ROWS_PER_BLOCK)
+            r = r0 + ty
+            while r + 3 * LANES < end:
+                g0, g1 = dout[r, c], dout[r + LANES, c]
+                g2, g3 = dout[r + 2 * LANES, c], dout[r + 3 * LANES, c]
+                v0, v1 = z[r, c], z[r + LANES, c]
+                v2, v3 = z[r + 2 * LANES, c], z[r + 3 * LANES, c]
+                d0, d1, d2, d3 = g0 * grad(v0), g1 * grad(v1), g2 * grad(v2), g3 * grad(v3)
+                dz[r, c] = d0
+                dz[r + LANES, c] = d1
+                dz[r + 2 * LANES, c] = d2
+                dz[r + 3 * LANES, c] = d3
+                s += d0
+                s += d1
+                s += d2
+                s += d3
+                r += 4 * LANES
+            while r < end:
+                d = dout[r, c] * grad(z[r, c])
+                dz[r, c] = d
+                s += d
+                r += LANES
+        acc[ty, tx] = s
+        cuda.syncthreads()
+        # tree over the row lanes: fixed order, so the result is deterministic
+        half = LANES // 2
+        while half > 0:
+            if ty < half:
+                acc[ty, tx] += acc[ty + half, tx]
+            cuda.syncthreads()
+            half //= 2
+        if ty == 0 and c < O:
+            partial[cuda.blockIdx.y, c] = acc[0, tx]
+
+    return forward, backward_partial
+
+
+@cuda.jit
+def _sum_partials(partial, db, accumulate):
+    # one thread per column sums the row-chunk partials in order (no atomics), four
+    # loaded ahead of their adds (cuda_support.UNROLL)
+    c = cuda.grid(1)
+    if c < db.shape[0]:
+        n = partial.shape[0]
+        s = 0.0
+        g = 0
+        while g + 3 < n:
+            p0, p1, p2, p3 = partial[g, c], partial[g + 1, c], partial[g + 2, c], partial[g + 3, c]
+            s += p0
+            s += p1
+            s += p2
+            s += p3
+            g += 4
+        while g < n:
+            s += partial[g, c]
+            g += 1
+        db[c] = db[c] + s if accumulate else s
+
+
+@lru_cache(maxsize=None)
+def cuda_kernels(act: str, dtype_name: str):
+    """(forward, backward_partial) kernels of ``act`` for one float dtype."""
+    f, df = activations(dtype_name)[act]
+    return _make_cuda(cuda.jit(device=True)(f), cuda.jit(device=True)(df))
+
+
+# ---- launchers ---------------------------------------------------------------------
+def _check_act(act):
+    if act not in ("identity", "relu", "gelu"):
+        raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
+
+
+def bias_act_forward_cuda(z, b, out, act, *, stream=0):
+    B, O = z.shape
+    _check_act(act)
+    grid, threads = row_grid(B, O)
+    cuda_kernels(act, z.dtype.name)[0][grid, threads, stream](z, b, out)
+    return out
+
+
+def partial_shape(B, O):
+    """Shape of the float64 scratch ``bias_act_backward_cuda`` needs for dz (B, O)."""
+    return (max(1, -(-B // ROWS_PER_BLOCK)), O)
+
+
+def bias_act_backward_cuda(dout, z, dz, db, act, accumulate=False, *, stream=0, scratch):
+    """As :func:`bias_act_backward`; ``scratch(key, shape, dtype)`` lends a reusable device array."""
+    B, O = z.shape
+    _check_act(act)
+    partial = scratch("bias_partial", partial_shape(B, O), np.float64)
+    if partial.shape[0] > 65535:  # gridDim.y limit
+        raise ValueError(f"bias_act_backward with B={B} rows exceeds {65535 * ROWS_PER_BLOCK}; split the batch")
+    grid = (-(-O // COLS), partial.shape[0])
+    cuda_kernels(act, z.dtype.name)[1][grid, (COLS, LANES), stream](dout, z, dz, partial)
+    _sum_partials[-(-O // 256), 256, stream](partial, db, bool(accumulate))
+    return dz
