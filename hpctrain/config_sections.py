@@ -197,7 +197,7 @@ class DistConfig:
                              "(copy through pinned host buffers)", choices=("auto", "on", "off"))
     comm_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the watchdog "
                              "reports which ranks are missing and aborts the job (checkpoint saves and "
-                             "evaluation get 10x); 0 = off")
+                             "evaluation get 10x while every rank still answers); 0 = off")
 
     def validate(self):
         if not self.bucket_mb >= 0:  # also catches nan

@@ -24,6 +24,12 @@ signal, it asks the others once; if one does not answer (dead, stopped), the
 save the signal asks for cannot happen, and it reports and aborts at once.
 Ranks that all answer are a slow but live collective: nothing happens.
 
+Regions that do real work besides waiting (checkpoint saves and loads,
+evaluation, start-up) get ``slack`` times the limit, but a rank that is gone
+should not cost that long: past the plain limit, every ``timeout`` seconds, the
+watchdog asks the others; one that does not answer within ``grace`` (dead,
+stopped, its node lost) ends the job then, as after a stop signal.
+
 Only the lowest-numbered rank blocked in a collective prints; the others defer
 to it, and to a rank whose watchdog has reported already (it keeps answering,
 saying so, until the abort ends it), and abort on their own only if that
@@ -41,6 +47,7 @@ from dataclasses import dataclass, field
 
 from .ckpt.signals import signals_seen
 from .errors import EXIT_STALLED
+from .watchdog_report import diagnose, ranks_text
 
 TAG_QUERY, TAG_REPLY = 7101, 7102
 SIGNAL_GRACE = 3.0  # s in one collective after a stop signal before the other ranks are asked
@@ -103,6 +110,7 @@ class Watchdog:
         self._deferred_until = None
         self._signal = None          # (name, monotonic time) of the last stop signal seen by the thread
         self._signal_asked = None    # the region whose ranks were asked after it
+        self._alive_asked = (0, 0.0)  # (region, time) of the last "does every rank still answer?"
         self.can_ask = self.enabled and _thread_multiple()
         if self._comm is not None:
             from mpi4py import MPI
@@ -174,8 +182,11 @@ class Watchdog:
                 self._fire(r, self._ask(r), waited)  # the lowest waiting rank did not end the job
             return
         if waited < r.limit:
-            if self._signal is not None and self.can_ask and self._signal_asked != r.seq:
+            if self.can_ask and self._signal is not None and self._signal_asked != r.seq:
                 self._check_after_signal(r)
+            elif self.can_ask and r.limit > self.timeout and waited >= self.timeout and (
+                    self._alive_asked[0] != r.seq or time.monotonic() - self._alive_asked[1] >= self.timeout):
+                self._check_alive(r)
             return
         replies = self._ask(r)
         if self._region is not r:
@@ -192,21 +203,34 @@ class Watchdog:
     def _check_after_signal(self, r: Region) -> None:
         """Still in ``r`` SIGNAL_GRACE s after a stop signal: ask once; a silent rank ends the job now."""
         name, t_signal = self._signal
-        now = time.monotonic()
-        if now - max(r.t0, t_signal) < SIGNAL_GRACE:
+        if time.monotonic() - max(r.t0, t_signal) < SIGNAL_GRACE:
             return
         self._signal_asked = r.seq
+        self._end_if_silent(r, lambda silent: (
+            f"  {name} arrived {time.monotonic() - t_signal:.1f} s ago, and the save it asks for needs every "
+            f"rank: ending the job now instead of waiting for dist.comm_timeout or the launcher's kill"))
+
+    def _check_alive(self, r: Region) -> None:
+        """In a long region (a save, a load, evaluation, start-up: ``slack`` x the timeout), every
+        ``timeout`` s past the first: ask; a silent rank (dead, stopped, on a lost node) ends the job
+        now, since the region cannot complete without it, instead of at its limit."""
+        self._alive_asked = (r.seq, time.monotonic())
+        self._end_if_silent(r, lambda silent: (
+            f"  {ranks_text(silent)} did not answer within {self.grace:g} s, and {r.what} cannot complete "
+            f"without {'it' if len(silent) == 1 else 'them'}: ending the job now instead of at its limit "
+            f"({r.limit:g} s, which leaves time for the work it does)"))
+
+    def _end_if_silent(self, r: Region, note) -> None:
+        """Ask every rank; if one does not answer, report (the lowest rank waiting) with ``note(silent)``."""
         replies = self._ask(r)
         if self._region is not r:
             return  # completed while we asked: a live collective
         silent = [q for q in range(self.size) if q != self.rank and q not in replies]
         if not silent:
             return
-        note = (f"  {name} arrived {time.monotonic() - t_signal:.1f} s ago, and the save it asks for needs every "
-                f"rank: ending the job now instead of waiting for dist.comm_timeout or the launcher's kill")
         blocked = [self.rank] + [s.rank for s in replies.values() if s.inside]
         if min(blocked) == self.rank and not any(s.reported for s in replies.values()):
-            self._fire(r, replies, time.monotonic() - r.t0, note)
+            self._fire(r, replies, time.monotonic() - r.t0, note(silent))
         else:
             self._deferred_until = (r.seq, time.monotonic() + 2 * self.grace)
 
@@ -242,40 +266,6 @@ class Watchdog:
         self._abort(EXIT_STALLED)
         # the thread goes on answering (reported = True) until the abort ends this process: a rank
         # whose wait passes the limit later must hear that the report is made, not miss this rank
-
-
-def diagnose(r: Region, waited: float, me: int, size: int, replies: dict, grace: float, asked: bool) -> str:
-    """The watchdog's report: one headline, then who waits, who is elsewhere, who did not answer."""
-    lines = [f"hpctrain: watchdog: {r.describe()} has not completed after {waited:.1f} s "
-             f"(limit {r.limit:g} s: dist.comm_timeout); aborting all {size} ranks"]
-    if not asked:
-        lines.append("  the other ranks were not asked (MPI thread level below MULTIPLE); look for the rank "
-                     "that stopped, e.g. with py-spy dump or gdb on each node")
-        return "\n".join(lines)
-    waiting = sorted([me] + [s.rank for s in replies.values() if s.inside and s.seq == r.seq])
-    lines.append(f"  waiting in it: {_ranks(waiting)}")
-    for s in sorted(replies.values(), key=lambda s: s.rank):
-        if s.inside and s.seq == r.seq:
-            continue
-        if s.inside:
-            lines.append(f"  rank {s.rank}: elsewhere, in {s.where} for {s.seconds:.1f} s (collective #{s.seq}, "
-                         f"this one is #{r.seq})")
-        elif s.seq == 0:
-            lines.append(f"  rank {s.rank}: not in a collective; in none yet, {s.seconds:.1f} s after its watchdog "
-                         f"started (busy or stuck in its own start-up code)")
-        else:
-            lines.append(f"  rank {s.rank}: not in a collective; left {s.where} (#{s.seq}) {s.seconds:.1f} s ago "
-                         f"(busy or stuck in its own code)")
-    silent = [q for q in range(size) if q != me and q not in replies]
-    if silent:
-        lines.append(f"  no answer within {grace:g} s from {_ranks(silent)}: stopped (SIGSTOP, a debugger), dead, "
-                     f"or hung outside Python (I/O, a driver call); those ranks are the likely cause")
-    return "\n".join(lines)
-
-
-def _ranks(ranks) -> str:
-    ranks = list(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(q) for q in ranks)
 
 
 class _Watch:

@@ -1,6 +1,6 @@
 """Faults in a running job, from outside as a user meets them: kill -9 of one rank,
 SIGSTOP of one rank (the stall watchdog), a rank busy elsewhere, an exception on
-one rank, kill -9 of one rank during a save. Real mpirun jobs; every launch and
+one rank, kill -9 of one rank during a save, one rank stopped (a lost node) inside a save. Real mpirun jobs; every launch and
 every wait has a timeout, and leftover ranks are killed."""
 
 import os
@@ -193,3 +193,34 @@ def test_kill_9_of_one_rank_during_a_save_keeps_the_previous_checkpoint(small_da
     code, out, err = finish(resumed, timeout=120)
     assert code == 0, err[-3000:]
     assert f"resumed from {marker}/ckpt-00000005.h5 at step 5" in out, out
+
+
+
+def test_a_rank_lost_inside_a_save_fires_the_watchdog_from_inside_hdf5(small_data, tmp_path):
+    """Rank 1 stops (a lost node) in the middle of the save of step 10, after the data and before
+    HDF5's collective close; rank 0 waits for it inside h5py's MPI-IO calls. Those release the GIL
+    (checked here: were they to hold it, the watchdog's thread could not run and the job would hang
+    until its time limit), so the watchdog asks the others once the plain limit (1 s) has passed,
+    hears nothing from rank 1 within the grace (1 s) and ends the job then, not at the save's
+    limit (10 x dist.comm_timeout); the previous checkpoint stays the newest."""
+    marker, args = _train(small_data[0], tmp_path, "--set", "checkpoint.every_steps=5", "--set",
+                          "train.global_batch=64", "--set", "dist.comm_timeout=1", steps=200)
+    proc = start(2, args, HPCTRAIN_CKPT_STOP_RANK="1", HPCTRAIN_CKPT_DELAY_STEP="10")
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(marker, ".ckpt-00000010.h5.tmp")), 90, "the save of step 10")
+        t0 = time.monotonic()
+        code, out, err = finish(proc, timeout=60)
+        ended_after = time.monotonic() - t0
+    finally:
+        _cleanup(marker)
+    assert code != 0
+    report = [line for line in err.splitlines() if line.startswith("[rank 0] hpctrain: watchdog:")]
+    assert report and "checkpoint save (step 10) has not completed after" in report[0], err[-3000:]
+    assert "(limit 10 s: dist.comm_timeout)" in report[0], err[-3000:]
+    assert "from rank 1: stopped (SIGSTOP" in err, err[-3000:]
+    assert "rank 1 did not answer within 1 s, and checkpoint save cannot complete without it" in err, err[-3000:]
+    waited = float(report[0].split("has not completed after ")[1].split(" s")[0])
+    assert waited < 5, report[0]
+    assert ended_after < 20, ended_after
+    names = sorted(n for n in os.listdir(marker) if not n.startswith("."))
+    assert names == ["ckpt-00000005.h5"], names

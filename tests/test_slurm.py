@@ -271,8 +271,9 @@ def _slurm_rank_pid(marker: str, rank: int):
 def test_requeue_template_restarts_after_a_crash_and_on_the_nodes_left_after_a_node_is_lost(
         slurm_cluster, small_data, tmp_path):
     """requeue.sbatch on 2 nodes x 2 ranks: kill -9 of one rank restarts training on both nodes;
-    then node n2 crashes (its slurmd, slurmstepd and ranks killed at once): the watchdog ends the
-    stuck ranks, the launcher finds n2 unusable and restarts on n1 alone with 2 ranks (63 rows:
+    then node n2 crashes (its slurmd, slurmstepd and ranks killed at once) in the middle of the save
+    of step 300 (held open 5 s): the watchdog ends the stuck ranks at dist.comm_timeout, not at the
+    save's 10x limit, since n2's ranks do not answer; the launcher finds n2 unusable and restarts on n1 alone with 2 ranks (63 rows:
     uneven shares), and the job finishes. Each restart's work equals a plain resume from the
     checkpoint it loaded, at its world size, bit for bit: the first restart's checkpoints against
     4 ranks on both nodes, the final state against 2 ranks on n1."""
@@ -280,7 +281,8 @@ def test_requeue_template_restarts_after_a_crash_and_on_the_nodes_left_after_a_n
 
     script = os.path.join(REPO, "scripts", "slurm-cluster.sh")
     ck, out, steps = tmp_path / "ck", tmp_path / "resilient.out", 1200
-    env = slurm_cluster.env(two_nodes=True, HPCTRAIN_HOME=REPO)
+    env = slurm_cluster.env(two_nodes=True, HPCTRAIN_HOME=REPO, HPCTRAIN_CKPT_WRITE_DELAY_S="5",
+                            HPCTRAIN_CKPT_DELAY_STEP="300")
     args = _small_args(small_data[0], steps, "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every_steps=50",
                        "--set", "checkpoint.every_minutes=0", "--set", "checkpoint.keep_last=0",
                        "--set", "checkpoint.save_final=true", "--set", "train.global_batch=63",
@@ -292,14 +294,16 @@ def test_requeue_template_restarts_after_a_crash_and_on_the_nodes_left_after_a_n
         wait_for(lambda: (ck / "ckpt-00000100.h5").exists(), 240, "the checkpoint of step 100")
         os.kill(_slurm_rank_pid(str(ck), 1), 9)  # a rank on n1
         wait_for(lambda: "recovered: first new step" in _read(out), 120, "the first restart's first step")
-        done = len(list(ck.glob("ckpt-*.h5")))
-        wait_for(lambda: len(list(ck.glob("ckpt-*.h5"))) >= done + 2, 120, "two more checkpoints")
+        wait_for(lambda: (ck / ".ckpt-00000300.h5.tmp").exists(), 120, "the save of step 300")
         lost = slurm_cluster.run(["bash", script, "lose-node", slurm_cluster.root, "n2"], timeout=30)
         assert lost.returncode == 0, lost.stdout + lost.stderr
         # the script ends, but the job stays COMPLETING until every node of it answers: n2 comes back first
         ended = re.compile(r"^requeue\.sbatch: (training finished|training failed|the launcher gave up|checkpoint saved)",
                            re.M)
-        wait_for(lambda: ended.search(_read(out)), 240, "the end of the batch script")
+        try:
+            wait_for(lambda: ended.search(_read(out)), 240, "the end of the batch script")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; its output so far:\n{_read(out)[-6000:]}") from None
     finally:
         back = slurm_cluster.run(["bash", script, "revive-node", slurm_cluster.root, "n2"], timeout=60)
     (record,) = slurm_cluster.wait(job, 60, str(out))
@@ -309,6 +313,8 @@ def test_requeue_template_restarts_after_a_crash_and_on_the_nodes_left_after_a_n
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
     assert "failure 1: exit code" in text and "restart 1 of at most 3: 4 rank(s) on 2 node(s) n1,n2" in text, text
     assert "failure 2: exit code 4 (the stall watchdog ended a stalled job)" in text, text
+    assert "checkpoint save (step 300) has not completed after" in text, text
+    assert "did not answer within 5 s, and checkpoint save cannot complete without them" in text, text
     assert "node n2 is not usable" in text, text
     assert "restart 2 of at most 3: 2 rank(s) on 1 node(s) n1 (1 of 2 lost)" in text, text
     assert text.count("recovered: first new step") == 2, text

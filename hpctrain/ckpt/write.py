@@ -34,6 +34,7 @@ the data writes and the commit (only in the save of step
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -214,6 +215,7 @@ def _write_parallel(tmp, step, entries, attrs, world, collective, writers_per_no
                 f.attrs["complete"] = True
             except Exception as exc:  # noqa: BLE001
                 err = exc
+        _inject_stop(step, world.rank)
     try:
         f.close()
     except Exception as exc:  # noqa: BLE001
@@ -307,6 +309,16 @@ def _inject_delay(step):
     only = os.environ.get("HPCTRAIN_CKPT_DELAY_STEP", "")
     if delay > 0 and (not only or int(only) == step):
         time.sleep(delay)
+
+
+def _inject_stop(step, rank):
+    """Test hook: ``HPCTRAIN_CKPT_STOP_RANK=R`` stops rank R (SIGSTOP) here, at the save of
+    ``HPCTRAIN_CKPT_DELAY_STEP`` (any save when unset): a node lost mid-save, while the other ranks go
+    on into HDF5's collective close, which waits for it holding the GIL."""
+    victim = os.environ.get("HPCTRAIN_CKPT_STOP_RANK", "")
+    only = os.environ.get("HPCTRAIN_CKPT_DELAY_STEP", "")
+    if victim and int(victim) == rank and (not only or int(only) == step):
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _remove_quietly(path):
