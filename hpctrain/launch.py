@@ -72,7 +72,7 @@ def split_args(argv: list[str]):
             i += 1
             continue
         # under --srun, -n is srun's own option (the first start's ranks; a restart sets its own)
-        if name in ("--max-failures",) or (name in ("-n", "-np", "--np") and not srun):
+        if name == "--max-failures" or (name in ("-n", "-np", "--np") and not srun):
             value = inline if inline else (mine[i + 1] if i + 1 < len(mine) else "")
             i += 1 if inline else 2
             if not value.isdigit():

@@ -120,19 +120,18 @@ class Srun:
         head = [self.program, "--kill-on-bad-exit=1", *self.options]
         tail = [sys.executable, "-m", "hpctrain", *command]
         per_node = tasks_per_node(self.env)
+        everywhere = f"{self.env.get('SLURM_NTASKS', per_node * len(self.nodes))} rank(s) on " \
+                     f"{len(self.nodes)} node(s) {','.join(self.nodes)}"
         if restart == 0:
-            n = int(self.env.get("SLURM_NTASKS", per_node * len(self.nodes)))
-            return head + tail, f"{n} rank(s) on {len(self.nodes)} node(s) {','.join(self.nodes)}"
+            return head + tail, everywhere
         good = self.usable_nodes(say)
         if not good:
             raise NoNodes(f"none of the allocation's nodes ({','.join(self.nodes)}) can run a task any more")
         if good == self.nodes:
-            n = int(self.env.get("SLURM_NTASKS", per_node * len(self.nodes)))
-            return head + ["--overlap"] + tail, f"{n} rank(s) on {len(good)} node(s) {','.join(good)}"
+            return head + ["--overlap"] + tail, everywhere
         n = per_node * len(good)
-        where = f"{n} rank(s) on {len(good)} node(s) {','.join(good)}"
-        if len(good) < len(self.nodes):
-            where += f" ({len(self.nodes) - len(good)} of {len(self.nodes)} lost)"
+        where = f"{n} rank(s) on {len(good)} node(s) {','.join(good)} ({len(self.nodes) - len(good)} of " \
+                f"{len(self.nodes)} lost)"
         # --overlap: the failed step holds its CPUs until every node it ran on has answered, and
         # a lost node answers only when SLURM declares it down (SlurmdTimeout, minutes later)
         return head + ["--overlap", "-N", str(len(good)), "-n", str(n), "-w", ",".join(good)] + tail, where
