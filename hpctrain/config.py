@@ -42,7 +42,7 @@ class Config:
                 choices = f.metadata.get("choices")
                 if choices and getattr(sub, f.name) not in choices:
                     raise ConfigError(f"{section.name}.{f.name}={getattr(sub, f.name)!r}: "
-                                      f"choose one of {', '.join(choices)}")
+                                      f"choose one of {', '.join(map(str, choices))}")
             if hasattr(sub, "validate"):
                 sub.validate()
         if self.train.target_accuracy and not self.data.eval and self.model.kind == "mlp":

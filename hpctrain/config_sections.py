@@ -31,6 +31,9 @@ class ModelConfig:
     d_model: int = _f(128, "gpt: channels of the residual stream (the MLP is 4 x wider)")
     context: int = _f(128, "gpt: tokens per training window (and the largest position); the vocabulary "
                       "comes from the data file")
+    recompute: str = _f("none", "gpt: none | blocks (a block keeps only its input in forward and recomputes "
+                        "its activations in backward: less memory, one more forward per block)",
+                        choices=("none", "blocks"))
 
     def validate(self):
         if any(h < 1 for h in self.hidden):
@@ -195,6 +198,9 @@ class DistConfig:
                              "cross-node phase (intra-node stays exact)", choices=("all", "inter"))
     cuda_aware_mpi: str = _f("auto", "hand GPU buffers to MPI directly: auto (ask the MPI library) | on | off "
                              "(copy through pinned host buffers)", choices=("auto", "on", "off"))
+    zero: int = _f(0, "optimizer-state sharding: 0 = every rank keeps all of it | 1 = each rank keeps its 1/N "
+                   "share of every bucket (ZeRO-1: gradients reduce-scattered, parameters all-gathered); "
+                   "mpi, naive and ring strategies", choices=(0, 1))
     comm_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the watchdog "
                              "reports which ranks are missing and aborts the job (checkpoint saves and "
                              "evaluation get 10x while every rank still answers); 0 = off")
@@ -218,6 +224,10 @@ class DistConfig:
             make_compressor(self.compress)
         except ValueError as exc:
             raise ConfigError(f"dist.compress={self.compress!r}: {str(exc).split(': ', 1)[-1]}") from None
+        from .comm.zero import refusal
+        why = refusal(self.zero, self.allreduce, self.compress)
+        if why:
+            raise ConfigError(why)
 
 
 @dataclass

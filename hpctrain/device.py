@@ -175,6 +175,11 @@ class CudaDevice:
     def synchronize(self):
         self.stream.synchronize()
 
+    def memory_used(self) -> int:
+        """Bytes in use on this GPU (total minus free: every process's, as nvidia-smi shows)."""
+        free, total = self._cuda.current_context().get_memory_info()
+        return int(total - free)
+
     def thread_context(self):
         """Makes this GPU current in the calling thread (the communication thread needs it)."""
         return self._cuda.gpus[self.gpu]

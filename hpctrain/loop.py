@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from . import __version__
+from . import __version__, memory
 from .ckpt.signals import STOP_SIGNALS
 from .errors import EXIT_CHECKPOINTED
 from .log import format_eta
@@ -48,7 +48,7 @@ def _loop(trainer) -> dict:
     log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
              f"device {trainer.device.describe()}, allreduce {cfg.dist.allreduce} "
              f"(MPI staging: {trainer.staging.mode}; {len(trainer.buckets)} bucket(s), "
-             f"overlap {'on' if cfg.dist.overlap else 'off'}"
+             f"overlap {'on' if cfg.dist.overlap else 'off'}" + (f", zero {cfg.dist.zero}" if cfg.dist.zero else "")
              + (f", compress {cfg.dist.compress} scope {cfg.dist.compress_scope}"
                 + (f" from step {cfg.dist.compress_start_step}" if cfg.dist.compress_start_step else "")
                 if trainer.compression else "")
@@ -56,6 +56,7 @@ def _loop(trainer) -> dict:
              f"global batch {tc.global_batch} = {_shares(tc.global_batch, world.size)}, "
              f"{trainer.model.flat.size:,} parameters, "
              f"{trainer.sampler.steps_per_epoch} steps/epoch; data: {data.describe}")
+    log.info(memory.describe(memory.computed(trainer), cfg.dist.zero, world.size))
     peak = trainer.peak_flops  # this machine's GEMM peak over all ranks (FLOP/s), or None: no MFU
     if peak:
         log.info(f"MFU is model FLOPs/s over the GEMM peak measured at start-up: {peak / 1e9:,.1f} GFLOP/s "
@@ -135,6 +136,7 @@ def _loop(trainer) -> dict:
                                    **trainer._compression_metrics(),
                                    **rate,
                                    bad_steps=guard.bad_steps, skipped=bad is not None,
+                                   **memory.measured(trainer.device),
                                    **{f"t_{k}": v for k, v in split.items()},
                                    **op_split,
                                    **({f"val_{k}": v for k, v in scores.items()} if scores else {}))

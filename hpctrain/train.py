@@ -11,6 +11,7 @@ the trainer knows them only through that interface.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -20,11 +21,12 @@ from .ckpt.signals import StopSignal
 from .ckpt.state import fresh_rng
 from .device import make_device
 from .errors import ConfigError, DataError
-from .comm import make_allreduce
+from .comm import STRATEGIES, make_allreduce
 from .comm.buckets import BucketedAllreduce, layout_signature, plan_buckets
 from .comm.collectives import Collectives
 from .comm.compression import GradientCompression
 from .comm.staging import Staging
+from .comm.zero import ZeroShards
 from .data.sampler import shard_range
 from .faults import Faults
 from .guard import agree
@@ -89,10 +91,15 @@ class Trainer:
                 self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, world,
                                          self.staging, self.allreduce, self.buckets, self.model.flat, cfg.train.seed,
                                          self.log, cfg.dist.compress_start_step)
+            self.param_gather = None  # ZeRO-1's parameter all-gathers: the main thread's, on a duplicate comm
+            if self.shards is not None:
+                gather_world = dataclasses.replace(world, comm=world.comm.Dup())
+                self.param_gather = make_allreduce(cfg.dist.allreduce, gather_world, self.device,
+                                                   Staging(self.device, cfg.dist.cuda_aware_mpi))
         self.guard = NumericGuard(cfg.guard, self.log)
         self.comm = BucketedAllreduce(self.allreduce, self.model.flat.grad, self.buckets, self.device,
                                       overlap=cfg.dist.overlap, compression=self.compression,
-                                      check_finite=cfg.guard.check_grads)
+                                      check_finite=cfg.guard.check_grads, shards=self.shards)
         self._bucket_names = [f"bucket {b.index + 1} of {len(self.buckets)}, "
                               f"{b.size * self.device.dtype.itemsize / 1e6:.2f} MB" for b in self.buckets]
         with wd.watch("start-up", "broadcast of the initial weights", slack=10):
@@ -139,12 +146,15 @@ class Trainer:
         self.model = models.build(cfg, self.device, self.data)
         self.model.init(cfg.train.seed)
         self.faults.check_inputs(self.model.input_dtype)
-        self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim, self.model.no_decay)
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
         self.schedule = LRSchedule(cfg.optim, peak, cfg.train.steps)
         self.staging = Staging(self.device, cfg.dist.cuda_aware_mpi)
         self.buckets = plan_buckets(self.model.flat, self.device.dtype.itemsize, cfg.dist.bucket_mb,
                                     cfg.dist.first_bucket_mb)
+        self.shards = None  # ZeRO-1: this rank's chunk of every bucket (hpctrain.comm.zero)
+        if cfg.dist.zero:
+            self.shards = ZeroShards(self.buckets, world.rank, world.size, STRATEGIES[cfg.dist.allreduce].owned_chunk)
+        self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim, self.model.no_decay, self.shards)
         k = cfg.train.grad_accum_steps
         if cfg.train.exact_shares and self.sampler.batch % k:
             raise ConfigError(f"train.grad_accum_steps={k} does not divide the per-rank batch "
@@ -216,17 +226,29 @@ class Trainer:
             with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {self.step}", self.step):
                 self.comm.wait(bucket)
             if update:
-                with t("optimizer"):
-                    self.optimizer.update(lr, bucket.lo, bucket.hi)
+                self._update(bucket, name, lr)
         return loss_sum, correct, (not math.isfinite(loss_sum), self.comm.nonfinite)
 
     def apply_update(self) -> None:
         """The optimizer step of a judged step whose buckets are all reduced (deferred guard policies)."""
         self.optimizer.begin_step(self.step)
         lr = self.schedule.lr(self.step)
-        with self.timers("optimizer"):
-            for bucket in self.buckets:
+        for bucket, name in zip(self.buckets, self._bucket_names):
+            self._update(bucket, name, lr)
+
+    def _update(self, bucket, name, lr) -> None:
+        """The optimizer on ``bucket`` (ZeRO-1: on this rank's chunk, then the bucket's parameters
+        all-gathered, while the communication thread reduce-scatters the next buckets)."""
+        if self.shards is None:
+            with self.timers("optimizer"):
                 self.optimizer.update(lr, bucket.lo, bucket.hi)
+            return
+        lo, hi, _ = self.shards.pieces[bucket.index]
+        with self.timers("optimizer"):
+            self.optimizer.update(lr, lo, hi)
+        with self.timers("allgather"), self.watchdog.watch("parameter all-gather", f"{name}, step {self.step}",
+                                                            self.step):
+            self.param_gather.allgather(self.model.flat.data[bucket.lo:bucket.hi])
 
     def _compression_metrics(self) -> dict:
         c = self.compression

@@ -263,3 +263,17 @@ def test_non_finite_negative_and_nan_values_are_rejected(override):
 def test_target_accuracy_needs_an_eval_file():
     with pytest.raises(ConfigError, match="data.eval is empty"):
         load_config(None, ["train.target_accuracy=0.9", "data.eval="])
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    (["dist.zero=1", "dist.allreduce=rhd"], "dist.zero=1 reduce-scatters gradients and all-gathers parameters with "
+                                            "dist.allreduce = mpi, naive, ring; 'rhd' has no such halves yet"),
+    (["dist.zero=1", "dist.compress=fp16"], "dist.zero=1 with dist.compress='fp16' is not supported"),
+    (["dist.zero=2"], "dist.zero=2: choose one of 0, 1"),
+])
+def test_zero_settings_that_cannot_run_are_one_clear_error(overrides, expect):
+    from hpctrain.config import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert expect in str(err.value)

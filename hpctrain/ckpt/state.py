@@ -52,6 +52,14 @@ def _flat_entry(path, device, buf, slot):
     return Entry(path, tuple(slot.shape), np.dtype(device.dtype), rows)
 
 
+def _host_flat_entry(path, host, slot):
+    """A parameter-shaped entry of a whole flat array on the host."""
+    def rows(lo, hi, slot=slot):
+        row = slot.size // slot.shape[0]
+        return host[slot.offset + lo * row:slot.offset + hi * row].reshape((hi - lo,) + tuple(slot.shape[1:]))
+    return Entry(path, tuple(slot.shape), host.dtype, rows)
+
+
 def _host_entry(path, array, per_rank=False):
     array = np.asarray(array)
     if per_rank:
@@ -90,7 +98,11 @@ def training_state(trainer) -> list[Entry]:
     dev, flat, opt, sampler, cfg = trainer.device, trainer.model.flat, trainer.optimizer, trainer.sampler, trainer.cfg
     entries = [_flat_entry(parameter_path("model", s.name), dev, flat.data, s) for s in flat.slots]
     for state_name, buf in opt.state().items():
-        entries += [_flat_entry(parameter_path(f"optim/{state_name}", s.name), dev, buf, s) for s in flat.slots]
+        if getattr(opt, "shards", None) is not None:  # ZeRO-1: the whole state assembled on the host (collective)
+            buf = opt.shards.gather(trainer.world.comm, dev.to_host(buf), flat.size)
+            entries += [_host_flat_entry(parameter_path(f"optim/{state_name}", s.name), buf, s) for s in flat.slots]
+        else:
+            entries += [_flat_entry(parameter_path(f"optim/{state_name}", s.name), dev, buf, s) for s in flat.slots]
     entries.append(_host_entry("/optim/step_count", np.array([getattr(opt, "t", 0)], np.int64)))
     epoch, in_epoch = sampler.position(trainer.step)
     entries.append(_host_entry("/data/position", np.array(
@@ -188,6 +200,11 @@ def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_co
     for s in flat.slots:
         dev.copy_from_host(flat.view(flat.data, s.name), full[parameter_path("model", s.name)])
     for state_name, buf in opt.state().items():
+        if getattr(opt, "shards", None) is not None:  # ZeRO-1: this rank's chunks of the logical arrays
+            whole = np.concatenate([np.asarray(full[parameter_path(f"optim/{state_name}", s.name)]).reshape(-1)
+                                    for s in flat.slots])
+            dev.copy_from_host(buf, opt.shards.take(whole).astype(dev.dtype, copy=False))
+            continue
         for s in flat.slots:
             dev.copy_from_host(flat.view(buf, s.name), full[parameter_path(f"optim/{state_name}", s.name)])
     if hasattr(opt, "t"):

@@ -96,15 +96,17 @@ class BucketedAllreduce:
     can. With ``overlap=False`` buckets are reduced on the calling thread
     inside :meth:`wait` (the baseline). With ``check_finite`` every averaged
     bucket is tested for NaN/Inf as part of its reduction; :attr:`nonfinite`
-    says whether this rank found one in this step's buckets. With shm's window
-    each rank tests only the share it folded, so only the ranks' answers
+    says whether this rank found one in this step's buckets. With ``shards``
+    (ZeRO, :mod:`.zero`) buckets are reduce-scattered and each rank scales and
+    tests only its chunk; so does shm's window with the share each rank folds, so only the ranks' answers
     together cover the gradient: combine them over ranks (the run loop's step
     statistics sum them).
     """
 
     def __init__(self, strategy, grad, buckets, device, overlap: bool = True, compression=None,
-                 check_finite: bool = False):
+                 check_finite: bool = False, shards=None):
         self.strategy, self.grad, self.buckets, self.device = strategy, grad, buckets, device
+        self.shards = shards  # a zero.ZeroShards: reduce-scatter, each rank scales and tests its chunk only
         self.overlap = overlap
         self.compression = compression  # a dist.compression.GradientCompression, or None
         self.check_finite, self.nonfinite = check_finite, False
@@ -173,7 +175,12 @@ class BucketedAllreduce:
     def _reduce(self, i: int) -> None:
         t0 = time.perf_counter()
         view = self._views[i]
-        if self.compression is not None:
+        if self.shards is not None:
+            self.strategy.reduce_scatter(view)
+            lo, hi, _ = self.shards.pieces[i]
+            base = self.buckets[i].lo
+            finite = scale_and_test(view[lo - base:hi - base], self.scale, self.device, self.check_finite)
+        elif self.compression is not None:
             self.compression.reduce(view, i, self.step)
             finite = scale_and_test(view, self.scale, self.device, self.check_finite)
         else:  # sum, average and test in one pass where the strategy can (shm's window)

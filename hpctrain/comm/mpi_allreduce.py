@@ -1,6 +1,8 @@
 """``mpi`` strategy: MPI_Allreduce in place; the library picks its own algorithm."""
 
+from .halves import host_halves, mpi_allgather, mpi_reduce_scatter
 from .reduce_ops import mpi_op
+from .ring import HostScratch
 from .staging import Staging
 
 
@@ -10,9 +12,10 @@ class MpiAllreduce:
     def __init__(self, world, device, staging=None):
         from mpi4py import MPI
 
-        self.comm, self.size, self.device = world.comm, world.size, device
+        self.comm, self.rank, self.size, self.device = world.comm, world.rank, world.size, device
         self.staging = staging or Staging(device)
         self._in_place = MPI.IN_PLACE
+        self.scratch = HostScratch()
 
     def __call__(self, buf, op="mean"):
         """Reduce ``buf`` in place over all ranks (op: sum, mean, max, min); returns ``buf``.
@@ -26,3 +29,14 @@ class MpiAllreduce:
         if op == "mean" and self.size > 1:
             self.device.ops.scale(buf, 1.0 / self.size)
         return buf
+
+    # ZeRO's halves (hpctrain.comm.halves): MPI_Reduce_scatter, then MPI_Allgatherv in place
+    @staticmethod
+    def owned_chunk(rank: int, size: int) -> int:
+        return rank
+
+    def reduce_scatter(self, buf):
+        return host_halves(self, buf, lambda x: mpi_reduce_scatter(self.comm, x, self.rank, self.size, self.scratch))
+
+    def allgather(self, buf):
+        return host_halves(self, buf, lambda x: mpi_allgather(self.comm, x, self.size))

@@ -4,6 +4,7 @@ Rank 0 reduces all contributions in one reduction and every rank receives the
 identical bytes, so results are bitwise equal across ranks by construction.
 """
 
+from .halves import host_halves, mpi_allgather
 from .reduce_ops import mpi_op
 from .staging import Staging
 
@@ -32,3 +33,15 @@ class NaiveAllreduce:
         if op == "mean" and self.size > 1:
             self.device.ops.scale(buf, 1.0 / self.size)
         return buf
+
+    # ZeRO's halves (hpctrain.comm.halves), as an oracle: the whole sum (so bitwise its all-reduce's),
+    # then MPI_Allgatherv in place
+    @staticmethod
+    def owned_chunk(rank: int, size: int) -> int:
+        return rank
+
+    def reduce_scatter(self, buf):
+        return self(buf, "sum")
+
+    def allgather(self, buf):
+        return host_halves(self, buf, lambda x: mpi_allgather(self.comm, x, self.size))

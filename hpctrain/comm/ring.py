@@ -84,18 +84,42 @@ class RingAllreduce:
         return host_allreduce(self, buf, op, self._ring)
 
     def _ring(self, x, kind):
+        self._reduce_scatter(x, kind)
+        self._allgather(x)
+
+    # ZeRO's halves (hpctrain.comm.halves): the ring's own, so a zero-1 step sums in the same order
+    @staticmethod
+    def owned_chunk(rank: int, size: int) -> int:
+        return (rank + 1) % size  # where the reduce-scatter leaves the finished sum
+
+    def reduce_scatter(self, buf):
+        from .halves import host_halves
+
+        return host_halves(self, buf, lambda x: self._reduce_scatter(x, "sum"))
+
+    def allgather(self, buf):
+        from .halves import host_halves
+
+        return host_halves(self, buf, self._allgather)
+
+    def _reduce_scatter(self, x, kind):
         p, r, comm = self.size, self.rank, self.comm
         off = chunk_offsets(x.size, p)
         right, left = (r + 1) % p, (r - 1) % p
         recv = self.scratch.get(x.dtype, off[1] - off[0])  # chunk 0 is the longest
-        # reduce-scatter: at step s, send chunk r-s and fold chunk r-s-1 from the left
-        # into place; after size-1 steps chunk r+1 holds every rank's contribution
+        # at step s, send chunk r-s and fold chunk r-s-1 from the left into place;
+        # after size-1 steps chunk r+1 holds every rank's contribution
         for s in range(p - 1):
             c_send, c_recv = (r - s) % p, (r - s - 1) % p
             n_recv = off[c_recv + 1] - off[c_recv]
             comm.Sendrecv(x[off[c_send]:off[c_send + 1]], right, TAG, recv[:n_recv], left, TAG)
             reduce_into(x[off[c_recv]:off[c_recv + 1]], recv[:n_recv], kind)
-        # all-gather: pass the finished chunks on, received straight into place
+
+    def _allgather(self, x):
+        p, r, comm = self.size, self.rank, self.comm
+        off = chunk_offsets(x.size, p)
+        right, left = (r + 1) % p, (r - 1) % p
+        # pass the finished chunks on (chunk r+1 first), received straight into place
         for s in range(p - 1):
             c_send, c_recv = (r + 1 - s) % p, (r - s) % p
             comm.Sendrecv(x[off[c_send]:off[c_send + 1]], right, TAG,

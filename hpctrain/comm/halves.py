@@ -1,0 +1,43 @@
+"""An all-reduce's two halves, reduce-scatter and all-gather, as ZeRO (:mod:`.zero`) uses them.
+
+A strategy with shares provides ``reduce_scatter(buf)`` (the sum over ranks of
+``buf``, a gradient bucket, lands in this rank's chunk of it, in place; the other
+chunks are left undefined), ``allgather(buf)`` (every chunk of ``buf`` becomes its
+owner's) and ``owned_chunk(rank, size)`` (which chunk a rank owns). Chunks are
+:func:`~.ring.chunk_offsets`'s. Both run on the host copy of the buffer
+(``Staging.host_view``: the buffer itself on the CPU, a pinned copy of a GPU's),
+as ring and rhd do. Collective over the strategy's communicator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .ring import chunk_offsets, flat_host
+
+
+def host_halves(strategy, buf, half):
+    """Run ``half(x)`` on the flat host view of ``buf``; nothing for one rank or an empty buffer."""
+    if strategy.size > 1 and buf.size:
+        with strategy.staging.host_view(buf, slot="zero") as host:
+            half(flat_host(host))
+    return buf
+
+
+def mpi_reduce_scatter(comm, x, rank: int, size: int, scratch) -> None:
+    """MPI_Reduce_scatter (sum) of host ``x`` into a scratch chunk, copied to chunk ``rank``."""
+    from mpi4py import MPI
+
+    off = chunk_offsets(x.size, size)
+    counts = np.diff(off).tolist()
+    recv = scratch.get(x.dtype, counts[rank])
+    comm.Reduce_scatter(x, recv, recvcounts=counts, op=MPI.SUM)
+    x[off[rank]:off[rank + 1]] = recv
+
+
+def mpi_allgather(comm, x, size: int) -> None:
+    """MPI_Allgatherv in place: chunk r of host ``x`` from rank r, to every rank."""
+    from mpi4py import MPI
+
+    off = chunk_offsets(x.size, size)
+    comm.Allgatherv(MPI.IN_PLACE, [x, (np.diff(off).tolist(), off[:-1])])

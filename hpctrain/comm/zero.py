@@ -1,0 +1,103 @@
+"""ZeRO-1 (``dist.zero = 1``): each rank keeps the optimizer state of its share of every bucket.
+
+Shares. Every gradient bucket [lo, hi) is cut into ``size`` chunks as the ring
+cuts a buffer (:func:`~.ring.chunk_offsets`: the first (hi - lo) % size chunks
+one element longer, none padded), and each rank owns one chunk of every bucket:
+the chunk its strategy's reduce-scatter leaves the finished sum in
+(``owned_chunk``: chunk ``rank`` for mpi and naive, ``rank + 1`` for ring).
+A rank's chunks, packed back to back, are its optimizer state: about 1/size of
+zero 0's, within one element per bucket. Shares follow the buckets (not one
+contiguous range of the flat buffer) so that every rank takes part in every
+bucket's reduce-scatter with an equal part, as in an all-reduce's first half.
+
+One step, per bucket (:class:`~.buckets.BucketedAllreduce` and the trainer):
+
+    reduce-scatter the gradient (sum; this rank's chunk, in place)   communication thread
+    scale and test this rank's chunk only                             (the ranks' answers are summed)
+    the optimizer updates this rank's chunk of the parameters         main thread
+    all-gather the bucket's parameters                                main thread, a duplicate communicator
+
+The all-gathers run on their own communicator (a second strategy instance) because
+the communication thread is reduce-scattering later buckets at the same time, and
+collectives of two threads on one communicator could pair up differently on
+different ranks.
+
+Checkpoints stay logical: :meth:`ZeroShards.gather` assembles the whole optimizer
+state on the host for a save (collective; host memory for the save's duration)
+and :meth:`ZeroShards.take` picks this rank's chunks out of a loaded array.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from .ring import chunk_offsets
+
+STAGES = (0, 1)
+STRATEGIES_WITH_SHARES = ("mpi", "naive", "ring")  # those with reduce_scatter / allgather
+
+
+class ZeroShards:
+    """The chunks rank ``rank`` of ``size`` owns of each of ``buckets``.
+
+    ``pieces[i]``: (lo, hi, packed) of bucket i: the flat range owned and where it starts
+    in the packed state; ``owned``: the packed state's length.
+    """
+
+    def __init__(self, buckets, rank: int, size: int, owned_chunk):
+        self.rank, self.size, self.owned_chunk = rank, size, owned_chunk
+        self.buckets = list(buckets)
+        self.pieces, packed = [], 0
+        for b in self.buckets:
+            off = chunk_offsets(b.size, size)
+            c = owned_chunk(rank, size)
+            self.pieces.append((b.lo + off[c], b.lo + off[c + 1], packed))
+            packed += off[c + 1] - off[c]
+        self.owned = packed
+        order = sorted(range(len(self.pieces)), key=lambda i: self.pieces[i][0])
+        self._starts = [self.pieces[i][0] for i in order]
+        self._sorted = [self.pieces[i] for i in order]
+
+    def packed(self, lo: int, hi: int) -> slice:
+        """The packed-state slice of flat elements [lo, hi), which must lie inside one owned chunk."""
+        k = bisect.bisect_right(self._starts, lo) - 1
+        if k < 0:
+            raise IndexError(f"elements [{lo}, {hi}) are not this rank's")
+        a, b, at = self._sorted[k]
+        if not a <= lo <= hi <= b:
+            raise IndexError(f"elements [{lo}, {hi}) are not inside this rank's chunk [{a}, {b})")
+        return slice(at + lo - a, at + hi - a)
+
+    def _layout(self, bucket):
+        """(counts, displacements) in rank order of ``bucket``'s chunks in the flat buffer."""
+        off = chunk_offsets(bucket.size, self.size)
+        owned = [self.owned_chunk(r, self.size) for r in range(self.size)]
+        return [off[c + 1] - off[c] for c in owned], [bucket.lo + off[c] for c in owned]
+
+    def gather(self, comm, packed_host: np.ndarray, total: int) -> np.ndarray:
+        """The whole flat state (``total`` elements) on every rank from each rank's packed
+        chunks (``packed_host``, this rank's). Collective over ``comm``."""
+        full = np.empty(total, packed_host.dtype)
+        for b, (lo, hi, at) in zip(self.buckets, self.pieces):
+            counts, displs = self._layout(b)
+            comm.Allgatherv(np.ascontiguousarray(packed_host[at:at + hi - lo]), [full, (counts, displs)])
+        return full
+
+    def take(self, full: np.ndarray) -> np.ndarray:
+        """This rank's chunks of a whole flat array, packed."""
+        return np.concatenate([full[lo:hi] for lo, hi, _ in self.pieces]) if self.pieces else full[:0].copy()
+
+
+def refusal(zero: int, allreduce: str, compress: str) -> str | None:
+    """Why ``dist.zero`` cannot run with these settings, or None."""
+    if zero == 0:
+        return None
+    if allreduce not in STRATEGIES_WITH_SHARES:
+        return (f"dist.zero={zero} reduce-scatters gradients and all-gathers parameters with dist.allreduce = "
+                f"{', '.join(STRATEGIES_WITH_SHARES)}; {allreduce!r} has no such halves yet: choose one of those")
+    if compress != "none":
+        return (f"dist.zero={zero} with dist.compress={compress!r} is not supported: the compressors reduce whole "
+                f"buckets and keep whole-gradient residuals; use dist.zero=0 to compress, or dist.compress=none")
+    return None
