@@ -21,6 +21,7 @@ and its model offers (the trainer, checkpoints and optimizer use nothing else):
   targets_per_row      predictions per batch row (1 for a classifier, the context for a language model)
   input_dtype          dtype of ``inputs`` on the device (None: the compute dtype)
   flops_per_row        model FLOPs of one row's forward + backward (for MFU), or 0 when not counted
+  activation_bytes(rows)   bytes of the activations a micro-batch of ``rows`` rows keeps for backward
   checkpoint_hint(shapes)  the fix to print when a checkpoint's parameter shapes do not fit
   tracer               an hpctrain.trace.Tracer or None (spans per layer)
 """

@@ -7,7 +7,9 @@ No dropout. Initial weights as GPT-2 (:func:`~hpctrain.nn.transformer.gpt2_init`
 buffer holds wte, wpe, then per block its four matrices before its eight vectors (so weight
 decay, which skips biases and LayerNorm parameters, is two runs per block), then ln_f.
 Checkpoint paths follow the names: /model/h/<i>/attn/c_attn/weight is (C, 3C), (in, out) like
-GPT-2's own Conv1D weights.
+GPT-2's own Conv1D weights. ``model.recompute = "blocks"`` makes the blocks share one block's
+activation arrays and rebuild them in backward from each block's saved input
+(:class:`~hpctrain.nn.transformer.Block`); :meth:`GPT.activation_bytes` counts what is kept.
 
 The family functions (:mod:`hpctrain.models`): :func:`open_data` opens ``data.train``'s /train
 stream as windows of ``model.context + 1`` tokens and the /val stream (of ``data.eval`` when
@@ -16,6 +18,7 @@ set) for evaluation; :func:`build` makes the :class:`GPT` for the file's vocabul
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -113,7 +116,7 @@ def build(cfg, device, data: TrainingData) -> "GPT":
             raise ConfigError(f"model.d_model / model.n_head = {m.d_model // m.n_head} is a head size above the "
                               f"CUDA attention kernels' limit of {HS_SIZES[-1]}; use more heads (model.n_head >= "
                               f"{-(-m.d_model // HS_SIZES[-1])}) or train.device=cpu")
-    return GPT(device, data.info["vocab_size"], m.context, m.n_layer, m.n_head, m.d_model)
+    return GPT(device, data.info["vocab_size"], m.context, m.n_layer, m.n_head, m.d_model, m.recompute)
 
 
 class GPT:
@@ -121,15 +124,19 @@ class GPT:
 
     input_dtype = np.int64  # token ids
 
-    def __init__(self, device, vocab: int, context: int, n_layer: int, n_head: int, d_model: int):
+    def __init__(self, device, vocab: int, context: int, n_layer: int, n_head: int, d_model: int,
+                 recompute: str = "none"):
         if d_model % n_head:
             raise ConfigError(f"model.n_head={n_head} does not divide model.d_model={d_model}")
+        if recompute not in ("none", "blocks"):
+            raise ConfigError(f"model.recompute={recompute!r}: choose none or blocks")
         self.device, self.vocab, self.context, self.n_layer, self.d_model = device, vocab, context, n_layer, d_model
-        self.n_head = n_head
+        self.n_head, self.recompute = n_head, recompute
         self.targets_per_row = context
         self.embedding = Embedding(device, vocab, context, d_model)
         workspace = {}  # backward's attention work array, one for all blocks
-        self.blocks = [Block(device, f"h.{i}", d_model, n_head, workspace) for i in range(n_layer)]
+        shared = {} if recompute == "blocks" else None  # one block's arrays for all blocks, rebuilt in backward
+        self.blocks = [Block(device, f"h.{i}", d_model, n_head, workspace, shared) for i in range(n_layer)]
         self.ln_f = LayerNorm(device, "ln_f", d_model)
         self.head = TiedHead(device, self.embedding)
         self.loss = SoftmaxCrossEntropy(device)
@@ -156,6 +163,28 @@ class GPT:
         C, T = self.d_model, self.context
         matrix = sum(s.size for s in self.flat.slots if len(s.shape) == 2 and s.name != "wpe")
         return T * (6 * matrix + 12 * self.n_layer * T * C)
+
+    def activation_bytes(self, rows: int) -> int:
+        """Bytes of the activation arrays a micro-batch of ``rows`` windows of ``context`` tokens
+        keeps from forward to backward on this rank, from the shapes the layers allocate
+        (``activation_shapes``): the embedding's output; per block its two LayerNorms' outputs and
+        row statistics, qkv, the attention output and what the device's attention saves
+        (``attention_state_shapes``: the (B, NH, T, T) probabilities on the CPU, one log-sum-exp
+        per row, (B, NH, T), on the CUDA device), both projections' outputs, the residual sum
+        between the halves, the MLP's pre-activation and GELU output, and its output; then ln_f's,
+        the logits and the loss's probabilities. With ``recompute = "blocks"`` the blocks' arrays
+        are one shared set, counted once, and only the outputs (the next block's saved input) are
+        per block. Not counted: the token ids (the input), the parameters, and backward's
+        gradient arrays (per block with "none", one shared set with "blocks"; the attention's
+        work array and the residual stream's gradient are one for all blocks either way)."""
+        B, T = rows, self.context
+        N, C = B * T, self.d_model
+        shapes = [*self.embedding.activation_shapes(B, T), *self.ln_f.activation_shapes(N),
+                  *self.head.activation_shapes(N), *self.loss.activation_shapes(N, self.vocab)]
+        shapes += [(N, C)] * self.n_layer  # each block's output
+        sets = 1 if self.recompute == "blocks" else self.n_layer
+        shapes += self.blocks[0].activation_shapes(B, T) * sets
+        return sum(math.prod(s) for s in shapes) * self.device.dtype.itemsize
 
     def checkpoint_hint(self, shapes: dict) -> str:
         saved = shapes.get("/model/wte")

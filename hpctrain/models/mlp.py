@@ -6,6 +6,7 @@ The family functions (:mod:`hpctrain.models`): :func:`open_data` opens ``data.tr
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -77,6 +78,15 @@ class MLP:
         for layer in self.layers:
             layer.bind(self.flat)
         self.tracer = None  # an hpctrain.trace.Tracer: a span per layer in forward and backward
+
+    def activation_bytes(self, rows: int) -> int:
+        """Bytes of the activation arrays a micro-batch of ``rows`` rows keeps from forward to
+        backward on this rank: each Linear's pre-activation z (rows, out) and, for the hidden
+        layers, its activation's output, then the loss's probabilities (rows, classes). Not
+        counted: the input batch, the parameters, backward's gradient arrays."""
+        shapes = [s for layer in self.layers for s in layer.activation_shapes(rows)]
+        shapes += self.loss.activation_shapes(rows, self.layers[-1].n_out)
+        return sum(math.prod(s) for s in shapes) * self.device.dtype.itemsize
 
     def checkpoint_hint(self, shapes: dict) -> str:
         hidden = saved_hidden(shapes)

@@ -2,7 +2,8 @@
 
 Each layer declares its parameters, binds views into the flat buffers, and runs
 ``forward``/``backward`` through the device's kernel table. Activations are
-cached per batch size so a training step allocates nothing.
+cached per batch size so a training step allocates nothing; ``activation_shapes``
+lists the ones forward keeps, for the models' ``activation_bytes``.
 """
 
 from __future__ import annotations
@@ -12,15 +13,21 @@ import numpy as np
 
 class Layer:
     params: tuple = ()   # (name, shape) pairs this layer owns
+    # The layer's arrays by (key, shape), made on first use; None until then. Layers that never
+    # need theirs at the same time may be given one dict to share one set (the blocks of a
+    # recomputing GPT, :class:`~.transformer.Block`). Gradient keys start with "d" (dz, dx, dqkv,
+    # dlogits); the other keys are activations forward keeps.
+    cache: dict | None = None
 
     def bind(self, flat):
         """Take views of the flat parameter and gradient buffers."""
 
     def _buffer(self, key, shape):
-        cache = self.__dict__.setdefault("_cache", {})
-        buf = cache.get((key, shape))
+        if self.cache is None:
+            self.cache = {}
+        buf = self.cache.get((key, shape))
         if buf is None:
-            buf = cache[(key, shape)] = self.device.empty(shape)
+            buf = self.cache[(key, shape)] = self.device.empty(shape)
         return buf
 
 
@@ -46,12 +53,27 @@ class Linear(Layer):
         bound = 1.0 / np.sqrt(self.n_in)
         return [rng.uniform(-bound, bound, (self.n_in, self.n_out)), rng.uniform(-bound, bound, self.n_out)]
 
+    def activation_shapes(self, n) -> list:
+        """Shapes of the arrays forward keeps for ``n`` rows: z, and the activation's output
+        unless identity (then z is the output). The input x is its producer's."""
+        return [(n, self.n_out)] * (1 if self.activation == "identity" else 2)
+
     def forward(self, x):                         # x (B, I) -> (B, O)
         ops, shape = self.device.ops, (x.shape[0], self.n_out)
         self.x = x
         self.z = ops.linear_forward(x, self.w, self._buffer("z", shape))   # pre-activation, kept
         out = self.z if self.activation == "identity" else self._buffer("out", shape)
         return ops.bias_act_forward(self.z, self.b, out, self.activation)
+
+    def keep_input(self, x):
+        """Forward's bookkeeping without its work: with the identity activation backward reads
+        only x and the weight (dz is dout; z only lends its shape, and the CUDA kernel's
+        identity derivative ignores its values), so a recompute that needs no output calls
+        this instead of :meth:`forward` after one forward of the same shape."""
+        if self.activation != "identity":
+            raise ValueError(f"{self.name}: backward of a {self.activation} Linear reads its pre-activation; "
+                             f"run forward")
+        self.x = x
 
     def backward(self, dout, accumulate=False):   # dout (B, O) -> dx (B, I) or None
         ops = self.device.ops
@@ -70,6 +92,11 @@ class SoftmaxCrossEntropy(Layer):
         # d loss / d (one row's loss) in backward; None = 1/B, the mean over this call's B rows.
         # The trainer sets it when ranks' shares differ (then size k / (G predictions per row)).
         self.row_weight = None
+
+    @staticmethod
+    def activation_shapes(n, classes) -> list:
+        """The probabilities forward keeps for backward: (n, classes)."""
+        return [(n, classes)]
 
     def forward(self, logits, labels):
         self.labels = labels

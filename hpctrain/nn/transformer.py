@@ -4,8 +4,9 @@ Shape legend: B batch rows, T positions, C channels (d_model), NH heads, V
 vocabulary, N = B * T rows of the (N, C) activations every layer here takes.
 Parameters and gradients are views of the flat buffers (:class:`~.flat.FlatParams`);
 activations are cached per shape (:meth:`Layer._buffer`), so a step allocates
-nothing once shapes repeat. Every ``backward`` either overwrites its parameter
-gradients or, with ``accumulate``, adds to them (gradient accumulation).
+nothing once shapes repeat; ``activation_shapes`` lists the ones forward keeps.
+Every ``backward`` either overwrites its parameter gradients or, with
+``accumulate``, adds to them (gradient accumulation).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class Embedding(Layer):
     def bind(self, flat):
         self.wte, self.wpe = flat.view(flat.data, "wte"), flat.view(flat.data, "wpe")
         self.dwte, self.dwpe = flat.view(flat.grad, "wte"), flat.view(flat.grad, "wpe")
+
+    def activation_shapes(self, B, T) -> list:
+        return [(B, T, self.channels)]             # the output, the first block's input
 
     def forward(self, tokens):                      # tokens (B, T) int -> (N, C)
         B, T = tokens.shape
@@ -52,6 +56,9 @@ class LayerNorm(Layer):
     def bind(self, flat):
         self.w, self.b = (flat.view(flat.data, n) for n, _ in self.params)
         self.dw, self.db = (flat.view(flat.grad, n) for n, _ in self.params)
+
+    def activation_shapes(self, n) -> list:
+        return [(n,), (n,), (n, self.channels)]    # mean, rstd, the output
 
     def forward(self, x):                           # x (N, C) -> (N, C)
         n = x.shape[0]
@@ -86,6 +93,12 @@ class CausalSelfAttention(Layer):
         self.c_attn.bind(flat)
         self.c_proj.bind(flat)
 
+    def activation_shapes(self, B, T) -> list:
+        """qkv and the projection's output (the Linears'), the attention output, the saved state."""
+        N, C = B * T, self.channels
+        saved, _ = self.device.ops.attention_state_shapes(B, self.n_head, T)
+        return [*self.c_attn.activation_shapes(N), (B, T, C), saved, *self.c_proj.activation_shapes(N)]
+
     def forward(self, x, B: int, T: int):           # x (N, C) -> (N, C)
         C, NH = self.channels, self.n_head
         self.B, self.T = B, T
@@ -113,9 +126,20 @@ class CausalSelfAttention(Layer):
 
 
 class Block(Layer):
-    """x + attn(ln_1(x)), then + mlp(ln_2(.)): GPT-2's pre-LN block; the MLP is Linear 4C -> GELU -> Linear C."""
+    """x + attn(ln_1(x)), then + mlp(ln_2(.)): GPT-2's pre-LN block; the MLP is Linear 4C -> GELU -> Linear C.
 
-    def __init__(self, device, name: str, channels: int, n_head: int, workspace: dict | None = None):
+    ``shared`` (activation recomputation, ``model.recompute``): None, every layer of the block
+    keeps its own arrays ("none"). A dict ("blocks"): the block and its layers take their arrays
+    (activations and backward's gradients) from it by role (``.ln_1``, ``.attn.c_attn``, ...), so
+    the blocks given one dict share one block's worth; forward then keeps only a reference to its
+    input, and backward first re-runs the forward from it (the same kernels in the same order, so
+    the same bits; all but the MLP's output GEMM and the last residual add, whose results backward
+    never reads) before its own work. The output is the block's own either way: it is the next
+    block's saved input (or ln_f's), and a shared one would be overwritten by that block's forward.
+    """
+
+    def __init__(self, device, name: str, channels: int, n_head: int, workspace: dict | None = None,
+                 shared: dict | None = None):
         self.device, self.name, C = device, name, channels
         self.ln_1 = LayerNorm(device, f"{name}.ln_1", C)
         self.attn = CausalSelfAttention(device, f"{name}.attn", C, n_head, workspace)
@@ -125,21 +149,50 @@ class Block(Layer):
         parts = (self.ln_1, self.attn, self.ln_2, self.c_fc, self.c_proj)
         self.params = tuple(p for part in parts for p in part.params)
         self._parts = parts
+        self._outputs = {}  # the output per shape, never shared
+        self.recompute = shared is not None
+        if self.recompute:
+            for layer in self.layers():
+                layer.cache = shared.setdefault(layer.name[len(name):], {})
+
+    def layers(self) -> tuple:
+        """The block and the layers inside it: everything that caches arrays (:attr:`Layer.cache`)."""
+        return (self, self.ln_1, self.attn, self.attn.c_attn, self.attn.c_proj, self.ln_2, self.c_fc, self.c_proj)
 
     def bind(self, flat):
         for part in self._parts:
             part.bind(flat)
 
+    def activation_shapes(self, B, T) -> list:
+        """What forward keeps in :meth:`layers`' caches (shared with ``shared``): everything but the
+        output, an (N, C) array of the block's own."""
+        N, C = B * T, self.c_proj.n_out
+        return [*self.ln_1.activation_shapes(N), *self.attn.activation_shapes(B, T), (N, C),  # (N, C): mid
+                *self.ln_2.activation_shapes(N), *self.c_fc.activation_shapes(N), *self.c_proj.activation_shapes(N)]
+
     def forward(self, x, B: int, T: int):           # x (N, C) residual stream in -> out (N, C)
-        ops = self.device.ops
-        mid = self._buffer("mid", x.shape)          # x + attn(ln_1(x)), the second LayerNorm's input
-        ops.residual_forward(x, self.attn.forward(self.ln_1.forward(x), B, T), mid)
-        out = self._buffer("out", x.shape)
-        return ops.residual_forward(mid, self.c_proj.forward(self.c_fc.forward(self.ln_2.forward(mid))), out)
+        self.x, self.B, self.T = x, B, T            # what a recompute starts from
+        mid, h = self._to_hidden(x, B, T)
+        out = self._outputs.get(x.shape)
+        if out is None:
+            out = self._outputs[x.shape] = self.device.empty(x.shape)
+        return self.device.ops.residual_forward(mid, self.c_proj.forward(h), out)
+
+    def _to_hidden(self, x, B, T):
+        """The forward up to the MLP's hidden activation: mid = x + attn(ln_1(x)) (N, C), the
+        second LayerNorm's input, and h = gelu(c_fc(ln_2(mid))) (N, 4C)."""
+        mid = self._buffer("mid", x.shape)
+        self.device.ops.residual_forward(x, self.attn.forward(self.ln_1.forward(x), B, T), mid)
+        return mid, self.c_fc.forward(self.ln_2.forward(mid))
 
     def backward(self, dres, accumulate=False):
         """``dres`` (N, C): d loss / d (this block's output) in, d loss / d (its input) out, in place:
         each residual branch's input gradient is added to it by its LayerNorm."""
+        if self.recompute:
+            # the shared arrays hold the last block forward ran (or the block above's recompute):
+            # rebuild ours from the saved input. Backward reads neither the MLP's output projection
+            # (identity: only its input) nor the block's output, so those two ops are not re-run.
+            self.c_proj.keep_input(self._to_hidden(self.x, self.B, self.T)[1])
         dh = self.c_proj.backward(dres, accumulate)
         self.ln_2.backward(self.c_fc.backward(dh, accumulate), dres, accumulate, add_dx=True)
         self.ln_1.backward(self.attn.backward(dres, accumulate), dres, accumulate, add_dx=True)
@@ -151,6 +204,9 @@ class TiedHead(Layer):
 
     def __init__(self, device, embedding: Embedding):
         self.device, self.embedding = device, embedding
+
+    def activation_shapes(self, n) -> list:
+        return [(n, self.embedding.vocab)]         # the logits
 
     def forward(self, x):
         self.x = x
