@@ -1,0 +1,191 @@
+"""Per-rank memory and step time of the GPT under ZeRO-1 and activation recomputation.
+
+    python benchmarks/memory.py                                   # examples/gpt.toml at 1 and 2 ranks
+    python benchmarks/memory.py --ranks 1 2 4 --steps 20 --budget-gb 16 --json runs/bench/memory.json
+
+Part 1, measured: per world size, the example GPT (``--config``) trains ``--steps`` steps four
+ways, dist.zero 0/1 x model.recompute none/blocks, with dist.allreduce = ring (its zero-1 halves
+sum in the same order as its all-reduce, so all four runs must end on the same bits: checked
+before any time is reported). Per run: the start-up line's computed bytes per rank
+(parameters, gradients, optimizer state, activations of one micro-batch), the measured peak
+resident set (``peak_rss_mb`` of the metrics: rank 0's process), and the median step time
+after the first ``--skip`` steps. Each row is compared with zero 0 / none at the same world
+size, the yardstick of the same run.
+
+Part 2, computed: the deepest GPT of GPT-2 small's proportions (d_model = 64 n_layer, 64-channel
+heads; the config's context and micro-batch) whose computed bytes per rank (AdamW, float32) fit
+``--budget-gb`` at the largest ``--ranks``, for each zero x recompute. The model is
+built on a device that allocates nothing (zero-stride arrays), so its own ``activation_bytes``
+does the counting.
+
+Targets (printed with each verdict): zero 1's optimizer state per rank = 1/N of zero 0's (to
+one element per bucket: no padding); zero 1's step time within 5 % of zero 0's at 2 ranks;
+recompute's activations at most 1/4 of none's, at most 35 % slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+MEMORY = re.compile(r"memory per rank \(computed\): parameters ([\d,.]+) MB, gradients ([\d,.]+) MB, "
+                    r"optimizer state ([\d,.]+) MB(?: \(zero \d: a 1/\d+ share\))?(?:, activations ([\d,.]+) MB)?")
+VARIANTS = [(0, "none"), (1, "none"), (0, "blocks"), (1, "blocks")]
+
+
+def run(ranks, zero, recompute, args, tmp) -> dict:
+    metrics = os.path.join(tmp, f"m-{ranks}-{zero}-{recompute}.jsonl")
+    ckpt = os.path.join(tmp, f"ck-{ranks}-{zero}-{recompute}")
+    cmd = ["mpirun", "-n", str(ranks), *args.mpirun_args.split(), sys.executable, "-m", "hpctrain", "train",
+           "--config", args.config, "--set", f"train.steps={args.steps}", "--set", f"dist.zero={zero}",
+           "--set", f"model.recompute={recompute}", "--set", "dist.allreduce=ring", "--set", "train.eval_every=0",
+           "--set", "data.eval=", "--set", "train.target_val_bpb=0", "--set", "train.target_bpb_vs_bigram=0",
+           "--set", f"train.metrics={metrics}",
+           "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.save_final=false", "--set",
+           "checkpoint.every_minutes=0", "--set", "train.log_every=1000000", "--resume", ""]
+    if args.text:
+        cmd += ["--set", f"data.train={args.text}"]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"memory.py: {' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    m = MEMORY.search(done.stdout)
+    if m is None:
+        raise SystemExit(f"memory.py: no memory line in the output of {' '.join(cmd)}:\n{done.stdout[-2000:]}")
+    params, grads, opt, acts = (float(v.replace(",", "")) if v else float("nan") for v in m.groups())
+    records = [json.loads(line) for line in open(metrics)]
+    steps = records[args.skip:] or records
+    return {"ranks": ranks, "zero": zero, "recompute": recompute, "params_mb": params, "grads_mb": grads,
+            "optimizer_mb": opt, "activations_mb": acts, "computed_mb": params + grads + opt + acts,
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in records),
+            "step_ms": 1e3 * statistics.median(r["step_time"] for r in steps),
+            "final_loss": records[-1]["loss"]}
+
+
+def largest_within(budget_bytes, ranks, cfg, vocab=256) -> list[dict]:
+    """Per zero x recompute, the deepest GPT of GPT-2 small's proportions (d_model = 64 n_layer,
+    64-channel heads; 12 layers is d 768) whose computed bytes per rank fit the budget."""
+    from hpctrain.device import CpuDevice
+    from hpctrain.models.gpt import GPT
+
+    class Unallocated(CpuDevice):
+        """Arrays of the right shape that take no memory (one zero, broadcast)."""
+
+        def empty(self, shape, dtype=None):
+            return np.broadcast_to(np.zeros((), dtype or self.dtype), shape)
+
+        zeros = empty
+
+    dev = Unallocated("float32")
+    rows = -(-cfg.train.global_batch // ranks // cfg.train.grad_accum_steps)
+    best = []
+    for zero, recompute in VARIANTS:
+        top = None
+        for n_layer in range(1, 129):
+            d = 64 * n_layer
+            model = GPT(dev, vocab, cfg.model.context, n_layer, n_layer, d, recompute)
+            p = model.flat.size
+            total = 4 * (2 * p + 2 * (p if zero == 0 else -(-p // ranks))) + model.activation_bytes(rows)
+            if total > budget_bytes:
+                break
+            top = {"zero": zero, "recompute": recompute, "d_model": d, "n_layer": n_layer, "parameters": p,
+                   "bytes_per_rank": total}
+        best.append(top)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="examples/gpt.toml")
+    p.add_argument("--text", default="", help="the token file (default: the config's data.train)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each variant (alternating); the median is shown")
+    p.add_argument("--budget-gb", type=float, default=8.0, help="per-rank memory budget for part 2")
+    p.add_argument("--mpirun-args", default="--oversubscribe")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--json", default="runs/bench/memory.json")
+    args = p.parse_args()
+    from hpctrain.config import load_config
+
+    cfg = load_config(os.path.join(REPO, args.config))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hpctrain-memory-") as tmp:
+        for ranks in args.ranks:
+            # the variants alternate, --repeats times: a noisy machine's drift hits them alike
+            tries = [[run(ranks, z, r, args, tmp) for z, r in VARIANTS] for _ in range(args.repeats)]
+            got = []
+            for i in range(len(VARIANTS)):
+                mine = [t[i] for t in tries]
+                steps = sorted(m["step_ms"] for m in mine)
+                got.append(dict(mine[0], step_ms=statistics.median(steps), step_ms_min=steps[0],
+                                step_ms_max=steps[-1], final_loss=mine[-1]["final_loss"],
+                                losses={m["final_loss"] for m in mine}))
+            losses = set().union(*(g.pop("losses") for g in got))
+            if len(losses) != 1:  # validate before timing: the four must train alike
+                raise SystemExit(f"memory.py: at {ranks} rank(s) the variants ended on different losses {losses}")
+            base = got[0]
+            for g in got:
+                g["optimizer_vs_zero0"] = g["optimizer_mb"] / base["optimizer_mb"]
+                g["activations_vs_none"] = g["activations_mb"] / base["activations_mb"]
+                g["step_vs_baseline"] = g["step_ms"] / base["step_ms"]
+            rows += got
+    print(f"\nPer-rank memory and step time, {args.config} ({platform.node()}, {os.cpu_count()} cores, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}; {args.steps} steps, median after {args.skip}, median of {args.repeats} "
+          f"alternating runs (range in brackets); dist.allreduce ring; every variant ended on the same loss):\n")
+    print("| ranks | zero | recompute | params MB | grads MB | optimizer MB | activations MB | computed MB | "
+          "peak RSS MB | step ms | optimizer / zero 0 | activations / none | step / baseline |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for g in rows:
+        print(f"| {g['ranks']} | {g['zero']} | {g['recompute']} | {g['params_mb']:.2f} | {g['grads_mb']:.2f} | "
+              f"{g['optimizer_mb']:.2f} | {g['activations_mb']:.2f} | {g['computed_mb']:.2f} | "
+              f"{g['peak_rss_mb']:.0f} | {g['step_ms']:.1f} [{g['step_ms_min']:.0f}-{g['step_ms_max']:.0f}] | "
+              f"{g['optimizer_vs_zero0']:.3f} | "
+              f"{g['activations_vs_none']:.3f} | {g['step_vs_baseline']:.3f} |")
+    print("\nTargets:")
+    for g in rows:
+        if g["zero"] == 1 and g["recompute"] == "none":
+            n = g["ranks"]
+            print(f"  zero 1 optimizer state at {n} rank(s): {g['optimizer_vs_zero0']:.4f} of zero 0 (1/{n} = "
+                  f"{1 / n:.4f}): {'met' if abs(g['optimizer_vs_zero0'] - 1 / n) < 1e-3 else 'NOT met'}")
+            if n == 2:
+                print(f"  zero 1 step time at 2 ranks: {g['step_vs_baseline']:.3f} of zero 0 (target <= 1.05): "
+                      f"{'met' if g['step_vs_baseline'] <= 1.05 else 'NOT met'}")
+        if g["zero"] == 0 and g["recompute"] == "blocks":
+            print(f"  recompute at {g['ranks']} rank(s): activations {g['activations_vs_none']:.3f} of none (target "
+                  f"<= 0.25: {'met' if g['activations_vs_none'] <= 0.25 else 'NOT met'}), step "
+                  f"{g['step_vs_baseline']:.3f} (target <= 1.35: {'met' if g['step_vs_baseline'] <= 1.35 else 'NOT met'})")
+    largest = largest_within(args.budget_gb * 1e9, max(args.ranks), cfg)
+    print(f"\nThe deepest GPT of GPT-2 small's proportions (d_model = 64 n_layer) whose computed bytes fit "
+          f"{args.budget_gb:g} GB per rank at {max(args.ranks)} rank(s) (float32, AdamW, context {cfg.model.context}, "
+          f"the config's micro-batch; CPU attention, which keeps T x T):\n")
+    print("| zero | recompute | d_model | n_layer | parameters | GB per rank |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for t in largest:
+        if t is None:
+            continue
+        print(f"| {t['zero']} | {t['recompute']} | {t['d_model']} | {t['n_layer']} | {t['parameters']:,} | "
+              f"{t['bytes_per_rank'] / 1e9:.2f} |")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"machine": platform.node(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                   "config": args.config, "steps": args.steps, "runs": rows, "largest": largest,
+                   "budget_gb": args.budget_gb}, f, indent=1)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
