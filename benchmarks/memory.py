@@ -5,8 +5,8 @@
 
 Part 1, measured: per world size, the example GPT (``--config``) trains ``--steps`` steps four
 ways, dist.zero 0/1 x model.recompute none/blocks, with dist.allreduce = ring (its zero-1 halves
-sum in the same order as its all-reduce, so all four runs must end on the same bits: checked
-before any time is reported). Per run: the start-up line's computed bytes per rank
+sum in the same order as its all-reduce, so all four runs must end on the same loss and the same
+final parameters, bit for bit: checked before any time is reported). Per run: the start-up line's computed bytes per rank
 (parameters, gradients, optimizer state, activations of one micro-batch), the measured peak
 resident set (``peak_rss_mb`` of the metrics: rank 0's process), and the median step time
 after the first ``--skip`` steps. Each row is compared with zero 0 / none at the same world
@@ -47,20 +47,21 @@ VARIANTS = [(0, "none"), (1, "none"), (0, "blocks"), (1, "blocks")]
 
 def run(ranks, zero, recompute, args, tmp) -> dict:
     metrics = os.path.join(tmp, f"m-{ranks}-{zero}-{recompute}.jsonl")
-    ckpt = os.path.join(tmp, f"ck-{ranks}-{zero}-{recompute}")
+    ckpt = tempfile.mkdtemp(prefix=f"ck-{ranks}-{zero}-{recompute}-", dir=tmp)  # a fresh one per run
     cmd = ["mpirun", "-n", str(ranks), *args.mpirun_args.split(), sys.executable, "-m", "hpctrain", "train",
            "--config", args.config, "--set", f"train.steps={args.steps}", "--set", f"dist.zero={zero}",
            "--set", f"model.recompute={recompute}", "--set", "dist.allreduce=ring", "--set", "train.eval_every=0",
            "--set", "data.eval=", "--set", "train.target_val_bpb=0", "--set", "train.target_bpb_vs_bigram=0",
            "--set", f"train.metrics={metrics}",
-           "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.save_final=false", "--set",
+           "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.save_final=true", "--set",
            "checkpoint.every_minutes=0", "--set", "train.log_every=1000000", "--resume", ""]
     if args.text:
         cmd += ["--set", f"data.train={args.text}"]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
-        raise SystemExit(f"memory.py: {' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise SystemExit(f"memory.py: {' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n"
+                         f"{done.stderr[-3000:]}")
     m = MEMORY.search(done.stdout)
     if m is None:
         raise SystemExit(f"memory.py: no memory line in the output of {' '.join(cmd)}:\n{done.stdout[-2000:]}")
@@ -71,7 +72,20 @@ def run(ranks, zero, recompute, args, tmp) -> dict:
             "optimizer_mb": opt, "activations_mb": acts, "computed_mb": params + grads + opt + acts,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in records),
             "step_ms": 1e3 * statistics.median(r["step_time"] for r in steps),
-            "final_loss": records[-1]["loss"]}
+            "final_loss": records[-1]["loss"], "final_params": _params_hash(ckpt, args.steps)}
+
+
+def _params_hash(ckpt, step) -> str:
+    """SHA-256 of the final checkpoint's parameters (after the last update, which no logged loss sees)."""
+    import hashlib
+
+    import h5py
+
+    digest = hashlib.sha256()
+    with h5py.File(os.path.join(ckpt, f"ckpt-{step:08d}.h5"), "r") as f:
+        f["model"].visititems(lambda name, obj: digest.update(name.encode() + obj[()].tobytes())
+                              if isinstance(obj, h5py.Dataset) else None)
+    return digest.hexdigest()
 
 
 def largest_within(budget_bytes, ranks, cfg, vocab=256) -> list[dict]:
@@ -132,11 +146,11 @@ def main() -> None:
                 mine = [t[i] for t in tries]
                 steps = sorted(m["step_ms"] for m in mine)
                 got.append(dict(mine[0], step_ms=statistics.median(steps), step_ms_min=steps[0],
-                                step_ms_max=steps[-1], final_loss=mine[-1]["final_loss"],
-                                losses={m["final_loss"] for m in mine}))
-            losses = set().union(*(g.pop("losses") for g in got))
-            if len(losses) != 1:  # validate before timing: the four must train alike
-                raise SystemExit(f"memory.py: at {ranks} rank(s) the variants ended on different losses {losses}")
+                                step_ms_max=steps[-1], ends={(m["final_loss"], m["final_params"]) for m in mine}))
+            ends = set().union(*(g.pop("ends") for g in got))
+            if len(ends) != 1:  # validate before timing: the four must train alike, to the last update
+                raise SystemExit(f"memory.py: at {ranks} rank(s) the variants ended on different losses or "
+                                 f"parameters: {sorted(ends)}")
             base = got[0]
             for g in got:
                 g["optimizer_vs_zero0"] = g["optimizer_mb"] / base["optimizer_mb"]
@@ -145,7 +159,8 @@ def main() -> None:
             rows += got
     print(f"\nPer-rank memory and step time, {args.config} ({platform.node()}, {os.cpu_count()} cores, "
           f"{time.strftime('%Y-%m-%d %H:%M')}; {args.steps} steps, median after {args.skip}, median of {args.repeats} "
-          f"alternating runs (range in brackets); dist.allreduce ring; every variant ended on the same loss):\n")
+          f"alternating runs (range in brackets); dist.allreduce ring; every variant ended on the same loss and "
+          f"parameters):\n")
     print("| ranks | zero | recompute | params MB | grads MB | optimizer MB | activations MB | computed MB | "
           "peak RSS MB | step ms | optimizer / zero 0 | activations / none | step / baseline |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

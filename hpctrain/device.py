@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 from types import SimpleNamespace
 
@@ -175,10 +176,12 @@ class CudaDevice:
     def synchronize(self):
         self.stream.synchronize()
 
-    def memory_used(self) -> int:
-        """Bytes in use on this GPU (total minus free: every process's, as nvidia-smi shows)."""
+    def memory_used(self) -> int | None:
+        """Bytes in use on this GPU (total minus free: every process's, as nvidia-smi shows); None
+        where that is not known (the simulator answers NaN)."""
         free, total = self._cuda.current_context().get_memory_info()
-        return int(total - free)
+        used = total - free
+        return int(used) if math.isfinite(used) else None
 
     def thread_context(self):
         """Makes this GPU current in the calling thread (the communication thread needs it)."""

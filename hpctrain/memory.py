@@ -33,9 +33,9 @@ def describe(b: dict, zero: int, size: int) -> str:
 
 
 def measured(device) -> dict:
-    """{"peak_rss_mb": the process's peak resident set} and, on a GPU, "device_used_mb"."""
+    """{"peak_rss_mb": the process's peak resident set} and, on a GPU that says, "device_used_mb"."""
     out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
-    used = getattr(device, "memory_used", None)
+    used = getattr(device, "memory_used", lambda: None)()
     if used is not None:
-        out["device_used_mb"] = used() / 1e6
+        out["device_used_mb"] = used / 1e6
     return out

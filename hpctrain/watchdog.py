@@ -27,8 +27,8 @@ Ranks that all answer are a slow but live collective: nothing happens.
 Regions that do real work besides waiting (checkpoint saves and loads,
 evaluation, start-up) get ``slack`` times the limit, but a rank that is gone
 should not cost that long: past the plain limit, every ``timeout`` seconds, the
-watchdog asks the others; one that does not answer within ``grace`` (dead,
-stopped, its node lost) ends the job then, as after a stop signal.
+watchdog asks the others; one that does not answer within ``grace`` twice in a
+row (dead, stopped, its node lost) ends the job then, as after a stop signal.
 
 Only the lowest-numbered rank blocked in a collective prints; the others defer
 to it, and to a rank whose watchdog has reported already (it keeps answering,
@@ -80,6 +80,7 @@ class _Status:
     step: int = -1
     extra: dict = field(default_factory=dict)
     reported: bool = False  # this rank's watchdog has printed its report and called abort
+    query: int = 0          # which ask of the asking rank this answers
 
 
 class Watchdog:
@@ -111,6 +112,7 @@ class Watchdog:
         self._signal = None          # (name, monotonic time) of the last stop signal seen by the thread
         self._signal_asked = None    # the region whose ranks were asked after it
         self._alive_asked = (0, 0.0)  # (region, time) of the last "does every rank still answer?"
+        self._queries = 0             # asks made (their number travels with the query and its answer)
         self.can_ask = self.enabled and _thread_multiple()
         if self._comm is not None:
             from mpi4py import MPI
@@ -166,8 +168,9 @@ class Watchdog:
             if msg is None:
                 break
             source = status.Get_source()
-            msg.recv()
-            self._sends.append(self._comm.isend(self._status(), dest=source, tag=TAG_REPLY))
+            answer = self._status()
+            answer.query = msg.recv()
+            self._sends.append(self._comm.isend(answer, dest=source, tag=TAG_REPLY))
         self._sends = [req for req in self._sends if not req.Test()]
 
     def _check(self) -> None:
@@ -176,10 +179,18 @@ class Watchdog:
             return
         waited = time.monotonic() - r.t0
         if self._deferred_until is not None:
-            if self._deferred_until[0] != r.seq:
+            seq, deadline, note = self._deferred_until
+            if seq != r.seq:
                 self._deferred_until = None  # it completed after all: not a stall
-            elif time.monotonic() >= self._deferred_until[1]:
-                self._fire(r, self._ask(r), waited)  # the lowest waiting rank did not end the job
+            elif time.monotonic() >= deadline:
+                if note is None:  # past the limit: the lowest waiting rank did not end the job
+                    self._fire(r, self._ask(r), waited)
+                else:  # deferred after a silence: only if it lasts, and nobody reported meanwhile
+                    self._deferred_until = None
+                    replies = self._ask(r)
+                    silent = self._silent(replies)
+                    if self._region is r and silent and not any(s.reported for s in replies.values()):
+                        self._fire(r, replies, time.monotonic() - r.t0, note(silent))
             return
         if waited < r.limit:
             if self.can_ask and self._signal is not None and self._signal_asked != r.seq:
@@ -198,7 +209,7 @@ class Watchdog:
         if min(blocked) == self.rank and not any(s.reported for s in replies.values()):
             self._fire(r, replies, time.monotonic() - r.t0)
         else:  # that rank reports when its own wait passes the limit (it may have entered later)
-            self._deferred_until = (r.seq, time.monotonic() + r.limit + 2 * self.grace)
+            self._deferred_until = (r.seq, time.monotonic() + r.limit + 2 * self.grace, None)
 
     def _check_after_signal(self, r: Region) -> None:
         """Still in ``r`` SIGNAL_GRACE s after a stop signal: ask once; a silent rank ends the job now."""
@@ -218,31 +229,37 @@ class Watchdog:
         self._end_if_silent(r, lambda silent: (
             f"  {ranks_text(silent)} did not answer within {self.grace:g} s, and {r.what} cannot complete "
             f"without {'it' if len(silent) == 1 else 'them'}: ending the job now instead of at its limit "
-            f"({r.limit:g} s, which leaves time for the work it does)"))
+            f"({r.limit:g} s, which leaves time for the work it does)"), asks=2)  # one missed grace is no loss
 
-    def _end_if_silent(self, r: Region, note) -> None:
-        """Ask every rank; if one does not answer, report (the lowest rank waiting) with ``note(silent)``."""
-        replies = self._ask(r)
-        if self._region is not r:
-            return  # completed while we asked: a live collective
-        silent = [q for q in range(self.size) if q != self.rank and q not in replies]
-        if not silent:
-            return
+    def _end_if_silent(self, r: Region, note, asks: int = 1) -> None:
+        """Ask every rank, up to ``asks`` times while one is silent; if one is silent every time,
+        report (the lowest rank waiting) with ``note(silent)``."""
+        for _ in range(asks):
+            replies = self._ask(r)
+            if self._region is not r:
+                return  # completed while we asked: a live collective
+            silent = self._silent(replies)
+            if not silent:
+                return
         blocked = [self.rank] + [s.rank for s in replies.values() if s.inside]
         if min(blocked) == self.rank and not any(s.reported for s in replies.values()):
             self._fire(r, replies, time.monotonic() - r.t0, note(silent))
-        else:
-            self._deferred_until = (r.seq, time.monotonic() + 2 * self.grace)
+        else:  # the lowest waiting rank reports; if it does not, ask once more then
+            self._deferred_until = (r.seq, time.monotonic() + 2 * self.grace, note)
+
+    def _silent(self, replies) -> list[int]:
+        return [q for q in range(self.size) if q != self.rank and q not in replies]
 
     def _ask(self, r: Region) -> dict[int, _Status]:
         """Every other rank's status, as far as it answers within ``grace`` seconds."""
         if not self.can_ask:
             return {}
         replies: dict[int, _Status] = {}
+        self._queries += 1
         for dest in range(self.size):
             if dest != self.rank:
                 try:
-                    self._sends.append(self._comm.isend(r.seq, dest=dest, tag=TAG_QUERY))
+                    self._sends.append(self._comm.isend(self._queries, dest=dest, tag=TAG_QUERY))
                 except self._mpi.Exception:  # a peer whose process is gone: it will not answer
                     pass
         deadline = time.monotonic() + self.grace
@@ -253,7 +270,8 @@ class Watchdog:
                 time.sleep(0.02)
                 continue
             status = msg.recv()
-            replies[status.rank] = status
+            if status.query == self._queries:  # not a late answer to an earlier ask
+                replies[status.rank] = status
         self._answer_queries()  # a rank that asked while we collected must hear from us before we act
         return replies
 

@@ -201,8 +201,8 @@ def test_a_rank_lost_inside_a_save_fires_the_watchdog_from_inside_hdf5(small_dat
     HDF5's collective close; rank 0 waits for it inside h5py's MPI-IO calls. Those release the GIL
     (checked here: were they to hold it, the watchdog's thread could not run and the job would hang
     until its time limit), so the watchdog asks the others once the plain limit (1 s) has passed,
-    hears nothing from rank 1 within the grace (1 s) and ends the job then, not at the save's
-    limit (10 x dist.comm_timeout); the previous checkpoint stays the newest."""
+    hears nothing from rank 1 within the grace (1 s), twice, and ends the job then, not at the
+    save's limit (10 x dist.comm_timeout); the previous checkpoint stays the newest."""
     marker, args = _train(small_data[0], tmp_path, "--set", "checkpoint.every_steps=5", "--set",
                           "train.global_batch=64", "--set", "dist.comm_timeout=1", steps=200)
     proc = start(2, args, HPCTRAIN_CKPT_STOP_RANK="1", HPCTRAIN_CKPT_DELAY_STEP="10")
@@ -220,7 +220,7 @@ def test_a_rank_lost_inside_a_save_fires_the_watchdog_from_inside_hdf5(small_dat
     assert "from rank 1: stopped (SIGSTOP" in err, err[-3000:]
     assert "rank 1 did not answer within 1 s, and checkpoint save cannot complete without it" in err, err[-3000:]
     waited = float(report[0].split("has not completed after ")[1].split(" s")[0])
-    assert waited < 5, report[0]
+    assert waited < 6, report[0]
     assert ended_after < 20, ended_after
     names = sorted(n for n in os.listdir(marker) if not n.startswith("."))
     assert names == ["ckpt-00000005.h5"], names

@@ -314,7 +314,8 @@ def _inject_delay(step):
 def _inject_stop(step, rank):
     """Test hook: ``HPCTRAIN_CKPT_STOP_RANK=R`` stops rank R (SIGSTOP) here, at the save of
     ``HPCTRAIN_CKPT_DELAY_STEP`` (any save when unset): a node lost mid-save, while the other ranks go
-    on into HDF5's collective close, which waits for it holding the GIL."""
+    on into HDF5's collective close and wait for it there (h5py releases the GIL meanwhile, so their
+    watchdog threads run)."""
     victim = os.environ.get("HPCTRAIN_CKPT_STOP_RANK", "")
     only = os.environ.get("HPCTRAIN_CKPT_DELAY_STEP", "")
     if victim and int(victim) == rank and (not only or int(only) == step):
