@@ -49,6 +49,9 @@ def test_train_throughput_cuda_without_gpu_is_one_clear_error():
     assert "no GPU is usable" in proc.stdout + proc.stderr
 
 
+# alone: twice in CI, beside the other worker's jobs, one of its mpirun jobs exited 1 without a line
+# of output (not reproduced alone, nor beside this module's other tests); cause not found yet
+@pytest.mark.exclusive
 def test_memory_benchmark_validates_and_accounts_per_rank(text_data, tmp_path):
     """A tiny GPT at 2 ranks, four ways: the runs must end alike (the benchmark checks), zero 1
     halves the optimizer state at 2 ranks, recompute shrinks activations, and part 2 finds a model."""
