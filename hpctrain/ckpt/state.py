@@ -44,20 +44,14 @@ class Entry:
     per_rank: bool = False
 
 
-def _flat_entry(path, device, buf, slot):
+def _flat_entry(path, to_host, buf, slot, dtype):
+    """A parameter-shaped entry over ``slot`` of the flat array ``buf``; ``to_host`` brings a slice
+    to the host (the device's, for device buffers; ``np.asarray`` for host ones)."""
     def rows(lo, hi, slot=slot, buf=buf):
         row = slot.size // slot.shape[0]
         part = buf[slot.offset + lo * row:slot.offset + hi * row]
-        return device.to_host(part).reshape((hi - lo,) + tuple(slot.shape[1:]))
-    return Entry(path, tuple(slot.shape), np.dtype(device.dtype), rows)
-
-
-def _host_flat_entry(path, host, slot):
-    """A parameter-shaped entry of a whole flat array on the host."""
-    def rows(lo, hi, slot=slot):
-        row = slot.size // slot.shape[0]
-        return host[slot.offset + lo * row:slot.offset + hi * row].reshape((hi - lo,) + tuple(slot.shape[1:]))
-    return Entry(path, tuple(slot.shape), host.dtype, rows)
+        return to_host(part).reshape((hi - lo,) + tuple(slot.shape[1:]))
+    return Entry(path, tuple(slot.shape), np.dtype(dtype), rows)
 
 
 def _host_entry(path, array, per_rank=False):
@@ -96,13 +90,14 @@ def fresh_rng(seed: int, rank: int, step: int = 0) -> np.random.Generator:
 def training_state(trainer) -> list[Entry]:
     """Every array of ``trainer`` that a bit-exact restart needs, in file order."""
     dev, flat, opt, sampler, cfg = trainer.device, trainer.model.flat, trainer.optimizer, trainer.sampler, trainer.cfg
-    entries = [_flat_entry(parameter_path("model", s.name), dev, flat.data, s) for s in flat.slots]
+    entries = [_flat_entry(parameter_path("model", s.name), dev.to_host, flat.data, s, dev.dtype)
+               for s in flat.slots]
     for state_name, buf in opt.state().items():
+        to_host = dev.to_host
         if getattr(opt, "shards", None) is not None:  # ZeRO-1: the whole state assembled on the host (collective)
-            buf = opt.shards.gather(trainer.world.comm, dev.to_host(buf), flat.size)
-            entries += [_host_flat_entry(parameter_path(f"optim/{state_name}", s.name), buf, s) for s in flat.slots]
-        else:
-            entries += [_flat_entry(parameter_path(f"optim/{state_name}", s.name), dev, buf, s) for s in flat.slots]
+            buf, to_host = opt.shards.gather(trainer.world.comm, dev.to_host(buf), flat.size), np.asarray
+        entries += [_flat_entry(parameter_path(f"optim/{state_name}", s.name), to_host, buf, s, dev.dtype)
+                    for s in flat.slots]
     entries.append(_host_entry("/optim/step_count", np.array([getattr(opt, "t", 0)], np.int64)))
     epoch, in_epoch = sampler.position(trainer.step)
     entries.append(_host_entry("/data/position", np.array(

@@ -5,23 +5,16 @@ A strategy with shares provides ``reduce_scatter(buf)`` (the sum over ranks of
 chunks are left undefined), ``allgather(buf)`` (every chunk of ``buf`` becomes its
 owner's) and ``owned_chunk(rank, size)`` (which chunk a rank owns). Chunks are
 :func:`~.ring.chunk_offsets`'s. Both run on the host copy of the buffer
-(``Staging.host_view``: the buffer itself on the CPU, a pinned copy of a GPU's),
-as ring and rhd do. Collective over the strategy's communicator.
+(:func:`~.ring.host_halves`, through ``Staging.host_view``: the buffer itself on
+the CPU, a pinned copy of a GPU's), as ring and rhd do. Collective over the
+strategy's communicator. Here: the MPI library's halves, for mpi and naive.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .ring import chunk_offsets, flat_host
-
-
-def host_halves(strategy, buf, half):
-    """Run ``half(x)`` on the flat host view of ``buf``; nothing for one rank or an empty buffer."""
-    if strategy.size > 1 and buf.size:
-        with strategy.staging.host_view(buf, slot="zero") as host:
-            half(flat_host(host))
-    return buf
+from .ring import chunk_offsets
 
 
 def mpi_reduce_scatter(comm, x, rank: int, size: int, scratch) -> None:

@@ -1,8 +1,8 @@
 """``mpi`` strategy: MPI_Allreduce in place; the library picks its own algorithm."""
 
-from .halves import host_halves, mpi_allgather, mpi_reduce_scatter
+from .halves import mpi_allgather, mpi_reduce_scatter
 from .reduce_ops import mpi_op
-from .ring import HostScratch
+from .ring import HostScratch, host_halves
 from .staging import Staging
 
 

@@ -4,8 +4,9 @@ Rank 0 reduces all contributions in one reduction and every rank receives the
 identical bytes, so results are bitwise equal across ranks by construction.
 """
 
-from .halves import host_halves, mpi_allgather
+from .halves import mpi_allgather
 from .reduce_ops import mpi_op
+from .ring import host_halves
 from .staging import Staging
 
 

@@ -71,6 +71,15 @@ def host_allreduce(strategy, buf, op, algorithm):
     return buf
 
 
+def host_halves(strategy, buf, half):
+    """The frame of ZeRO's halves (:mod:`.halves`): ``half(x)`` on the flat host view of ``buf``
+    (staging slot "zero"); nothing for one rank or an empty buffer."""
+    if strategy.size > 1 and buf.size:
+        with strategy.staging.host_view(buf, slot="zero") as host:
+            half(flat_host(host))
+    return buf
+
+
 class RingAllreduce:
     """Collective over ``world.comm``: every rank calls it with a buffer of one size and dtype."""
 
@@ -93,13 +102,9 @@ class RingAllreduce:
         return (rank + 1) % size  # where the reduce-scatter leaves the finished sum
 
     def reduce_scatter(self, buf):
-        from .halves import host_halves
-
         return host_halves(self, buf, lambda x: self._reduce_scatter(x, "sum"))
 
     def allgather(self, buf):
-        from .halves import host_halves
-
         return host_halves(self, buf, self._allgather)
 
     def _reduce_scatter(self, x, kind):
