@@ -1,12 +1,13 @@
-"""Per-rank memory and step time of the GPT under ZeRO-1 and activation recomputation.
+"""Per-rank memory and step time of the GPT under ZeRO-1, ZeRO-2 and activation recomputation.
 
     python benchmarks/memory.py                                   # examples/gpt.toml at 1 and 2 ranks
     python benchmarks/memory.py --ranks 1 2 4 --steps 20 --budget-gb 16 --json runs/bench/memory.json
 
-Part 1, measured: per world size, the example GPT (``--config``) trains ``--steps`` steps four
-ways, dist.zero 0/1 x model.recompute none/blocks, with dist.allreduce = ring (its zero-1 halves
-sum in the same order as its all-reduce, so all four runs must end on the same loss and the same
-final parameters, bit for bit: checked before any time is reported). Per run: the start-up line's computed bytes per rank
+Part 1, measured: per world size, the example GPT (``--config``) trains ``--steps`` steps six
+ways, dist.zero 0/1/2 x model.recompute none/blocks, with dist.allreduce = ring and buckets of
+``--bucket-mb`` (several per block, so ZeRO-2 has slots to reuse). Ring's halves sum in the same
+order as its all-reduce, so with one micro-batch all six runs must end on the same loss and the
+same final parameters, bit for bit: checked before any time is reported. Per run: the start-up line's computed bytes per rank
 (parameters, gradients, optimizer state, activations of one micro-batch), the measured peak
 resident set (``peak_rss_mb`` of the metrics: rank 0's process), and the median step time
 after the first ``--skip`` steps. Each row is compared with zero 0 / none at the same world
@@ -14,9 +15,9 @@ size, the yardstick of the same run.
 
 Part 2, computed: the deepest GPT of GPT-2 small's proportions (d_model = 64 n_layer, 64-channel
 heads; the config's context and micro-batch) whose computed bytes per rank (AdamW, float32) fit
-``--budget-gb`` at the largest ``--ranks``, for each zero x recompute. The model is
-built on a device that allocates nothing (zero-stride arrays), so its own ``activation_bytes``
-does the counting.
+``--budget-gb`` at the largest ``--ranks``, for each zero x recompute (buckets as the config has
+them). The model is built on a device that allocates nothing (zero-stride arrays), so its own
+``activation_bytes`` and ZeRO-2's slot plan do the counting.
 
 Targets (printed with each verdict): zero 1's optimizer state per rank = 1/N of zero 0's (to
 one element per bucket: no padding); zero 1's step time within 5 % of zero 0's at 2 ranks;
@@ -36,13 +37,12 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-MEMORY = re.compile(r"memory per rank \(computed\): parameters ([\d,.]+) MB, gradients ([\d,.]+) MB, "
+MEMORY = re.compile(r"memory per rank \(computed\): parameters ([\d,.]+) MB, gradients ([\d,.]+) MB(?: \([^)]*\))?, "
                     r"optimizer state ([\d,.]+) MB(?: \(zero \d: a 1/\d+ share\))?(?:, activations ([\d,.]+) MB)?")
-VARIANTS = [(0, "none"), (1, "none"), (0, "blocks"), (1, "blocks")]
+VARIANTS = [(0, "none"), (1, "none"), (2, "none"), (0, "blocks"), (1, "blocks"), (2, "blocks")]
 
 
 def run(ranks, zero, recompute, args, tmp) -> dict:
@@ -52,7 +52,8 @@ def run(ranks, zero, recompute, args, tmp) -> dict:
            "--config", args.config, "--set", f"train.steps={args.steps}", "--set", f"dist.zero={zero}",
            "--set", f"model.recompute={recompute}", "--set", "dist.allreduce=ring", "--set", "train.eval_every=0",
            "--set", "data.eval=", "--set", "train.target_val_bpb=0", "--set", "train.target_bpb_vs_bigram=0",
-           "--set", f"train.metrics={metrics}",
+           "--set", f"train.metrics={metrics}", "--set", f"dist.bucket_mb={args.bucket_mb}",
+           "--set", f"dist.first_bucket_mb={args.bucket_mb}",
            "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.save_final=true", "--set",
            "checkpoint.every_minutes=0", "--set", "train.log_every=1000000", "--resume", ""]
     if args.text:
@@ -91,16 +92,11 @@ def _params_hash(ckpt, step) -> str:
 def largest_within(budget_bytes, ranks, cfg, vocab=256) -> list[dict]:
     """Per zero x recompute, the deepest GPT of GPT-2 small's proportions (d_model = 64 n_layer,
     64-channel heads; 12 layers is d 768) whose computed bytes per rank fit the budget."""
-    from hpctrain.device import CpuDevice
+    from hpctrain.comm.buckets import plan_buckets
+    from hpctrain.comm.zero import ZeroShards
+    from hpctrain.comm.zero_grads import GradientSlots
+    from hpctrain.memory import Unallocated
     from hpctrain.models.gpt import GPT
-
-    class Unallocated(CpuDevice):
-        """Arrays of the right shape that take no memory (one zero, broadcast)."""
-
-        def empty(self, shape, dtype=None):
-            return np.broadcast_to(np.zeros((), dtype or self.dtype), shape)
-
-        zeros = empty
 
     dev = Unallocated("float32")
     rows = -(-cfg.train.global_batch // ranks // cfg.train.grad_accum_steps)
@@ -111,7 +107,12 @@ def largest_within(budget_bytes, ranks, cfg, vocab=256) -> list[dict]:
             d = 64 * n_layer
             model = GPT(dev, vocab, cfg.model.context, n_layer, n_layer, d, recompute)
             p = model.flat.size
-            total = 4 * (2 * p + 2 * (p if zero == 0 else -(-p // ranks))) + model.activation_bytes(rows)
+            grads = p
+            if zero == 2:  # the slots backward reuses + this rank's chunks
+                buckets = plan_buckets(model.flat, 4, cfg.dist.bucket_mb, cfg.dist.first_bucket_mb)
+                shards = ZeroShards(buckets, 0, ranks, lambda rank, size: rank)
+                grads = GradientSlots(buckets, shards, model.flat, model.backward_groups, dev).size + shards.owned
+            total = 4 * (p + grads + 2 * (p if zero == 0 else -(-p // ranks))) + model.activation_bytes(rows)
             if total > budget_bytes:
                 break
             top = {"zero": zero, "recompute": recompute, "d_model": d, "n_layer": n_layer, "parameters": p,
@@ -129,6 +130,7 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant (alternating); the median is shown")
     p.add_argument("--budget-gb", type=float, default=8.0, help="per-rank memory budget for part 2")
+    p.add_argument("--bucket-mb", type=float, default=0.25, help="dist.bucket_mb (and first_bucket_mb) of part 1")
     p.add_argument("--mpirun-args", default="--oversubscribe")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", default="runs/bench/memory.json")
@@ -148,19 +150,20 @@ def main() -> None:
                 got.append(dict(mine[0], step_ms=statistics.median(steps), step_ms_min=steps[0],
                                 step_ms_max=steps[-1], ends={(m["final_loss"], m["final_params"]) for m in mine}))
             ends = set().union(*(g.pop("ends") for g in got))
-            if len(ends) != 1:  # validate before timing: the four must train alike, to the last update
+            if len(ends) != 1:  # validate before timing: the six must train alike, to the last update
                 raise SystemExit(f"memory.py: at {ranks} rank(s) the variants ended on different losses or "
                                  f"parameters: {sorted(ends)}")
             base = got[0]
             for g in got:
                 g["optimizer_vs_zero0"] = g["optimizer_mb"] / base["optimizer_mb"]
+                g["grads_vs_zero0"] = g["grads_mb"] / base["grads_mb"]
                 g["activations_vs_none"] = g["activations_mb"] / base["activations_mb"]
                 g["step_vs_baseline"] = g["step_ms"] / base["step_ms"]
             rows += got
     print(f"\nPer-rank memory and step time, {args.config} ({platform.node()}, {os.cpu_count()} cores, "
           f"{time.strftime('%Y-%m-%d %H:%M')}; {args.steps} steps, median after {args.skip}, median of {args.repeats} "
-          f"alternating runs (range in brackets); dist.allreduce ring; every variant ended on the same loss and "
-          f"parameters):\n")
+          f"alternating runs (range in brackets); dist.allreduce ring, buckets of {args.bucket_mb:g} MB; every "
+          f"variant ended on the same loss and parameters):\n")
     print("| ranks | zero | recompute | params MB | grads MB | optimizer MB | activations MB | computed MB | "
           "peak RSS MB | step ms | optimizer / zero 0 | activations / none | step / baseline |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -179,6 +182,9 @@ def main() -> None:
             if n == 2:
                 print(f"  zero 1 step time at 2 ranks: {g['step_vs_baseline']:.3f} of zero 0 (target <= 1.05): "
                       f"{'met' if g['step_vs_baseline'] <= 1.05 else 'NOT met'}")
+        if g["zero"] == 2 and g["recompute"] == "none":
+            print(f"  zero 2 gradients at {g['ranks']} rank(s): {g['grads_vs_zero0']:.3f} of zero 0 (the reused "
+                  f"slots + 1/{g['ranks']}); step {g['step_vs_baseline']:.3f} of zero 0")
         if g["zero"] == 0 and g["recompute"] == "blocks":
             print(f"  recompute at {g['ranks']} rank(s): activations {g['activations_vs_none']:.3f} of none (target "
                   f"<= 0.25: {'met' if g['activations_vs_none'] <= 0.25 else 'NOT met'}), step "

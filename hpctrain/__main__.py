@@ -121,8 +121,13 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--max-failures", type=int, metavar="K",
                     help="restarts before giving up (default HPCTRAIN_MAX_FAILURES, else 3)")
 
-    i = sub.add_parser("info", help="print topology and library support per rank")
+    i = sub.add_parser("info", help="print topology and library support per rank (and with --config, the "
+                                    "memory per rank the config would take)")
     i.add_argument("--ranks-per-node", type=int, default=0, metavar="K", help="simulate nodes of K ranks")
+    i.add_argument("--config", help="also print the bytes per rank (computed) of training this config at this "
+                                    "world size: parameters, gradients, optimizer state, activations")
+    i.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one value of --config (repeatable), e.g. --set dist.zero=1")
     i.set_defaults(func=cmd_info)
     return p
 
@@ -191,6 +196,16 @@ def cmd_info(args) -> int:
 
     world = init_world(ranks_per_node=args.ranks_per_node)
     print_info(world)
+    if args.config or args.set:
+        from .config import load_config
+        from .guard import agree
+        from .memory import describe, planned
+
+        cfg = agree(world, lambda: load_config(args.config, args.set).validate())
+        got = agree(world, planned, cfg, world)  # a bad file: one error from rank 0
+        if world.is_root:
+            print(f"  {describe(got, cfg.dist.zero, world.size)} (rank 0 of {world.size}, "
+                  f"model.kind={cfg.model.kind}, train.device={cfg.train.device}, train.dtype={cfg.train.dtype})")
     return 0
 
 

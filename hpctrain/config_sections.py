@@ -198,9 +198,12 @@ class DistConfig:
                              "cross-node phase (intra-node stays exact)", choices=("all", "inter"))
     cuda_aware_mpi: str = _f("auto", "hand GPU buffers to MPI directly: auto (ask the MPI library) | on | off "
                              "(copy through pinned host buffers)", choices=("auto", "on", "off"))
-    zero: int = _f(0, "optimizer-state sharding: 0 = every rank keeps all of it | 1 = each rank keeps its 1/N "
-                   "share of every bucket (ZeRO-1: gradients reduce-scattered, parameters all-gathered); "
-                   "mpi, naive and ring strategies", choices=(0, 1))
+    zero: int = _f(0, "state sharding: 0 = every rank keeps all of it | 1 = each rank keeps the optimizer state "
+                   "of its 1/N share of every bucket (ZeRO-1: gradients reduce-scattered, parameters "
+                   "all-gathered) | 2 = and of the gradients only that share, plus a few bucket slots backward "
+                   "reuses (ZeRO-2: a reduce-scatter per micro-batch); with every dist.allreduce (mpi and "
+                   "ring halve the traffic; the others reduce-scatter by their whole all-reduce)",
+                   choices=(0, 1, 2))
     comm_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the watchdog "
                              "reports which ranks are missing and aborts the job (checkpoint saves and "
                              "evaluation get 10x while every rank still answers); 0 = off")

@@ -183,6 +183,13 @@ class CudaDevice:
         used = total - free
         return int(used) if math.isfinite(used) else None
 
+    def release_freed(self) -> None:
+        """Free now the device memory of arrays already dropped (numba defers it to a batch), e.g. the
+        whole gradient buffer that ZeRO-2's slots replace; the simulator keeps no such list."""
+        pending = getattr(self._cuda.current_context(), "deallocations", None)
+        if pending is not None:
+            pending.clear()
+
     def thread_context(self):
         """Makes this GPU current in the calling thread (the communication thread needs it)."""
         return self._cuda.gpus[self.gpu]

@@ -57,6 +57,9 @@ def _loop(trainer) -> dict:
              f"{trainer.model.flat.size:,} parameters, "
              f"{trainer.sampler.steps_per_epoch} steps/epoch; data: {data.describe}")
     log.info(memory.describe(memory.computed(trainer), cfg.dist.zero, world.size))
+    advice = memory.zero2_advice(trainer)
+    if advice:
+        log.warn(advice)
     peak = trainer.peak_flops  # this machine's GEMM peak over all ranks (FLOP/s), or None: no MFU
     if peak:
         log.info(f"MFU is model FLOPs/s over the GEMM peak measured at start-up: {peak / 1e9:,.1f} GFLOP/s "

@@ -1,15 +1,39 @@
 """Per-rank memory: what the trainer's arrays take (computed) and the peak the process reached (measured).
 
 Computed, per rank, in bytes: parameters and gradients (the flat buffers: every rank holds all of
-them), optimizer state (zero 0: all of it; ``dist.zero = 1``: this rank's share, the packed chunks
-of :mod:`hpctrain.comm.zero`) and activations (what the model keeps for backward for one
+them; with ``dist.zero = 2`` the gradients are the reused bucket slots and this rank's chunks, from
+:mod:`hpctrain.comm.zero_grads`), optimizer state (zero 0: all of it; ``dist.zero >= 1``: this rank's
+share, the packed chunks of :mod:`hpctrain.comm.zero`) and activations (what the model keeps for backward for one
 micro-batch, from its ``activation_bytes(rows)``; None for a model that does not say). Measured:
 the process's peak resident set (``ru_maxrss``) and, on a GPU, the device memory in use.
+:func:`planned` computes the same bytes for a config without training or allocating (``info --config``).
 """
 
 from __future__ import annotations
 
 import resource
+import types
+
+import numpy as np
+
+from .device import CPU_OPS, CpuDevice
+
+
+class Unallocated(CpuDevice):
+    """A device whose arrays have the right shapes and take no memory (one zero, broadcast), for
+    counting bytes; with ``like="cuda"`` its attention keeps what the CUDA kernels keep."""
+
+    def __init__(self, dtype="float32", like: str = "cpu"):
+        super().__init__(dtype)
+        if like == "cuda":
+            from .kernels.attention_cuda import attention_state_shapes
+
+            self.ops = types.SimpleNamespace(**{**vars(CPU_OPS), "attention_state_shapes": attention_state_shapes})
+
+    def empty(self, shape, dtype=None):
+        return np.broadcast_to(np.zeros((), dtype or self.dtype), shape)
+
+    zeros = empty
 
 
 def computed(trainer) -> dict:
@@ -19,17 +43,63 @@ def computed(trainer) -> dict:
     states = len(opt.state())
     rows = -(-trainer.sampler.batch // trainer.cfg.train.grad_accum_steps)  # the largest micro-batch
     per_rows = getattr(trainer.model, "activation_bytes", None)
-    return {"params": flat.size * item, "grads": flat.size * item, "optimizer": states * opt.state_size * item,
+    slots = getattr(trainer, "grad_slots", None)  # ZeRO-2: the reused bucket slots and this rank's chunks
+    grads = flat.size if slots is None else slots.size + slots.owned.size
+    return {"params": flat.size * item, "grads": grads * item, "optimizer": states * opt.state_size * item,
             "activations": per_rows(rows) if per_rows is not None else None}
+
+
+def planned(cfg, world) -> dict:
+    """What :func:`computed` reports for ``cfg`` on this rank of ``world``, without training: the
+    model, buckets, ZeRO shares and slots built on an :class:`Unallocated` device (the data file is
+    opened for its shapes). Local."""
+    from .comm.buckets import plan_buckets
+    from .comm.zero_grads import plan_zero
+    from .models import family
+    from .optim import make_optimizer
+
+    like = cfg.train.device
+    if like == "auto":  # as make_device decides it
+        from .device import cuda_status, simulated
+
+        like = "cuda" if cuda_status()[0] and not simulated() else "cpu"
+    dev = Unallocated(cfg.train.dtype, like=like)
+    models = family(cfg.model.kind)
+    data = models.open_data(cfg, world, dev)
+    try:
+        model = models.build(cfg, dev, data)
+        buckets = plan_buckets(model.flat, dev.dtype.itemsize, cfg.dist.bucket_mb, cfg.dist.first_bucket_mb)
+        shards, slots = plan_zero(cfg.dist.zero, cfg.dist.allreduce, buckets, model, dev, world.rank, world.size)
+        optimizer = make_optimizer(dev, model.flat, cfg.optim, model.no_decay, shards)
+        return computed(types.SimpleNamespace(device=dev, model=model, optimizer=optimizer, sampler=data.sampler,
+                                              cfg=cfg, grad_slots=slots))
+    finally:
+        data.close()
 
 
 def describe(b: dict, zero: int, size: int) -> str:
     """One start-up line: the computed bytes per rank, in MB."""
-    parts = [f"parameters {b['params'] / 1e6:,.2f} MB", f"gradients {b['grads'] / 1e6:,.2f} MB",
+    parts = [f"parameters {b['params'] / 1e6:,.2f} MB",
+             f"gradients {b['grads'] / 1e6:,.2f} MB" + (" (zero 2: bucket slots and a 1/%d share)" % size
+                                                         if zero == 2 else ""),
              f"optimizer state {b['optimizer'] / 1e6:,.2f} MB" + (f" (zero {zero}: a 1/{size} share)" if zero else "")]
     if b["activations"] is not None:
         parts.append(f"activations {b['activations'] / 1e6:,.2f} MB per micro-batch")
     return "memory per rank (computed): " + ", ".join(parts)
+
+
+def zero2_advice(trainer) -> str | None:
+    """A warning when ``dist.zero = 2`` keeps no less gradient memory than zero 1 would (too few
+    buckets for backward to reuse a slot), else None."""
+    slots, flat = getattr(trainer, "grad_slots", None), trainer.model.flat
+    if slots is None or slots.size + slots.owned.size < flat.size:
+        return None
+    item = trainer.device.dtype.itemsize
+    return (f"dist.zero=2 keeps {(slots.size + slots.owned.size) * item / 1e6:,.2f} MB of gradients per rank, no "
+            f"less than the {flat.size * item / 1e6:,.2f} MB of zero 1: its {len(trainer.buckets)} bucket(s) leave "
+            f"backward no slot to reuse; lower dist.bucket_mb and dist.first_bucket_mb (now "
+            f"{trainer.cfg.dist.bucket_mb:g} and {trainer.cfg.dist.first_bucket_mb:g}) for smaller buckets, or use "
+            f"dist.zero=1")
 
 
 def measured(device) -> dict:

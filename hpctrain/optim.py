@@ -66,18 +66,24 @@ class _Optimizer:
     """The update split into runs of equal decay, shared by both optimizers: ``_kernel(s, lr, weight_decay)``
     runs the optimizer's kernel on the flat slice ``s``.
 
-    ``shards`` (a :class:`~hpctrain.comm.zero.ZeroShards`, ``dist.zero = 1``): the state holds only this
+    ``shards`` (a :class:`~hpctrain.comm.zero.ZeroShards`, ``dist.zero >= 1``): the state holds only this
     rank's chunks, packed (``state_size`` elements), and updates run only on ranges inside them.
+    ``grads`` (``dist.zero = 2``): the averaged gradient of those chunks, packed alike, read instead of
+    ``flat.grad``.
     """
 
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None):
-        self.device, self.flat, self.cfg, self.shards = device, flat, cfg_optim, shards
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
+        self.device, self.flat, self.cfg, self.shards, self.grads = device, flat, cfg_optim, shards, grads
         self.runs = decay_runs(flat, no_decay)
         self.state_size = flat.size if shards is None else shards.owned
 
     def _state(self, s: slice) -> slice:
         """The state's slice for the flat slice ``s``."""
         return s if self.shards is None else self.shards.packed(s.start, s.stop)
+
+    def _grad(self, s: slice):
+        """The averaged gradient of the flat slice ``s``."""
+        return self.flat.grad[s] if self.grads is None else self.grads[self._state(s)]
 
     def update(self, lr: float, lo: int = 0, hi: int | None = None):
         hi = self.flat.size if hi is None else hi
@@ -94,8 +100,8 @@ class _Optimizer:
 class SGD(_Optimizer):
     """SGD with momentum, Nesterov and L2 weight decay (PyTorch semantics)."""
 
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None):
-        super().__init__(device, flat, cfg_optim, no_decay, shards)
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
+        super().__init__(device, flat, cfg_optim, no_decay, shards, grads)
         self.momentum_buf = device.zeros(self.state_size)
 
     def begin_step(self, step: int | None = None):
@@ -103,7 +109,7 @@ class SGD(_Optimizer):
 
     def _kernel(self, s, lr, weight_decay):
         c, f = self.cfg, self.flat
-        self.device.ops.sgd_step(f.data[s], f.grad[s], self.momentum_buf[self._state(s)], lr, c.momentum, weight_decay,
+        self.device.ops.sgd_step(f.data[s], self._grad(s), self.momentum_buf[self._state(s)], lr, c.momentum, weight_decay,
                                  c.nesterov)
 
     def state(self) -> dict:
@@ -119,8 +125,8 @@ class AdamW(_Optimizer):
     skipped (no update, ``t`` unchanged) cannot shift the freeze against compression's start.
     """
 
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None):
-        super().__init__(device, flat, cfg_optim, no_decay, shards)
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
+        super().__init__(device, flat, cfg_optim, no_decay, shards, grads)
         self.exp_avg = device.zeros(self.state_size)
         self.exp_avg_sq = device.zeros(self.state_size)
         self.t = 0
@@ -135,14 +141,15 @@ class AdamW(_Optimizer):
     def _kernel(self, s, lr, weight_decay):
         c, f = self.cfg, self.flat
         st = self._state(s)
-        self.device.ops.adamw_step(f.data[s], f.grad[s], self.exp_avg[st], self.exp_avg_sq[st],
+        self.device.ops.adamw_step(f.data[s], self._grad(s), self.exp_avg[st], self.exp_avg_sq[st],
                                    self.t, lr, c.beta1, c.beta2, c.eps, weight_decay, self.frozen_at)
 
     def state(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
 
-def make_optimizer(device, flat, cfg_optim, no_decay=frozenset(), shards=None):
+def make_optimizer(device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
     """The optimizer ``optim.name`` over ``flat``; parameters named in ``no_decay`` get no weight decay;
-    with ``shards`` (ZeRO-1) it keeps state for this rank's chunks only."""
-    return {"sgd": SGD, "adamw": AdamW}[cfg_optim.name](device, flat, cfg_optim, no_decay, shards)
+    with ``shards`` (ZeRO) it keeps state for this rank's chunks only, with ``grads`` (ZeRO-2) it reads
+    their gradient from there."""
+    return {"sgd": SGD, "adamw": AdamW}[cfg_optim.name](device, flat, cfg_optim, no_decay, shards, grads)

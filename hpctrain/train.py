@@ -21,12 +21,13 @@ from .ckpt.signals import StopSignal
 from .ckpt.state import fresh_rng
 from .device import make_device
 from .errors import ConfigError, DataError
-from .comm import STRATEGIES, make_allreduce
+from .comm import make_allreduce
 from .comm.buckets import BucketedAllreduce, layout_signature, plan_buckets
 from .comm.collectives import Collectives
 from .comm.compression import GradientCompression
 from .comm.staging import Staging
-from .comm.zero import ZeroShards
+from .comm.zero import gatherer, traffic_halves
+from .comm.zero_grads import ShardedGradients, plan_zero
 from .data.sampler import shard_range
 from .faults import Faults
 from .guard import agree
@@ -84,8 +85,12 @@ class Trainer:
                                             inner=cfg.dist.hierarchical_inner, cache_path=cfg.dist.auto_cache,
                                             log=self.log)
             if hasattr(self.allreduce, "allocate") and self.device.name == "cpu":
-                # shm: the gradients live in its shared window, so buckets are reduced without copies
-                self.model.use_grad_buffer(self.allreduce.allocate(self.model.flat.size, self.device.dtype))
+                # shm: the gradients (ZeRO-2: its slots) live in its shared window, reduced without copies
+                slots = self.grad_slots
+                window = self.allreduce.allocate(slots.size if slots else self.model.flat.size, self.device.dtype)
+                if slots:
+                    slots.move_to(window)
+                self.model.use_grad_buffer(window, slots and slots.offsets)
             self.compression = None
             if cfg.dist.compress != "none":
                 self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, world,
@@ -94,12 +99,16 @@ class Trainer:
             self.param_gather = None  # ZeRO-1's parameter all-gathers: the main thread's, on a duplicate comm
             if self.shards is not None:
                 gather_world = dataclasses.replace(world, comm=world.comm.Dup())
-                self.param_gather = make_allreduce(cfg.dist.allreduce, gather_world, self.device,
+                self.param_gather = make_allreduce(gatherer(cfg.dist.allreduce), gather_world, self.device,
                                                    Staging(self.device, cfg.dist.cuda_aware_mpi))
         self.guard = NumericGuard(cfg.guard, self.log)
-        self.comm = BucketedAllreduce(self.allreduce, self.model.flat.grad, self.buckets, self.device,
-                                      overlap=cfg.dist.overlap, compression=self.compression,
-                                      check_finite=cfg.guard.check_grads, shards=self.shards)
+        if self.grad_slots is not None:  # ZeRO-2
+            self.comm = ShardedGradients(self.allreduce, self.grad_slots, self.buckets, self.device, self.shards,
+                                         cfg.train.grad_accum_steps, cfg.dist.overlap, cfg.guard.check_grads)
+        else:
+            self.comm = BucketedAllreduce(self.allreduce, self.model.flat.grad, self.buckets, self.device,
+                                          overlap=cfg.dist.overlap, compression=self.compression,
+                                          check_finite=cfg.guard.check_grads, shards=self.shards)
         self._bucket_names = [f"bucket {b.index + 1} of {len(self.buckets)}, "
                               f"{b.size * self.device.dtype.itemsize / 1e6:.2f} MB" for b in self.buckets]
         with wd.watch("start-up", "broadcast of the initial weights", slack=10):
@@ -151,10 +160,11 @@ class Trainer:
         self.staging = Staging(self.device, cfg.dist.cuda_aware_mpi)
         self.buckets = plan_buckets(self.model.flat, self.device.dtype.itemsize, cfg.dist.bucket_mb,
                                     cfg.dist.first_bucket_mb)
-        self.shards = None  # ZeRO-1: this rank's chunk of every bucket (hpctrain.comm.zero)
-        if cfg.dist.zero:
-            self.shards = ZeroShards(self.buckets, world.rank, world.size, STRATEGIES[cfg.dist.allreduce].owned_chunk)
-        self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim, self.model.no_decay, self.shards)
+        # ZeRO: this rank's chunk of every bucket; ZeRO-2 also the slots the gradients live in
+        self.shards, self.grad_slots = plan_zero(cfg.dist.zero, cfg.dist.allreduce, self.buckets, self.model,
+                                                 self.device, world.rank, world.size)
+        self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim, self.model.no_decay, self.shards,
+                                        self.grad_slots and self.grad_slots.owned)
         k = cfg.train.grad_accum_steps
         if cfg.train.exact_shares and self.sampler.batch % k:
             raise ConfigError(f"train.grad_accum_steps={k} does not divide the per-rank batch "
@@ -195,8 +205,9 @@ class Trainer:
         averaged gradient is not finite)).
 
         With k = grad_accum_steps, the rank's rows are k micro-batches whose
-        gradients add up locally; only the last backward feeds the buckets, and
-        the sum over ranks and micro-batches is scaled once by 1 / (size k).
+        gradients add up locally; only the last backward feeds the buckets (ZeRO-2:
+        every backward, hpctrain.comm.zero_grads), and the sum over ranks and
+        micro-batches is scaled once by 1 / (size k).
         Where shares differ, each loss is weighted so that the result is still
         the mean over the whole global batch (see ``_build``).
         """
@@ -215,8 +226,10 @@ class Trainer:
             with t("forward"):
                 ls, c = self.model.forward(x, y)
                 loss_sum, correct = loss_sum + ls, correct + c
-            with t("backward"):
-                self.model.backward(accumulate=micro > 0, ready=self.comm.mark_ready if last else None)
+            with t("backward"):  # ZeRO-2 reduces every micro-batch (comm.every_micro): it overwrites
+                fresh = micro == 0 or self.comm.every_micro
+                self.model.backward(accumulate=not fresh, ready=self.comm.mark_ready if last or
+                                    self.comm.every_micro else None, claim=self.comm.claim)
         # the optimizer waits for each bucket in turn and updates just its slice
         # ("allreduce" is the exposed wait; the overlapped part hides in backward)
         if update:
@@ -253,7 +266,9 @@ class Trainer:
     def _compression_metrics(self) -> dict:
         c = self.compression
         if c is None:  # the same measure as a compressor's: 2 (p-1)/p of the buckets, per rank
-            dense = 2 * (self.world.size - 1) * self.comm.bytes // self.world.size
+            halves = traffic_halves(self.cfg.dist.zero, self.cfg.dist.allreduce, self.cfg.train.grad_accum_steps,
+                                    self.world.size)
+            dense = halves * (self.world.size - 1) * self.comm.bytes // self.world.size
             return {"bytes_sent": dense, "bytes_dense": dense}
         return {"compress": self.cfg.dist.compress, "compress_scope": self.cfg.dist.compress_scope,
                 "bytes_sent": c.sent_bytes, "bytes_dense": c.dense_bytes, "compression_ratio": c.ratio,

@@ -168,6 +168,19 @@ def test_info_shows_every_rank_and_simulated_nodes():
     assert [(r[0], r[4]) for r in rows] == [("0", "0/2"), ("1", "1/2")]
 
 
+def test_info_with_a_config_prints_its_memory_per_rank(text_data):
+    """info --config: the bytes per rank at this world size, one line from rank 0; a bad value is one error."""
+    args = ["-m", "hpctrain", "info", "--config", "examples/gpt.toml", "--set", f"data.train={text_data}",
+            "--set", "dist.allreduce=ring", "--set", "dist.zero=1"]
+    proc = run_mpi(2, args, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if "memory per rank (computed)" in l]
+    assert len(lines) == 1 and "optimizer state" in lines[0] and "(zero 1: a 1/2 share)" in lines[0], proc.stdout
+    assert "(rank 0 of 2, model.kind=gpt" in lines[0]
+    bad = run_mpi(2, args + ["--set", "dist.zero=5"], timeout=60)
+    assert bad.returncode != 0 and bad.stderr.count("hpctrain: error: dist.zero=5") == 1, bad.stderr
+
+
 def test_help_and_help_config():
     out = subprocess.run([sys.executable, "-m", "hpctrain", "--help"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and "train" in out.stdout and "info" in out.stdout

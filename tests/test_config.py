@@ -266,10 +266,9 @@ def test_target_accuracy_needs_an_eval_file():
 
 
 @pytest.mark.parametrize("overrides, expect", [
-    (["dist.zero=1", "dist.allreduce=rhd"], "dist.zero=1 reduce-scatters gradients and all-gathers parameters with "
-                                            "dist.allreduce = mpi, naive, ring; 'rhd' has no such halves yet"),
     (["dist.zero=1", "dist.compress=fp16"], "dist.zero=1 with dist.compress='fp16' is not supported"),
-    (["dist.zero=2"], "dist.zero=2: choose one of 0, 1"),
+    (["dist.zero=2", "dist.allreduce=ring", "dist.compress=topk(0.01)"], "dist.zero=2 with dist.compress="),
+    (["dist.zero=3"], "dist.zero=3: choose one of 0, 1, 2"),
 ])
 def test_zero_settings_that_cannot_run_are_one_clear_error(overrides, expect):
     from hpctrain.config import load_config

@@ -1,7 +1,7 @@
 """The GPT on the CUDA device inside an MPI job of 2 ranks: token upload, forward, backward,
 the gradients' way out through the host-staging path (pinned buffers; chosen on the
-simulator, whose arrays MPI would otherwise take directly) and AdamW equal the same job
-on the CPU (float64; tolerance as tests/test_gpt_cuda_step.py). Runs under mpirun -n 2
+simulator, whose arrays MPI would otherwise take directly) and AdamW, with and without
+ZeRO-2, equal the same job on the CPU (float64; tolerance as tests/test_gpt_cuda_step.py). Runs under mpirun -n 2
 only: on the simulator each run takes about a minute, and 2 ranks is the case the
 staging path has to get right.
 """
@@ -15,7 +15,10 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
               pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
 
 
-def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data):
+@pytest.mark.parametrize("zero", [0, 2])
+def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
+    """zero 2: the gradient slots and this rank's chunks on the device, the chunks copied and added
+    (two micro-batches) on the communication thread while backward writes the next slots."""
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.size != 2:
@@ -30,9 +33,15 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data):
     for device in ("cpu", "cuda"):
         cfg = _config(mpi_text_data, device)
         cfg.train.global_batch = 4 * world.size
+        if zero:
+            cfg.dist.zero, cfg.dist.allreduce, cfg.train.grad_accum_steps = zero, "ring", 2
+            cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001  # 131 values: slots reused (checked)
+            cfg.model.n_layer = 2  # a block spans every bucket of its own: one more block to reuse them
         trainer = Trainer(cfg, world, Log(False))
         if device == "cuda":
             assert trainer.staging.mode == "pinned"
+        if zero:
+            assert trainer.grad_slots.rotating < len(trainer.buckets) - 1
         losses = [trainer.train_step() for _ in range(2)]
         runs[device] = losses, trainer.device.to_host(trainer.model.flat.data).copy()
         trainer.close()

@@ -1,10 +1,13 @@
-"""ZeRO-1 (``dist.zero = 1``) against zero 0, inside one MPI job (run under mpirun -n 1..4).
+"""ZeRO-1 and ZeRO-2 (``dist.zero = 1, 2``) against zero 0, inside one MPI job (run under mpirun -n 1..4).
 
-Both runs train here, on this job's ranks, in float64 with several buckets and two micro-batches
-per rank. ring and naive give the same bits: ring's reduce-scatter is its all-reduce's first half
-(the same additions in the same order), and naive's is its whole all-reduce. mpi's
-MPI_Reduce_scatter may add ranks in another order than its MPI_Allreduce, so there the runs agree
-to rtol 1e-10 (rounding of the 1e-16 kind per step, as the N-rank equivalence tests allow).
+The runs train here, on this job's ranks, in float64 with several buckets and (unless a case says
+one) two micro-batches per rank. ZeRO-1 with ring and naive gives the same bits: ring's
+reduce-scatter is its all-reduce's first half (the same additions in the same order), and naive's is
+its whole all-reduce. mpi's MPI_Reduce_scatter may add ranks in another order than its
+MPI_Allreduce, so there the runs agree to rtol 1e-10 (rounding of the 1e-16 kind per step, as the
+N-rank equivalence tests allow). ZeRO-2 reduce-scatters every micro-batch, summing ranks before
+micro-batches: with two micro-batches it agrees to rtol 1e-10 whatever the strategy, with one it
+gives ZeRO-1's bits (ring, naive).
 """
 
 import os
@@ -17,7 +20,8 @@ from hpctrain.config import Config
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
 
-def _config(model, data, optim, allreduce, zero, steps=6, ckpt_dir="/tmp/hpctrain-unused", resume=""):
+def _config(model, data, optim, allreduce, zero, steps=6, ckpt_dir="/tmp/hpctrain-unused", resume="", accum=2,
+            bucket_mb=None):
     cfg = Config()
     if model == "gpt":
         cfg.model.kind = "gpt"
@@ -28,11 +32,13 @@ def _config(model, data, optim, allreduce, zero, steps=6, ckpt_dir="/tmp/hpctrai
         cfg.data.train, cfg.data.eval = data[0], ""
         cfg.model.hidden = [16, 12]
         cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = 0.001, 0.0003  # 400 parameters: three buckets
-    cfg.train.global_batch, cfg.train.grad_accum_steps, cfg.train.steps = 24, 2, steps
+    cfg.train.global_batch, cfg.train.grad_accum_steps, cfg.train.steps = 24, accum, steps
     cfg.train.dtype, cfg.train.log_every = "float64", 10**6
     cfg.optim.name, cfg.optim.warmup_steps, cfg.optim.weight_decay = optim, 2, 0.1
     cfg.optim.lr = 0.05 if optim == "sgd" else 3e-3
     cfg.dist.allreduce, cfg.dist.zero = allreduce, zero
+    if bucket_mb is not None:
+        cfg.dist.bucket_mb = bucket_mb
     cfg.checkpoint.dir, cfg.checkpoint.resume, cfg.checkpoint.keep_last = ckpt_dir, resume, 0
     cfg.checkpoint.every_minutes, cfg.checkpoint.save_final = 0, True
     return cfg.validate()
@@ -49,7 +55,7 @@ def _train(cfg, world):
 
 
 def _whole_state(trainer):
-    """The optimizer's state as whole flat arrays (gathered under zero 1)."""
+    """The optimizer's state as whole flat arrays (gathered under zero 1 and 2)."""
     opt = trainer.optimizer
     if opt.shards is None:
         return {k: np.array(v) for k, v in opt.state().items()}
@@ -71,17 +77,29 @@ def data(request, mpi_small_data, mpi_text_data):
 
 CASES = [("mlp", "sgd", "ring"), ("mlp", "sgd", "naive"), ("mlp", "sgd", "mpi"), ("mlp", "adamw", "ring"),
          ("mlp", "adamw", "mpi"), ("gpt", "adamw", "ring"), ("gpt", "adamw", "mpi"), ("gpt", "sgd", "naive")]
+# (stage, micro-batches): both stages with two micro-batches everywhere; ZeRO-2 with one where it
+# must then give the same bits (ring, naive)
+RUNS = [(c, 1, 2) for c in CASES] + [(c, 2, 2) for c in CASES] + [(c, 2, 1) for c in CASES if c[2] != "mpi"]
+_ZERO_0 = {}  # zero 0's run per (case, micro-batches): deterministic, so trained once per job
 
 
-@pytest.mark.parametrize("data, optim, allreduce", CASES, indirect=["data"], ids=["-".join(c) for c in CASES])
-def test_zero_1_trains_like_zero_0(world, data, optim, allreduce):
+def _zero_0(model, data, optim, allreduce, accum, world):
+    key = (model, optim, allreduce, accum)
+    if key not in _ZERO_0:
+        trainer, initial = _train(_config(model, data, optim, allreduce, 0, accum=accum), world)
+        _ZERO_0[key] = trainer.model.flat.data.copy(), _whole_state(trainer), initial
+    return _ZERO_0[key]
+
+
+@pytest.mark.parametrize("data, optim, allreduce, stage, accum", [(*c, z, k) for c, z, k in RUNS],
+                         indirect=["data"], ids=[f"{'-'.join(c)}-zero{z}-micro{k}" for c, z, k in RUNS])
+def test_zero_trains_like_zero_0(world, data, optim, allreduce, stage, accum):
     model = "gpt" if isinstance(data, str) else "mlp"
-    zero0, initial = _train(_config(model, data, optim, allreduce, 0), world)
-    zero1, _ = _train(_config(model, data, optim, allreduce, 1), world)
+    p0, s0, initial = _zero_0(model, data, optim, allreduce, accum, world)
+    zero1, _ = _train(_config(model, data, optim, allreduce, stage, accum=accum), world)
     assert len(zero1.buckets) >= 3  # the test is about several buckets, each cut in shares
-    p0, p1 = zero0.model.flat.data, zero1.model.flat.data
-    s0, s1 = _whole_state(zero0), _whole_state(zero1)
-    if allreduce in ("ring", "naive"):
+    p1, s1 = zero1.model.flat.data, _whole_state(zero1)
+    if allreduce in ("ring", "naive") and (stage == 1 or accum == 1):
         assert np.array_equal(p0, p1)
         assert all(np.array_equal(s0[k], s1[k]) for k in s0)
     else:
@@ -118,31 +136,108 @@ def test_each_rank_keeps_its_share_of_the_optimizer_state(world, mpi_text_data, 
 
 
 @pytest.mark.parametrize("allreduce", ["ring", "mpi"])
-def test_a_zero_1_checkpoint_is_logical_and_resumes_bit_exactly(world, mpi_text_data, mpi_shared_dir, allreduce):
-    """Saved at step 3 under zero 1, the file holds what zero 0 saves (ring: the same bits; mpi: to
-    rounding), and resuming it under zero 1 to step 6 gives the bits of an uninterrupted run."""
+def test_zero_2_keeps_a_few_bucket_slots_and_its_share_of_the_gradient(world, mpi_text_data, allreduce):
+    cfg = _config("gpt", mpi_text_data, "adamw", allreduce, 2, steps=1)
+    cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = 0.005, 0.005  # ~650 values: a block spans several buckets
+    cfg.model.n_layer = 6  # the blocks outweigh the tied table (4,096 of the values), which has a slot of its own
+    trainer, _ = _train(cfg, world)
+    slots, flat, opt, buckets = trainer.grad_slots, trainer.model.flat, trainer.optimizer, trainer.buckets
+    # the gradients live in the slots (no P-element buffer is left) and the optimizer reads the chunks
+    assert flat.grad is slots.buffer and opt.grads is slots.owned
+    assert slots.owned.size == opt.shards.owned == opt.state_size
+    # K rotating slots, each as large as its largest bucket, and the last bucket's own
+    assert 2 <= slots.rotating < len(buckets) - 1
+    sizes = {}
+    for b in buckets:
+        sizes[slots.slot_of[b.index]] = max(sizes.get(slots.slot_of[b.index], 0), b.size)
+    assert slots.size == sum(sizes.values()) < flat.size
+    assert slots.slot_of[-1] == slots.rotating and slots.slot_of.count(slots.rotating) == 1
+    # every parameter's gradient view lies in its bucket's slot
+    for b in buckets:
+        view = slots.views[b.index]
+        for name in b.slots:
+            g = flat.grad_view(name)
+            assert np.shares_memory(g, view) and g.size <= view.size
+    from hpctrain import memory
+
+    computed = memory.computed(trainer)
+    assert computed["grads"] == slots.buffer.nbytes + slots.owned.nbytes == 8 * (slots.size + slots.owned.size)
+    assert "(zero 2: bucket slots and a 1/%d share)" % world.size in memory.describe(computed, 2, world.size)
+    # the chunks are this rank's 1/size share (within an element per bucket); in all less than zero 1's
+    # P (from 2 ranks on: the slots fit in the other ranks' shares), and only then no warning
+    assert flat.size // world.size - len(buckets) <= slots.owned.size <= flat.size // world.size + len(buckets)
+    smaller = slots.size + slots.owned.size < flat.size
+    assert smaller == (world.size > 1) and (memory.zero2_advice(trainer) is None) == smaller
+    # few buckets: no slot to reuse, and the start-up warns
+    few, _ = _train(_config("gpt", mpi_text_data, "adamw", allreduce, 2, steps=1, bucket_mb=0), world)
+    assert "lower dist.bucket_mb" in memory.zero2_advice(few)
+
+
+@pytest.mark.parametrize("allreduce", ["rhd", "hierarchical", "shm", "auto"])
+def test_zero_with_rhd_hierarchical_shm_and_auto_trains_like_zero_0(world, mpi_text_data, mpi_shared_dir, allreduce):
+    """hierarchical, shm and auto (and rhd off powers of two) reduce-scatter by their whole all-reduce
+    (WholeSumHalves), rhd at powers of two by its halving alone: the same additions as zero 0, so the
+    same bits with one micro-batch (zero 2's slots live in shm's window as zero 0's buckets do, so
+    auto picks the same strategy for them)."""
+    runs = {}
+    for stage in (0, 1, 2):
+        cfg = _config("gpt", mpi_text_data, "adamw", allreduce, stage, accum=1)
+        cfg.dist.auto_cache = os.path.join(mpi_shared_dir, f"auto-{world.size}.json")  # measured once
+        cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = 0.005, 0.005  # zero 2 reuses slots
+        runs[stage], _ = _train(cfg, world)
+    assert runs[2].grad_slots.rotating < len(runs[2].buckets) - 1
+    p0 = runs[0].model.flat.data
+    assert np.array_equal(runs[1].model.flat.data, p0)
+    assert np.array_equal(runs[2].model.flat.data, p0)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_info_plans_the_bytes_the_trainer_allocates(world, mpi_text_data, stage):
+    """memory.planned (info --config) builds nothing real, yet counts what a trainer allocates."""
+    from hpctrain import memory
+
+    cfg = _config("gpt", mpi_text_data, "adamw", "ring", stage, steps=1, bucket_mb=0.005)
+    trainer, _ = _train(cfg, world)
+    assert memory.planned(cfg, world) == memory.computed(trainer)
+
+
+def test_zero_2_without_overlap_trains_like_zero_0(world, mpi_text_data):
+    """dist.overlap = false: the main thread reduces a slot's bucket when a layer claims the slot."""
+    zero0, _ = _train(_config("gpt", mpi_text_data, "adamw", "ring", 0), world)
+    cfg = _config("gpt", mpi_text_data, "adamw", "ring", 2)
+    cfg.dist.overlap, cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = False, 0.005, 0.005
+    zero2, _ = _train(cfg, world)
+    assert zero2.grad_slots.rotating < len(zero2.buckets) - 1  # slots are reused
+    np.testing.assert_allclose(zero2.model.flat.data, zero0.model.flat.data, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("allreduce, stage", [("ring", 1), ("mpi", 1), ("ring", 2)])
+def test_a_zero_checkpoint_is_logical_and_resumes_bit_exactly(world, mpi_text_data, mpi_shared_dir, allreduce, stage):
+    """Saved at step 3 under zero 1 or 2, the file holds what zero 0 saves (zero 1 with ring: the same
+    bits; else to rounding), and resuming it under the same stage to step 6 gives the bits of an
+    uninterrupted run."""
     import h5py
 
     base = os.path.join(mpi_shared_dir, f"zero-resume-{allreduce}-{world.size}")
-    dirs = {z: f"{base}-z{z}" for z in (0, 1)}
+    dirs = {z: f"{base}-z{z}" for z in (0, stage)}
     for z, d in dirs.items():
         _train(_config("gpt", mpi_text_data, "adamw", allreduce, z, steps=3, ckpt_dir=d), world)
     world.comm.Barrier()
     with h5py.File(os.path.join(dirs[0], "ckpt-00000003.h5")) as f0, \
-            h5py.File(os.path.join(dirs[1], "ckpt-00000003.h5")) as f1:
+            h5py.File(os.path.join(dirs[stage], "ckpt-00000003.h5")) as f1:
         names = []
         f0.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
         assert any(n.startswith("optim/exp_avg/") for n in names)
         for n in names:
             if n.startswith(("model/", "optim/")):
-                if allreduce == "ring":
+                if allreduce == "ring" and stage == 1:
                     assert np.array_equal(f0[n][()], f1[n][()]), n
                 else:
                     np.testing.assert_allclose(f1[n][()], f0[n][()], rtol=1e-10, atol=1e-13, err_msg=n)
-    resumed, _ = _train(_config("gpt", mpi_text_data, "adamw", allreduce, 1, steps=6, ckpt_dir=dirs[1],
+    resumed, _ = _train(_config("gpt", mpi_text_data, "adamw", allreduce, stage, steps=6, ckpt_dir=dirs[stage],
                                 resume="auto"), world)
     assert resumed.checkpoints.saved_path is not None
-    straight, _ = _train(_config("gpt", mpi_text_data, "adamw", allreduce, 1, steps=6), world)
+    straight, _ = _train(_config("gpt", mpi_text_data, "adamw", allreduce, stage, steps=6), world)
     assert np.array_equal(resumed.model.flat.data, straight.model.flat.data)
     s0, s1 = _whole_state(resumed), _whole_state(straight)
     assert all(np.array_equal(s0[k], s1[k]) for k in s0)

@@ -30,7 +30,9 @@ import time
 
 import numpy as np
 
+from .halves import WholeSumHalves
 from .reduce_ops import sum_scaled
+from .staging import Staging
 
 PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)  # up to a 25 MB bucket
 CANDIDATES = ("mpi", "ring", "rhd", "hierarchical", "shm")
@@ -38,11 +40,15 @@ ZERO_COPY = "shm zero-copy"  # the fit of shm on allocate()d buffers
 REPEATS = 7  # median of 7 turns: this 2-core machine has 2-4x outliers; 3 in a row picked ring over shm at 32 MB
 
 
-class AutoAllreduce:
+class AutoAllreduce(WholeSumHalves):
+    """ZeRO's halves: its whole sum (the picked strategy's), then MPI_Allgatherv
+    (:class:`~.halves.WholeSumHalves`)."""
+
     def __init__(self, world, device, staging=None, cache_path: str = "", log=None, candidates=CANDIDATES):
         from . import STRATEGIES
 
-        self.world, self.device = world, device
+        self.world, self.device, self.comm, self.size = world, device, world.comm, world.size
+        self.staging = staging or Staging(device)
         from ..errors import LaunchError
 
         self._picked: dict = {}

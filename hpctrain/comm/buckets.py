@@ -112,7 +112,7 @@ class BucketedAllreduce:
         self.check_finite, self.nonfinite = check_finite, False
         self.step = 0
         self._slot_bucket = {name: b.index for b in buckets for name in b.slots}
-        self._views = [grad[b.lo:b.hi] for b in buckets]
+        self._views = self._bucket_views(grad)
         self._done = [threading.Event() for _ in buckets]
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error = None
@@ -123,6 +123,13 @@ class BucketedAllreduce:
         self.comm_s = self.exposed_s = 0.0
         self.bytes = sum(v.nbytes for v in self._views)
         self.tracer, self.trace_args = None, {}  # set by the trainer when tracing (hpctrain.trace)
+
+    claim = None         # ZeRO-2's hook before backward writes gradients (hpctrain.comm.zero_grads)
+    every_micro = False  # True: backward feeds the buckets in every micro-batch, each writing afresh
+
+    def _bucket_views(self, grad) -> list:
+        """Each bucket's slice of the gradient memory (here: of the flat buffer)."""
+        return [grad[b.lo:b.hi] for b in self.buckets]
 
     def start(self, scale: float, step: int = 0) -> None:
         """Begin global step ``step``: every bucket pending; gradients will be scaled by ``scale``."""
@@ -195,11 +202,18 @@ class BucketedAllreduce:
         ctx = getattr(self.device, "thread_context", contextlib.nullcontext)
         with ctx():  # a CUDA device must be current in this thread too
             while True:
-                i = self._queue.get()
+                item = self._queue.get()
                 try:
                     if self._error is None:
-                        self._reduce(i)
+                        self._reduce_item(item)
                 except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                     self._error = exc
                 finally:
-                    self._done[i].set()
+                    self._item_done(item)
+
+    # what the communication thread does with a queued item (ZeRO-2's items are (bucket, micro-batch))
+    def _reduce_item(self, i) -> None:
+        self._reduce(i)
+
+    def _item_done(self, i) -> None:
+        self._done[i].set()

@@ -7,14 +7,15 @@ owner's) and ``owned_chunk(rank, size)`` (which chunk a rank owns). Chunks are
 :func:`~.ring.chunk_offsets`'s. Both run on the host copy of the buffer
 (:func:`~.ring.host_halves`, through ``Staging.host_view``: the buffer itself on
 the CPU, a pinned copy of a GPU's), as ring and rhd do. Collective over the
-strategy's communicator. Here: the MPI library's halves, for mpi and naive.
+strategy's communicator. Here: the MPI library's halves (mpi), and
+:class:`WholeSumHalves` for the strategies without halves of their own.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .ring import chunk_offsets
+from .ring import chunk_offsets, host_halves
 
 
 def mpi_reduce_scatter(comm, x, rank: int, size: int, scratch) -> None:
@@ -34,3 +35,22 @@ def mpi_allgather(comm, x, size: int) -> None:
 
     off = chunk_offsets(x.size, size)
     comm.Allgatherv(MPI.IN_PLACE, [x, (np.diff(off).tolist(), off[:-1])])
+
+
+class WholeSumHalves:
+    """ZeRO's halves for a strategy without its own (naive, hierarchical, shm, auto; rhd off powers of
+    two): the
+    reduce-scatter is the strategy's whole all-reduce with op sum (every chunk summed; this rank
+    keeps chunk ``rank``), so a ZeRO step adds in exactly the order of the strategy's all-reduce, at
+    the cost of its whole traffic instead of half; the all-gather is MPI_Allgatherv in place. Mixed
+    into a strategy that has ``comm``, ``size``, ``staging`` and ``__call__(buf, op)``."""
+
+    @staticmethod
+    def owned_chunk(rank: int, size: int) -> int:
+        return rank
+
+    def reduce_scatter(self, buf):
+        return self(buf, "sum")
+
+    def allgather(self, buf):
+        return host_halves(self, buf, lambda x: mpi_allgather(self.comm, x, self.size))

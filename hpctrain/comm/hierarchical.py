@@ -37,6 +37,7 @@ import dataclasses
 
 import numpy as np
 
+from .halves import WholeSumHalves
 from .reduce_ops import mpi_op, reduce_into, reduce_kind
 from .ring import HostScratch, chunk_offsets, host_allreduce
 from .staging import Staging
@@ -46,7 +47,9 @@ SEGMENT_BYTES = 512 << 10  # measured best on the emulated 1 Gbit/s cluster (doc
 PIPELINE_DEPTH = 1  # segments whose cross-node step is still pending when the next one starts
 
 
-class HierarchicalAllreduce:
+class HierarchicalAllreduce(WholeSumHalves):
+    """ZeRO's halves: its whole sum, then MPI_Allgatherv (:class:`~.halves.WholeSumHalves`)."""
+
     def __init__(self, world, device, staging=None, inner: str = "mpi", segment_bytes: int = SEGMENT_BYTES):
         from mpi4py import MPI
 
@@ -55,7 +58,7 @@ class HierarchicalAllreduce:
 
         if inner == "hierarchical":
             raise ValueError("the inner strategy of hierarchical must be flat (mpi, ring, rhd, naive)")
-        self.world, self.device = world, device
+        self.world, self.device, self.comm = world, device, world.comm
         self.staging = staging or Staging(device)
         self.size = world.size
         # one agreed chunk count: the smallest node

@@ -4,14 +4,14 @@ Rank 0 reduces all contributions in one reduction and every rank receives the
 identical bytes, so results are bitwise equal across ranks by construction.
 """
 
-from .halves import mpi_allgather
+from .halves import WholeSumHalves
 from .reduce_ops import mpi_op
-from .ring import host_halves
 from .staging import Staging
 
 
-class NaiveAllreduce:
-    """Collective over ``world.comm``: every rank calls it with a buffer of one size and dtype."""
+class NaiveAllreduce(WholeSumHalves):
+    """Collective over ``world.comm``: every rank calls it with a buffer of one size and dtype.
+    ZeRO's halves: its whole sum, then MPI_Allgatherv (the oracle's)."""
 
     def __init__(self, world, device, staging=None):
         from mpi4py import MPI
@@ -35,14 +35,3 @@ class NaiveAllreduce:
             self.device.ops.scale(buf, 1.0 / self.size)
         return buf
 
-    # ZeRO's halves (hpctrain.comm.halves), as an oracle: the whole sum (so bitwise its all-reduce's),
-    # then MPI_Allgatherv in place
-    @staticmethod
-    def owned_chunk(rank: int, size: int) -> int:
-        return rank
-
-    def reduce_scatter(self, buf):
-        return self(buf, "sum")
-
-    def allgather(self, buf):
-        return host_halves(self, buf, lambda x: mpi_allgather(self.comm, x, self.size))

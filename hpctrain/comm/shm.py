@@ -35,6 +35,7 @@ import numpy as np
 from numba import njit
 
 from ..errors import LaunchError
+from .halves import WholeSumHalves
 from .reduce_ops import _max_into, _min_into, _sum_into, scale_and_test
 from .ring import chunk_start, host_allreduce
 from .staging import Staging
@@ -135,8 +136,9 @@ class _Arena:
         self.win.Free()
 
 
-class ShmAllreduce:
-    """Collective over ``world.comm`` (all on one machine): buffers of one size and dtype."""
+class ShmAllreduce(WholeSumHalves):
+    """Collective over ``world.comm`` (all on one machine): buffers of one size and dtype.
+    ZeRO's halves: its whole sum, then MPI_Allgatherv (:class:`~.halves.WholeSumHalves`)."""
 
     def __init__(self, world, device, staging=None, segment_bytes: int = SEGMENT_BYTES):
         from mpi4py import MPI

@@ -1,10 +1,13 @@
 """ZeRO-1 (``dist.zero = 1``): each rank keeps the optimizer state of its share of every bucket.
 
+(ZeRO-2, ``dist.zero = 2``, keeps the same shares and also drops the rest of the
+gradient: :mod:`.zero_grads`.)
+
 Shares. Every gradient bucket [lo, hi) is cut into ``size`` chunks as the ring
 cuts a buffer (:func:`~.ring.chunk_offsets`: the first (hi - lo) % size chunks
 one element longer, none padded), and each rank owns one chunk of every bucket:
 the chunk its strategy's reduce-scatter leaves the finished sum in
-(``owned_chunk``: chunk ``rank`` for mpi and naive, ``rank + 1`` for ring).
+(``owned_chunk``: ``rank + 1`` for ring, chunk ``rank`` for the others).
 A rank's chunks, packed back to back, are its optimizer state: about 1/size of
 zero 0's, within one element per bucket. Shares follow the buckets (not one
 contiguous range of the flat buffer) so that every rank takes part in every
@@ -35,8 +38,24 @@ import numpy as np
 
 from .ring import chunk_offsets
 
-STAGES = (0, 1)
-STRATEGIES_WITH_SHARES = ("mpi", "naive", "ring")  # those with reduce_scatter / allgather
+STAGES = (0, 1, 2)  # 2: the gradients too (hpctrain.comm.zero_grads)
+NATIVE_HALVES = ("mpi", "ring")  # strategies with reduce-scatter and all-gather of their own (rhd: at 2^k)
+
+
+def owned_chunk_rule(allreduce: str):
+    """``owned_chunk(rank, size)`` of strategy ``allreduce``: which chunk its reduce-scatter leaves
+    with a rank (ring: rank + 1; the others: rank)."""
+    from . import STRATEGIES
+    from .halves import WholeSumHalves
+
+    return STRATEGIES.get(allreduce, WholeSumHalves).owned_chunk
+
+
+def gatherer(allreduce: str) -> str:
+    """The strategy whose all-gather ZeRO's parameter gathers use: the all-reduce's own where it has
+    halves of its own (mpi, ring), else naive, whose MPI_Allgatherv is the one all the others use
+    (so no second auto measurement or shared window is built for it)."""
+    return allreduce if allreduce in NATIVE_HALVES else "naive"
 
 
 class ZeroShards:
@@ -90,14 +109,20 @@ class ZeroShards:
         return np.concatenate([full[lo:hi] for lo, hi, _ in self.pieces]) if self.pieces else full[:0].copy()
 
 
+def traffic_halves(zero: int, allreduce: str, micro_steps: int, size: int) -> int:
+    """Per step, the uncompressed traffic per rank in halves of an all-reduce (each (p-1)/p of the
+    buckets): an all-reduce is 2; ZeRO's reduce-scatter 1 (2 where it is the whole all-reduce,
+    :class:`~.halves.WholeSumHalves`), once per micro-batch under ZeRO-2, plus 1 for the all-gather."""
+    if not zero:
+        return 2
+    native = allreduce in NATIVE_HALVES or allreduce == "rhd" and size & (size - 1) == 0
+    scatter = 1 if native else 2
+    return scatter * (micro_steps if zero == 2 else 1) + 1
+
+
 def refusal(zero: int, allreduce: str, compress: str) -> str | None:
     """Why ``dist.zero`` cannot run with these settings, or None."""
-    if zero == 0:
-        return None
-    if allreduce not in STRATEGIES_WITH_SHARES:
-        return (f"dist.zero={zero} reduce-scatters gradients and all-gathers parameters with dist.allreduce = "
-                f"{', '.join(STRATEGIES_WITH_SHARES)}; {allreduce!r} has no such halves yet: choose one of those")
-    if compress != "none":
+    if zero and compress != "none":
         return (f"dist.zero={zero} with dist.compress={compress!r} is not supported: the compressors reduce whole "
                 f"buckets and keep whole-gradient residuals; use dist.zero=0 to compress, or dist.compress=none")
     return None

@@ -13,10 +13,14 @@ and its model offers (the trainer, checkpoints and optimizer use nothing else):
   flat                 FlatParams: one flat parameter and one flat gradient buffer, named slots
                        (bucket layout and checkpoint paths come from the slot names)
   init(seed)           deterministic initial weights
-  use_grad_buffer(buf) keep the gradients in ``buf`` (e.g. the shm all-reduce's shared window)
+  use_grad_buffer(buf, offsets=None)   keep the gradients in ``buf`` (e.g. the shm all-reduce's shared
+                       window), at ``offsets`` per name if given (ZeRO-2's reused bucket slots)
   forward(inputs, targets) -> (loss_sum, correct)   summed over this rank's predictions
-  backward(accumulate, ready)   d(mean loss)/d(params) into flat.grad (or added, with accumulate);
-                       ``ready(name)`` for each parameter as soon as its gradient is final
+  backward(accumulate, ready, claim)   d(mean loss)/d(params) into flat.grad (or added, with accumulate);
+                       ``claim(names)`` before a layer writes the gradients of ``names`` (it may wait
+                       until their memory is free), ``ready(name)`` for each parameter as soon as its
+                       gradient is final
+  backward_groups      the name tuples backward claims, in order
   no_decay             names of parameters weight decay must not touch
   targets_per_row      predictions per batch row (1 for a classifier, the context for a language model)
   input_dtype          dtype of ``inputs`` on the device (None: the compute dtype)

@@ -194,10 +194,10 @@ class GPT:
         return ("resume with the model.n_layer, n_head, d_model and context it was saved with (ckpt inspect "
                 "shows its config)")
 
-    def use_grad_buffer(self, buf):
-        """Keep the gradients in ``buf`` (e.g. the shm all-reduce's window); every view is rebound."""
-        buf[:] = self.flat.grad
-        self.flat.grad = buf
+    def use_grad_buffer(self, buf, offsets=None):
+        """Keep the gradients in ``buf`` (e.g. the shm all-reduce's window), at ``offsets`` per name
+        if given (ZeRO-2, :meth:`FlatParams.use_grad_layout`); every view is rebound."""
+        self.flat.use_grad_layout(buf, offsets)
         self._bind()
 
     def init(self, seed: int):
@@ -226,26 +226,42 @@ class GPT:
         logits = self.logits(tokens)
         return self.loss.forward(logits, targets.reshape(-1))
 
-    def backward(self, accumulate=False, ready=None):
+    def backward(self, accumulate=False, ready=None, claim=None):
         """d(mean loss)/d(params) into ``flat.grad`` (added with ``accumulate``); ``ready(name)``
         per parameter once final: ln_f, then the blocks top down, then wte and wpe last (the
-        tied table gets its second contribution from the embedding)."""
+        tied table gets its second contribution from the embedding). ``claim(names)`` before each
+        layer writes gradients: the head (wte), ln_f, each block, the embedding (wte, wpe)."""
         tr = self.tracer
         shape = self.ln_f.x.shape
         dres = self._dres.get(shape)  # the residual stream's gradient, updated in place block by block
         if dres is None:
             dres = self._dres[shape] = self.device.empty(shape)
+        self._claim(claim, (("wte", None),))
         dxf = self.head.backward(self.loss.backward(), accumulate)
+        self._claim(claim, self.ln_f.params)
         self.ln_f.backward(dxf, dres, accumulate, add_dx=False)
         self._ready(ready, self.ln_f.params)
         for block in reversed(self.blocks):
             t0 = tr and time.perf_counter()
+            self._claim(claim, block.params)
             block.backward(dres, accumulate)
             if tr is not None:
                 tr.complete(f"backward {block.name}", t0, "layer", sync=True)
             self._ready(ready, block.params)
+        self._claim(claim, self.embedding.params)
         self.embedding.backward(dres, accumulate)
         self._ready(ready, self.embedding.params)
+
+    @property
+    def backward_groups(self) -> list:
+        """The parameter names each ``claim`` of :meth:`backward` names, in its order."""
+        names = lambda layer: tuple(n for n, _ in layer.params)  # noqa: E731
+        return [("wte",), names(self.ln_f), *(names(b) for b in reversed(self.blocks)), names(self.embedding)]
+
+    @staticmethod
+    def _claim(claim, params):
+        if claim is not None:
+            claim([name for name, _ in params])
 
     @staticmethod
     def _ready(ready, params):

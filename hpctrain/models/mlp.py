@@ -95,12 +95,11 @@ class MLP:
         # the same widths: the dataset's features or classes changed
         return "resume with the model.hidden and dataset it was saved with (ckpt inspect shows its config)"
 
-    def use_grad_buffer(self, buf):
-        """Keep the gradients in ``buf`` (P elements on this device, e.g. a slot of the shm
-        all-reduce's shared window) from now on: the current gradients are copied in and
-        every layer's gradient views are rebound."""
-        buf[:] = self.flat.grad
-        self.flat.grad = buf
+    def use_grad_buffer(self, buf, offsets=None):
+        """Keep the gradients in ``buf`` from now on (e.g. a slot of the shm all-reduce's shared
+        window: the current gradients are copied in; or ZeRO-2's slots, at ``offsets`` per name:
+        see :meth:`FlatParams.use_grad_layout`); every layer's gradient views are rebound."""
+        self.flat.use_grad_layout(buf, offsets)
         for layer in self.layers:
             layer.bind(self.flat)
 
@@ -124,9 +123,15 @@ class MLP:
             tr.complete("forward loss", t0, "layer", sync=True)
         return out
 
-    def backward(self, accumulate=False, ready=None):
-        """Gradients into ``flat.grad``; ``ready(name)`` is called for each parameter as
-        soon as its gradient is final (the bucketed all-reduce starts on it)."""
+    @property
+    def backward_groups(self) -> list:
+        """The parameter names each ``claim`` of :meth:`backward` names, in its order."""
+        return [tuple(n for n, _ in layer.params) for layer in reversed(self.layers)]
+
+    def backward(self, accumulate=False, ready=None, claim=None):
+        """Gradients into ``flat.grad``; ``claim(names)`` before a layer writes its parameters'
+        gradients, ``ready(name)`` for each parameter as soon as its gradient is final (the
+        bucketed all-reduce starts on it)."""
         tr = self.tracer
         t0 = tr and time.perf_counter()
         dout = self.loss.backward()
@@ -134,6 +139,8 @@ class MLP:
             tr.complete("backward loss", t0, "layer", sync=True)
         for layer in reversed(self.layers):
             t0 = tr and time.perf_counter()
+            if claim is not None:
+                claim([name for name, _ in layer.params])
             dout = layer.backward(dout, accumulate)
             if tr is not None:
                 tr.complete(f"backward {layer.name}", t0, "layer", sync=True)

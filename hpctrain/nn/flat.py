@@ -35,6 +35,22 @@ class FlatParams:
         self.data = device.zeros(self.size)
         self.grad = device.zeros(self.size)
         self._by_name = {s.name: s for s in self.slots}
+        self.grad_offsets: dict[str, int] = {}  # where a gradient lives in ``grad`` if not at its slot's offset
+
+    def grad_view(self, name):
+        """The gradient of ``name`` as a shaped view of ``grad``: at the slot's offset, unless
+        :meth:`use_grad_layout` placed it elsewhere (ZeRO-2's reused bucket slots)."""
+        s = self._by_name[name]
+        at = self.grad_offsets.get(name, s.offset)
+        return self.grad[at:at + s.size].reshape(s.shape)
+
+    def use_grad_layout(self, buf, offsets=None):
+        """Keep gradients in ``buf`` from now on: at ``offsets`` (name -> first element; every
+        parameter) or, without, in the parameters' layout (the current gradients are copied in).
+        Layers must bind again (the models' ``use_grad_buffer``)."""
+        if offsets is None:
+            buf[:] = self.grad
+        self.grad, self.grad_offsets = buf, dict(offsets or {})
 
     def view(self, buf, name):
         """The slot ``name`` of flat ``buf`` (data, grad or optimizer state) as a shaped view."""

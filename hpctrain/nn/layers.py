@@ -46,7 +46,7 @@ class Linear(Layer):
 
     def bind(self, flat):
         self.w, self.b = (flat.view(flat.data, n) for n, _ in self.params)
-        self.dw, self.db = (flat.view(flat.grad, n) for n, _ in self.params)
+        self.dw, self.db = (flat.grad_view(n) for n, _ in self.params)
 
     def init_host(self, rng: np.random.Generator) -> list:
         """Initial (weight, bias) as float64 host arrays, drawn in that order."""

@@ -28,7 +28,7 @@ class Embedding(Layer):
 
     def bind(self, flat):
         self.wte, self.wpe = flat.view(flat.data, "wte"), flat.view(flat.data, "wpe")
-        self.dwte, self.dwpe = flat.view(flat.grad, "wte"), flat.view(flat.grad, "wpe")
+        self.dwte, self.dwpe = flat.grad_view("wte"), flat.grad_view("wpe")
 
     def activation_shapes(self, B, T) -> list:
         return [(B, T, self.channels)]             # the output, the first block's input
@@ -55,7 +55,7 @@ class LayerNorm(Layer):
 
     def bind(self, flat):
         self.w, self.b = (flat.view(flat.data, n) for n, _ in self.params)
-        self.dw, self.db = (flat.view(flat.grad, n) for n, _ in self.params)
+        self.dw, self.db = (flat.grad_view(n) for n, _ in self.params)
 
     def activation_shapes(self, n) -> list:
         return [(n,), (n,), (n, self.channels)]    # mean, rstd, the output

@@ -1,0 +1,212 @@
+"""ZeRO-2 (``dist.zero = 2``): a bucket's gradient exists whole only while it is in flight.
+
+Memory. Backward writes each bucket's gradients into a *slot* of a small pool
+(:class:`GradientSlots`) instead of a P-element buffer: buckets 0 .. n-2 take K
+slots in turn (bucket i -> slot i mod K) and the last bucket has one of its own
+(it is written first and last: the GPT's tied token table gets the head's
+gradient at the start of backward and the embedding's at its end). K is one more
+than the most buckets one layer's gradients span (the model's
+``backward_groups``): the least that lets a layer claim its slots while the
+bucket before it is still being reduced. Once a bucket is ready the
+communication thread reduce-scatters its slot, copies (first micro-batch) or
+adds (later ones) this rank's chunk into the packed owned gradient
+(:attr:`GradientSlots.owned`, in :class:`~.zero.ZeroShards`' layout: what the
+optimizer reads), and the slot is free. A layer about to write gradients first
+``claim``s their slots, waiting until each slot's previous bucket is reduced.
+
+Per rank, gradients take the pool (K slots, each as large as its largest bucket,
+plus the last bucket) and about P / N for the owned chunks, against P for zero 0
+and 1; parameters and optimizer state are as for zero 1.
+
+Gradient accumulation. There is no whole buffer to add micro-batches in, so each
+micro-batch's gradient is reduce-scattered: k micro-batches cost k
+reduce-scatters per step, and ranks are summed before micro-batches. With k > 1
+the result therefore agrees with zero 0 and 1 to rounding (rtol 1e-10 in
+float64); with k = 1 ring and naive give zero 1's bits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .buckets import BucketedAllreduce
+from .reduce_ops import scale_and_test
+from .zero import ZeroShards, owned_chunk_rule
+
+
+def plan_zero(stage: int, allreduce: str, buckets, model, device, rank: int, size: int):
+    """(shards, slots) of ``dist.zero = stage`` for this rank: None, None for 0; the
+    :class:`~.zero.ZeroShards` of strategy ``allreduce`` for 1; and for 2 also the
+    :class:`GradientSlots`, with ``model``'s gradients moved into them (its whole gradient buffer
+    dropped and, on a GPU, freed now)."""
+    if not stage:
+        return None, None
+    shards = ZeroShards(buckets, rank, size, owned_chunk_rule(allreduce))
+    if stage == 1:
+        return shards, None
+    slots = GradientSlots(buckets, shards, model.flat, model.backward_groups, device)
+    model.use_grad_buffer(slots.buffer, slots.offsets)
+    getattr(device, "release_freed", lambda: None)()
+    return shards, slots
+
+
+class GradientSlots:
+    """The gradient memory of ZeRO-2 for ``buckets`` of ``flat`` (see the module docstring).
+
+    ``buffer``: the pool on ``device``; ``offsets``: parameter name -> its gradient's first element
+    in ``buffer`` (for :meth:`FlatParams.use_grad_layout`); ``views[i]``: bucket i's slot;
+    ``slot_of[i]``: its slot number; ``owned``: this rank's chunks of the averaged gradient, packed.
+    """
+
+    def __init__(self, buckets, shards, flat, groups, device):
+        n = len(buckets)
+        bucket_of = {name: b.index for b in buckets for name in b.slots}
+        span = 1
+        for group in groups:
+            touched = [bucket_of[name] for name in group if bucket_of[name] != n - 1]
+            if touched:
+                span = max(span, max(touched) - min(touched) + 1)
+        self.rotating = min(span + 1, n - 1)  # K, the slots buckets 0 .. n-2 take in turn
+        self.slot_of = [i % self.rotating for i in range(n - 1)] + [self.rotating] if n else []
+        sizes = [0] * (self.rotating + 1)
+        for b in buckets:
+            sizes[self.slot_of[b.index]] = max(sizes[self.slot_of[b.index]], b.size)
+        starts = [sum(sizes[:s]) for s in range(len(sizes))]
+        base = [starts[self.slot_of[b.index]] for b in buckets]
+        self.size = sum(sizes)
+        self.offsets = {s.name: base[bucket_of[s.name]] + s.offset - buckets[bucket_of[s.name]].lo
+                        for s in flat.slots}
+        self._base, self._buckets = base, list(buckets)
+        self.move_to(device.zeros(self.size))
+        self.owned = device.zeros(shards.owned)
+
+    def move_to(self, buffer) -> None:
+        """Keep the slots in ``buffer`` (``size`` elements; e.g. shm's shared window, so that its
+        buckets are reduced without copies); the model must rebind (``use_grad_buffer``)."""
+        self.buffer = buffer
+        self.views = [buffer[self._base[b.index]:self._base[b.index] + b.size] for b in self._buckets]
+
+
+class ShardedGradients(BucketedAllreduce):
+    """:class:`~.buckets.BucketedAllreduce` for ZeRO-2: per micro-batch, every bucket of the pool
+    ``slots`` (a :class:`GradientSlots`) is reduce-scattered as soon as it is ready and this rank's
+    chunk kept in ``slots.owned``; after the last of ``micro_steps`` that chunk is scaled (and
+    tested) and :meth:`wait` returns for it. Backward calls :meth:`claim` before writing gradients
+    and :meth:`mark_ready` in every micro-batch (it overwrites: ``every_micro``)."""
+
+    every_micro = True
+
+    def __init__(self, strategy, slots, buckets, device, shards, micro_steps: int, overlap: bool = True,
+                 check_finite: bool = False):
+        self.slots, self.micro_steps = slots, micro_steps
+        super().__init__(strategy, slots.buffer, buckets, device, overlap=overlap, check_finite=check_finite,
+                         shards=shards)
+        self._changed = threading.Condition()
+
+    def _bucket_views(self, grad) -> list:
+        return self.slots.views
+
+    def start(self, scale: float, step: int = 0) -> None:
+        super().start(scale, step)
+        n = len(self.buckets)
+        self._queued, self._reduced = [0] * n, [0] * n  # micro-batches of each bucket queued / reduced
+        self._owner = [None] * (self.slots.rotating + 1)  # (bucket, micro-batch) that last claimed a slot
+        self._pending = []  # without overlap: ready items the main thread reduces when needed
+
+    def claim(self, names) -> None:
+        """Backward is about to write the gradients of ``names``: wait until their slots are free."""
+        t0 = time.perf_counter()
+        for i in sorted({self._slot_bucket[name] for name in names}):
+            slot, micro = self.slots.slot_of[i], self._queued[i]
+            owner = self._owner[slot]
+            if owner == (i, micro):
+                continue
+            if owner is not None:
+                b, m = owner
+                if self._queued[b] <= m:  # would wait forever: the pool was planned from wrong groups
+                    raise RuntimeError(f"ZeRO-2: bucket {i} needs gradient slot {slot} while bucket {b} is still "
+                                       f"being written there (the model's backward_groups miss a claim)")
+                self._wait_reduced(b, m)
+            self._owner[slot] = (i, micro)
+        self.exposed_s += time.perf_counter() - t0
+
+    def mark_ready(self, name: str) -> None:
+        i = self._slot_bucket[name]
+        self._remaining[i] -= 1
+        if self._remaining[i]:
+            return
+        micro = self._queued[i]
+        self._queued[i] += 1
+        self._remaining[i] = len(self.buckets[i].slots)  # for the next micro-batch
+        if self.tracer is not None:
+            self.tracer.instant("bucket ready", "comm", {"bucket": i, "bytes": self._views[i].nbytes, "micro": micro})
+        final = micro == self.micro_steps - 1
+        if not self.overlap:
+            self._pending.append((i, micro))
+        elif (final and i == len(self.buckets) - 1 and self._may_inline and self._error is None
+              and all(e.is_set() for e in self._done[:i])):
+            self._inline = True  # as in the base class: the main thread reduces it in wait()
+        else:
+            self._queue.put((i, micro))
+
+    def wait(self, bucket) -> None:
+        t0, i, last = time.perf_counter(), bucket.index, self.micro_steps - 1
+        if self._inline and i == len(self.buckets) - 1:
+            self._inline = False
+            try:
+                if self._error is None:
+                    self._reduce_item((i, last))
+            finally:
+                self._item_done((i, last))
+        if self.overlap:
+            self._done[i].wait()
+            if self._error is not None:
+                raise RuntimeError("gradient reduce-scatter failed on the communication thread") from self._error
+        else:
+            self._wait_reduced(i, last)
+        self.exposed_s += time.perf_counter() - t0
+
+    def _wait_reduced(self, b: int, micro: int) -> None:
+        """Until micro-batch ``micro`` of bucket ``b`` is reduced (without overlap: reduce it, and every
+        item that became ready before it, here, in the order they became ready)."""
+        if not self.overlap:
+            while self._reduced[b] <= micro:
+                item = self._pending.pop(0)
+                try:
+                    self._reduce_item(item)
+                finally:
+                    self._item_done(item)
+            return
+        with self._changed:
+            self._changed.wait_for(lambda: self._reduced[b] > micro or self._error is not None)
+        if self._error is not None:
+            raise RuntimeError("gradient reduce-scatter failed on the communication thread") from self._error
+
+    def _reduce_item(self, item) -> None:
+        i, micro = item
+        t0 = time.perf_counter()
+        view = self._views[i]
+        self.strategy.reduce_scatter(view)
+        lo, hi, at = self.shards.pieces[i]
+        base = self.buckets[i].lo
+        owned = self.slots.owned[at:at + hi - lo]
+        if hi > lo:
+            self.device.ops.residual_backward(view[lo - base:hi - base], owned, None, micro > 0)
+        if micro == self.micro_steps - 1:
+            if not scale_and_test(owned, self.scale, self.device, self.check_finite):
+                self.nonfinite = True
+        # backward writes into this slot next, from the main thread: the copy must be done
+        self.device.synchronize()
+        self.comm_s += time.perf_counter() - t0
+        if self.tracer is not None:
+            self.tracer.complete(f"comm bucket {i}", t0, "comm",
+                                 dict(self.trace_args, bucket=i, bytes=view.nbytes, micro=micro))
+
+    def _item_done(self, item) -> None:
+        i, micro = item
+        with self._changed:
+            self._reduced[i] = micro + 1
+            self._changed.notify_all()
+        if micro == self.micro_steps - 1:
+            self._done[i].set()
