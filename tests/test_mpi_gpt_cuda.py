@@ -31,7 +31,7 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
     world = init_world()
     runs = {}
     for device in ("cpu", "cuda"):
-        cfg = _config(mpi_text_data, device)
+        cfg = _config(mpi_text_data, device, steps=1 if zero else 2)  # zero 2: two layers, two micro-batches
         cfg.train.global_batch = 4 * world.size
         if zero:
             cfg.dist.zero, cfg.dist.allreduce, cfg.train.grad_accum_steps = zero, "ring", 2
@@ -42,7 +42,7 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
             assert trainer.staging.mode == "pinned"
         if zero:
             assert trainer.grad_slots.rotating < len(trainer.buckets) - 1
-        losses = [trainer.train_step() for _ in range(2)]
+        losses = [trainer.train_step() for _ in range(cfg.train.steps)]
         runs[device] = losses, trainer.device.to_host(trainer.model.flat.data).copy()
         trainer.close()
     (l_cpu, p_cpu), (l_gpu, p_gpu) = runs["cpu"], runs["cuda"]

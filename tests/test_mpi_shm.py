@@ -62,6 +62,30 @@ def test_zero_copy_equals_the_copy_path_bitwise(world):
     np.testing.assert_array_equal(window, plain)
 
 
+def test_reduce_scatter_in_the_window_leaves_each_rank_its_chunk_of_the_sum_bitwise(world):
+    """ZeRO's reduce-scatter in the window: chunk ``rank`` (the ring's cut) of this rank's slice holds
+    the bits of the whole sum's (the same fold, in the same rank order); outside the slice nothing
+    changes. Slices shorter than the world too."""
+    from hpctrain.comm.ring import chunk_offsets
+
+    allreduce = shm(world, "float64")
+    n = 3001
+    grad = allreduce.allocate(n, "float64")
+    rng = np.random.default_rng(7 + world.rank)
+    for lo, hi in [(0, n), (10, 2010), (5, 7)]:
+        grad[:] = -3.0
+        x = rng.standard_normal(hi - lo)
+        grad[lo:hi] = x
+        whole = x.copy()
+        allreduce(whole, "sum")
+        view = grad[lo:hi]
+        assert allreduce.reduce_scatter(view) is view
+        off = chunk_offsets(hi - lo, world.size)
+        mine = slice(off[world.rank], off[world.rank + 1])
+        np.testing.assert_array_equal(view[mine], whole[mine])
+        assert np.all(grad[:lo] == -3.0) and np.all(grad[hi:] == -3.0), "outside the slice changed"
+
+
 def test_ranks_passing_different_buffers_get_one_error_not_a_hang(world):
     """Rank 0 passes a window slice, the others a plain buffer (or another offset): every
     rank raises the same ValueError (the test's timeout is the hang detector)."""

@@ -175,10 +175,10 @@ def test_zero_2_keeps_a_few_bucket_slots_and_its_share_of_the_gradient(world, mp
 
 @pytest.mark.parametrize("allreduce", ["rhd", "hierarchical", "shm", "auto"])
 def test_zero_with_rhd_hierarchical_shm_and_auto_trains_like_zero_0(world, mpi_text_data, mpi_shared_dir, allreduce):
-    """hierarchical, shm and auto (and rhd off powers of two) reduce-scatter by their whole all-reduce
-    (WholeSumHalves), rhd at powers of two by its halving alone: the same additions as zero 0, so the
-    same bits with one micro-batch (zero 2's slots live in shm's window as zero 0's buckets do, so
-    auto picks the same strategy for them)."""
+    """hierarchical (and rhd off powers of two) reduce-scatter by their whole all-reduce
+    (WholeSumHalves), rhd at powers of two by its halving alone, shm by its fold alone (zero 2's
+    slots live in its window as zero 0's buckets do): the same additions as zero 0, so the same bits
+    with one micro-batch; auto by its pick's, to rounding (its pick may be mpi)."""
     runs = {}
     for stage in (0, 1, 2):
         cfg = _config("gpt", mpi_text_data, "adamw", allreduce, stage, accum=1)
@@ -187,8 +187,11 @@ def test_zero_with_rhd_hierarchical_shm_and_auto_trains_like_zero_0(world, mpi_t
         runs[stage], _ = _train(cfg, world)
     assert runs[2].grad_slots.rotating < len(runs[2].buckets) - 1
     p0 = runs[0].model.flat.data
-    assert np.array_equal(runs[1].model.flat.data, p0)
-    assert np.array_equal(runs[2].model.flat.data, p0)
+    for stage in (1, 2):
+        if allreduce == "auto":  # where it picks mpi, MPI_Reduce_scatter may add in another order
+            np.testing.assert_allclose(runs[stage].model.flat.data, p0, rtol=1e-10, atol=1e-13)
+        else:
+            assert np.array_equal(runs[stage].model.flat.data, p0)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -41,8 +41,8 @@ REPEATS = 7  # median of 7 turns: this 2-core machine has 2-4x outliers; 3 in a 
 
 
 class AutoAllreduce(WholeSumHalves):
-    """ZeRO's halves: its whole sum (the picked strategy's), then MPI_Allgatherv
-    (:class:`~.halves.WholeSumHalves`)."""
+    """ZeRO's halves: the picked strategy's reduce-scatter (:meth:`reduce_scatter`), then
+    MPI_Allgatherv (:class:`~.halves.WholeSumHalves`)."""
 
     def __init__(self, world, device, staging=None, cache_path: str = "", log=None, candidates=CANDIDATES):
         from . import STRATEGIES
@@ -87,6 +87,15 @@ class AutoAllreduce(WholeSumHalves):
 
     def __call__(self, buf, op="mean"):
         return self._pick(buf)(buf, op)
+
+    def reduce_scatter(self, buf):
+        """ZeRO's reduce-scatter (:mod:`.halves`) by the strategy picked for ``buf``: its own where it
+        leaves this rank chunk ``rank`` as ZeRO's shares expect (mpi, naive, rhd, shm), else its
+        whole sum (ring, whose chunks are shifted by one). Collective."""
+        picked = self._pick(buf)
+        if picked.owned_chunk(self.world.rank, self.size) == self.world.rank:
+            return picked.reduce_scatter(buf)
+        return picked(buf, "sum")
 
     def sum_scaled(self, buf, factor: float, check_finite: bool = False) -> bool:
         """``buf`` summed over ranks, scaled by ``factor`` and tested, by the picked strategy

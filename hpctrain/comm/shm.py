@@ -69,8 +69,10 @@ def _all_finite(x):
 
 
 @njit(cache=True, nogil=True)
-def _fold(slots, lo, hi, kind, factor, check):
+def _fold(slots, lo, hi, kind, factor, check, only):
     """slots[:, lo:hi] = reduction over the rows, in row order; kind 0 sum, 1 max, 2 min (NaN wins).
+    ``only`` >= 0: the result goes to rows 0 and ``only`` (a reduce-scatter's: the others keep
+    their values); -1: to every row.
     With kind 0 the sums are then multiplied by ``factor`` (of the slots' dtype) unless it is 1,
     and with ``check`` the result is tested for NaN/Inf; returns False if one was found.
 
@@ -99,8 +101,11 @@ def _fold(slots, lo, hi, kind, factor, check):
             _scale_into(out, factor)
         if check and finite:
             finite = _all_finite(out)
-        for j in range(1, p):
-            _copy_into(slots[j, t:e], out)
+        if only < 0:
+            for j in range(1, p):
+                _copy_into(slots[j, t:e], out)
+        elif only > 0:
+            _copy_into(slots[only, t:e], out)
     return finite
 
 
@@ -138,7 +143,8 @@ class _Arena:
 
 class ShmAllreduce(WholeSumHalves):
     """Collective over ``world.comm`` (all on one machine): buffers of one size and dtype.
-    ZeRO's halves: its whole sum, then MPI_Allgatherv (:class:`~.halves.WholeSumHalves`)."""
+    ZeRO's halves: its fold alone in a window (:meth:`reduce_scatter`), else the whole sum; the
+    all-gather MPI_Allgatherv (:class:`~.halves.WholeSumHalves`)."""
 
     def __init__(self, world, device, staging=None, segment_bytes: int = SEGMENT_BYTES):
         from mpi4py import MPI
@@ -187,6 +193,18 @@ class ShmAllreduce(WholeSumHalves):
         if where is None:
             return host_allreduce(self, buf, op, self._reduce)
         self._fold_in_window(buf, where, 1.0 / self.size, False)  # mean's one scale, inside the fold
+        return buf
+
+    def reduce_scatter(self, buf):
+        """ZeRO's reduce-scatter (:mod:`.halves`): for a slice of a window from :meth:`allocate`, the
+        fold alone, each rank writing its share (chunk ``rank``, the ring's cut) of the sum to its own
+        slot only: the same sums as an all-reduce, 1/p of its writes. Elsewhere the whole sum
+        (:class:`~.halves.WholeSumHalves`). Collective."""
+        where = self._window_slice(buf) if self.size > 1 and buf.size else None
+        if where is None:
+            return WholeSumHalves.reduce_scatter(self, buf)
+        index, at = where
+        self._fold(self.arenas[index], index, at, buf.size, "sum", only=self.rank)
         return buf
 
     def sum_scaled(self, buf, factor: float, check_finite: bool = False) -> bool:
@@ -259,15 +277,17 @@ class ShmAllreduce(WholeSumHalves):
                              "ranks, another slice or a plain buffer on others); every rank must reduce "
                              "the same slice of its allocate()d buffer, or plain buffers everywhere")
 
-    def _fold(self, arena, key, at, n, kind, factor=None, check=False) -> bool:
+    def _fold(self, arena, key, at, n, kind, factor=None, check=False, only=-1) -> bool:
         """Fold [at, at + n) of the arena's slots over ranks, between two synchronisations; a sum
         is multiplied by ``factor`` (of the arena's dtype) unless it is None. Returns False if
-        ``check`` found a NaN/Inf in this rank's share of the result. Collective."""
+        ``check`` found a NaN/Inf in this rank's share of the result. ``only`` = this rank: each
+        rank's share of the result goes to its own slot only (ZeRO's reduce-scatter). Collective."""
         arena.win.Sync()             # this rank's stores to its slot are visible ...
         self._agree(key, at, n)      # ... to every rank past this point
         arena.win.Sync()
         lo, hi = at + chunk_start(n, self.size, self.rank), at + chunk_start(n, self.size, self.rank + 1)
-        finite = _fold(arena.slots, lo, hi, _KIND[kind], arena.dtype.type(1) if factor is None else factor, check)
+        finite = _fold(arena.slots, lo, hi, _KIND[kind], arena.dtype.type(1) if factor is None else factor, check,
+                       only)
         arena.win.Sync()
         self.comm.Barrier()          # every fold is done before any rank reads or rewrites its slot
         arena.win.Sync()
