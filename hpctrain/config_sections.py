@@ -229,7 +229,7 @@ class DistConfig:
         except ValueError as exc:
             raise ConfigError(f"dist.compress={self.compress!r}: {str(exc).split(': ', 1)[-1]}") from None
         from .comm.zero import refusal
-        why = refusal(self.zero, self.allreduce, self.compress)
+        why = refusal(self.zero, self.compress)
         if why:
             raise ConfigError(why)
 

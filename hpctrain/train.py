@@ -22,12 +22,12 @@ from .ckpt.state import fresh_rng
 from .device import make_device
 from .errors import ConfigError, DataError
 from .comm import make_allreduce
-from .comm.buckets import BucketedAllreduce, layout_signature, plan_buckets
+from .comm.buckets import layout_signature, plan_buckets
 from .comm.collectives import Collectives
 from .comm.compression import GradientCompression
 from .comm.staging import Staging
 from .comm.zero import gatherer, traffic_halves
-from .comm.zero_grads import ShardedGradients, plan_zero
+from .comm.zero_grads import make_reducer, place_gradients, plan_zero
 from .data.sampler import shard_range
 from .faults import Faults
 from .guard import agree
@@ -84,13 +84,7 @@ class Trainer:
             self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device, self.staging,
                                             inner=cfg.dist.hierarchical_inner, cache_path=cfg.dist.auto_cache,
                                             log=self.log)
-            if hasattr(self.allreduce, "allocate") and self.device.name == "cpu":
-                # shm: the gradients (ZeRO-2: its slots) live in its shared window, reduced without copies
-                slots = self.grad_slots
-                window = self.allreduce.allocate(slots.size if slots else self.model.flat.size, self.device.dtype)
-                if slots:
-                    slots.move_to(window)
-                self.model.use_grad_buffer(window, slots and slots.offsets)
+            place_gradients(self.allreduce, self.model, self.grad_slots, self.device)
             self.compression = None
             if cfg.dist.compress != "none":
                 self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, world,
@@ -102,13 +96,9 @@ class Trainer:
                 self.param_gather = make_allreduce(gatherer(cfg.dist.allreduce), gather_world, self.device,
                                                    Staging(self.device, cfg.dist.cuda_aware_mpi))
         self.guard = NumericGuard(cfg.guard, self.log)
-        if self.grad_slots is not None:  # ZeRO-2
-            self.comm = ShardedGradients(self.allreduce, self.grad_slots, self.buckets, self.device, self.shards,
-                                         cfg.train.grad_accum_steps, cfg.dist.overlap, cfg.guard.check_grads)
-        else:
-            self.comm = BucketedAllreduce(self.allreduce, self.model.flat.grad, self.buckets, self.device,
-                                          overlap=cfg.dist.overlap, compression=self.compression,
-                                          check_finite=cfg.guard.check_grads, shards=self.shards)
+        self.comm = make_reducer(self.allreduce, self.model.flat.grad, self.buckets, self.device, self.shards,
+                                 self.grad_slots, cfg.train.grad_accum_steps, overlap=cfg.dist.overlap,
+                                 compression=self.compression, check_finite=cfg.guard.check_grads)
         self._bucket_names = [f"bucket {b.index + 1} of {len(self.buckets)}, "
                               f"{b.size * self.device.dtype.itemsize / 1e6:.2f} MB" for b in self.buckets]
         with wd.watch("start-up", "broadcast of the initial weights", slack=10):

@@ -40,7 +40,8 @@ def _config(model, data, optim, allreduce, zero, steps=6, ckpt_dir="/tmp/hpctrai
     if bucket_mb is not None:
         cfg.dist.bucket_mb = bucket_mb
     cfg.checkpoint.dir, cfg.checkpoint.resume, cfg.checkpoint.keep_last = ckpt_dir, resume, 0
-    cfg.checkpoint.every_minutes, cfg.checkpoint.save_final = 0, True
+    # only runs given a directory save (the default one is shared by every job on the machine)
+    cfg.checkpoint.every_minutes, cfg.checkpoint.save_final = 0, ckpt_dir != "/tmp/hpctrain-unused"
     return cfg.validate()
 
 

@@ -120,7 +120,7 @@ def traffic_halves(zero: int, allreduce: str, micro_steps: int, size: int) -> in
     return scatter * (micro_steps if zero == 2 else 1) + 1
 
 
-def refusal(zero: int, allreduce: str, compress: str) -> str | None:
+def refusal(zero: int, compress: str) -> str | None:
     """Why ``dist.zero`` cannot run with these settings, or None."""
     if zero and compress != "none":
         return (f"dist.zero={zero} with dist.compress={compress!r} is not supported: the compressors reduce whole "

@@ -51,6 +51,27 @@ def plan_zero(stage: int, allreduce: str, buckets, model, device, rank: int, siz
     return shards, slots
 
 
+def place_gradients(strategy, model, slots, device) -> None:
+    """With a strategy that offers ``allocate`` (shm, auto with shm) on the CPU, keep ``model``'s
+    gradients (ZeRO-2: its ``slots``) in its shared window, so buckets are reduced without copies."""
+    if not hasattr(strategy, "allocate") or device.name != "cpu":
+        return
+    window = strategy.allocate(slots.size if slots else model.flat.size, device.dtype)
+    if slots:
+        slots.move_to(window)
+    model.use_grad_buffer(window, slots and slots.offsets)
+
+
+def make_reducer(strategy, grad, buckets, device, shards, slots, micro_steps: int, overlap: bool = True,
+                 compression=None, check_finite: bool = False):
+    """The trainer's bucket reducer: :class:`ShardedGradients` over ``slots`` under ZeRO-2, else a
+    :class:`~.buckets.BucketedAllreduce` of the flat gradient ``grad`` (ZeRO-1 with ``shards``)."""
+    if slots is not None:
+        return ShardedGradients(strategy, slots, buckets, device, shards, micro_steps, overlap, check_finite)
+    return BucketedAllreduce(strategy, grad, buckets, device, overlap=overlap, compression=compression,
+                             check_finite=check_finite, shards=shards)
+
+
 class GradientSlots:
     """The gradient memory of ZeRO-2 for ``buckets`` of ``flat`` (see the module docstring).
 
