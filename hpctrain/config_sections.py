@@ -202,8 +202,8 @@ class DistConfig:
                    "of its 1/N share of every bucket (ZeRO-1: gradients reduce-scattered, parameters "
                    "all-gathered) | 2 = and of the gradients only that share, plus a few bucket slots backward "
                    "reuses (ZeRO-2: a reduce-scatter per micro-batch); with every dist.allreduce (mpi, "
-                   "ring, rhd at 2^k ranks, shm and auto have reduce-scatters of their own; naive and "
-                   "hierarchical reduce-scatter by their whole all-reduce)",
+                   "ring, rhd, shm, auto and hierarchical on nodes of one size have reduce-scatters of "
+                   "their own; naive reduce-scatters by its whole all-reduce)",
                    choices=(0, 1, 2))
     comm_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the watchdog "
                              "reports which ranks are missing and aborts the job (checkpoint saves and "

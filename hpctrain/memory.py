@@ -69,7 +69,7 @@ def planned(cfg, world) -> dict:
     try:
         model = models.build(cfg, dev, data)
         buckets = plan_buckets(model.flat, dev.dtype.itemsize, cfg.dist.bucket_mb, cfg.dist.first_bucket_mb)
-        shards, slots = plan_zero(cfg.dist.zero, cfg.dist.allreduce, buckets, model, dev, world.rank, world.size)
+        shards, slots = plan_zero(cfg.dist.zero, cfg.dist, buckets, model, dev, world)
         optimizer = make_optimizer(dev, model.flat, cfg.optim, model.no_decay, shards)
         return computed(types.SimpleNamespace(device=dev, model=model, optimizer=optimizer, sampler=data.sampler,
                                               cfg=cfg, grad_slots=slots))

@@ -37,6 +37,7 @@ class World:
     local_comm  the ranks of this node; ``local_rank``/``local_size`` within it
     cross_comm  ranks with the same local_rank on every node (inter-node hops)
     node_rank   index of this node (0 .. n_nodes-1, in order of first rank)
+    where       (node_rank, local_rank) of every rank, in rank order (empty: not known)
     """
 
     comm: Any
@@ -48,6 +49,7 @@ class World:
     cross_comm: Any
     node_rank: int
     n_nodes: int
+    where: tuple = ()
 
     @property
     def is_root(self) -> bool:
@@ -71,11 +73,13 @@ def init_world(comm=None, ranks_per_node: int = 0) -> World:
     # A node is named by the world rank of its first member; sorting those
     # names numbers the nodes in rank order on every rank alike.
     leader = local_comm.bcast(rank, root=0)
-    leaders = sorted(set(comm.allgather(leader)))
+    named = comm.allgather((leader, local_rank))
+    leaders = sorted({first for first, _ in named})
     cross_comm = comm.Split(color=local_rank, key=rank)
     return World(comm=comm, rank=rank, size=size,
                  local_comm=local_comm, local_rank=local_rank, local_size=local_size,
-                 cross_comm=cross_comm, node_rank=leaders.index(leader), n_nodes=len(leaders))
+                 cross_comm=cross_comm, node_rank=leaders.index(leader), n_nodes=len(leaders),
+                 where=tuple((leaders.index(first), local) for first, local in named))
 
 
 def launched_ranks_on_node() -> int:

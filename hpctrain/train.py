@@ -11,7 +11,6 @@ the trainer knows them only through that interface.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -26,7 +25,7 @@ from .comm.buckets import layout_signature, plan_buckets
 from .comm.collectives import Collectives
 from .comm.compression import GradientCompression
 from .comm.staging import Staging
-from .comm.zero import gatherer, traffic_halves
+from .comm.zero import param_gatherer, traffic_halves
 from .comm.zero_grads import make_reducer, place_gradients, plan_zero
 from .data.sampler import shard_range
 from .faults import Faults
@@ -92,9 +91,9 @@ class Trainer:
                                          self.log, cfg.dist.compress_start_step)
             self.param_gather = None  # ZeRO-1's parameter all-gathers: the main thread's, on a duplicate comm
             if self.shards is not None:
-                gather_world = dataclasses.replace(world, comm=world.comm.Dup())
-                self.param_gather = make_allreduce(gatherer(cfg.dist.allreduce), gather_world, self.device,
-                                                   Staging(self.device, cfg.dist.cuda_aware_mpi))
+                self.param_gather = param_gatherer(cfg.dist.allreduce, self.allreduce, world, self.device,
+                                                   Staging(self.device, cfg.dist.cuda_aware_mpi),
+                                                   cfg.dist.hierarchical_inner)
         self.guard = NumericGuard(cfg.guard, self.log)
         self.comm = make_reducer(self.allreduce, self.model.flat.grad, self.buckets, self.device, self.shards,
                                  self.grad_slots, cfg.train.grad_accum_steps, overlap=cfg.dist.overlap,
@@ -151,8 +150,8 @@ class Trainer:
         self.buckets = plan_buckets(self.model.flat, self.device.dtype.itemsize, cfg.dist.bucket_mb,
                                     cfg.dist.first_bucket_mb)
         # ZeRO: this rank's chunk of every bucket; ZeRO-2 also the slots the gradients live in
-        self.shards, self.grad_slots = plan_zero(cfg.dist.zero, cfg.dist.allreduce, self.buckets, self.model,
-                                                 self.device, world.rank, world.size)
+        self.shards, self.grad_slots = plan_zero(cfg.dist.zero, cfg.dist, self.buckets, self.model, self.device,
+                                                 world)
         self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim, self.model.no_decay, self.shards,
                                         self.grad_slots and self.grad_slots.owned)
         k = cfg.train.grad_accum_steps
@@ -256,8 +255,8 @@ class Trainer:
     def _compression_metrics(self) -> dict:
         c = self.compression
         if c is None:  # the same measure as a compressor's: 2 (p-1)/p of the buckets, per rank
-            halves = traffic_halves(self.cfg.dist.zero, self.cfg.dist.allreduce, self.cfg.train.grad_accum_steps,
-                                    self.world.size)
+            halves = traffic_halves(self.cfg.dist.zero, getattr(self.allreduce, "native_halves", False),
+                                    self.cfg.train.grad_accum_steps)
             dense = halves * (self.world.size - 1) * self.comm.bytes // self.world.size
             return {"bytes_sent": dense, "bytes_dense": dense}
         return {"compress": self.cfg.dist.compress, "compress_scope": self.cfg.dist.compress_scope,

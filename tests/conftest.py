@@ -126,6 +126,29 @@ def mpi_shared_dir():
         shutil.rmtree(path, ignore_errors=True)
 
 
+_FRESH_ROOT = []  # the per-job folder of fresh_shared_dir, removed by rank 0 at exit
+
+
+def fresh_shared_dir(world, tag: str) -> str:
+    """An empty folder named ``tag`` that every rank of ``world`` sees (collective), inside one
+    per-job temporary folder that rank 0 removes when the job exits (so repeated runs leave
+    nothing in /tmp; ``HPCTRAIN_TEST_TMP`` moves it, e.g. onto a parallel file system)."""
+    import atexit
+    import shutil
+
+    if not _FRESH_ROOT:
+        root = None
+        if world.rank == 0:
+            root = tempfile.mkdtemp(prefix="hpctrain-ckpt-", dir=os.environ.get("HPCTRAIN_TEST_TMP"))
+            atexit.register(shutil.rmtree, root, True)
+        _FRESH_ROOT.append(world.comm.bcast(root, root=0))
+    path = os.path.join(_FRESH_ROOT[0], tag)
+    if world.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    world.comm.Barrier()
+    return path
+
+
 @pytest.fixture(scope="session")
 def mpi_small_data(mpi_shared_dir):
     """(train, eval) small datasets written by rank 0 and visible to all ranks."""

@@ -58,14 +58,11 @@ def _state_bytes(trainer) -> dict:
 
 
 def _fresh_dir(world, tag):
+    from conftest import fresh_shared_dir
+
     from hpctrain.ckpt.format import list_checkpoints
 
-    path = world.comm.bcast(os.path.join(os.environ.get("HPCTRAIN_TEST_TMP", "/tmp"),
-                                         f"hpctrain-ckpt-{tag}-{os.getpid()}") if world.rank == 0 else None)
-    if world.rank == 0:
-        import shutil
-        shutil.rmtree(path, ignore_errors=True)
-    world.comm.Barrier()
+    path = fresh_shared_dir(world, tag)
     assert not list_checkpoints(path)
     return path
 

@@ -130,14 +130,9 @@ def test_compression_keeps_every_rank_identical(world, mpi_text_data, compress):
 
 
 def _fresh_dir(world, tag):
-    import os
-    import shutil
+    from conftest import fresh_shared_dir
 
-    path = world.comm.bcast(f"/tmp/hpctrain-gpt-{tag}-{os.getpid()}" if world.rank == 0 else None)
-    if world.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-    world.comm.Barrier()
-    return path
+    return fresh_shared_dir(world, f"gpt-{tag}")
 
 
 def test_resume_is_bit_exact(world, mpi_text_data):

@@ -174,12 +174,19 @@ def test_zero_2_keeps_a_few_bucket_slots_and_its_share_of_the_gradient(world, mp
     assert "lower dist.bucket_mb" in memory.zero2_advice(few)
 
 
-@pytest.mark.parametrize("allreduce", ["rhd", "hierarchical", "shm", "auto"])
+@pytest.mark.parametrize("allreduce", ["rhd", "hierarchical", "hierarchical@1", "hierarchical@2", "shm", "auto"])
 def test_zero_with_rhd_hierarchical_shm_and_auto_trains_like_zero_0(world, mpi_text_data, mpi_shared_dir, allreduce):
-    """hierarchical (and rhd off powers of two) reduce-scatter by their whole all-reduce
-    (WholeSumHalves), rhd at powers of two by its halving alone, shm by its fold alone (zero 2's
-    slots live in its window as zero 0's buckets do): the same additions as zero 0, so the same bits
-    with one micro-batch; auto by its pick's, to rounding (its pick may be mpi)."""
+    """rhd reduce-scatters by its halving alone (the ranks it folds in at non-powers of two get their
+    chunk from their partner), shm by its fold alone (zero 2's slots live in its window as zero 0's
+    buckets do): the same additions as zero 0, so the same bits with one micro-batch. hierarchical
+    (``@k``: on simulated nodes of k ranks) by its halves in the node and across on nodes of one
+    size, by its whole sum on nodes of unequal size (3 ranks as 2 + 1: the same bits), by its inner
+    mpi's on one node; auto by its pick's: to rounding where the halves are MPI_Reduce_scatter."""
+    from hpctrain.runtime import init_world
+
+    allreduce, _, nodes = allreduce.partition("@")
+    if nodes:
+        world = init_world(ranks_per_node=int(nodes))
     runs = {}
     for stage in (0, 1, 2):
         cfg = _config("gpt", mpi_text_data, "adamw", allreduce, stage, accum=1)
@@ -188,11 +195,22 @@ def test_zero_with_rhd_hierarchical_shm_and_auto_trains_like_zero_0(world, mpi_t
         runs[stage], _ = _train(cfg, world)
     assert runs[2].grad_slots.rotating < len(runs[2].buckets) - 1
     p0 = runs[0].model.flat.data
+    native = runs[1].allreduce.native_halves
+    one_size = world.n_nodes == 1 or world.size % int(nodes) == 0  # 3 ranks in nodes of 2: unequal
+    assert native == (allreduce == "rhd" or allreduce == "hierarchical" and one_size)
+    gather = type(runs[1].param_gather).__name__
+    assert gather == ({"rhd": "RhdAllreduce", "hierarchical": "HierarchicalAllreduce"}[allreduce] if native
+                      else "NaiveAllreduce")
     for stage in (1, 2):
-        if allreduce == "auto":  # where it picks mpi, MPI_Reduce_scatter may add in another order
+        # auto may pick mpi; hierarchical's halves are MPI_Reduce_scatter (across nodes or its inner mpi)
+        if allreduce == "auto" or allreduce == "hierarchical" and native and world.size > 1:
             np.testing.assert_allclose(runs[stage].model.flat.data, p0, rtol=1e-10, atol=1e-13)
         else:
             assert np.array_equal(runs[stage].model.flat.data, p0)
+    # the traffic counted: half an all-reduce for a reduce-scatter of the strategy's own
+    bytes_1 = runs[1]._compression_metrics()["bytes_sent"]
+    dense = runs[0]._compression_metrics()["bytes_sent"]
+    assert abs(bytes_1 - dense * (2 if native else 3) / 2) <= 3
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

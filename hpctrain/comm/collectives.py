@@ -98,11 +98,13 @@ def _sub_world(world, comm) -> World:
     local = comm.Split(color=world.node_rank, key=rank)
     # nodes named by their first member's rank, numbered in rank order (as init_world)
     leader = local.bcast(rank, root=0)
-    leaders = sorted(set(comm.allgather(leader)))
+    named = comm.allgather((leader, local.Get_rank()))
+    leaders = sorted({first for first, _ in named})
     cross = comm.Split(color=local.Get_rank(), key=rank)
     return World(comm=comm, rank=rank, size=comm.Get_size(), local_comm=local,
                  local_rank=local.Get_rank(), local_size=local.Get_size(), cross_comm=cross,
-                 node_rank=leaders.index(leader), n_nodes=len(leaders))
+                 node_rank=leaders.index(leader), n_nodes=len(leaders),
+                 where=tuple((leaders.index(first), local_rank) for first, local_rank in named))
 
 
 def _check_counts(counts, size, mine, rank, total, what) -> list[int]:

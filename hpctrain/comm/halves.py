@@ -8,7 +8,8 @@ owner's) and ``owned_chunk(rank, size)`` (which chunk a rank owns). Chunks are
 (:func:`~.ring.host_halves`, through ``Staging.host_view``: the buffer itself on
 the CPU, a pinned copy of a GPU's), as ring and rhd do. Collective over the
 strategy's communicator. Here: the MPI library's halves (mpi), and
-:class:`WholeSumHalves` for the strategies without halves of their own.
+:class:`WholeSumHalves` for the strategies without halves of their own. ``native_halves`` says
+which a strategy has (for the traffic count and the parameter all-gathers).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ def mpi_allgather(comm, x, size: int) -> None:
 
 
 class WholeSumHalves:
-    """ZeRO's halves for a strategy without its own (naive, hierarchical, shm, auto; rhd off powers of
-    two): the
-    reduce-scatter is the strategy's whole all-reduce with op sum (every chunk summed; this rank
+    """ZeRO's halves for a strategy without its own (naive; shm and auto for buffers their own do not
+    fit; hierarchical on nodes of unequal size): the reduce-scatter is the strategy's whole all-reduce with op sum (every chunk summed; this rank
     keeps chunk ``rank``), so a ZeRO step adds in exactly the order of the strategy's all-reduce, at
     the cost of its whole traffic instead of half; the all-gather is MPI_Allgatherv in place. Mixed
     into a strategy that has ``comm``, ``size``, ``staging`` and ``__call__(buf, op)``."""
+
+    native_halves = False  # whether reduce_scatter sends half an all-reduce (traffic_halves, gatherer)
 
     @staticmethod
     def owned_chunk(rank: int, size: int) -> int:

@@ -39,7 +39,7 @@ import numpy as np
 
 from .halves import WholeSumHalves
 from .reduce_ops import mpi_op, reduce_into, reduce_kind
-from .ring import HostScratch, chunk_offsets, host_allreduce
+from .ring import HostScratch, chunk_offsets, host_allreduce, host_halves
 from .staging import Staging
 
 TAG = 0x48
@@ -48,7 +48,9 @@ PIPELINE_DEPTH = 1  # segments whose cross-node step is still pending when the n
 
 
 class HierarchicalAllreduce(WholeSumHalves):
-    """ZeRO's halves: its whole sum, then MPI_Allgatherv (:class:`~.halves.WholeSumHalves`)."""
+    """ZeRO's halves (:mod:`.halves`), on nodes of equal size: in the node and across, each a half of
+    the all-reduce's (:meth:`reduce_scatter`); on one node the inner strategy's; on nodes of unequal
+    size its whole sum, then MPI_Allgatherv (:class:`~.halves.WholeSumHalves`)."""
 
     def __init__(self, world, device, staging=None, inner: str = "mpi", segment_bytes: int = SEGMENT_BYTES):
         from mpi4py import MPI
@@ -73,6 +75,9 @@ class HierarchicalAllreduce(WholeSumHalves):
             # phase 2 works on host memory that staging already produced
             self._inner = STRATEGIES[inner](cross, CpuDevice(device.dtype))
         self._recv = HostScratch()
+        self.owned_chunk = chunk_rule(world, inner)
+        self.native_halves = (getattr(self._single_node, "native_halves", False) if self._single_node
+                              else equal_nodes(world))
         self.segment_bytes = segment_bytes
         self._nonblocking = inner == "mpi"
         # compress_scope = "inter": phase 2 sums through a compressor (compress_inter)
@@ -167,3 +172,75 @@ class HierarchicalAllreduce(WholeSumHalves):
         for s in range(p - 1):  # pass the finished chunks on, received straight into place
             c_send, c_recv = (r - s) % p, (r - s - 1) % p
             comm.Sendrecv(x[off[c_send]:off[c_send + 1]], right, TAG, x[off[c_recv]:off[c_recv + 1]], left, TAG)
+
+    # ZeRO's halves. On nodes of L ranks each, chunk c * n_nodes + k of the size-way cut belongs to
+    # local rank c, number k in its cross_comm (chunk_rule): local rank c's chunks are one contiguous
+    # piece of the buffer, so the node's ring reduce-scatters pieces (phase 1 alone) and each cross_comm
+    # reduce-scatters its piece into the chunks (MPI_Reduce_scatter); the all-gather runs the same
+    # backwards. Per rank (L - 1)/L of the buffer inside the node, and (n_nodes - 1)/n_nodes of a
+    # piece, 1/L of it, across: the all-reduce's traffic halved. Unsegmented (a bucket at a time).
+    def reduce_scatter(self, buf):
+        if self._single_node is not None:
+            return self._single_node.reduce_scatter(buf)
+        if not self.native_halves:
+            return WholeSumHalves.reduce_scatter(self, buf)
+        return host_halves(self, buf, self._scatter_pieces)
+
+    def allgather(self, buf):
+        if self._single_node is not None:
+            return self._single_node.allgather(buf)
+        if not self.native_halves:
+            return WholeSumHalves.allgather(self, buf)
+        return host_halves(self, buf, self._gather_pieces)
+
+    def _pieces(self, n):
+        """(the node's L pieces' offsets, this rank's piece's chunks' offsets) of n elements."""
+        nodes, c = self.world.n_nodes, self.world.local_rank
+        off = chunk_offsets(n, self.size)
+        return off[::nodes], off[c * nodes:(c + 1) * nodes + 1]
+
+    def _scatter_pieces(self, x):
+        from mpi4py import MPI
+
+        pieces, chunks = self._pieces(x.size)
+        self._reduce_scatter(x, pieces, "sum")
+        counts = np.diff(chunks).tolist()
+        k = self.world.cross_comm.Get_rank()
+        recv = self._recv.get(x.dtype, counts[k])
+        self.world.cross_comm.Reduce_scatter(x[chunks[0]:chunks[-1]], recv, recvcounts=counts, op=MPI.SUM)
+        x[chunks[k]:chunks[k + 1]] = recv
+
+    def _gather_pieces(self, x):
+        from mpi4py import MPI
+
+        pieces, chunks = self._pieces(x.size)
+        counts = np.diff(chunks).tolist()
+        displs = [c - chunks[0] for c in chunks[:-1]]
+        self.world.cross_comm.Allgatherv(MPI.IN_PLACE, [x[chunks[0]:chunks[-1]], (counts, displs)])
+        self._all_gather(x, pieces)
+
+
+def equal_nodes(world) -> bool:
+    """Whether ``world`` spans several nodes of one size (known from ``world.where``)."""
+    if world.n_nodes < 2 or not world.where:
+        return False
+    sizes = collections.Counter(node for node, _ in world.where)
+    return len(set(sizes.values())) == 1
+
+
+def chunk_rule(world, inner: str = "mpi"):
+    """``owned_chunk(rank, size)`` of hierarchical's ZeRO halves on ``world``: the inner strategy's on
+    one node; on nodes of equal size local rank c, number k among the ranks of local rank c
+    (its cross_comm rank: they are numbered in rank order), owns chunk c * n_nodes + k; else
+    chunk ``rank`` (the whole sum's). Local: from ``world.where``."""
+    from . import STRATEGIES
+
+    if world.n_nodes == 1:
+        return STRATEGIES[inner].owned_chunk
+    if not equal_nodes(world):
+        return WholeSumHalves.owned_chunk
+    owner, seen = [], collections.Counter()
+    for _, local in world.where:
+        owner.append(local * world.n_nodes + seen[local])
+        seen[local] += 1
+    return lambda rank, size: owner[rank]

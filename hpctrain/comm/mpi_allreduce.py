@@ -31,6 +31,8 @@ class MpiAllreduce:
         return buf
 
     # ZeRO's halves (hpctrain.comm.halves): MPI_Reduce_scatter, then MPI_Allgatherv in place
+    native_halves = True
+
     @staticmethod
     def owned_chunk(rank: int, size: int) -> int:
         return rank

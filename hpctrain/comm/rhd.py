@@ -25,7 +25,9 @@ TAG = 0x48
 
 class RhdAllreduce(WholeSumHalves):
     """Collective over ``world.comm``: every rank calls it with a buffer of one size and dtype.
-    ZeRO's halves: its own at a power of two, else :class:`~.halves.WholeSumHalves`'s."""
+    ZeRO's halves: its own at every size (only ``owned_chunk`` is :class:`~.halves.WholeSumHalves`')."""
+
+    native_halves = True
 
     def __init__(self, world, device, staging=None):
         self.comm, self.rank, self.size, self.device = world.comm, world.rank, world.size, device
@@ -42,18 +44,54 @@ class RhdAllreduce(WholeSumHalves):
         """World rank of the rank numbered ``v`` among the p2 that take part in the halving."""
         return 2 * v + 1 if v < self.rem else v + self.rem
 
-    # ZeRO's halves (hpctrain.comm.halves): at a power of two the halving and the doubling alone (the
-    # same additions as the all-reduce, half its traffic each), chunk ``rank`` of the ring's cut; with
-    # ranks folded in, the whole sum and MPI_Allgatherv (WholeSumHalves), which own the same chunks
+    # ZeRO's halves (hpctrain.comm.halves), chunk ``rank`` of the ring's cut: the all-reduce's halving
+    # and doubling alone (half its traffic on the p2). With ranks folded in, the halving's ranges are
+    # whole chunks of the size-way cut (the folded pair's two chunks are its range), the odd rank of
+    # a pair hands the even one its chunk, and the all-gather ends with the whole buffer sent back:
+    # the same additions as the all-reduce (each element's tree of partial sums is the same
+    # whichever range holds it), so ZeRO on rhd gives zero 0's bits at every size.
     def reduce_scatter(self, buf):
-        if self.rem:
-            return WholeSumHalves.reduce_scatter(self, buf)
-        return host_halves(self, buf, lambda x: self._halving(x, "sum", self.rank))
+        return host_halves(self, buf, self._reduce_scatter)
 
     def allgather(self, buf):
-        if self.rem:
-            return WholeSumHalves.allgather(self, buf)
-        return host_halves(self, buf, lambda x: self._doubling(x, self.rank, self.rank, self.rank + 1))
+        return host_halves(self, buf, self._allgather)
+
+    def _groups(self, n: int) -> list[int]:
+        """Offsets (p2 + 1) of the halving's ranges: number v's range is the chunks of the ranks
+        it stands for (2v and 2v + 1 for a folded pair, else v + rem) in the size-way cut of n."""
+        off = chunk_offsets(n, self.size)
+        return [off[2 * v if v < self.rem else v + self.rem] for v in range(self.p2)] + [n]
+
+    def _reduce_scatter(self, x):
+        r, comm, rem = self.rank, self.comm, self.rem
+        own = chunk_offsets(x.size, self.size)[r:r + 2]
+        if r < 2 * rem and r % 2 == 0:  # folded in: the partner sums for both, then hands this chunk back
+            comm.Send(x, r + 1, TAG)
+            comm.Recv(x[own[0]:own[1]], r + 1, TAG)
+            return
+        if r < 2 * rem:
+            scratch = self.scratch.get(x.dtype, x.size)
+            comm.Recv(scratch, r - 1, TAG)
+            reduce_into(x, scratch, "sum")
+        v = r // 2 if r < 2 * rem else r - rem
+        self._halving(x, "sum", v, self._groups(x.size))
+        if r < 2 * rem:
+            partner = chunk_offsets(x.size, self.size)[r - 1:r + 1]
+            comm.Send(x[partner[0]:partner[1]], r - 1, TAG)
+
+    def _allgather(self, x):
+        r, comm, rem = self.rank, self.comm, self.rem
+        off = chunk_offsets(x.size, self.size)
+        if r < 2 * rem and r % 2 == 0:  # hand this chunk to the partner, receive the whole buffer
+            comm.Send(x[off[r]:off[r + 1]], r + 1, TAG)
+            comm.Recv(x, r + 1, TAG)
+            return
+        if r < 2 * rem:
+            comm.Recv(x[off[r - 1]:off[r]], r - 1, TAG)
+        v = r // 2 if r < 2 * rem else r - rem
+        self._doubling(x, v, v, v + 1, self._groups(x.size))
+        if r < 2 * rem:
+            comm.Send(x, r - 1, TAG)
 
     def _rhd(self, x, kind):
         r, comm, rem = self.rank, self.comm, self.rem
@@ -73,13 +111,14 @@ class RhdAllreduce(WholeSumHalves):
         if r < 2 * rem:
             comm.Send(x, r - 1, TAG)
 
-    def _halving(self, x, kind, v):
+    def _halving(self, x, kind, v, off=None):
         """Reduce-scatter by recursive halving among the p2 (``v``: this rank's number there): at
-        distance d the partner v^d shares our chunk range [lo, hi); we keep the half on our side of
-        bit d, send the other half and fold the partner's copy of ours. Returns (lo, hi) = (v, v+1)."""
+        distance d the partner v^d shares our range of chunks [lo, hi); we keep the half on our side
+        of bit d, send the other half and fold the partner's copy of ours. Returns (lo, hi) =
+        (v, v+1). ``off``: the p2 chunks' offsets (default: the p2-way cut of x)."""
         p2, comm = self.p2, self.comm
-        off = chunk_offsets(x.size, p2)
-        scratch = self.scratch.get(x.dtype, off[p2 // 2])  # the largest receive: the first (lower) half
+        off = off or chunk_offsets(x.size, p2)
+        scratch = self.scratch.get(x.dtype, max(off[p2 // 2], x.size - off[p2 // 2]))  # the larger half
         lo, hi, d = 0, p2, p2 // 2
         while d:
             partner, mid = self._real_rank(v ^ d), (lo + hi) // 2
@@ -90,11 +129,11 @@ class RhdAllreduce(WholeSumHalves):
             lo, hi, d = klo, khi, d // 2
         return lo, hi
 
-    def _doubling(self, x, v, lo, hi):
+    def _doubling(self, x, v, lo, hi, off=None):
         """All-gather by recursive doubling among the p2: at distance d the partner holds the finished
-        range next to ours, of the same width; swap them, received in place."""
+        range of chunks next to ours, as many; swap them, received in place. ``off`` as _halving's."""
         p2, comm = self.p2, self.comm
-        off = chunk_offsets(x.size, p2)
+        off = off or chunk_offsets(x.size, p2)
         d = 1
         while d < p2:
             partner, width = self._real_rank(v ^ d), hi - lo

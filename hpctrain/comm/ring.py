@@ -97,6 +97,8 @@ class RingAllreduce:
         self._allgather(x)
 
     # ZeRO's halves (hpctrain.comm.halves): the ring's own, so a zero-1 step sums in the same order
+    native_halves = True
+
     @staticmethod
     def owned_chunk(rank: int, size: int) -> int:
         return (rank + 1) % size  # where the reduce-scatter leaves the finished sum

@@ -7,7 +7,8 @@ Shares. Every gradient bucket [lo, hi) is cut into ``size`` chunks as the ring
 cuts a buffer (:func:`~.ring.chunk_offsets`: the first (hi - lo) % size chunks
 one element longer, none padded), and each rank owns one chunk of every bucket:
 the chunk its strategy's reduce-scatter leaves the finished sum in
-(``owned_chunk``: ``rank + 1`` for ring, chunk ``rank`` for the others).
+(``owned_chunk``: ``rank + 1`` for ring, by node and local rank for hierarchical across nodes of
+one size, chunk ``rank`` for the others).
 A rank's chunks, packed back to back, are its optimizer state: about 1/size of
 zero 0's, within one element per bucket. Shares follow the buckets (not one
 contiguous range of the flat buffer) so that every rank takes part in every
@@ -33,29 +34,42 @@ and :meth:`ZeroShards.take` picks this rank's chunks out of a loaded array.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 import numpy as np
 
 from .ring import chunk_offsets
 
 STAGES = (0, 1, 2)  # 2: the gradients too (hpctrain.comm.zero_grads)
-NATIVE_HALVES = ("mpi", "ring")  # strategies with reduce-scatter and all-gather of their own (rhd: at 2^k)
 
 
-def owned_chunk_rule(allreduce: str):
-    """``owned_chunk(rank, size)`` of strategy ``allreduce``: which chunk its reduce-scatter leaves
-    with a rank (ring: rank + 1; the others: rank)."""
+def owned_chunk_rule(allreduce: str, world, inner: str = "mpi"):
+    """``owned_chunk(rank, size)`` of strategy ``allreduce`` on ``world``: which chunk its
+    reduce-scatter leaves with a rank (ring: rank + 1; hierarchical on nodes of equal size: by
+    node and local rank, :func:`~.hierarchical.chunk_rule`; the others: rank). Local."""
     from . import STRATEGIES
     from .halves import WholeSumHalves
+    from .hierarchical import chunk_rule
 
+    if allreduce == "hierarchical":
+        return chunk_rule(world, inner)
     return STRATEGIES.get(allreduce, WholeSumHalves).owned_chunk
 
 
-def gatherer(allreduce: str) -> str:
-    """The strategy whose all-gather ZeRO's parameter gathers use: the all-reduce's own where it has
-    halves of its own (mpi, ring), else naive, whose MPI_Allgatherv is the one all the others use
-    (so no second auto measurement or shared window is built for it)."""
-    return allreduce if allreduce in NATIVE_HALVES else "naive"
+def param_gatherer(allreduce: str, strategy, world, device, staging, inner: str = "mpi"):
+    """The strategy whose all-gathers ZeRO's parameter gathers use, built on duplicates of
+    ``world``'s communicators (the main thread gathers while the communication thread
+    reduce-scatters): another ``allreduce`` where ``strategy`` has halves of its own
+    (``native_halves``: mpi, ring, rhd, hierarchical on nodes of one size), else naive, whose
+    MPI_Allgatherv is the one all the others use (so no second auto measurement or shared window is
+    built for it). Collective."""
+    from . import make_allreduce
+
+    name = allreduce if getattr(strategy, "native_halves", False) else "naive"
+    dup = dataclasses.replace(world, comm=world.comm.Dup())
+    if name == "hierarchical":  # its all-gather runs in the node and across
+        dup = dataclasses.replace(dup, local_comm=world.local_comm.Dup(), cross_comm=world.cross_comm.Dup())
+    return make_allreduce(name, dup, device, staging, inner=inner)
 
 
 class ZeroShards:
@@ -109,13 +123,13 @@ class ZeroShards:
         return np.concatenate([full[lo:hi] for lo, hi, _ in self.pieces]) if self.pieces else full[:0].copy()
 
 
-def traffic_halves(zero: int, allreduce: str, micro_steps: int, size: int) -> int:
+def traffic_halves(zero: int, native: bool, micro_steps: int) -> int:
     """Per step, the uncompressed traffic per rank in halves of an all-reduce (each (p-1)/p of the
-    buckets): an all-reduce is 2; ZeRO's reduce-scatter 1 (2 where it is the whole all-reduce,
-    :class:`~.halves.WholeSumHalves`), once per micro-batch under ZeRO-2, plus 1 for the all-gather."""
+    buckets): an all-reduce is 2; ZeRO's reduce-scatter 1 with halves of the strategy's own
+    (``native``), else 2 (the whole all-reduce, :class:`~.halves.WholeSumHalves`), once per
+    micro-batch under ZeRO-2, plus 1 for the all-gather."""
     if not zero:
         return 2
-    native = allreduce in NATIVE_HALVES or allreduce == "rhd" and size & (size - 1) == 0
     scatter = 1 if native else 2
     return scatter * (micro_steps if zero == 2 else 1) + 1
 

@@ -35,14 +35,15 @@ from .reduce_ops import scale_and_test
 from .zero import ZeroShards, owned_chunk_rule
 
 
-def plan_zero(stage: int, allreduce: str, buckets, model, device, rank: int, size: int):
-    """(shards, slots) of ``dist.zero = stage`` for this rank: None, None for 0; the
-    :class:`~.zero.ZeroShards` of strategy ``allreduce`` for 1; and for 2 also the
-    :class:`GradientSlots`, with ``model``'s gradients moved into them (its whole gradient buffer
-    dropped and, on a GPU, freed now)."""
+def plan_zero(stage: int, dist, buckets, model, device, world):
+    """(shards, slots) of ``dist.zero = stage`` for this rank of ``world``: None, None for 0; the
+    :class:`~.zero.ZeroShards` of strategy ``dist.allreduce`` (the ``dist`` config section) for 1;
+    and for 2 also the :class:`GradientSlots`, with ``model``'s gradients moved into them (its whole
+    gradient buffer dropped and, on a GPU, freed now). Local."""
     if not stage:
         return None, None
-    shards = ZeroShards(buckets, rank, size, owned_chunk_rule(allreduce))
+    owned_chunk = owned_chunk_rule(dist.allreduce, world, dist.hierarchical_inner)
+    shards = ZeroShards(buckets, world.rank, world.size, owned_chunk)
     if stage == 1:
         return shards, None
     slots = GradientSlots(buckets, shards, model.flat, model.backward_groups, device)
