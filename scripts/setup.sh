@@ -134,13 +134,30 @@ say "mpi4py: $("$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version()
 
 # ---- h5py against parallel HDF5 (never PyPI's serial wheel) ------------------------
 h5py_mpi() { "$PY" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' >/dev/null 2>&1; }
+# The wheel we build is kept outside the clone, under a key of everything it was built against
+# (h5py version, Python, MPI compiler, the HDF5 library file), so a fresh clone on a machine that
+# built one installs it in seconds. pip's own cache is not used: it could hand back a serial wheel.
+WHEELS=${HPCTRAIN_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpctrain/wheels}
+hdf5_lib=$(readlink -f "$HDF5_DIR/lib/libhdf5.so" 2>/dev/null || readlink -f "$HDF5_DIR/libhdf5.so" 2>/dev/null || true)
+h5py_key=$(printf '%s\n' "$H5PY_VERSION" "$want_py" "$("$MPICC" -show 2>/dev/null)" "$hdf5_lib" \
+    "$(stat -c '%s %Y' "$hdf5_lib" 2>/dev/null)" | sha256sum | cut -c1-16)
+h5py_wheels="$WHEELS/h5py-$h5py_key"
+if ! h5py_mpi && compgen -G "$h5py_wheels/h5py-*.whl" >/dev/null; then
+    say "h5py: installing the wheel built here before ($h5py_wheels)"
+    "${PIP[@]}" uninstall -y h5py >/dev/null 2>&1 || true
+    "${PIP[@]}" install --no-deps "$h5py_wheels"/h5py-*.whl || true
+    h5py_mpi || { say "h5py: that wheel does not load with MPI; building again"; rm -rf "$h5py_wheels"; }
+fi
 if ! h5py_mpi; then
     say "h5py: building $H5PY_VERSION against $HDF5_DIR with MPI (~2-3 min)"
     "${PIP[@]}" uninstall -y h5py >/dev/null 2>&1 || true
-    # No build isolation: isolation compiles its own mpi4py inside the build
-    # (>12 min, >20 GB). No cache: pip would silently reuse a serial wheel.
+    # No build isolation: isolation compiles its own mpi4py inside the build (>12 min, >20 GB).
+    rm -rf "$h5py_wheels.tmp" && mkdir -p "$h5py_wheels.tmp"
     CC=$MPICC HDF5_MPI=ON HDF5_DIR=$HDF5_DIR \
-        "${PIP[@]}" install --no-binary=h5py --no-build-isolation --no-cache-dir "h5py==$H5PY_VERSION"
+        "${PIP[@]}" wheel --no-deps --no-binary=h5py --no-build-isolation --no-cache-dir -w "$h5py_wheels.tmp" \
+        "h5py==$H5PY_VERSION"
+    "${PIP[@]}" install --no-deps "$h5py_wheels.tmp"/h5py-*.whl
+    if h5py_mpi; then rm -rf "$h5py_wheels" && mv "$h5py_wheels.tmp" "$h5py_wheels"; else rm -rf "$h5py_wheels.tmp"; fi
 fi
 h5py_mpi || die "h5py was installed without MPI support (h5py.get_config().mpi is False)."
 say "h5py: $("$PY" -c 'import h5py; print(h5py.__version__, "HDF5", h5py.version.hdf5_version, "mpi=True")')"

@@ -143,20 +143,24 @@ def test_embedding_shape_errors_match_twin(dev):
 
 
 # ---- layernorm ---------------------------------------------------------------------
-# (N, C): one row; 20 rows = 2.5 blocks of 8 (the simulator's 2 blocks loop),
-# C > 32 so lanes loop; C = 70 spans three gradient column blocks.
-LN_SHAPES = [(1, 5), (20, 33), (12, 70), pytest.param((8192, 768), marks=gpu)]
+# (N, C): one row; 17 rows = two blocks of 8 and one row (the simulator's 2 blocks
+# loop, the last group of 8 ragged), C > 32 so lanes loop; C = 70 spans three
+# gradient column blocks.
+LN_SHAPES = [(1, 5), (17, 33), (12, 70), pytest.param((8192, 768), marks=gpu)]
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Under the simulator, dweight/dbias partials over chunks of 8 rows (not
-    128): 20 rows are then three chunks, the last one ragged, at a fraction of
-    the simulated threads. The kernel reads the chunk size from its grid."""
+    """Under the simulator, dweight/dbias partials over chunks of at most 10 rows
+    (not 128): the launcher makes ceil(N / 10) chunks and the kernel splits the N
+    rows evenly over them, so 17 rows are two chunks, of 9 rows (row lane 0 sums
+    two) and of 8 (clamped to N), and 12 rows two of 6. Every chunk is another row
+    of 256-thread blocks: two, not the three of 8-row chunks, at a fraction of the
+    simulated threads. The kernel reads the chunk size from its grid."""
     from hpctrain.kernels.cuda_support import simulated
 
     if simulated():
-        monkeypatch.setattr(layernorm_cuda, "GRAD_ROWS", 8)
+        monkeypatch.setattr(layernorm_cuda, "GRAD_ROWS", 10)
 
 
 def ln_case(dtype, shape):
@@ -201,9 +205,9 @@ def test_layernorm_forward_matches_twin(dev, shape):
     assert down(dev, OUT).tobytes() == got[0].tobytes()  # a fixed order: the same bits every run
 
 
-# every (accumulate, add_dx) pair once on the ragged 20 x 33; the other shapes once each
-LN_BACKWARD_CASES = [((20, 33), False, False), ((20, 33), True, True), ((20, 33), False, True),
-                     ((20, 33), True, False), ((1, 5), False, False), ((12, 70), True, True),
+# every (accumulate, add_dx) pair once on the ragged 17 x 33; the other shapes once each
+LN_BACKWARD_CASES = [((17, 33), False, False), ((17, 33), True, True), ((17, 33), False, True),
+                     ((17, 33), True, False), ((1, 5), False, False), ((12, 70), True, True),
                      pytest.param((8192, 768), True, True, marks=gpu)]
 
 
@@ -237,7 +241,10 @@ def test_layernorm_four_element_steps_match_twin(dev):
     test_layernorm_backward_matches_twin(dev, None, (40, 130), True, True)
 
 
-@pytest.mark.parametrize("shape", [(20, 33), (40, 130)])  # 130 channels: the lanes' four-channel steps
+# 130 channels: the lanes' four-channel steps (and two lanes' remainders); 17 rows as
+# above (row loop, ragged group, two gradient chunks): 2 x 5 partial-sum blocks where
+# 40 rows in chunks of 8 launched 5 x 5
+@pytest.mark.parametrize("shape", [(17, 33), (17, 130)])
 def test_layernorm_backward_dx_may_be_dout_and_is_deterministic(dev, small_chunks, shape):
     x, weight, bias, dout, _, _, _ = ln_case(dev.dtype, shape)
     N, C = x.shape

@@ -114,8 +114,16 @@ def test_skip_drops_the_step_and_counts_it(small_data, tmp_path, n):
     assert all(np.isfinite(v).all() for v in _params(f"{ckpt}/ckpt-00000060.h5").values())
 
 
+@pytest.fixture(scope="module")
+def clean_params(small_data, tmp_path_factory):
+    """The parameters at step 60 of the 2-rank run without a fault (one run for both cases below)."""
+    clean = str(tmp_path_factory.mktemp("clean") / "clean")
+    assert _run(small_data[0], clean, 2, fault="").returncode == 0
+    return _params(f"{clean}/ckpt-00000060.h5")
+
+
 @pytest.mark.parametrize("bad", [25, 19])
-def test_rollback_equals_skip_bit_for_bit(small_data, tmp_path, bad):
+def test_rollback_equals_skip_bit_for_bit(small_data, tmp_path, bad, clean_params):
     """Rollback reloads the last save and steps over the bad batch on the replay; skip drops that
     step's update in place. Both leave the state of a run that never saw the batch: the same bits.
     (Step 19: stepping over it reaches a save point, step 20, which must still be saved.)"""
@@ -132,10 +140,8 @@ def test_rollback_equals_skip_bit_for_bit(small_data, tmp_path, bad):
         a, b = _params(f"{skip}/ckpt-{step:08d}.h5"), _params(f"{back}/ckpt-{step:08d}.h5")
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), step
     # and the bad batch mattered: a run without the fault ends elsewhere
-    a, clean = _params(f"{skip}/ckpt-00000060.h5"), str(tmp_path / "clean")
-    assert _run(small_data[0], clean, 2, fault="").returncode == 0
-    c = _params(f"{clean}/ckpt-00000060.h5")
-    assert any(not np.array_equal(a[k], c[k]) for k in a)
+    a = _params(f"{skip}/ckpt-00000060.h5")
+    assert any(not np.array_equal(a[k], clean_params[k]) for k in a)
 
 
 def test_rollback_without_a_checkpoint_saves_one_first(small_data, tmp_path):
