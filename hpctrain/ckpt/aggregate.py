@@ -45,7 +45,7 @@ def writer_map(world, writers_per_node: int) -> tuple[list[int], dict]:
     consecutive local ranks (block g: the l with l * W // L == g); the lowest
     local rank of a block writes for it. ``writers_per_node`` 0: every rank writes.
     """
-    where = world.comm.allgather((world.node_rank, world.local_rank))
+    where = getattr(world, "where", ()) or world.comm.allgather((world.node_rank, world.local_rank))
     local_size: dict = {}
     for node, _ in where:
         local_size[node] = local_size.get(node, 0) + 1

@@ -180,18 +180,19 @@ class HierarchicalAllreduce(WholeSumHalves):
     # backwards. Per rank (L - 1)/L of the buffer inside the node, and (n_nodes - 1)/n_nodes of a
     # piece, 1/L of it, across: the all-reduce's traffic halved. Unsegmented (a bucket at a time).
     def reduce_scatter(self, buf):
-        if self._single_node is not None:
-            return self._single_node.reduce_scatter(buf)
-        if not self.native_halves:
-            return WholeSumHalves.reduce_scatter(self, buf)
-        return host_halves(self, buf, self._scatter_pieces)
+        return self._half(buf, "reduce_scatter", self._scatter_pieces)
 
     def allgather(self, buf):
+        return self._half(buf, "allgather", self._gather_pieces)
+
+    def _half(self, buf, name, own):
+        """Half ``name`` of ``buf``: the inner strategy's on one node, the whole sum's
+        (WholeSumHalves) on nodes of unequal size, else ``own`` on the host copy."""
         if self._single_node is not None:
-            return self._single_node.allgather(buf)
+            return getattr(self._single_node, name)(buf)
         if not self.native_halves:
-            return WholeSumHalves.allgather(self, buf)
-        return host_halves(self, buf, self._gather_pieces)
+            return getattr(WholeSumHalves, name)(self, buf)
+        return host_halves(self, buf, own)
 
     def _pieces(self, n):
         """(the node's L pieces' offsets, this rank's piece's chunks' offsets) of n elements."""
