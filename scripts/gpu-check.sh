@@ -15,6 +15,8 @@
 # then writes OUTDIR/gpu-check.md and OUTDIR/gpu-check.json (scripts/gpu_report.py).
 # Exit 0 when every step passed. About 5-8 minutes on one H100.
 # GPU_CHECK_SKIP="gpu-tests kernels" leaves steps out (to rerun the rest after a fix).
+# GPU_CHECK_BUDGET_S=N: the whole check ends within about N s (a lease of fixed length): each
+# step's limit is cut to what is left, and a step with under 10 s left is recorded as 'budget'.
 # --simulate: every step's plumbing on the simulator with tiny sizes and a few steps, the
 # test step and the PyTorch comparison left out (the suite runs the CUDA tests on the
 # simulator anyway; the peer needs a GPU to mean anything): about a minute, no GPU.
@@ -25,9 +27,11 @@ OUT=${1:?usage: bash scripts/gpu-check.sh [--simulate] OUTDIR}
 mkdir -p "$OUT/logs" "$OUT/runs"
 OUT=$(cd "$OUT" && pwd)   # relative to where it was called from, before the cd below
 cd "$(dirname "$0")/.."
-PY=${HPCTRAIN_PYTHON:-python3}
+# absolute: mpirun starts its ranks with its own PATH, where python3 may be another one
+PY=$(command -v "${HPCTRAIN_PYTHON:-python3}")
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=$SIM
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+CHECK_T0=$(date +%s)
 MPIRUN=${MPIRUN:-mpirun}  # Open MPI may oversubscribe through the variable above; others need no flag
 DATA=$OUT/data
 mkdir -p "$DATA"
@@ -41,6 +45,13 @@ step() {
     case " ${GPU_CHECK_SKIP:-} " in *" $name "*)
         echo "== $name: skipped (GPU_CHECK_SKIP)"; printf '%s\tskipped\t0\n' "$name" >> "$OUT/steps.tsv"; return 0 ;;
     esac
+    if [ -n "${GPU_CHECK_BUDGET_S:-}" ]; then
+        local left=$(( GPU_CHECK_BUDGET_S - ($(date +%s) - CHECK_T0) - 10 ))  # 10 s for the report
+        if [ $left -lt 10 ]; then
+            echo "== $name: out of budget"; printf '%s\tbudget\t0\n' "$name" >> "$OUT/steps.tsv"; return 0
+        fi
+        [ $left -lt $limit ] && limit=$left
+    fi
     t0=$(date +%s%N)
     echo "== $name (limit ${limit} s)"
     timeout --kill-after=10 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
@@ -79,7 +90,8 @@ echo "simulate=$SIM" > "$OUT/mode.txt"
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tail -1
   mpirun --version 2>&1 | head -1; nproc; } > "$OUT/env.txt" 2>&1
 
-step gpu-tests 300 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/logs/gpu-tests.xml" \
+# -v: a test killed by the limit leaves each earlier result in the log (the XML is written at the end)
+step gpu-tests 300 "$PY" -m pytest -v --durations=20 -p no:cacheprovider --junitxml="$OUT/logs/gpu-tests.xml" \
     tests/test_cuda_kernels.py tests/test_cuda_device.py tests/test_gpu_training.py tests/test_compress_kernels_cuda.py \
     tests/test_attention_cuda.py tests/test_gpt_cuda_kernels.py tests/test_gpt_cuda_step.py
 step kernels 180 "$PY" benchmarks/kernels.py "${KERNELS_ARGS[@]}" --json "$OUT/kernels.json"

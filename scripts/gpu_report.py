@@ -29,8 +29,8 @@ def steps(out):
     rows = []
     for line in read(os.path.join(out, "steps.tsv")).splitlines():
         name, rc, secs = line.split("\t")
-        if rc == "skipped":
-            rows.append({"name": name, "rc": None, "seconds": 0.0})
+        if rc in ("skipped", "budget"):  # left out by GPU_CHECK_SKIP / not started: GPU_CHECK_BUDGET_S ran out
+            rows.append({"name": name, "rc": None, "seconds": 0.0, "budget": rc == "budget"})
             continue
         rows.append({"name": name, "rc": int(rc), "seconds": float(secs)})
     return rows
@@ -77,7 +77,8 @@ def main(out):
             doc["runs"][name[:-6]] = run_summary(os.path.join(runs_dir, name))
     run = [s for s in doc["steps"] if s["rc"] is not None]
     skipped = [s["name"] for s in doc["steps"] if s["rc"] is None]
-    ok = bool(run) and all(s["rc"] == 0 for s in run)
+    # a step the budget left out is a check not done: the whole check did not pass
+    ok = bool(run) and all(s["rc"] == 0 for s in run) and not any(s.get("budget") for s in doc["steps"])
     doc["skipped"] = skipped
     doc["passed"] = ok
     with open(os.path.join(out, "gpu-check.json"), "w") as fh:
@@ -86,7 +87,8 @@ def main(out):
     md = ["# hpctrain GPU check", "", "```", *doc["env"], "```", "",
           f"**{'PASSED' if ok else 'FAILED'}**" + (f" (skipped: {', '.join(skipped)})" if skipped else ""), "",
           "| step | exit | seconds |", "|---|---|---|"]
-    md += [f"| {s['name']} | {'skipped' if s['rc'] is None else s['rc']} | {s['seconds']:.1f} |"
+    md += [f"| {s['name']} | {('out of budget' if s.get('budget') else 'skipped') if s['rc'] is None else s['rc']} "
+           f"| {s['seconds']:.1f} |"
            for s in doc["steps"]]
     t = doc["tests"]
     if t:

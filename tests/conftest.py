@@ -8,6 +8,7 @@ Tests that *launch* mpirun themselves are serial tests (nested mpirun does not w
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -162,6 +163,17 @@ def mpi_small_data(mpi_shared_dir):
     return os.path.join(mpi_shared_dir, "train.h5"), os.path.join(mpi_shared_dir, "eval.h5")
 
 
+@functools.lru_cache(maxsize=None)
+def _open_mpi() -> bool:
+    """True when ``mpirun`` is Open MPI's (the only one that knows ``--oversubscribe``; MPICH's
+    Hydra, on a GPU machine with pip's MPI say, runs more ranks than cores without it)."""
+    try:
+        out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return "Open MPI" in out or "OpenRTE" in out
+
+
 def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: str = REPO, env_extra=None):
     """Launch ``mpirun -n n python <args>`` and return the CompletedProcess (text).
 
@@ -170,7 +182,7 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: str = REPO, env_
     """
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
-    cmd = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable, *args]
+    cmd = ["mpirun", "-n", str(n), *(["--oversubscribe"] if _open_mpi() else []), sys.executable, *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -38,3 +38,19 @@ def test_gpu_check_dry_run_on_the_simulator(tmp_path):
     assert runs["gpt-1"]["loss"] == pytest.approx(runs["gpt-2"]["loss"], rel=1e-6)   # 2 ranks = 1 rank
     assert runs["mlp-1"]["loss"] == pytest.approx(runs["mlp-2"]["loss"], rel=1e-6)
     assert "**PASSED** (skipped: gpu-tests, kernels, gpt-vs-torch)" in report
+
+
+def test_a_step_the_budget_cannot_start_fails_the_check(tmp_path):
+    """GPU_CHECK_BUDGET_S: with 15 s (the report's 10 s reserved) no step can start; each is
+    recorded as out of budget, not as skipped, and the check does not pass."""
+    out = tmp_path / "check"
+    env = dict(os.environ, HPCTRAIN_PYTHON=sys.executable, GPU_CHECK_BUDGET_S="15", GPU_CHECK_SKIP="gpu-tests")
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu-check.sh"), "--simulate", str(out)],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]   # exit 0 only when every step passed
+    doc = json.loads((out / "gpu-check.json").read_text())
+    assert doc["passed"] is False
+    budget = [s["name"] for s in doc["steps"] if s.get("budget")]
+    assert budget == ["kernels", "data", "mlp-cuda-1", "gpt-cuda-1", "mlp-cuda-2", "gpt-cuda-2"]
+    report = (out / "gpu-check.md").read_text()
+    assert "**FAILED**" in report and "| data | out of budget |" in report
