@@ -5,6 +5,7 @@
     python benchmarks/scaling.py --models gpt --ranks 1 2 4         # the GPT (examples/gpt.toml's), ~5 min here
     python benchmarks/scaling.py --launcher "srun --mpi=pmix -n {n}" --ranks 1 2 4 8 16   # in an allocation
     python -m hpctrain bench report runs/bench/scaling                   # table + plots again from the JSON
+    python benchmarks/scaling.py --models gpt --ranks 2 --tensor-parallel 1 2    # tensor parallelism's overhead
 
 A plain-python driver (never under mpirun itself): per configuration it runs
 ``<launcher> python -m hpctrain train --set ...`` (``{n}`` in ``--launcher`` is
@@ -114,6 +115,9 @@ def parse_args(argv=None):
     p.add_argument("--compare-steps", type=int, default=10, help="first steps whose losses must agree (10)")
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance (float32: 1e-4)")
     p.add_argument("--trace-config", default="mid:2", help="MODEL:N traced once more ('' none)")
+    p.add_argument("--tensor-parallel", type=int, nargs="*", default=[],
+                   help="instead of the sweep: the GPT models at each --ranks with each dist.tensor_parallel t "
+                        "given (same global batch; benchmarks/scaling_tensor.py), into tensor.json / tensor.md")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "scaling"))
     return p.parse_args(argv)
@@ -147,9 +151,9 @@ class Runner:
             fh.write(f"$ {shlex.join(cmd)}\n{text}")
         return rc, text, time.time() - t0
 
-    def run(self, trainer, model, mode, n, batch, sets, init, warmup, rep=0, per_row=1):
+    def run(self, trainer, model, mode, n, batch, sets, init, warmup, rep=0, per_row=1, tag=""):
         a = self.args
-        tag = f"{trainer}-{model}-{mode}-n{n}" + (f"-r{rep}" if a.repeats > 1 else "")
+        tag = f"{trainer}-{model}-{mode}-n{n}" + (f"-r{rep}" if a.repeats > 1 else "") + (f"-{tag}" if tag else "")
         metrics = os.path.join(a.out, "runs", tag + ".jsonl")
         if os.path.exists(metrics):
             os.remove(metrics)
@@ -249,6 +253,10 @@ def main(argv=None) -> int:
         hp_sets = ([f'dist.allreduce="{a.allreduce}"'] + sets
                    + ([f"checkpoint.every_steps={a.ckpt_every}"] if a.ckpt_every else []))
         plans[name] = sets, hp_sets, init, warmup
+    if a.tensor_parallel:
+        from scaling_tensor import sweep
+
+        return 1 if sweep(runner, models, plans, a.tensor_parallel) else 0
     for rep in range(a.repeats):  # whole sweeps in turn: a burst of load hits one run of each, not all
         for name, (sets, hp_sets, init, warmup) in plans.items():
             m = models[name]

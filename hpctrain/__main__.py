@@ -204,8 +204,15 @@ def cmd_info(args) -> int:
         cfg = agree(world, lambda: load_config(args.config, args.set).validate())
         got = agree(world, planned, cfg, world)  # a bad file: one error from rank 0
         if world.is_root:
-            print(f"  {describe(got, cfg.dist.zero, world.size)} (rank 0 of {world.size}, "
+            t = cfg.dist.tensor_parallel
+            print(f"  {describe(got, cfg.dist.zero, world.size // t)} (rank 0 of {world.size}, "
                   f"model.kind={cfg.model.kind}, train.device={cfg.train.device}, train.dtype={cfg.train.dtype})")
+            if t > 1:
+                from .comm.grid import groups
+
+                tensor, data = groups(world.size, t)
+                print(f"  tensor parallel t = {t}: tensor groups {' '.join(map(str, tensor))}; data-parallel "
+                      f"groups {' '.join(map(str, data))}")
     return 0
 
 

@@ -51,6 +51,14 @@ class Config:
         if (self.train.target_val_bpb or self.train.target_bpb_vs_bigram) and self.model.kind != "gpt":
             raise ConfigError("train.target_val_bpb and target_bpb_vs_bigram are language-model targets: they need "
                               "model.kind = \"gpt\" (the mlp's target is train.target_accuracy)")
+        if self.dist.tensor_parallel > 1:
+            if self.model.kind != "gpt":
+                raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel}: tensor parallelism splits the "
+                                  f"GPT's blocks; model.kind = {self.model.kind!r} trains data-parallel only "
+                                  f"(dist.tensor_parallel = 1)")
+            if self.model.n_head % self.dist.tensor_parallel:
+                raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel} does not divide model.n_head="
+                                  f"{self.model.n_head}: each tensor rank owns n_head / t whole heads")
         return self
 
     def to_toml(self) -> str:

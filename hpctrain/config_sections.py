@@ -205,6 +205,12 @@ class DistConfig:
                    "ring, rhd, shm, auto and hierarchical on nodes of one size have reduce-scatters of "
                    "their own; naive reduce-scatters by its whole all-reduce)",
                    choices=(0, 1, 2))
+    tensor_parallel: int = _f(1, "tensor (model) parallel size t (GPT only): groups of t consecutive ranks split "
+                              "each block Megatron's way (QKV and the MLP's first Linear by columns, n_head / t heads "
+                              "and 4 d_model / t hidden units per rank; both output projections by rows; embeddings, "
+                              "tied head and LayerNorms replicated); the world size / t data-parallel groups average "
+                              "gradients with dist.allreduce. t divides the world size and model.n_head; "
+                              "dist.zero = 0 only")
     comm_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the watchdog "
                              "reports which ranks are missing and aborts the job (checkpoint saves and "
                              "evaluation get 10x while every rank still answers); 0 = off")
@@ -228,6 +234,13 @@ class DistConfig:
             make_compressor(self.compress)
         except ValueError as exc:
             raise ConfigError(f"dist.compress={self.compress!r}: {str(exc).split(': ', 1)[-1]}") from None
+        if self.tensor_parallel < 1:
+            raise ConfigError(f"dist.tensor_parallel={self.tensor_parallel}: a group size >= 1 (1 = no tensor "
+                              f"parallelism)")
+        if self.tensor_parallel > 1 and self.zero:
+            raise ConfigError(f"dist.tensor_parallel={self.tensor_parallel} with dist.zero={self.zero}: ZeRO's shares "
+                              f"are cut from the whole flat buffer every rank holds, which tensor parallelism splits; "
+                              f"use one of them (dist.zero = 0, or dist.tensor_parallel = 1)")
         from .comm.zero import refusal
         why = refusal(self.zero, self.compress)
         if why:

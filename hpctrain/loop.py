@@ -53,10 +53,12 @@ def _loop(trainer) -> dict:
                 + (f" from step {cfg.dist.compress_start_step}" if cfg.dist.compress_start_step else "")
                 if trainer.compression else "")
              + "), "
-             f"global batch {tc.global_batch} = {_shares(tc.global_batch, world.size)}, "
-             f"{trainer.model.flat.size:,} parameters, "
+             + (f"{trainer.grid.describe()}, " if trainer.grid.tensor is not None else "")
+             + f"global batch {tc.global_batch} = {_shares(tc.global_batch, trainer.dp.size)}, "
+             f"{trainer.model.flat.size:,} parameters"
+             + (" on this rank" if trainer.grid.tensor is not None else "") + ", "
              f"{trainer.sampler.steps_per_epoch} steps/epoch; data: {data.describe}")
-    log.info(memory.describe(memory.computed(trainer), cfg.dist.zero, world.size))
+    log.info(memory.describe(memory.computed(trainer), cfg.dist.zero, trainer.dp.size))
     advice = memory.zero2_advice(trainer)
     if advice:
         log.warn(advice)
@@ -71,6 +73,7 @@ def _loop(trainer) -> dict:
     # averaged gradient (BucketedAllreduce.nonfinite), then per stop signal the ranks
     # that got it (agreement at no extra collective)
     stats = np.zeros(6 + len(STOP_SIGNALS))
+    copy = trainer.grid.tensor_rank != 0  # this rank's loss and rows are its tensor rank 0's, counted there
     t_start = t_window = time.perf_counter()
     eval_total, final_scores = 0.0, None
     first_step, stopped_by = trainer.step, None
@@ -93,6 +96,8 @@ def _loop(trainer) -> dict:
                 loss_sum, correct, nonfinite = trainer.compute_step(update=not guard.deferred)
                 stats[:] = (loss_sum, correct, b * per_row, world.is_root and ckpt.time_due(), *nonfinite,
                             *(trainer.stop_signal.received == name for name in STOP_SIGNALS))
+                if copy:  # a data group's tensor ranks computed the same loss on the same rows: one counts
+                    stats[:3] = 0.0
                 with wd.watch("step statistics all-reduce", f"step {trainer.step}", trainer.step):
                     world.comm.Allreduce(_in_place(), stats)  # global loss/accuracy of this step
                 bad = guard.verdict(trainer.step, stats[0] / stats[2], stats[4], stats[5])
@@ -118,6 +123,7 @@ def _loop(trainer) -> dict:
                                                              trainer.step, 10):
                         ckpt.save(trainer)
                 split = trainer.timers.pop()
+                tensor = trainer.tensor.take() if trainer.tensor is not None else {}  # this step's, before evaluation
                 op_split = trainer.op_times.pop() if trainer.op_times else {}  # before evaluation's ops
                 step_time = time.perf_counter() - t0
                 rate = _rates(tc.global_batch, per_row, trainer.model.flops_per_row, peak, step_time)
@@ -130,13 +136,15 @@ def _loop(trainer) -> dict:
                     scores = trainer.evaluate(whole=trainer.step == tc.steps)
                     final_scores = scores if trainer.step == tc.steps else None
                     eval_s = time.perf_counter() - t_eval
+                    if trainer.tensor is not None:
+                        trainer.tensor.take()  # evaluation's forward all-reduces are not a step's
                     t_window, eval_total = t_window + eval_s, eval_total + eval_s  # rates count training only
                 trainer.metrics.write(step=trainer.step, epoch=trainer.sampler.position(trainer.step - 1)[0],
                                    loss=stats[0] / stats[2], accuracy=stats[1] / stats[2],
                                    lr=trainer.schedule.lr(trainer.step - 1), step_time=step_time,
                                    comm_time=trainer.comm.comm_s, exposed_comm_time=trainer.comm.exposed_s,
                                    bytes_reduced=trainer.comm.bytes, allreduce=cfg.dist.allreduce,
-                                   **trainer._compression_metrics(),
+                                   **trainer._compression_metrics(), **tensor,
                                    **rate,
                                    bad_steps=guard.bad_steps, skipped=bad is not None,
                                    **memory.measured(trainer.device),

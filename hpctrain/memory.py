@@ -11,6 +11,7 @@ the process's peak resident set (``ru_maxrss``) and, on a GPU, the device memory
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import types
 
@@ -65,9 +66,16 @@ def planned(cfg, world) -> dict:
         like = "cuda" if cuda_status()[0] and not simulated() else "cpu"
     dev = Unallocated(cfg.train.dtype, like=like)
     models = family(cfg.model.kind)
+    t, tensor = cfg.dist.tensor_parallel, None
+    if t > 1:  # this rank's place in the grid (comm.grid), without its communicators: shapes only
+        from .comm.grid import check_divides
+
+        check_divides(world.size, t)
+        tensor = types.SimpleNamespace(size=t, rank=world.rank % t)
+        world = dataclasses.replace(world, rank=world.rank // t, size=world.size // t)  # its data group
     data = models.open_data(cfg, world, dev)
     try:
-        model = models.build(cfg, dev, data)
+        model = models.build(cfg, dev, data, tensor=tensor)
         buckets = plan_buckets(model.flat, dev.dtype.itemsize, cfg.dist.bucket_mb, cfg.dist.first_bucket_mb)
         shards, slots = plan_zero(cfg.dist.zero, cfg.dist, buckets, model, dev, world)
         optimizer = make_optimizer(dev, model.flat, cfg.optim, model.no_decay, shards)

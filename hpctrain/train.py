@@ -23,6 +23,7 @@ from .errors import ConfigError, DataError
 from .comm import make_allreduce
 from .comm.buckets import layout_signature, plan_buckets
 from .comm.collectives import Collectives
+from .comm.grid import make_grid
 from .comm.compression import GradientCompression
 from .comm.staging import Staging
 from .comm.zero import param_gatherer, traffic_halves
@@ -72,6 +73,7 @@ class Trainer:
             # Ranks reading different files (node-local copies that differ) would
             # train on garbage or mismatch in Bcast; compare what each rank sees.
             seen = world.comm.allgather(self.data.signature)
+            dp = self.dp
             agree(world, _check_same_data, seen, cfg.data.train)
             # Buckets reduced in a different order or size on some rank would pair
             # collectives wrongly and hang: compare the layouts first.
@@ -80,18 +82,18 @@ class Trainer:
         with wd.watch("start-up", f"all-reduce set-up (dist.allreduce={cfg.dist.allreduce})", slack=10):
             # strategies may run collectives while being built (auto measures), so
             # only once every rank is known to have built everything else
-            self.allreduce = make_allreduce(cfg.dist.allreduce, world, self.device, self.staging,
+            self.allreduce = make_allreduce(cfg.dist.allreduce, dp, self.device, self.staging,
                                             inner=cfg.dist.hierarchical_inner, cache_path=cfg.dist.auto_cache,
                                             log=self.log)
             place_gradients(self.allreduce, self.model, self.grad_slots, self.device)
             self.compression = None
             if cfg.dist.compress != "none":
-                self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, world,
+                self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, dp,
                                          self.staging, self.allreduce, self.buckets, self.model.flat, cfg.train.seed,
                                          self.log, cfg.dist.compress_start_step)
             self.param_gather = None  # ZeRO-1's parameter all-gathers: the main thread's, on a duplicate comm
             if self.shards is not None:
-                self.param_gather = param_gatherer(cfg.dist.allreduce, self.allreduce, world, self.device,
+                self.param_gather = param_gatherer(cfg.dist.allreduce, self.allreduce, dp, self.device,
                                                    Staging(self.device, cfg.dist.cuda_aware_mpi),
                                                    cfg.dist.hierarchical_inner)
         self.guard = NumericGuard(cfg.guard, self.log)
@@ -101,8 +103,9 @@ class Trainer:
         self._bucket_names = [f"bucket {b.index + 1} of {len(self.buckets)}, "
                               f"{b.size * self.device.dtype.itemsize / 1e6:.2f} MB" for b in self.buckets]
         with wd.watch("start-up", "broadcast of the initial weights", slack=10):
-            # data parallelism starts from identical weights: rank 0's
-            self.collectives = Collectives(world, self.device, self.staging)
+            # data parallelism starts from identical weights: its rank 0's (under tensor parallelism
+            # each data group holds one tensor rank's pieces)
+            self.collectives = Collectives(dp, self.device, self.staging)
             self.collectives.Bcast(self.model.flat.data, root=0)
         with wd.watch("start-up", "GEMM peak for MFU", slack=10):
             self.peak_flops = None  # FLOP/s over all ranks; None: MFU not reported
@@ -132,6 +135,10 @@ class Trainer:
 
     def _build(self):
         cfg, world = self.cfg, self.world
+        # tensor groups of dist.tensor_parallel ranks split the model; data groups across them
+        # average gradients: everything data-parallel below runs over self.dp
+        self.grid = make_grid(world, cfg.dist.tensor_parallel)
+        self.dp = dp = self.grid.data
         self.device = make_device(cfg.train.device, cfg.train.dtype, world, cfg.train.gemm)
         self.op_times = None
         if cfg.train.op_times:
@@ -139,9 +146,14 @@ class Trainer:
 
             self.op_times = OpTimes(self.device)  # wraps the device's kernel table
         models = family(cfg.model.kind)
-        self.data = models.open_data(cfg, world, self.device)
+        self.data = models.open_data(cfg, dp, self.device)   # tensor ranks of a data group read the same rows
         self.sampler, self.reader = self.data.sampler, self.data.reader
-        self.model = models.build(cfg, self.device, self.data)
+        self.tensor = None  # the TensorGroup the model's split layers all-reduce over
+        if self.grid.tensor is not None:
+            from .nn.tensor_parallel import TensorGroup
+
+            self.tensor = TensorGroup(self.grid.tensor, self.device, Staging(self.device, cfg.dist.cuda_aware_mpi))
+        self.model = models.build(cfg, self.device, self.data, tensor=self.tensor)
         self.model.init(cfg.train.seed)
         self.faults.check_inputs(self.model.input_dtype)
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
@@ -151,23 +163,24 @@ class Trainer:
                                     cfg.dist.first_bucket_mb)
         # ZeRO: this rank's chunk of every bucket; ZeRO-2 also the slots the gradients live in
         self.shards, self.grad_slots = plan_zero(cfg.dist.zero, cfg.dist, self.buckets, self.model, self.device,
-                                                 world)
+                                                 dp)
         self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim, self.model.no_decay, self.shards,
                                         self.grad_slots and self.grad_slots.owned)
         k = cfg.train.grad_accum_steps
         if cfg.train.exact_shares and self.sampler.batch % k:
             raise ConfigError(f"train.grad_accum_steps={k} does not divide the per-rank batch "
-                              f"{self.sampler.batch} (global {cfg.train.global_batch} / {world.size} ranks); "
+                              f"{self.sampler.batch} (global {cfg.train.global_batch} / {dp.size} data-parallel "
+                              f"ranks); "
                               f"or set train.exact_shares = false to let micro-batches differ by one row")
         if self.sampler.batch < k:
             raise ConfigError(f"train.grad_accum_steps={k} exceeds this rank's {self.sampler.batch} rows per step "
-                              f"(global {cfg.train.global_batch} over {world.size} ranks); lower it")
+                              f"(global {cfg.train.global_batch} over {dp.size} data-parallel ranks); lower it")
         # Shares (and micro-batches) that differ: every prediction's loss gets the same weight,
         # size k / (G predictions per row), instead of 1 / (the rows of its micro-batch), so the
         # sum over ranks scaled by 1 / (size k) is the whole batch's mean. Even shares keep 1/B.
         self.uneven = not self.sampler.even or self.sampler.batch % k != 0
         if self.uneven:
-            self.model.loss.row_weight = (world.size * k) / (cfg.train.global_batch * self.model.targets_per_row)
+            self.model.loss.row_weight = (dp.size * k) / (cfg.train.global_batch * self.model.targets_per_row)
         if cfg.optim.schedule == "cosine" and cfg.optim.min_lr > peak:
             raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds the peak lr {peak:g} "
                               f"(after the linear scaling rule); lower optim.min_lr")
@@ -204,7 +217,7 @@ class Trainer:
         with t("data"):
             x_all, y_all = self.reader.batch(self.step)
             x_all = self.faults.before_step(self.step, x_all)
-        self.comm.start(scale=1.0 / (self.world.size * k), step=self.step)
+        self.comm.start(scale=1.0 / (self.dp.size * k), step=self.step)
         loss_sum, correct = 0.0, 0
         for micro in range(k):
             last = micro == k - 1
@@ -257,7 +270,7 @@ class Trainer:
         if c is None:  # the same measure as a compressor's: 2 (p-1)/p of the buckets, per rank
             halves = traffic_halves(self.cfg.dist.zero, getattr(self.allreduce, "native_halves", False),
                                     self.cfg.train.grad_accum_steps)
-            dense = halves * (self.world.size - 1) * self.comm.bytes // self.world.size
+            dense = halves * (self.dp.size - 1) * self.comm.bytes // self.dp.size
             return {"bytes_sent": dense, "bytes_dense": dense}
         return {"compress": self.cfg.dist.compress, "compress_scope": self.cfg.dist.compress_scope,
                 "bytes_sent": c.sent_bytes, "bytes_dense": c.dense_bytes, "compression_ratio": c.ratio,
@@ -268,7 +281,9 @@ class Trainer:
         ``whole``, else the family's subset), each rank scoring its shard; forward only, no gradient
         or optimizer state touched. Collective."""
         totals = np.zeros(3)  # loss_sum, correct, predictions
-        for x_host, y_host in self.data.eval_shard(self.world.rank, self.world.size, whole):
+        # a data group's tensor ranks score the same shard: each counts it once in the world's
+        # sums below, loss and predictions alike, so the means are those of the data groups
+        for x_host, y_host in self.data.eval_shard(self.dp.rank, self.dp.size, whole):
             x = self.device.upload(x_host, "eval_x", self.model.input_dtype)
             y = self.device.upload(y_host, "eval_y", np.int64)
             loss_sum, correct = self.model.forward(x, y)

@@ -54,3 +54,36 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
     gathered = world.comm.allgather(p_gpu)
     for other in gathered[1:]:
         np.testing.assert_array_equal(other, gathered[0])
+
+
+def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(mpi_text_data):
+    """dist.tensor_parallel = 2 on the device: the row-split projections' partial outputs and the
+    column-split layers' input gradients go through the tensor group's all-reduce (host staging),
+    and one step gives the CPU's loss and logical parameters (the CPU's split run equals t = 1:
+    tests/test_mpi_tensor_parallel.py)."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.size != 2:
+        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
+    from hpctrain.log import Log
+    from hpctrain.runtime import init_world
+    from hpctrain.train import Trainer
+    from test_gpt_cuda_step import _config, assert_close
+
+    world = init_world()
+    runs = {}
+    for device in ("cpu", "cuda"):
+        cfg = _config(mpi_text_data, device, steps=1)
+        cfg.dist.tensor_parallel, cfg.train.global_batch = 2, 4
+        trainer = Trainer(cfg.validate(), world, Log(False))
+        loss = trainer.train_step()
+        model = trainer.model
+        host = trainer.device.to_host(model.flat.data)
+        params = np.concatenate([model.tensor_layout.logical(s.name, host[s.offset:s.offset + s.size].reshape(s.shape))
+                                 .reshape(-1) for s in model.flat.slots])
+        runs[device] = loss, params, trainer.tensor.take()["tensor_allreduces"]
+        trainer.close()
+    (l_cpu, p_cpu, n_cpu), (l_gpu, p_gpu, n_gpu) = runs["cpu"], runs["cuda"]
+    np.testing.assert_allclose(l_gpu[0], l_cpu[0], rtol=1e-12)
+    assert l_gpu[1] == l_cpu[1] and n_gpu == n_cpu == 4 * cfg.model.n_layer
+    assert_close(p_gpu, p_cpu)

@@ -87,17 +87,28 @@ def fresh_rng(seed: int, rank: int, step: int = 0) -> np.random.Generator:
     return np.random.default_rng([seed, rank, step])
 
 
+def _slot_entries(group, model, to_host, buf, dtype) -> list[Entry]:
+    """One entry per parameter slot of the flat array ``buf``: its logical array, gathered from
+    the tensor group (collective over it) when the model splits it (``tensor_layout``)."""
+    flat, layout = model.flat, getattr(model, "tensor_layout", None)
+    if layout is None:
+        return [_flat_entry(parameter_path(group, s.name), to_host, buf, s, dtype) for s in model.flat.slots]
+    return [_host_entry(parameter_path(group, s.name),
+                        layout.logical(s.name, np.asarray(to_host(flat.view(buf, s.name)))))
+            for s in flat.slots]
+
+
 def training_state(trainer) -> list[Entry]:
-    """Every array of ``trainer`` that a bit-exact restart needs, in file order."""
+    """Every array of ``trainer`` that a bit-exact restart needs, in file order. Parameters and
+    optimizer state are logical arrays: a ZeRO share or a tensor-parallel piece is gathered
+    (collectives), so the file does not depend on how the run was split."""
     dev, flat, opt, sampler, cfg = trainer.device, trainer.model.flat, trainer.optimizer, trainer.sampler, trainer.cfg
-    entries = [_flat_entry(parameter_path("model", s.name), dev.to_host, flat.data, s, dev.dtype)
-               for s in flat.slots]
+    entries = _slot_entries("model", trainer.model, dev.to_host, flat.data, dev.dtype)
     for state_name, buf in opt.state().items():
         to_host = dev.to_host
         if getattr(opt, "shards", None) is not None:  # ZeRO-1: the whole state assembled on the host (collective)
             buf, to_host = opt.shards.gather(trainer.world.comm, dev.to_host(buf), flat.size), np.asarray
-        entries += [_flat_entry(parameter_path(f"optim/{state_name}", s.name), to_host, buf, s, dev.dtype)
-                    for s in flat.slots]
+        entries += _slot_entries(f"optim/{state_name}", trainer.model, to_host, buf, dev.dtype)
     entries.append(_host_entry("/optim/step_count", np.array([getattr(opt, "t", 0)], np.int64)))
     epoch, in_epoch = sampler.position(trainer.step)
     entries.append(_host_entry("/data/position", np.array(
@@ -164,7 +175,8 @@ def _restore_compression(trainer, own_rows, saved_world, saved_compress, log) ->
 def check_compatible(trainer, shapes: dict) -> None:
     """Raise :class:`IncompatibleCheckpoint` listing every parameter whose shape differs or is missing."""
     flat, problems = trainer.model.flat, []
-    want = {parameter_path("model", s.name): tuple(s.shape) for s in flat.slots}
+    logical = getattr(trainer.model, "logical_shape", lambda s: s.shape)
+    want = {parameter_path("model", s.name): tuple(logical(s)) for s in flat.slots}
     for path, shape in want.items():
         if path not in shapes:
             problems.append(f"{path}: missing in the checkpoint (model has {shape})")
@@ -192,8 +204,10 @@ def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_co
     """Load arrays read by :func:`~hpctrain.ckpt.read.load_checkpoint` into ``trainer``."""
     check_compatible(trainer, {p: a.shape for p, a in full.items()})
     dev, flat, opt = trainer.device, trainer.model.flat, trainer.optimizer
+    layout = getattr(trainer.model, "tensor_layout", None)
+    mine = (lambda name, a: a) if layout is None else layout.local  # noqa: E731  (this rank's piece)
     for s in flat.slots:
-        dev.copy_from_host(flat.view(flat.data, s.name), full[parameter_path("model", s.name)])
+        dev.copy_from_host(flat.view(flat.data, s.name), mine(s.name, full[parameter_path("model", s.name)]))
     for state_name, buf in opt.state().items():
         if getattr(opt, "shards", None) is not None:  # ZeRO-1: this rank's chunks of the logical arrays
             whole = np.concatenate([np.asarray(full[parameter_path(f"optim/{state_name}", s.name)]).reshape(-1)
@@ -201,7 +215,7 @@ def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_co
             dev.copy_from_host(buf, opt.shards.take(whole).astype(dev.dtype, copy=False))
             continue
         for s in flat.slots:
-            dev.copy_from_host(flat.view(buf, s.name), full[parameter_path(f"optim/{state_name}", s.name)])
+            dev.copy_from_host(flat.view(buf, s.name), mine(s.name, full[parameter_path(f"optim/{state_name}", s.name)]))
     if hasattr(opt, "t"):
         opt.t = int(full["/optim/step_count"][0])
     position = dict(zip(POSITION_FIELDS, (int(v) for v in full["/data/position"])))

@@ -36,7 +36,8 @@ in ``STRATEGIES``.
 
 Gradient buckets and the communication thread that overlaps them with
 backward are in :mod:`.buckets`; the MPI-style collectives API is
-:mod:`.collectives`.
+:mod:`.collectives`; the process grid of tensor parallelism (tensor groups
+and the data-parallel groups these strategies then run over) is :mod:`.grid`.
 """
 
 from .mpi_allreduce import MpiAllreduce

@@ -85,10 +85,10 @@ class Collectives:
         node_rank), so ranks simulated as nodes stay so.
         """
         sub = self.comm.Split(color, self.rank if key is None else key)
-        return Collectives(_sub_world(self.world, sub), self.device, self.staging, self.allreduce_name)
+        return Collectives(sub_world(self.world, sub), self.device, self.staging, self.allreduce_name)
 
 
-def _sub_world(world, comm) -> World:
+def sub_world(world, comm) -> World:
     """The World of ``comm``, a subcommunicator of ``world.comm``, keeping the parent's nodes.
 
     Like runtime.init_world, but a node is split by the parent's node_rank

@@ -6,7 +6,8 @@
 A family module offers two functions, both called on every rank:
 
   open_data(cfg, world, device) -> TrainingData   this rank's view of the training and evaluation data
-  build(cfg, device, data) -> model                the model, parameters zeroed (``init`` draws them)
+  build(cfg, device, data, tensor=None) -> model   the model, parameters zeroed (``init`` draws them);
+                       ``tensor``: the TensorGroup that splits its layers (dist.tensor_parallel > 1)
 
 and its model offers (the trainer, checkpoints and optimizer use nothing else):
 
@@ -28,6 +29,7 @@ and its model offers (the trainer, checkpoints and optimizer use nothing else):
   activation_bytes(rows)   bytes of the activations a micro-batch of ``rows`` rows keeps for backward
   checkpoint_hint(shapes)  the fix to print when a checkpoint's parameter shapes do not fit
   tracer               an hpctrain.trace.Tracer or None (spans per layer)
+  tensor_layout        a TensorLayout (split parameters and their logical arrays) or None: optional
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from ..data.tokens import TokenBatchReader, TokenWindows, eval_indices, open_tok
 from ..errors import ConfigError, DataError
 from ..nn.flat import FlatParams
 from ..nn.layers import SoftmaxCrossEntropy
+from ..nn.tensor_parallel import TensorLayout
 from ..nn.transformer import Block, Embedding, LayerNorm, TiedHead, gpt2_init
 from . import TrainingData
 
@@ -103,7 +104,9 @@ def _check_targets(cfg, path, bytes_tokens, baselines):
                         f"with 'python -m hpctrain data text' or set an absolute train.target_val_bpb")
 
 
-def build(cfg, device, data: TrainingData) -> "GPT":
+def build(cfg, device, data: TrainingData, tensor=None) -> "GPT":
+    """``tensor``: the :class:`~hpctrain.nn.tensor_parallel.TensorGroup` that splits each block
+    (``dist.tensor_parallel`` > 1), or None."""
     m = cfg.model
     missing = [op for op in GPT_OPS if not hasattr(device.ops, op)]
     if missing:
@@ -116,18 +119,33 @@ def build(cfg, device, data: TrainingData) -> "GPT":
             raise ConfigError(f"model.d_model / model.n_head = {m.d_model // m.n_head} is a head size above the "
                               f"CUDA attention kernels' limit of {HS_SIZES[-1]}; use more heads (model.n_head >= "
                               f"{-(-m.d_model // HS_SIZES[-1])}) or train.device=cpu")
-    return GPT(device, data.info["vocab_size"], m.context, m.n_layer, m.n_head, m.d_model, m.recompute)
+    return GPT(device, data.info["vocab_size"], m.context, m.n_layer, m.n_head, m.d_model, m.recompute, tensor)
+
+
+# Tensor parallelism splits these parameters of every block: name suffix -> (axis, parts). The
+# QKV matrix's columns are q, k and v (three parts), each cut by heads; the output projections
+# are cut by rows; the rest (embeddings and the tied head, LayerNorms, the projections' biases)
+# is replicated: the byte-level vocabulary (256 x d_model) is smaller than one block's matrices,
+# and a vocabulary split would need its own all-reduces in the cross-entropy for no memory worth having.
+TENSOR_SPLITS = {"attn.c_attn.weight": (1, 3), "attn.c_attn.bias": (0, 3), "attn.c_proj.weight": (0, 1),
+                 "mlp.c_fc.weight": (1, 1), "mlp.c_fc.bias": (0, 1), "mlp.c_proj.weight": (0, 1)}
 
 
 class GPT:
-    """The model behind the family interface (:mod:`hpctrain.models`)."""
+    """The model behind the family interface (:mod:`hpctrain.models`).
+
+    ``tensor`` (a :class:`~hpctrain.nn.tensor_parallel.TensorGroup`, or None): the blocks are
+    split over its t ranks (:data:`TENSOR_SPLITS`); ``flat`` then holds this rank's pieces, and
+    ``tensor_layout`` maps them to the logical arrays (initial weights, checkpoints)."""
 
     input_dtype = np.int64  # token ids
 
     def __init__(self, device, vocab: int, context: int, n_layer: int, n_head: int, d_model: int,
-                 recompute: str = "none"):
+                 recompute: str = "none", tensor=None):
         if d_model % n_head:
             raise ConfigError(f"model.n_head={n_head} does not divide model.d_model={d_model}")
+        if tensor is not None and n_head % tensor.size:
+            raise ConfigError(f"dist.tensor_parallel={tensor.size} does not divide model.n_head={n_head}")
         if recompute not in ("none", "blocks"):
             raise ConfigError(f"model.recompute={recompute!r}: choose none or blocks")
         self.device, self.vocab, self.context, self.n_layer, self.d_model = device, vocab, context, n_layer, d_model
@@ -136,7 +154,7 @@ class GPT:
         self.embedding = Embedding(device, vocab, context, d_model)
         workspace = {}  # backward's attention work array, one for all blocks
         shared = {} if recompute == "blocks" else None  # one block's arrays for all blocks, rebuilt in backward
-        self.blocks = [Block(device, f"h.{i}", d_model, n_head, workspace, shared) for i in range(n_layer)]
+        self.blocks = [Block(device, f"h.{i}", d_model, n_head, workspace, shared, tensor) for i in range(n_layer)]
         self.ln_f = LayerNorm(device, "ln_f", d_model)
         self.head = TiedHead(device, self.embedding)
         self.loss = SoftmaxCrossEntropy(device)
@@ -146,6 +164,10 @@ class GPT:
         specs += list(self.ln_f.params)
         self.flat = FlatParams(device, specs)
         self.no_decay = frozenset(s.name for s in self.flat.slots if len(s.shape) == 1)
+        self.tensor = tensor
+        self.tensor_layout = None if tensor is None else TensorLayout(tensor, {
+            s.name: TENSOR_SPLITS[s.name.split(".", 2)[2]] for s in self.flat.slots
+            if s.name.startswith("h.") and s.name.split(".", 2)[2] in TENSOR_SPLITS})
         self._bind()
         self.tracer = None  # an hpctrain.trace.Tracer: a span per block in forward and backward
         self._dres = {}
@@ -161,8 +183,12 @@ class GPT:
         plus 12 n_layer T C per token for attention's two T x T products (the causal mask's
         saving not subtracted), times T tokens."""
         C, T = self.d_model, self.context
-        matrix = sum(s.size for s in self.flat.slots if len(s.shape) == 2 and s.name != "wpe")
+        matrix = sum(math.prod(self.logical_shape(s)) for s in self.flat.slots if len(s.shape) == 2 and s.name != "wpe")
         return T * (6 * matrix + 12 * self.n_layer * T * C)
+
+    def logical_shape(self, slot) -> tuple:
+        """The whole (unsplit) shape of parameter ``slot`` (a :class:`~hpctrain.nn.flat.ParamSlot`)."""
+        return slot.shape if self.tensor_layout is None else self.tensor_layout.logical_shape(slot.name, slot.shape)
 
     def activation_bytes(self, rows: int) -> int:
         """Bytes of the activation arrays a micro-batch of ``rows`` windows of ``context`` tokens
@@ -201,10 +227,16 @@ class GPT:
         self._bind()
 
     def init(self, seed: int):
-        """GPT-2's initial weights from ``seed``, drawn in float64 in flat order, one copy to the device."""
+        """GPT-2's initial weights from ``seed``, drawn in float64 in flat order, one copy to the device.
+        Under tensor parallelism each logical array is drawn whole and this rank keeps its piece,
+        so every t starts from the same weights."""
         rng = np.random.default_rng(seed)
-        host = np.concatenate([gpt2_init(rng, s.name, s.shape, self.n_layer).reshape(-1) for s in self.flat.slots])
+        host = np.concatenate([self._initial(rng, s).reshape(-1) for s in self.flat.slots])
         self.device.copy_from_host(self.flat.data, host)
+
+    def _initial(self, rng, slot):
+        full = gpt2_init(rng, slot.name, self.logical_shape(slot), self.n_layer)
+        return full if self.tensor_layout is None else self.tensor_layout.local(slot.name, full)
 
     # ---- forward / backward ----------------------------------------------------------
     def logits(self, tokens):

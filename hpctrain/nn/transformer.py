@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .layers import Layer, Linear
+from .tensor_parallel import RowParallelLinear
 
 
 class Embedding(Layer):
@@ -80,13 +81,21 @@ class CausalSelfAttention(Layer):
     device's attention saves for backward (``attention_state_shapes``: the softmax probabilities
     (B, NH, T, T) on the CPU, one log-sum-exp per row (B, NH, T) on a GPU).
     ``workspace``: a dict the layers of one model share for backward's work array (layers run
-    backward one at a time, so one array serves them all)."""
+    backward one at a time, so one array serves them all). ``tensor`` (a
+    :class:`~.tensor_parallel.TensorGroup` of t ranks): this rank computes n_head / t heads:
+    c_attn holds their q, k and v columns (C, 3 C / t), c_proj the matching rows (C / t, C),
+    and forward all-reduces c_proj's output; backward returns a partial input gradient, which
+    the caller all-reduces (:class:`Block`)."""
 
-    def __init__(self, device, name: str, channels: int, n_head: int, workspace: dict | None = None):
-        self.device, self.name, self.channels, self.n_head = device, name, channels, n_head
+    def __init__(self, device, name: str, channels: int, n_head: int, workspace: dict | None = None,
+                 tensor=None):
+        t = 1 if tensor is None else tensor.size
+        self.device, self.name, self.channels, self.n_head = device, name, channels, n_head // t
+        self.local = channels // t   # this rank's channels of q, k, v and of the attention output
         self.workspace = {} if workspace is None else workspace
-        self.c_attn = Linear(device, f"{name}.c_attn", channels, 3 * channels)
-        self.c_proj = Linear(device, f"{name}.c_proj", channels, channels)
+        self.c_attn = Linear(device, f"{name}.c_attn", channels, 3 * self.local)
+        self.c_proj = (Linear(device, f"{name}.c_proj", channels, channels) if tensor is None else
+                       RowParallelLinear(device, f"{name}.c_proj", self.local, channels, tensor))
         self.params = self.c_attn.params + self.c_proj.params
 
     def bind(self, flat):
@@ -95,12 +104,12 @@ class CausalSelfAttention(Layer):
 
     def activation_shapes(self, B, T) -> list:
         """qkv and the projection's output (the Linears'), the attention output, the saved state."""
-        N, C = B * T, self.channels
+        N, C = B * T, self.local
         saved, _ = self.device.ops.attention_state_shapes(B, self.n_head, T)
         return [*self.c_attn.activation_shapes(N), (B, T, C), saved, *self.c_proj.activation_shapes(N)]
 
     def forward(self, x, B: int, T: int):           # x (N, C) -> (N, C)
-        C, NH = self.channels, self.n_head
+        C, NH = self.local, self.n_head
         self.B, self.T = B, T
         self.qkv = self.c_attn.forward(x)
         y = self._buffer("y", (B, T, C))
@@ -110,8 +119,8 @@ class CausalSelfAttention(Layer):
         self.device.ops.attention_forward(self.qkv.reshape(B, T, 3 * C), NH, y, self.saved)
         return self.c_proj.forward(y.reshape(B * T, C))
 
-    def backward(self, dout, accumulate=False):     # dout (N, C) -> dx (N, C)
-        B, T, C = self.B, self.T, self.channels
+    def backward(self, dout, accumulate=False):     # dout (N, C) -> dx (N, C), partial under tensor parallelism
+        B, T, C = self.B, self.T, self.local
         dy = self.c_proj.backward(dout, accumulate)
         dqkv = self._buffer("dqkv", (B, T, 3 * C))
         self.device.ops.attention_backward(dy.reshape(B, T, C), self.qkv.reshape(B, T, 3 * C), self.y, self.saved,
@@ -136,16 +145,25 @@ class Block(Layer):
     the same bits; all but the MLP's output GEMM and the last residual add, whose results backward
     never reads) before its own work. The output is the block's own either way: it is the next
     block's saved input (or ln_f's), and a shared one would be overwritten by that block's forward.
+
+    ``tensor`` (a :class:`~.tensor_parallel.TensorGroup` of t ranks): the attention as
+    :class:`CausalSelfAttention` says, the MLP's c_fc split by columns (C, 4 C / t) and its
+    c_proj by rows (4 C / t, C); the LayerNorms are replicated. Each branch's partial input
+    gradient is all-reduced before its LayerNorm's backward, so the residual stream and its
+    gradient are the same on every tensor rank.
     """
 
     def __init__(self, device, name: str, channels: int, n_head: int, workspace: dict | None = None,
-                 shared: dict | None = None):
+                 shared: dict | None = None, tensor=None):
         self.device, self.name, C = device, name, channels
+        self.tensor = tensor
+        hidden = 4 * C // (1 if tensor is None else tensor.size)
         self.ln_1 = LayerNorm(device, f"{name}.ln_1", C)
-        self.attn = CausalSelfAttention(device, f"{name}.attn", C, n_head, workspace)
+        self.attn = CausalSelfAttention(device, f"{name}.attn", C, n_head, workspace, tensor)
         self.ln_2 = LayerNorm(device, f"{name}.ln_2", C)
-        self.c_fc = Linear(device, f"{name}.mlp.c_fc", C, 4 * C, activation="gelu")
-        self.c_proj = Linear(device, f"{name}.mlp.c_proj", 4 * C, C)
+        self.c_fc = Linear(device, f"{name}.mlp.c_fc", C, hidden, activation="gelu")
+        self.c_proj = (Linear(device, f"{name}.mlp.c_proj", hidden, C) if tensor is None else
+                       RowParallelLinear(device, f"{name}.mlp.c_proj", hidden, C, tensor))
         parts = (self.ln_1, self.attn, self.ln_2, self.c_fc, self.c_proj)
         self.params = tuple(p for part in parts for p in part.params)
         self._parts = parts
@@ -194,9 +212,13 @@ class Block(Layer):
             # (identity: only its input) nor the block's output, so those two ops are not re-run.
             self.c_proj.keep_input(self._to_hidden(self.x, self.B, self.T)[1])
         dh = self.c_proj.backward(dres, accumulate)
-        self.ln_2.backward(self.c_fc.backward(dh, accumulate), dres, accumulate, add_dx=True)
-        self.ln_1.backward(self.attn.backward(dres, accumulate), dres, accumulate, add_dx=True)
+        self.ln_2.backward(self._summed(self.c_fc.backward(dh, accumulate)), dres, accumulate, add_dx=True)
+        self.ln_1.backward(self._summed(self.attn.backward(dres, accumulate)), dres, accumulate, add_dx=True)
         return dres
+
+    def _summed(self, dx):
+        """A column-split layer's input gradient is this rank's part of a sum: add the others'."""
+        return dx if self.tensor is None else self.tensor.allreduce(dx)
 
 
 class TiedHead(Layer):

@@ -1,0 +1,209 @@
+"""Tensor parallelism (``dist.tensor_parallel = t``) against data parallelism, inside one MPI job
+(run under mpirun -n 1..4; a case needs t to divide the world size).
+
+The reference is the same job with t = 1, which trains like one rank with the whole batch (the
+N-rank equivalence tests). Float64 throughout: a split layer's partial sums add the same products
+in another grouping, so parameters and losses agree to rtol 1e-10, not bit for bit.
+"""
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from hpctrain.config import Config
+from hpctrain.errors import ConfigError, UserError
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
+
+
+def _config(data, t, steps=4, optim="adamw", recompute="none", ckpt_dir="/tmp/hpctrain-unused", resume="",
+            allreduce="ring"):
+    cfg = Config()
+    cfg.model.kind, cfg.model.recompute = "gpt", recompute
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.context = 2, 4, 16, 16
+    cfg.data.train, cfg.train.eval_tokens = data, 256
+    cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = 0.02, 0.01  # several buckets
+    cfg.dist.allreduce, cfg.dist.tensor_parallel = allreduce, t
+    cfg.train.global_batch, cfg.train.grad_accum_steps, cfg.train.steps = 8, 2, steps
+    cfg.train.dtype, cfg.train.log_every = "float64", 10**6
+    cfg.optim.name, cfg.optim.warmup_steps, cfg.optim.weight_decay = optim, 2, 0.1
+    cfg.optim.lr = 0.05 if optim == "sgd" else 3e-3
+    cfg.checkpoint.dir, cfg.checkpoint.resume, cfg.checkpoint.keep_last = ckpt_dir, resume, 0
+    cfg.checkpoint.every_minutes, cfg.checkpoint.save_final = 0, ckpt_dir != "/tmp/hpctrain-unused"
+    return cfg.validate()
+
+
+def _train(cfg, world):
+    from hpctrain.log import Log
+    from hpctrain.train import Trainer
+
+    trainer = Trainer(cfg, world, Log(False))
+    trainer.run()
+    return trainer
+
+
+def _logical(trainer, buf=None):
+    """Every parameter's logical array (gathered over the tensor group): name -> host array."""
+    model = trainer.model
+    buf = model.flat.data if buf is None else buf
+    out = {}
+    for s in model.flat.slots:
+        local = np.array(model.flat.view(buf, s.name))
+        out[s.name] = local if model.tensor_layout is None else model.tensor_layout.logical(s.name, local)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world():
+    from hpctrain.runtime import init_world
+
+    return init_world()
+
+
+def _need(world, t):
+    if t > world.size or world.size % t:
+        pytest.skip(f"t = {t} needs a multiple of {t} ranks (this job has {world.size})")
+
+
+@pytest.mark.parametrize("t,optim,recompute", [(2, "adamw", "none"), (2, "sgd", "blocks"), (4, "adamw", "none")])
+def test_split_training_equals_data_parallel(world, mpi_text_data, t, optim, recompute):
+    """k = 4 steps (two micro-batches each) at t ranks per tensor group: the logical parameters,
+    the optimizer state and the evaluation loss equal the t = 1 run's (rtol 1e-10)."""
+    _need(world, t)
+    split = _train(_config(mpi_text_data, t, optim=optim, recompute=recompute), world)
+    whole = _train(_config(mpi_text_data, 1, optim=optim, recompute=recompute), world)
+    assert split.grid.t == t and split.dp.size == world.size // t
+    got, want = _logical(split), _logical(whole)
+    assert set(got) == set(want)
+    moved = 0
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-14, err_msg=name)
+        moved += not np.allclose(want[name], _initial(whole, name))
+    assert moved > len(want) // 2   # the runs trained: most parameters left their initial values
+    for state, buf in split.optimizer.state().items():
+        got_s, want_s = _logical(split, buf), _logical(whole, whole.optimizer.state()[state])
+        for name in want_s:
+            np.testing.assert_allclose(got_s[name], want_s[name], rtol=1e-9, atol=1e-14, err_msg=f"{state} {name}")
+    a, b = split.evaluate(), whole.evaluate()
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-10)
+    # replicated parameters: the same bits on every tensor rank
+    for s in split.model.flat.slots:
+        if s.name not in split.model.tensor_layout.splits:
+            crc = zlib.crc32(np.ascontiguousarray(split.model.flat.view(split.model.flat.data, s.name)).tobytes())
+            assert len(set(split.grid.tensor.comm.allgather(crc))) == 1, s.name
+
+
+def _initial(trainer, name):
+    cfg = trainer.cfg
+    rng = np.random.default_rng(cfg.train.seed)
+    from hpctrain.nn.transformer import gpt2_init
+
+    for s in trainer.model.flat.slots:
+        full = gpt2_init(rng, s.name, trainer.model.logical_shape(s), cfg.model.n_layer)
+        if s.name == name:
+            return full
+    raise KeyError(name)
+
+
+def test_split_blocks_forward_and_backward_equal_the_unsplit_ones(world, mpi_text_data):
+    """Random weights (not GPT-2's init: biases and LayerNorms too), t = the world size: each block's
+    output, the logits and every logical gradient of one forward + backward equal the unsplit
+    model's on the same tokens."""
+    t = world.size
+    if t < 2 or 4 % t:
+        pytest.skip("needs 2 or 4 ranks (t = world size divides the 4 heads)")
+    from hpctrain.comm.grid import make_grid
+    from hpctrain.comm.staging import Staging
+    from hpctrain.device import make_device
+    from hpctrain.models.gpt import GPT
+    from hpctrain.nn.tensor_parallel import TensorGroup
+
+    dev = make_device("cpu", "float64", world)
+    grid = make_grid(world, t)
+    group = TensorGroup(grid.tensor, dev, Staging(dev))
+    whole = GPT(dev, 32, 8, 2, 4, 16)
+    split = GPT(dev, 32, 8, 2, 4, 16, tensor=group)
+    rng = np.random.default_rng(7)  # the same on every rank
+    whole.flat.data[:] = rng.normal(0.0, 0.3, whole.flat.size)
+    for s in split.flat.slots:
+        split.flat.view(split.flat.data, s.name)[:] = split.tensor_layout.local(
+            s.name, whole.flat.view(whole.flat.data, s.name))
+    tokens = rng.integers(0, 32, (3, 8))
+    targets = rng.integers(0, 32, (3, 8))
+    xw, xs = whole.embedding.forward(tokens), split.embedding.forward(tokens)
+    for bw, bs in zip(whole.blocks, split.blocks):
+        xw, xs = bw.forward(xw, 3, 8).copy(), bs.forward(xs, 3, 8).copy()
+        np.testing.assert_allclose(xs, xw, rtol=1e-12, atol=1e-13, err_msg=bw.name)
+    lw, ls = whole.forward(tokens, targets), split.forward(tokens, targets)
+    assert ls[0] == pytest.approx(lw[0], rel=1e-12) and ls[1] == lw[1]
+    whole.backward()
+    split.backward()
+    for s in whole.flat.slots:
+        got = split.tensor_layout.logical(s.name, np.array(split.flat.view(split.flat.grad, s.name)))
+        np.testing.assert_allclose(got, whole.flat.view(whole.flat.grad, s.name), rtol=1e-10, atol=1e-13,
+                                   err_msg=s.name)
+    # per block: two all-reduces in each of the two forwards above, two in backward
+    assert group.calls == 2 * (2 + 2 + 2) and group.elements == group.calls * 3 * 8 * 16
+
+
+@pytest.mark.parametrize("saved_t,loaded_t", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_at_another_t(world, mpi_text_data, saved_t, loaded_t):
+    """Saved at step 3 with one t (and data-parallel size world / t), resumed with the other to step
+    6: the parameters equal an uninterrupted t = 1 run's (rtol 1e-10); the file holds logical shapes."""
+    import h5py
+
+    from conftest import fresh_shared_dir
+
+    _need(world, 2)
+    d = fresh_shared_dir(world, f"tp-{saved_t}-{loaded_t}")
+    _train(_config(mpi_text_data, saved_t, steps=3, ckpt_dir=d), world)
+    world.comm.Barrier()
+    with h5py.File(os.path.join(d, "ckpt-00000003.h5")) as f:
+        assert f["model/h/0/attn/c_attn/weight"].shape == (16, 48)
+        assert f["optim/exp_avg/h/1/mlp/c_proj/weight"].shape == (64, 16)
+    resumed = _train(_config(mpi_text_data, loaded_t, steps=6, ckpt_dir=d, resume="auto"), world)
+    assert resumed.checkpoints.saved_path is not None
+    straight = _train(_config(mpi_text_data, 1, steps=6), world)
+    got, want = _logical(resumed), _logical(straight)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-14, err_msg=name)
+
+
+def test_a_replicated_parameter_that_drifts_apart_is_caught(world, mpi_text_data):
+    """The checkpoint's gather compares replicated parameters across the tensor group: one rank's
+    changed LayerNorm weight raises on every rank instead of saving t different models."""
+    _need(world, 2)
+    trainer = _train(_config(mpi_text_data, 2, steps=1), world)
+    layout = trainer.model.tensor_layout
+    w = np.array(trainer.model.flat.view(trainer.model.flat.data, "h.0.ln_1.weight"))
+    if trainer.grid.tensor.rank == 1:
+        w[0] += 1e-12
+    with pytest.raises(RuntimeError, match="h.0.ln_1.weight.*differs across the tensor group"):
+        layout.logical("h.0.ln_1.weight", w)
+
+
+def test_bad_tensor_parallel_sizes_are_one_clear_error(world, mpi_text_data):
+    """t must divide the heads (the config says so) and the world size (every rank says so alike)."""
+    with pytest.raises(ConfigError, match="does not divide model.n_head=4"):
+        _config(mpi_text_data, 3)
+    cfg = Config()
+    cfg.model.kind = "mlp"
+    cfg.dist.tensor_parallel = 2
+    with pytest.raises(ConfigError, match="trains data-parallel only"):
+        cfg.validate()
+    cfg = _config(mpi_text_data, 1)
+    cfg.dist.tensor_parallel = 2
+    cfg.dist.zero = 1
+    with pytest.raises(ConfigError, match="dist.zero = 0, or dist.tensor_parallel = 1"):
+        cfg.validate()
+    t = world.size + 1   # never divides the world size (n >= 1)
+    cfg = _config(mpi_text_data, 1)
+    cfg.model.n_head, cfg.model.d_model, cfg.dist.tensor_parallel = t, 4 * t, t
+    from hpctrain.log import Log
+    from hpctrain.train import Trainer
+
+    # the same message on every rank (an agreed error: the CLI prints it once and every rank exits 1)
+    with pytest.raises(UserError, match=f"^dist.tensor_parallel={t} does not divide the world size {world.size}"):
+        Trainer(cfg.validate(), world, Log(False))
