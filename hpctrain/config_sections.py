@@ -231,9 +231,14 @@ class DistConfig:
                               f"from the first step)")
         from .compress import make_compressor
         try:
-            make_compressor(self.compress)
+            compressor = make_compressor(self.compress)
         except ValueError as exc:
             raise ConfigError(f"dist.compress={self.compress!r}: {str(exc).split(': ', 1)[-1]}") from None
+        if self.tensor_parallel > 1 and compressor.combine == "gather":
+            raise ConfigError(f"dist.compress={self.compress!r} with dist.tensor_parallel={self.tensor_parallel}: "
+                              f"top-k and sign choose and scale entries over whole buckets, which mix split and "
+                              f"replicated parameters, so the replicas on each tensor rank would drift apart; use "
+                              f"fp16, bf16, randk or powersgd (per element, shared indices, or per layer)")
         if self.tensor_parallel < 1:
             raise ConfigError(f"dist.tensor_parallel={self.tensor_parallel}: a group size >= 1 (1 = no tensor "
                               f"parallelism)")

@@ -105,6 +105,8 @@ def _loop(trainer) -> dict:
                     trainer.timers.pop()
                     if trainer.op_times:
                         trainer.op_times.pop()  # the rolled-back step's kernels are no step's split
+                    if trainer.tensor is not None:
+                        trainer.tensor.take()  # nor its tensor all-reduces
                     with wd.watch("checkpoint load", f"rollback from step {trainer.step}", trainer.step, 10):
                         ckpt.rollback(trainer)
                     continue

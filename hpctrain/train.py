@@ -23,7 +23,7 @@ from .errors import ConfigError, DataError
 from .comm import make_allreduce
 from .comm.buckets import layout_signature, plan_buckets
 from .comm.collectives import Collectives
-from .comm.grid import make_grid
+from .comm.grid import align_auto, check_same_reduction, make_grid
 from .comm.compression import GradientCompression
 from .comm.staging import Staging
 from .comm.zero import param_gatherer, traffic_halves
@@ -79,12 +79,16 @@ class Trainer:
             # collectives wrongly and hang: compare the layouts first.
             layouts = world.comm.allgather(layout_signature(self.buckets, self.device.dtype))
             agree(world, check_same_layout, layouts)
+            if self.grid.tensor is not None:
+                placed = world.comm.allgather(tuple(node for node, _ in dp.where))
+                agree(world, check_same_reduction, placed, cfg.dist.allreduce)
         with wd.watch("start-up", f"all-reduce set-up (dist.allreduce={cfg.dist.allreduce})", slack=10):
             # strategies may run collectives while being built (auto measures), so
             # only once every rank is known to have built everything else
             self.allreduce = make_allreduce(cfg.dist.allreduce, dp, self.device, self.staging,
                                             inner=cfg.dist.hierarchical_inner, cache_path=cfg.dist.auto_cache,
                                             log=self.log)
+            align_auto(self.grid, self.allreduce)
             place_gradients(self.allreduce, self.model, self.grad_slots, self.device)
             self.compression = None
             if cfg.dist.compress != "none":

@@ -172,16 +172,24 @@ def test_a_checkpoint_resumes_at_another_t(world, mpi_text_data, saved_t, loaded
 
 
 def test_a_replicated_parameter_that_drifts_apart_is_caught(world, mpi_text_data):
-    """The checkpoint's gather compares replicated parameters across the tensor group: one rank's
-    changed LayerNorm weight raises on every rank instead of saving t different models."""
+    """A save compares replicated parameters across each tensor group: one rank's changed LayerNorm
+    weight (or Adam moment) raises the same error on every rank (those of other tensor groups too),
+    before anything is written, instead of saving t different models."""
+    from conftest import fresh_shared_dir
+
     _need(world, 2)
-    trainer = _train(_config(mpi_text_data, 2, steps=1), world)
-    layout = trainer.model.tensor_layout
-    w = np.array(trainer.model.flat.view(trainer.model.flat.data, "h.0.ln_1.weight"))
-    if trainer.grid.tensor.rank == 1:
-        w[0] += 1e-12
-    with pytest.raises(RuntimeError, match="h.0.ln_1.weight.*differs across the tensor group"):
-        layout.logical("h.0.ln_1.weight", w)
+    d = fresh_shared_dir(world, "tp-drift")
+    trainer = _train(_config(mpi_text_data, 2, steps=1, ckpt_dir=d), world)
+    assert os.path.exists(os.path.join(d, "ckpt-00000001.h5"))   # in step: the save at the end went through
+    flat = trainer.model.flat
+    if world.rank == 1:   # tensor rank 1 of the first tensor group only
+        flat.view(flat.data, "h.0.ln_1.weight")[0] += 1e-12
+        flat.view(trainer.optimizer.state()["exp_avg"], "ln_f.bias")[0] += 1e-12
+    trainer.step += 1
+    with pytest.raises(RuntimeError, match=r"h\.0\.ln_1\.weight' differs across the tensor group.*"
+                                           r"ln_f\.bias' differs"):
+        trainer.checkpoints.save(trainer)
+    assert not os.path.exists(os.path.join(d, "ckpt-00000002.h5"))
 
 
 def test_bad_tensor_parallel_sizes_are_one_clear_error(world, mpi_text_data):
@@ -198,6 +206,17 @@ def test_bad_tensor_parallel_sizes_are_one_clear_error(world, mpi_text_data):
     cfg.dist.zero = 1
     with pytest.raises(ConfigError, match="dist.zero = 0, or dist.tensor_parallel = 1"):
         cfg.validate()
+    for compress in ("topk(0.01)", "sign"):   # chosen over whole buckets: the replicas would drift
+        cfg = _config(mpi_text_data, 1)
+        cfg.dist.tensor_parallel, cfg.dist.compress = 2, compress
+        with pytest.raises(ConfigError, match="replicas on each tensor rank would drift apart"):
+            cfg.validate()
+    from hpctrain.comm.grid import check_same_reduction
+
+    check_same_reduction([(0, 0), (0, 0)], "mpi")             # groups laid out alike: any strategy
+    check_same_reduction([(0, 0, 1), (0, 1, 1)], "ring")      # ring adds in an order set by the size alone
+    with pytest.raises(ConfigError, match="lie differently across the nodes"):
+        check_same_reduction([(0, 0, 1), (0, 1, 1)], "hierarchical")
     t = world.size + 1   # never divides the world size (n >= 1)
     cfg = _config(mpi_text_data, 1)
     cfg.model.n_head, cfg.model.d_model, cfg.dist.tensor_parallel = t, 4 * t, t
@@ -207,3 +226,25 @@ def test_bad_tensor_parallel_sizes_are_one_clear_error(world, mpi_text_data):
     # the same message on every rank (an agreed error: the CLI prints it once and every rank exits 1)
     with pytest.raises(UserError, match=f"^dist.tensor_parallel={t} does not divide the world size {world.size}"):
         Trainer(cfg.validate(), world, Log(False))
+
+
+@pytest.mark.parametrize("compress", ["randk(0.25)", "powersgd(2)"])
+def test_compression_over_the_data_groups_keeps_replicas_identical(world, mpi_text_data, compress):
+    """Gradient compression runs over each data group (world / t ranks) with its own residuals and
+    random draws; the replicated parameters' gradients are the same on every tensor rank, so their
+    compressed sums must be too: after 3 steps they are bitwise equal across the tensor group, and
+    the save (which checks it) goes through."""
+    from conftest import fresh_shared_dir
+
+    if world.size != 4:
+        pytest.skip("runs under mpirun -n 4 (t = 2 with data groups of 2)")
+    d = fresh_shared_dir(world, f"tp-compress-{compress}")
+    cfg = _config(mpi_text_data, 2, steps=3, ckpt_dir=d)
+    cfg.dist.compress = compress
+    trainer = _train(cfg.validate(), world)
+    assert trainer.compression is not None and trainer.dp.size == 2
+    assert os.path.exists(os.path.join(d, "ckpt-00000003.h5"))
+    for s in trainer.model.flat.slots:
+        if s.name not in trainer.model.tensor_layout.splits:
+            crc = zlib.crc32(np.ascontiguousarray(trainer.model.flat.view(trainer.model.flat.data, s.name)).tobytes())
+            assert len(set(trainer.grid.tensor.comm.allgather(crc))) == 1, s.name

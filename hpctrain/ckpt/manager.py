@@ -52,7 +52,7 @@ class CheckpointManager:
         epoch = trainer.sampler.position(trainer.step)[0]
         attrs = {"epoch": epoch, "config": self.cfg.to_toml(), "optimizer": self.cfg.optim.name,
                  "dtype": self.cfg.train.dtype, "compress": self.cfg.dist.compress,
-                 "compress_scope": self.cfg.dist.compress_scope}
+                 "compress_scope": self.cfg.dist.compress_scope, "tensor_parallel": self.cfg.dist.tensor_parallel}
         path = write_checkpoint(self.directory, trainer.step, training_state(trainer), attrs, self.world,
                                 log=self.log, collective=self.c.collective_io,
                                 writers_per_node=self.c.writers_per_node)
@@ -108,7 +108,7 @@ class CheckpointManager:
                 log.warn(f"skipping {path}: {exc}")
                 skipped.append(path)
                 continue
-            saved_compress = (loaded.attrs.get("compress", "none"), loaded.attrs.get("compress_scope", "all"))
+            saved_compress = _saved_compress(loaded.attrs)
             agree(world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, log, saved_compress)
             self.saved_step, self.saved_path = trainer.step, path
             log.info(f"checkpoint: resumed from {path} at step {trainer.step} (saved by "
@@ -124,7 +124,7 @@ class CheckpointManager:
     def rollback(self, trainer) -> None:
         """Reload the newest checkpoint this run saved or loaded (guard.nonfinite = rollback). Collective."""
         loaded = load_checkpoint(self.saved_path, self.world)
-        saved_compress = (loaded.attrs.get("compress", "none"), loaded.attrs.get("compress_scope", "all"))
+        saved_compress = _saved_compress(loaded.attrs)
         agree(self.world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, self.log,
               saved_compress)
         self.log.info(f"guard: rolled back to {self.saved_path} (step {trainer.step})")
@@ -155,3 +155,10 @@ def check_writable(directory: str) -> None:
     if not os.access(directory, os.W_OK | os.X_OK):
         raise UserError(f"checkpoint.dir={directory!r} is not writable; choose a writable directory "
                         f"(--set checkpoint.dir=PATH)")
+
+
+def _saved_compress(attrs) -> tuple:
+    """What the compressor state (per-rank residuals) of a checkpoint was made under: the
+    compressor, its scope and the tensor-parallel size (at another t the data groups, and which
+    rank holds which residual, differ). Files from before tensor parallelism: t = 1."""
+    return (attrs.get("compress", "none"), attrs.get("compress_scope", "all"), int(attrs.get("tensor_parallel", 1)))

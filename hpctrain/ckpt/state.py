@@ -87,15 +87,22 @@ def fresh_rng(seed: int, rank: int, step: int = 0) -> np.random.Generator:
     return np.random.default_rng([seed, rank, step])
 
 
-def _slot_entries(group, model, to_host, buf, dtype) -> list[Entry]:
+def _slot_entries(group, model, to_host, buf, dtype, drifted: list) -> list[Entry]:
     """One entry per parameter slot of the flat array ``buf``: its logical array, gathered from
-    the tensor group (collective over it) when the model splits it (``tensor_layout``)."""
+    the tensor group (collective over it) when the model splits it (``tensor_layout``); a
+    replicated array that differs across the tensor group is named in ``drifted``."""
     flat, layout = model.flat, getattr(model, "tensor_layout", None)
     if layout is None:
         return [_flat_entry(parameter_path(group, s.name), to_host, buf, s, dtype) for s in model.flat.slots]
     return [_host_entry(parameter_path(group, s.name),
-                        layout.logical(s.name, np.asarray(to_host(flat.view(buf, s.name)))))
+                        layout.logical(s.name, np.asarray(to_host(flat.view(buf, s.name))), drifted))
             for s in flat.slots]
+
+
+def _check_replicas(drifted: list) -> None:
+    if drifted:
+        raise RuntimeError("tensor parallelism kept the replicated arrays apart (not saved: the file would hold one "
+                           "tensor rank's copy): " + "; ".join(drifted))
 
 
 def training_state(trainer) -> list[Entry]:
@@ -103,12 +110,17 @@ def training_state(trainer) -> list[Entry]:
     optimizer state are logical arrays: a ZeRO share or a tensor-parallel piece is gathered
     (collectives), so the file does not depend on how the run was split."""
     dev, flat, opt, sampler, cfg = trainer.device, trainer.model.flat, trainer.optimizer, trainer.sampler, trainer.cfg
-    entries = _slot_entries("model", trainer.model, dev.to_host, flat.data, dev.dtype)
+    drifted = []
+    entries = _slot_entries("model", trainer.model, dev.to_host, flat.data, dev.dtype, drifted)
     for state_name, buf in opt.state().items():
         to_host = dev.to_host
         if getattr(opt, "shards", None) is not None:  # ZeRO-1: the whole state assembled on the host (collective)
-            buf, to_host = opt.shards.gather(trainer.world.comm, dev.to_host(buf), flat.size), np.asarray
-        entries += _slot_entries(f"optim/{state_name}", trainer.model, to_host, buf, dev.dtype)
+            buf, to_host = opt.shards.gather(trainer.dp.comm, dev.to_host(buf), flat.size), np.asarray
+        entries += _slot_entries(f"optim/{state_name}", trainer.model, to_host, buf, dev.dtype, drifted)
+    if getattr(trainer.model, "tensor_layout", None) is not None:
+        from ..guard import agree
+
+        agree(trainer.world, _check_replicas, drifted)  # one verdict on every rank, before any writing
     entries.append(_host_entry("/optim/step_count", np.array([getattr(opt, "t", 0)], np.int64)))
     epoch, in_epoch = sampler.position(trainer.step)
     entries.append(_host_entry("/data/position", np.array(
@@ -155,10 +167,11 @@ def _restore_compression(trainer, own_rows, saved_world, saved_compress, log) ->
     if comp is None or not keys:
         return
     cfg = trainer.cfg.dist
-    if saved_world != trainer.world.size or saved_compress != (cfg.compress, cfg.compress_scope):
+    now = (cfg.compress, cfg.compress_scope, cfg.tensor_parallel)  # as ckpt.manager's _saved_compress
+    if saved_world != trainer.world.size or tuple(saved_compress or ()) != now:
         log.info("compression state (error-feedback residuals) not restored: saved with "
-                 f"{saved_world} rank(s) and {saved_compress}, this run has {trainer.world.size} and "
-                 f"{(cfg.compress, cfg.compress_scope)}; residuals start from zero")
+                 f"{saved_world} rank(s) and (compress, scope, tensor_parallel) {saved_compress}, this run has "
+                 f"{trainer.world.size} and {now}; residuals start from zero")
         return
     lengths = own_rows.get("/compress/lengths")
     state = {}

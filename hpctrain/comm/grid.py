@@ -2,7 +2,7 @@
 
 With ``dist.tensor_parallel = t`` the world's ranks form groups of t consecutive ranks, the
 *tensor groups* (ranks 0..t-1, t..2t-1, ...): consecutive so that a group stays inside a node
-whenever t <= ranks per node, where its per-layer all-reduces are cheapest. The ranks holding
+whenever t divides the ranks per node, where its per-layer all-reduces are cheapest. The ranks holding
 the same tensor rank (world rank mod t) across the groups form a *data group*: world size / t
 ranks with the same shard of every split matrix, which average their gradients with
 ``dist.allreduce`` exactly as the whole world does without tensor parallelism.
@@ -47,6 +47,35 @@ def check_divides(size: int, t: int) -> None:
         raise ConfigError(f"dist.tensor_parallel={t} does not divide the world size {size}: tensor groups "
                           f"are t consecutive ranks; launch a multiple of {t} ranks or choose t among "
                           f"{', '.join(str(k) for k in range(1, size + 1) if size % k == 0)}")
+
+
+# strategies whose order of additions depends only on the group's size (not on where its ranks run)
+ORDER_BY_SIZE = ("ring", "rhd", "naive")
+
+
+def check_same_reduction(layouts: list, allreduce: str) -> None:
+    """Replicated parameters (embeddings, LayerNorms) get the same gradient on every tensor rank,
+    and stay identical only if every data group adds them in the same order. ``layouts``: each
+    rank's data group as the node of each member (allgathered). Groups laid out alike (t divides
+    the ranks per node, or one node) run any strategy alike; otherwise only those in
+    :data:`ORDER_BY_SIZE` do. :class:`ConfigError` else."""
+    if allreduce not in ORDER_BY_SIZE and len(set(layouts)) > 1:
+        raise ConfigError(f"dist.allreduce={allreduce} with dist.tensor_parallel: the data-parallel groups lie "
+                          f"differently across the nodes ({sorted(set(layouts))}), so this strategy may add the "
+                          f"replicated parameters' gradients in a different order in each group and the tensor "
+                          f"ranks' copies would drift apart; choose t dividing the ranks per node, or "
+                          f"dist.allreduce = ring, rhd or naive")
+
+
+def align_auto(grid: Grid, allreduce) -> None:
+    """``dist.allreduce = auto`` measured its fits in each data group separately (and at the same
+    time, each group loading the others): every group takes tensor rank 0's, so all pick alike.
+    Collective over the tensor group; nothing to do for other strategies or t = 1."""
+    fits = getattr(allreduce, "fits", None)
+    if grid.tensor is None or fits is None:
+        return
+    allreduce.fits = grid.tensor.comm.bcast(fits, root=0)
+    allreduce._picked.clear()
 
 
 def groups(size: int, t: int) -> tuple[list, list]:

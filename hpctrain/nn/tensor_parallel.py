@@ -119,17 +119,22 @@ class TensorLayout:
         axis, _ = self.splits[name]
         return tuple(d * self.group.size if i == axis else d for i, d in enumerate(shape))
 
-    def logical(self, name: str, local: np.ndarray) -> np.ndarray:
+    def logical(self, name: str, local: np.ndarray, drifted: list | None = None) -> np.ndarray:
         """The whole array of parameter ``name`` from this rank's ``local`` host array: gathered
         over the tensor group when split; when replicated, checked to be the same bits on every
-        tensor rank (a difference is a bug that would train t different models: RuntimeError)."""
+        tensor rank (a difference is a bug that would train t different models): RuntimeError,
+        or with ``drifted`` a line appended to it (the caller raises once every group has looked,
+        so all ranks agree: ckpt.state)."""
         comm = self.group.world.comm
         local = np.ascontiguousarray(local)
         if name not in self.splits:
             crcs = comm.allgather(zlib.crc32(local.view(np.uint8).reshape(-1)))
             if len(set(crcs)) > 1:
-                raise RuntimeError(f"replicated parameter {name!r} differs across the tensor group (CRC32 per tensor "
-                                   f"rank: {', '.join(f'{c:08x}' for c in crcs)})")
+                why = (f"replicated parameter {name!r} differs across the tensor group (CRC32 per tensor rank: "
+                       f"{', '.join(f'{c:08x}' for c in crcs)})")
+                if drifted is None:
+                    raise RuntimeError(why)
+                drifted.append(why)
             return local
         pieces = np.empty((self.group.size,) + local.shape, local.dtype)
         comm.Allgather(local, pieces)
