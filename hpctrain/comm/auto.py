@@ -76,6 +76,12 @@ class AutoAllreduce(WholeSumHalves):
             if log is not None:
                 log.info(f"allreduce auto ({source}): " + self.describe())
 
+    def adopt_fits(self, fits: dict) -> None:
+        """Use ``fits`` (another group's measurements, same candidates) from now on: groups that
+        must reduce alike (tensor parallelism's data groups, comm.grid) pick alike."""
+        self.fits = fits
+        self._picked.clear()
+
     def choose(self, nbytes: int, zero_copy: bool = False) -> str:
         """The name of the fit predicted fastest for a message of ``nbytes``; ``zero_copy``: the
         buffer is a slice of a window from :meth:`allocate` (only then is ``shm zero-copy`` a choice,

@@ -71,11 +71,8 @@ def align_auto(grid: Grid, allreduce) -> None:
     """``dist.allreduce = auto`` measured its fits in each data group separately (and at the same
     time, each group loading the others): every group takes tensor rank 0's, so all pick alike.
     Collective over the tensor group; nothing to do for other strategies or t = 1."""
-    fits = getattr(allreduce, "fits", None)
-    if grid.tensor is None or fits is None:
-        return
-    allreduce.fits = grid.tensor.comm.bcast(fits, root=0)
-    allreduce._picked.clear()
+    if grid.tensor is not None and hasattr(allreduce, "adopt_fits"):
+        allreduce.adopt_fits(grid.tensor.comm.bcast(allreduce.fits, root=0))
 
 
 def groups(size: int, t: int) -> tuple[list, list]:

@@ -131,6 +131,12 @@ TENSOR_SPLITS = {"attn.c_attn.weight": (1, 3), "attn.c_attn.bias": (0, 3), "attn
                  "mlp.c_fc.weight": (1, 1), "mlp.c_fc.bias": (0, 1), "mlp.c_proj.weight": (0, 1)}
 
 
+def _tensor_split(name: str):
+    """(axis, parts) of parameter ``name`` under tensor parallelism, or None (replicated):
+    "h.<i>.attn.c_attn.weight" is split as TENSOR_SPLITS's "attn.c_attn.weight"."""
+    return TENSOR_SPLITS.get(name.split(".", 2)[-1]) if name.startswith("h.") else None
+
+
 class GPT:
     """The model behind the family interface (:mod:`hpctrain.models`).
 
@@ -166,8 +172,7 @@ class GPT:
         self.no_decay = frozenset(s.name for s in self.flat.slots if len(s.shape) == 1)
         self.tensor = tensor
         self.tensor_layout = None if tensor is None else TensorLayout(tensor, {
-            s.name: TENSOR_SPLITS[s.name.split(".", 2)[2]] for s in self.flat.slots
-            if s.name.startswith("h.") and s.name.split(".", 2)[2] in TENSOR_SPLITS})
+            s.name: split for s in self.flat.slots if (split := _tensor_split(s.name))})
         self._bind()
         self.tracer = None  # an hpctrain.trace.Tracer: a span per block in forward and backward
         self._dres = {}
