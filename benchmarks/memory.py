@@ -2,9 +2,10 @@
 
     python benchmarks/memory.py                                   # examples/gpt.toml at 1 and 2 ranks
     python benchmarks/memory.py --ranks 1 2 4 --steps 20 --budget-gb 16 --json runs/bench/memory.json
+    python benchmarks/memory.py --variants 0:none,0:blocks --steps 40 --repeats 5   # recomputation's cost only
 
 Part 1, measured: per world size, the example GPT (``--config``) trains ``--steps`` steps six
-ways, dist.zero 0/1/2 x model.recompute none/blocks, with dist.allreduce = ring and buckets of
+ways, dist.zero 0/1/2 x model.recompute none/blocks (or the ``--variants`` given), with dist.allreduce = ring and buckets of
 ``--bucket-mb`` (several per block, so ZeRO-2 has slots to reuse). Ring's halves sum in the same
 order as its all-reduce, so with one micro-batch all six runs must end on the same loss and the
 same final parameters, bit for bit: checked before any time is reported. Per run: the start-up line's computed bytes per rank
@@ -129,6 +130,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant (alternating); the median is shown")
+    p.add_argument("--variants", default=",".join(f"{z}:{r}" for z, r in VARIANTS),
+                   help="ZERO:RECOMPUTE pairs to run, 0:none first (the yardstick); default: all six")
     p.add_argument("--budget-gb", type=float, default=8.0, help="per-rank memory budget for part 2")
     p.add_argument("--bucket-mb", type=float, default=0.25, help="dist.bucket_mb (and first_bucket_mb) of part 1")
     p.add_argument("--mpirun-args", default="--oversubscribe")
@@ -138,19 +141,27 @@ def main() -> None:
     from hpctrain.config import load_config
 
     cfg = load_config(os.path.join(REPO, args.config))
+    variants = []
+    for v in args.variants.split(","):
+        zero, _, recompute = v.strip().partition(":")
+        if not zero.isdigit() or recompute not in ("none", "blocks"):
+            p.error(f"--variants: {v!r} is not ZERO:RECOMPUTE (e.g. 0:none,0:blocks)")
+        variants.append((int(zero), recompute))
+    if variants[0] != (0, "none"):
+        p.error("--variants: the first must be 0:none, the yardstick every ratio is read against")
     rows = []
     with tempfile.TemporaryDirectory(prefix="hpctrain-memory-") as tmp:
         for ranks in args.ranks:
             # the variants alternate, --repeats times: a noisy machine's drift hits them alike
-            tries = [[run(ranks, z, r, args, tmp) for z, r in VARIANTS] for _ in range(args.repeats)]
+            tries = [[run(ranks, z, r, args, tmp) for z, r in variants] for _ in range(args.repeats)]
             got = []
-            for i in range(len(VARIANTS)):
+            for i in range(len(variants)):
                 mine = [t[i] for t in tries]
                 steps = sorted(m["step_ms"] for m in mine)
                 got.append(dict(mine[0], step_ms=statistics.median(steps), step_ms_min=steps[0],
                                 step_ms_max=steps[-1], ends={(m["final_loss"], m["final_params"]) for m in mine}))
             ends = set().union(*(g.pop("ends") for g in got))
-            if len(ends) != 1:  # validate before timing: the six must train alike, to the last update
+            if len(ends) != 1:  # validate before timing: the variants must train alike, to the last update
                 raise SystemExit(f"memory.py: at {ranks} rank(s) the variants ended on different losses or "
                                  f"parameters: {sorted(ends)}")
             base = got[0]

@@ -76,3 +76,11 @@ def test_memory_benchmark_validates_and_accounts_per_rank(text_data, tmp_path):
     assert all(t is not None and t["bytes_per_rank"] <= 0.02e9 for t in result["largest"])
     assert "| 2 | 1 | none |" in proc.stdout and "| 2 | 2 | blocks |" in proc.stdout and "Targets:" in proc.stdout
     assert "zero 2 gradients at 2 rank(s)" in proc.stdout
+
+
+@pytest.mark.parametrize("variants, why", [("1:none,0:blocks", "the first must be 0:none"),
+                                           ("0:none,0:all", "is not ZERO:RECOMPUTE")])
+def test_memory_benchmark_refuses_variants_without_its_yardstick(variants, why):
+    proc = subprocess.run([sys.executable, "benchmarks/memory.py", "--variants", variants], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and why in proc.stderr, proc.stderr

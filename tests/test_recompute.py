@@ -55,6 +55,24 @@ def test_recompute_gives_the_same_gradient_bits(dtype, micro):
     assert np.abs(g0).max() > 1e-3  # a real gradient, not zeros on both sides
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_every_block_but_the_top_one_recomputes(monkeypatch, micro):
+    """The top block's backward comes right after its own forward: its activations are still in
+    the shared arrays, so it re-runs nothing; every other block re-runs its forward once."""
+    model = gpt("blocks")
+    ran = []
+    for block in model.blocks:
+        def to_hidden(x, B, T, block=block, inner=block._to_hidden):
+            ran.append(block.name)
+            return inner(x, B, T)
+        monkeypatch.setattr(block, "_to_hidden", to_hidden)
+    for i, (x, y) in enumerate(batches(model, micro)):
+        model.forward(x, y)
+        ran.clear()
+        model.backward(accumulate=i > 0)
+        assert ran == [b.name for b in reversed(model.blocks[:-1])]
+
+
 def test_an_evaluation_forward_between_steps_changes_nothing():
     """A forward of other windows (an evaluation chunk of another batch size) between two steps;
     the arrays are cached per shape, so the training step's own recompute is unaffected."""

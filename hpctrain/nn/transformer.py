@@ -143,8 +143,11 @@ class Block(Layer):
     the blocks given one dict share one block's worth; forward then keeps only a reference to its
     input, and backward first re-runs the forward from it (the same kernels in the same order, so
     the same bits; all but the MLP's output GEMM and the last residual add, whose results backward
-    never reads) before its own work. The output is the block's own either way: it is the next
-    block's saved input (or ln_f's), and a shared one would be overwritten by that block's forward.
+    never reads) before its own work. The block whose forward ran last (the top one, whose
+    backward comes first) finds its arrays still there and re-runs nothing: the dict records, per
+    shape, which block's activations its arrays hold. The output is the block's own either way:
+    it is the next block's saved input (or ln_f's), and a shared one would be overwritten by that
+    block's forward.
 
     ``tensor`` (a :class:`~.tensor_parallel.TensorGroup` of t ranks): the attention as
     :class:`CausalSelfAttention` says, the MLP's c_fc split by columns (C, 4 C / t) and its
@@ -172,6 +175,9 @@ class Block(Layer):
         if self.recompute:
             for layer in self.layers():
                 layer.cache = shared.setdefault(layer.name[len(name):], {})
+            # shape -> the block whose activations the shared arrays of that shape hold (a key no
+            # layer's role can be: roles are "" or start with ".")
+            self._holder = shared.setdefault("holder", {})
 
     def layers(self) -> tuple:
         """The block and the layers inside it: everything that caches arrays (:attr:`Layer.cache`)."""
@@ -191,6 +197,8 @@ class Block(Layer):
     def forward(self, x, B: int, T: int):           # x (N, C) residual stream in -> out (N, C)
         self.x, self.B, self.T = x, B, T            # what a recompute starts from
         mid, h = self._to_hidden(x, B, T)
+        if self.recompute:
+            self._holder[x.shape] = self
         out = self._outputs.get(x.shape)
         if out is None:
             out = self._outputs[x.shape] = self.device.empty(x.shape)
@@ -206,7 +214,7 @@ class Block(Layer):
     def backward(self, dres, accumulate=False):
         """``dres`` (N, C): d loss / d (this block's output) in, d loss / d (its input) out, in place:
         each residual branch's input gradient is added to it by its LayerNorm."""
-        if self.recompute:
+        if self.recompute and self._holder.get(self.x.shape) is not self:
             # the shared arrays hold the last block forward ran (or the block above's recompute):
             # rebuild ours from the saved input. Backward reads neither the MLP's output projection
             # (identity: only its input) nor the block's output, so those two ops are not re-run.
@@ -214,6 +222,9 @@ class Block(Layer):
         dh = self.c_proj.backward(dres, accumulate)
         self.ln_2.backward(self._summed(self.c_fc.backward(dh, accumulate)), dres, accumulate, add_dx=True)
         self.ln_1.backward(self._summed(self.attn.backward(dres, accumulate)), dres, accumulate, add_dx=True)
+        if self.recompute:
+            # backward may have written over activations in place: the arrays hold nobody's now
+            self._holder.pop(self.x.shape, None)
         return dres
 
     def _summed(self, dx):
