@@ -5,9 +5,10 @@
     python benchmarks/memory.py --variants 0:none,0:blocks --steps 40 --repeats 5   # recomputation's cost only
 
 Part 1, measured: per world size, the example GPT (``--config``) trains ``--steps`` steps six
-ways, dist.zero 0/1/2 x model.recompute none/blocks (or the ``--variants`` given), with dist.allreduce = ring and buckets of
-``--bucket-mb`` (several per block, so ZeRO-2 has slots to reuse). Ring's halves sum in the same
-order as its all-reduce, so with one micro-batch all six runs must end on the same loss and the
+ways, dist.zero 0/1/2 x model.recompute none/blocks (or the ``--variants`` given), with
+dist.allreduce = ring and buckets of ``--bucket-mb`` (several per block, so ZeRO-2 has slots to
+reuse). Ring's halves sum in the same order as its all-reduce, so with one micro-batch all the
+runs must end on the same loss and the
 same final parameters, bit for bit: checked before any time is reported. Per run: the start-up line's computed bytes per rank
 (parameters, gradients, optimizer state, activations of one micro-batch), the measured peak
 resident set (``peak_rss_mb`` of the metrics: rank 0's process), and the median step time
@@ -140,7 +141,6 @@ def main() -> None:
     args = p.parse_args()
     from hpctrain.config import load_config
 
-    cfg = load_config(os.path.join(REPO, args.config))
     variants = []
     for v in args.variants.split(","):
         zero, _, recompute = v.strip().partition(":")
@@ -149,6 +149,7 @@ def main() -> None:
         variants.append((int(zero), recompute))
     if variants[0] != (0, "none"):
         p.error("--variants: the first must be 0:none, the yardstick every ratio is read against")
+    cfg = load_config(os.path.join(REPO, args.config))
     rows = []
     with tempfile.TemporaryDirectory(prefix="hpctrain-memory-") as tmp:
         for ranks in args.ranks:

@@ -215,8 +215,8 @@ class Block(Layer):
         """``dres`` (N, C): d loss / d (this block's output) in, d loss / d (its input) out, in place:
         each residual branch's input gradient is added to it by its LayerNorm."""
         if self.recompute and self._holder.get(self.x.shape) is not self:
-            # the shared arrays hold the last block forward ran (or the block above's recompute):
-            # rebuild ours from the saved input. Backward reads neither the MLP's output projection
+            # the shared arrays hold another block's activations (the last forward's) or, after
+            # the block above's backward, nobody's: rebuild ours from the saved input. Backward reads neither the MLP's output projection
             # (identity: only its input) nor the block's output, so those two ops are not re-run.
             self.c_proj.keep_input(self._to_hidden(self.x, self.B, self.T)[1])
         dh = self.c_proj.backward(dres, accumulate)
