@@ -62,7 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="part A timed calls per compressor (median)")
     p.add_argument("--train", action="store_true", help="part B: training runs instead of part A")
     p.add_argument("--model", choices=sorted(MODELS), default="mlp", help="part B: the model (mlp)")
-    p.add_argument("--train-compressors", help="part B specs COMPRESSOR[@SCOPE][:STEPS] (@inter: hierarchical "
+    p.add_argument("--train-compressors", help="part B specs COMPRESSOR[+momentum][@SCOPE][:STEPS] (+momentum: "
+                   "dist.compress_momentum; @inter: hierarchical "
                    "all-reduce, compress_scope inter; :STEPS: train.steps); default per --model")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="part B train.seed values, each run per spec")
     p.add_argument("--launcher", default="mpirun -n 2 --oversubscribe", help="part B command prefix")

@@ -1,9 +1,10 @@
 """Part B of benchmarks/compression.py: training runs per compressor and seed, time to a target loss.
 
-Each spec ``COMPRESSOR[@SCOPE][:STEPS]`` (``topk(0.01)``, ``fp16@inter``, ``powersgd(4):1200``)
-is trained once per ``--seeds`` seed with ``python -m hpctrain train --config CONFIG`` through
-``--launcher`` (plain ``mpirun``, or ``benchmarks/emulated_cluster.sh ... --`` for two nodes over
-a capped link). ``@inter`` sets ``dist.allreduce=hierarchical`` and ``dist.compress_scope=inter``;
+Each spec ``COMPRESSOR[+momentum][@SCOPE][:STEPS]`` (``topk(0.01)``, ``fp16@inter``,
+``powersgd(4)+momentum:1200``) is trained once per ``--seeds`` seed with ``python -m hpctrain train
+--config CONFIG`` through ``--launcher`` (plain ``mpirun``, or ``benchmarks/emulated_cluster.sh ...
+--`` for two nodes over a capped link). ``+momentum`` sets ``dist.compress_momentum=true`` (momentum
+correction); ``@inter`` sets ``dist.allreduce=hierarchical`` and ``dist.compress_scope=inter``;
 ``:STEPS`` sets ``train.steps`` (the same wall-clock can buy a compressed run more steps).
 
 The loss curve of a run comes from its per-step metrics: for a language model (``[model] kind =
@@ -34,19 +35,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK = re.compile(r"emulated cluster: link bytes \S+ (\d+), \S+ (\d+)")
 
 
-def parse_spec(spec: str) -> tuple[str, str, int | None]:
-    """'powersgd(4)@inter:1200' -> ('powersgd(4)', 'inter', 1200); scope '' and steps None when absent."""
+def parse_spec(spec: str) -> tuple[str, str, int | None, bool]:
+    """'powersgd(4)+momentum@inter:1200' -> ('powersgd(4)', 'inter', 1200, True); scope '', steps
+    None and momentum False when absent."""
     rest, _, steps = spec.partition(":")  # no compressor spec holds a ':'
-    comp, _, scope = rest.partition("@")
+    rest, _, scope = rest.partition("@")
+    comp, plus, flag = rest.partition("+")
     if steps and not steps.isdigit():
         raise ValueError(f"spec {spec!r}: the steps after ':' must be a whole number")
-    return comp, scope, int(steps) if steps else None
+    if plus and flag != "momentum":
+        raise ValueError(f"spec {spec!r}: the only flag after '+' is 'momentum'")
+    return comp, scope, int(steps) if steps else None, bool(plus)
 
 
 def run_training(args, spec: str, seed: int, out_dir: str) -> dict:
     """One training run; its metrics, exit status, and what the launcher and the run printed."""
-    comp, scope, steps = parse_spec(spec)
-    name = re.sub(r"[^a-z0-9.]+", "_", spec.replace("@", "-at-").replace(":", "-steps-")) + f"-seed{seed}"
+    comp, scope, steps, momentum = parse_spec(spec)
+    name = re.sub(r"[^a-z0-9.]+", "_", spec.replace("@", "-at-").replace(":", "-steps-").replace("+", "-plus-")) \
+        + f"-seed{seed}"
     path = os.path.join(out_dir, name + ".jsonl")
     if os.path.exists(path):
         os.remove(path)  # a metrics file is appended to only on resume; start clean
@@ -58,6 +64,8 @@ def run_training(args, spec: str, seed: int, out_dir: str) -> dict:
         sets += ['dist.allreduce="hierarchical"', f'dist.compress_scope="{scope}"']
     if steps:
         sets.append(f"train.steps={steps}")
+    if momentum:
+        sets.append("dist.compress_momentum=true")
     cmd = shlex.split(args.launcher) + [sys.executable, "-m", "hpctrain", "train", "--config", args.config]
     for s in sets:
         cmd += ["--set", s]
@@ -68,7 +76,7 @@ def run_training(args, spec: str, seed: int, out_dir: str) -> dict:
     m = re.search(r"(\d+) rank\(s\) on (\d+) node", text)
     link = LINK.findall(text)
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-    return {"spec": spec, "compressor": comp, "scope": scope or "all", "seed": seed, "rc": proc.returncode,
+    return {"spec": spec, "compressor": comp + ("+momentum" if momentum else ""), "scope": scope or "all", "seed": seed, "rc": proc.returncode,
             "wall_s": wall, "metrics": path, "steps": rows,
             "ranks": int(m.group(1)) if m else None, "nodes": int(m.group(2)) if m else None,
             "link_bytes": sum(map(int, link[-1])) if link else None,

@@ -51,6 +51,8 @@ class Config:
         if (self.train.target_val_bpb or self.train.target_bpb_vs_bigram) and self.model.kind != "gpt":
             raise ConfigError("train.target_val_bpb and target_bpb_vs_bigram are language-model targets: they need "
                               "model.kind = \"gpt\" (the mlp's target is train.target_accuracy)")
+        if self.dist.compress_momentum:
+            self._check_compress_momentum()
         if self.dist.tensor_parallel > 1:
             if self.model.kind != "gpt":
                 raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel}: tensor parallelism splits the "
@@ -60,6 +62,21 @@ class Config:
                 raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel} does not divide model.n_head="
                                   f"{self.model.n_head}: each tensor rank owns n_head / t whole heads")
         return self
+
+    def _check_compress_momentum(self) -> None:
+        """Momentum correction hands AdamW's first moment to the compressor from the step compression
+        starts, which is only the same first moment while the second moment is frozen from then on."""
+        d, o = self.dist, self.optim
+        if d.compress == "none":
+            raise ConfigError("dist.compress_momentum corrects a compressor's momentum; dist.compress = 'none' "
+                              "compresses nothing (set dist.compress, or compress_momentum = false)")
+        if o.name != "adamw":
+            raise ConfigError(f"dist.compress_momentum moves AdamW's first moment into the compressor; optim.name "
+                              f"= {o.name!r} (use adamw, or compress_momentum = false)")
+        if not d.compress_start_step or o.freeze_step != d.compress_start_step:
+            raise ConfigError(f"dist.compress_momentum needs optim.freeze_step = dist.compress_start_step > 0 (the "
+                              f"velocities are summed through AdamW's frozen second moment, from the step "
+                              f"compression starts); they are {o.freeze_step} and {d.compress_start_step}")
 
     def to_toml(self) -> str:
         """The resolved config as TOML text (printed by rank 0, stored in checkpoints)."""

@@ -194,6 +194,10 @@ class DistConfig:
     compress_start_step: int = _f(0, "global steps 0 .. S-1 are all-reduced exactly by dist.allreduce, "
                                   "compression starts at step S (its warm-up: the early, fast-changing gradients go "
                                   "exact; with adamw set optim.freeze_step to the same step, docs/dist.md)")
+    compress_momentum: bool = _f(False, "momentum correction (Deep Gradient Compression): each rank keeps AdamW's "
+                                 "first moment of its own gradients and the compressor sends that, masking what it "
+                                 "sent (top-k, random-k entries; PowerSGD's subspace); needs optim.name = adamw and "
+                                 "optim.freeze_step = dist.compress_start_step > 0 (docs/dist.md)")
     compress_scope: str = _f("all", "all = compress every bucket everywhere | inter = only hierarchical's "
                              "cross-node phase (intra-node stays exact)", choices=("all", "inter"))
     cuda_aware_mpi: str = _f("auto", "hand GPU buffers to MPI directly: auto (ask the MPI library) | on | off "

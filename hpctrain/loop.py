@@ -51,6 +51,7 @@ def _loop(trainer) -> dict:
              f"overlap {'on' if cfg.dist.overlap else 'off'}" + (f", zero {cfg.dist.zero}" if cfg.dist.zero else "")
              + (f", compress {cfg.dist.compress} scope {cfg.dist.compress_scope}"
                 + (f" from step {cfg.dist.compress_start_step}" if cfg.dist.compress_start_step else "")
+                + (" with momentum correction" if cfg.dist.compress_momentum else "")
                 if trainer.compression else "")
              + "), "
              + (f"{trainer.grid.describe()}, " if trainer.grid.tensor is not None else "")

@@ -123,33 +123,42 @@ class AdamW(_Optimizer):
     ``dist.compress_start_step`` = F starts compressing) the second moment is frozen, bias-corrected
     as after F updates. It is decided by the global step, not by ``t``, so that a step the guard
     skipped (no update, ``t`` unchanged) cannot shift the freeze against compression's start.
+
+    ``velocity_from`` S > 0 (``dist.compress_momentum``, with S = F): from global step S on the
+    gradients are the ranks' summed velocities and ``exp_avg`` only decays (kernels/adamw.py).
     """
 
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, velocity_from=0):
         super().__init__(device, flat, cfg_optim, no_decay, shards, grads)
         self.exp_avg = device.zeros(self.state_size)
         self.exp_avg_sq = device.zeros(self.state_size)
         self.t = 0
         self.frozen_at = 0
+        self.velocity_from, self.velocity = velocity_from, False
 
     def begin_step(self, step: int | None = None):
         """Once per update, however many slices get updated; ``step``: the global step (0-based)."""
         self.t += 1
         f = self.cfg.freeze_step
         self.frozen_at = f if f and step is not None and step >= f else 0
+        self.velocity = bool(self.velocity_from) and step is not None and step >= self.velocity_from
 
     def _kernel(self, s, lr, weight_decay):
         c, f = self.cfg, self.flat
         st = self._state(s)
         self.device.ops.adamw_step(f.data[s], self._grad(s), self.exp_avg[st], self.exp_avg_sq[st],
-                                   self.t, lr, c.beta1, c.beta2, c.eps, weight_decay, self.frozen_at)
+                                   self.t, lr, c.beta1, c.beta2, c.eps, weight_decay, self.frozen_at, self.velocity)
 
     def state(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
 
-def make_optimizer(device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
+def make_optimizer(device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, velocity_from=0):
     """The optimizer ``optim.name`` over ``flat``; parameters named in ``no_decay`` get no weight decay;
     with ``shards`` (ZeRO) it keeps state for this rank's chunks only, with ``grads`` (ZeRO-2) it reads
-    their gradient from there."""
-    return {"sgd": SGD, "adamw": AdamW}[cfg_optim.name](device, flat, cfg_optim, no_decay, shards, grads)
+    their gradient from there; ``velocity_from`` (AdamW only): see :class:`AdamW`."""
+    if cfg_optim.name == "sgd":
+        if velocity_from:
+            raise ValueError("velocity_from: SGD has no velocity mode (dist.compress_momentum needs adamw)")
+        return SGD(device, flat, cfg_optim, no_decay, shards, grads)
+    return AdamW(device, flat, cfg_optim, no_decay, shards, grads, velocity_from)

@@ -94,7 +94,8 @@ class Trainer:
             if cfg.dist.compress != "none":
                 self.compression = agree(world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, dp,
                                          self.staging, self.allreduce, self.buckets, self.model.flat, cfg.train.seed,
-                                         self.log, cfg.dist.compress_start_step)
+                                         self.log, cfg.dist.compress_start_step,
+                                         cfg.optim.beta1 if cfg.dist.compress_momentum else 0.0)
             self.param_gather = None  # ZeRO-1's parameter all-gathers: the main thread's, on a duplicate comm
             if self.shards is not None:
                 self.param_gather = param_gatherer(cfg.dist.allreduce, self.allreduce, dp, self.device,
@@ -169,7 +170,8 @@ class Trainer:
         self.shards, self.grad_slots = plan_zero(cfg.dist.zero, cfg.dist, self.buckets, self.model, self.device,
                                                  dp)
         self.optimizer = make_optimizer(self.device, self.model.flat, cfg.optim, self.model.no_decay, self.shards,
-                                        self.grad_slots and self.grad_slots.owned)
+                                        self.grad_slots and self.grad_slots.owned,
+                                        cfg.dist.compress_start_step if cfg.dist.compress_momentum else 0)
         k = cfg.train.grad_accum_steps
         if cfg.train.exact_shares and self.sampler.batch % k:
             raise ConfigError(f"train.grad_accum_steps={k} does not divide the per-rank batch "

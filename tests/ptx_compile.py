@@ -64,7 +64,7 @@ def kernels():
         yield f"softmax_xent backward {dt}", softmax_xent._softmax_xent_backward_kernel, \
             (m, arr(int64, 1), dt, m), False
         yield f"sgd {dt}", sgd._sgd_step_kernel, (v, v, v, dt, dt, dt, boolean), False
-        yield f"adamw {dt}", adamw._adamw_step_kernel, (v,) * 4 + (dt,) * 8, False
+        yield f"adamw {dt}", adamw._adamw_step_kernel, (v,) * 4 + (dt,) * 8 + (boolean,), False
         yield f"scale {dt}", scale._scale_kernel, (v, dt), False
         yield f"all_finite {dt}", finite._nonfinite_kernel, (v, arr(int32, 1)), False
         yield f"bias partial sums -> {dt}", bias_act_cuda._sum_partials, (arr(float64, 2), v, boolean), False

@@ -6,7 +6,7 @@ import pytest
 
 from hpctrain.compress import (Bf16, Context, ErrorFeedback, Fp16, PowerSGD, RandK, Sign, TopK,
                                make_compressor, payload_bytes)
-from hpctrain.compress.sparse import INDEX_BLOCK, k_of, pack_indices, unpack_indices
+from hpctrain.compress.sparse import INDEX_BLOCK, k_of, pack_indices, payload_indices, unpack_indices
 from hpctrain.kernels.topk_threshold import topk_host, topk_select
 from topk_cases import TOPK_CASES, adversarial, expected_road
 
@@ -237,3 +237,79 @@ def test_powersgd_error_feedback_and_warm_start():
     again = PowerSGD(rank=2, start_step=1)
     again.load_state(c.state())
     assert again.q.keys() == c.q.keys() and again.residuals.keys() == c.residuals.keys()
+
+
+# ---- momentum correction (dist.compress_momentum) -------------------------------------------------
+BETA = 0.9
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.05), lambda: RandK(0.1), Fp16, Bf16, lambda: Sign(chunk=64)])
+def test_momentum_correction_is_the_dgc_formula_bit_for_bit(make):
+    """With momentum: u = b u + (1-b) g; corrected = u + r; payload = compress(corrected);
+    r = corrected - decompress(payload); and u zeroed where a sparse payload sent the entry
+    (dense compressors mask nothing), bit for bit over several steps."""
+    c, ref_c = make(), make()
+    ef = ErrorFeedback(c, BETA)
+    u, r = np.zeros(3000, np.float32), np.zeros(3000, np.float32)
+    masked = False
+    for step in range(6):
+        g = _x(3000, seed=step) * np.float32(2.0 ** (step - 3))
+        ctx = Context(step=step, bucket=2, seed=1)
+        payload = ef.step(g, ctx)
+        u = np.float32(BETA) * u + np.float32(1 - BETA) * g
+        corrected = u + r
+        ref = ref_c.compress(corrected, ctx)
+        sent = ref_c.decompress(ref, g.size, ctx)
+        r = corrected - sent
+        if isinstance(ref_c, (TopK, RandK)):
+            u[ref_c.indices(g.size, ctx) if isinstance(ref_c, RandK) else payload_indices(ref)] = 0.0
+            masked = True
+        assert all(same_bits(payload[k], ref[k]) for k in ref), step
+        assert same_bits(ef.residuals[2], r) and same_bits(ef.velocities[2], u), step
+    if masked:  # the mask leaves zeros where entries went out: a sparse velocity has holes
+        assert np.count_nonzero(ef.velocities[2] == 0) >= k_of(0.05, 3000)
+    # the checkpoint view carries the velocity, and an empty state resets it (the guard's reset)
+    again = ErrorFeedback(make(), BETA)
+    again.load_state(ef.state())
+    assert same_bits(again.velocities[2], ef.velocities[2]) and same_bits(again.residuals[2], ef.residuals[2])
+    again.load_state({})
+    assert again.velocities == {} and again.residuals == {}
+
+
+def test_momentum_correction_sends_the_velocities_sum_for_a_dense_compressor():
+    """Without a mask (fp16): sum(sent) + final residual == sum of the velocities, to rounding; so
+    the optimizer receives Adam's first moment, delayed only by what the residual holds."""
+    ef = ErrorFeedback(Fp16(), BETA)
+    u, us = np.zeros(3000), np.zeros(3000)
+    sent = np.zeros(3000)
+    for s in range(12):
+        g = _x(3000, seed=s)
+        ctx = Context(step=s, bucket=0, seed=1)
+        sent += Fp16().decompress(ef.step(g, ctx), g.size, ctx)
+        u = BETA * u + (1 - BETA) * g
+        us += u
+    np.testing.assert_allclose(sent + ef.residuals[0], us, atol=1e-5 * np.abs(us).max())
+    assert not np.allclose(us, np.sum([_x(3000, seed=s) for s in range(12)], axis=0), atol=1e-2)
+
+
+def test_powersgd_momentum_correction_masks_the_sent_subspace():
+    c = PowerSGD(rank=2)
+    grads = [np.random.default_rng(s).standard_normal((30, 20)).astype(np.float32) for s in range(5)]
+    bias = [np.random.default_rng(50 + s).standard_normal(5).astype(np.float32) for s in range(5)]
+    u_bias = np.zeros(5, np.float32)
+    for s, (g, b) in enumerate(zip(grads, bias)):
+        approx, sent_bias = c.reduce([g, b], Context(s, 0), lambda a: a, 1, BETA)
+        u_bias = np.float32(BETA) * u_bias + np.float32(1 - BETA) * b
+        assert same_bits(sent_bias, u_bias)  # vectors send their velocity as it is
+        u = c.velocities[(0, 0)]
+        p_hat = np.linalg.svd(approx.astype(np.float64))[0][:, :2]  # approx = P^ Q^T spans P^'s columns
+        # what is left of the velocity has no component in the subspace that was just sent
+        assert np.abs(p_hat.T @ u).max() <= 1e-5 * np.abs(u).max()
+        assert np.abs(u).max() > 0
+    state = c.state()
+    assert {k.split("/")[0] for k in state} == {"residual", "q", "velocity"}
+    again = PowerSGD(rank=2)
+    again.load_state(state)
+    assert again.velocities.keys() == c.velocities.keys()
+    again.load_state({})
+    assert again.velocities == {} and again.residuals == {} and again.q == {}

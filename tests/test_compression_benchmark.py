@@ -82,3 +82,14 @@ def test_compression_benchmark_part_b_bad_spec_is_one_clear_error(tmp_path):
                            "--train-compressors", "none,topk(0.01):many", "--json", str(tmp_path / "x.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "topk(0.01):many" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_part_b_specs_name_compressor_momentum_scope_and_steps():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from compression_train import parse_spec
+
+    assert parse_spec("topk(0.01)") == ("topk(0.01)", "", None, False)
+    assert parse_spec("powersgd(4,10)+momentum@inter:1200") == ("powersgd(4,10)", "inter", 1200, True)
+    assert parse_spec("fp16+momentum") == ("fp16", "", None, True)
+    with pytest.raises(ValueError, match="only flag after"):
+        parse_spec("topk(0.01)+velocity")

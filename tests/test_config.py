@@ -276,3 +276,25 @@ def test_zero_settings_that_cannot_run_are_one_clear_error(overrides, expect):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert expect in str(err.value)
+
+
+MOMENTUM_OK = ["dist.compress='topk(0.01)'", "dist.compress_momentum=true", "optim.name='adamw'",
+               "optim.freeze_step=10", "dist.compress_start_step=10"]
+
+
+def test_compress_momentum_validates_with_adamw_and_the_freeze_at_compressions_start():
+    cfg = load_config(None, MOMENTUM_OK)
+    assert cfg.dist.compress_momentum and cfg.optim.freeze_step == cfg.dist.compress_start_step == 10
+
+
+@pytest.mark.parametrize("change,needles", [
+    ("dist.compress='none'", ("compress_momentum", "compresses nothing")),
+    ("optim.name='sgd'", ("compress_momentum", "adamw")),
+    ("optim.freeze_step=20", ("freeze_step = dist.compress_start_step", "20 and 10")),
+    ("dist.compress_start_step=0", ("> 0", "10 and 0")),
+])
+def test_compress_momentum_refuses_what_it_cannot_correct(change, needles):
+    sets = [s for s in MOMENTUM_OK if s.split("=")[0] != change.split("=")[0]] + [change]
+    if change == "optim.name='sgd'":  # (SGD has no freeze step to set)
+        sets = [s for s in sets if not s.startswith("optim.freeze_step")]
+    raises_config_error(*needles, overrides=sets)

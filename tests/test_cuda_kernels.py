@@ -268,16 +268,17 @@ def test_sgd_step_matches_twin(dev64, n, nesterov):
 
 
 @pytest.mark.parametrize("n", OPT_SIZES)
-@pytest.mark.parametrize("freeze", [False, True])
-def test_adamw_step_matches_twin(dev64, n, freeze):
+@pytest.mark.parametrize("freeze,velocity", [(False, False), (True, False), (True, True)])
+def test_adamw_step_matches_twin(dev64, n, freeze, velocity):
     r = rng_for(7, n)
     p, g = r.standard_normal(n), r.standard_normal(n)
     m, v = np.zeros(n), np.zeros(n)
     P, G, M, V = up(dev64, p), up(dev64, g), up(dev64, m), up(dev64, v)
     for step in (1, 2, 3):
         frozen_at = 2 if freeze and step == 3 else 0  # the second moment frozen after two updates
-        adamw.adamw_step(p, g, m, v, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, frozen_at)
-        dev64.ops.adamw_step(P, G, M, V, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, frozen_at)
+        vel = velocity and step == 3  # and g taken as a summed velocity (dist.compress_momentum)
+        adamw.adamw_step(p, g, m, v, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, frozen_at, vel)
+        dev64.ops.adamw_step(P, G, M, V, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, frozen_at, vel)
     for got, ref in ((P, p), (M, m), (V, v)):
         np.testing.assert_allclose(dev64.to_host(got), ref, **TIGHT)
 

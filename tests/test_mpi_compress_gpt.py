@@ -125,3 +125,37 @@ def test_before_compress_start_step_a_run_is_an_uncompressed_run(node_world, mpi
             verdicts.append(not same and 0 < c.sent_bytes < c.dense_bytes)
     verdicts = world.comm.allgather(verdicts)  # gathered first: one rank failing alone cannot hang the rest
     assert all(all(v) for v in verdicts), verdicts
+
+
+def _gap(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_momentum_correction_with_a_dense_compressor_is_adamw(node_world, mpi_text_data):
+    """dist.compress_momentum with fp16 (which masks nothing): the ranks' velocities, summed through
+    the compressor, and AdamW adding what remains of its first moment from before compression make
+    the uncompressed AdamW run again, to fp16's rounding (measured 6e-5 of the parameters' norm at
+    2 ranks, float64, 12 steps). Either half alone is far off (5e-2 and more, measured), so the bound
+    1e-3 separates them. Scope inter (hierarchical's cross-node phase) too, where there are two
+    nodes; on one node it is refused (nothing would be compressed, so no velocity summed)."""
+    from hpctrain.errors import UserError
+
+    world = node_world
+
+    def run(compress, scope="all", allreduce="ring", momentum=True):
+        cfg = gpt_config(mpi_text_data, compress, allreduce, scope, steps=14, dtype="float64",
+                         optim={"freeze_step": 3}, dist={"compress_start_step": 3, "compress_momentum": momentum})
+        t = _trainer(cfg, world)
+        return t, _steps(t, 12)[1]
+
+    _, plain = run("none", momentum=False)
+    t, corrected = run("fp16")
+    assert t.optimizer.velocity  # AdamW took the velocities on the last step
+    gaps = {"all": _gap(corrected, plain)}
+    if world.n_nodes > 1:
+        gaps["inter"] = _gap(run("fp16", "inter", "hierarchical")[1], plain)
+    else:
+        with pytest.raises(UserError, match="single node"):
+            run("fp16", "inter", "hierarchical")
+    gaps = world.comm.allgather(gaps)
+    assert all(g < 1e-3 for per_rank in gaps for g in per_rank.values()), gaps

@@ -1,7 +1,8 @@
 """Training with gradient compression (run under mpirun -n 1..4): every compressor with
 every strategy and both scopes trains the MLP, keeps all ranks' parameters identical, and a
 signal-stopped, resumed run with compression on is bit-exact, for the MLP and for the GPT
-(with compression's warm-up and AdamW's frozen second moment crossed before the stop).
+(with compression's warm-up and AdamW's frozen second moment crossed before the stop, with and
+without momentum correction, whose velocities are part of the compressor's state).
 The GPT's compressor-by-strategy matrix is test_mpi_compress_gpt.py."""
 
 import hashlib
@@ -20,11 +21,11 @@ SPECS = ["fp16", "bf16", "topk(0.05)", "randk(0.2)", "sign", "powersgd(2)"]
 
 def _config(train, compress, allreduce="mpi", scope="all", steps=12, ckpt_dir="/tmp/hpctrain-unused", resume="",
             model="mlp"):
-    if model == "gpt":  # compression from step 3, the second moment frozen there too
+    if model.startswith("gpt"):  # compression from step 3, the second moment frozen there too
         from tiny_gpt import gpt_config
 
         return gpt_config(train, compress, allreduce, scope, steps, optim={"freeze_step": 3},
-                          dist={"compress_start_step": 3},
+                          dist={"compress_start_step": 3, "compress_momentum": model == "gpt+momentum"},
                           checkpoint={"dir": ckpt_dir, "resume": resume, "keep_last": 0})
     cfg = Config()
     cfg.data.train, cfg.data.eval = train, ""
@@ -96,7 +97,8 @@ def test_inter_scope_on_one_node_compresses_nothing(mpi_small_data):
 
 @pytest.mark.parametrize("spec,allreduce,scope,model", [
     ("topk(0.05)", "mpi", "all", "mlp"), ("powersgd(2)", "mpi", "all", "mlp"), ("sign", "hierarchical", "inter", "mlp"),
-    ("powersgd(2)", "ring", "all", "gpt"), ("topk(0.05)", "hierarchical", "inter", "gpt")])
+    ("powersgd(2)", "ring", "all", "gpt"), ("topk(0.05)", "hierarchical", "inter", "gpt"),
+    ("topk(0.05)", "mpi", "all", "gpt+momentum"), ("powersgd(2)", "ring", "all", "gpt+momentum")])
 def test_resume_with_compression_is_bit_exact(node_world, mpi_small_data, mpi_text_data, spec, allreduce, scope,
                                               model):
     import shutil
@@ -104,7 +106,7 @@ def test_resume_with_compression_is_bit_exact(node_world, mpi_small_data, mpi_te
     from hpctrain.ckpt.format import list_checkpoints
 
     world = node_world
-    data = mpi_text_data if model == "gpt" else mpi_small_data[0]
+    data = mpi_text_data if model.startswith("gpt") else mpi_small_data[0]
     d = world.comm.bcast(f"/tmp/hpctrain-compress-resume-{os.getpid()}" if world.rank == 0 else None)
     if world.rank == 0:
         shutil.rmtree(d, ignore_errors=True)
@@ -136,6 +138,14 @@ def test_resume_with_compression_is_bit_exact(node_world, mpi_small_data, mpi_te
         fresh.compression.load_state({})
         fresh.run()
         assert not np.array_equal(fresh.model.flat.data, straight.model.flat.data)
+    if restored and model == "gpt+momentum":  # and so it does without the velocities alone
+        still = _trainer(_config(data, spec, allreduce, scope, n_steps, ckpt_dir=d, resume="auto", model=model),
+                         world)
+        state = still.compression.state()
+        assert any(k.startswith("velocity/") for k in state)
+        still.compression.load_state({k: v for k, v in state.items() if not k.startswith("velocity/")})
+        still.run()
+        assert not np.array_equal(still.model.flat.data, straight.model.flat.data)
     world.comm.Barrier()
     if world.rank == 0:
         shutil.rmtree(d, ignore_errors=True)

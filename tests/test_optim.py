@@ -143,6 +143,39 @@ def test_adamw_with_a_frozen_second_moment_matches_reference(dtype, freeze_step)
     assert not np.allclose(ref_p, adamw_ref(p0, grads, LRS, 0.9, 0.95, 1e-8, 0.01)[0], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("start", [1, 2, 4])
+def test_adamw_taking_summed_velocities_is_adamw(dtype, start):
+    """Momentum correction (dist.compress_momentum): from global step ``start`` on the kernel is handed
+    the velocity u <- b1 u + (1 - b1) g (from u = 0 at ``start``) instead of g; what it does with it is
+    plain AdamW with the second moment frozen at ``start``."""
+    p0, grads = problem(dtype, key=9)
+    beta1 = 0.9
+    p, m, v = p0.copy(), np.zeros(P, dtype), np.zeros(P, dtype)
+    u = np.zeros(P, np.float64)
+    for t, (g, lr) in enumerate(zip(grads, LRS), start=1):  # step t is global step t - 1
+        frozen = start if t > start else 0
+        if t > start:
+            u = beta1 * u + (1 - beta1) * g.astype(np.float64)
+            adamw_step(p, u.astype(dtype), m, v, t, lr, beta1, 0.95, 1e-8, 0.01, frozen, True)
+        else:
+            adamw_step(p, g, m, v, t, lr, beta1, 0.95, 1e-8, 0.01, frozen)
+    ref_p, ref_m, _ = adamw_ref(p0, grads, LRS, beta1, 0.95, 1e-8, 0.01, start)
+    np.testing.assert_allclose(p, ref_p, **TOL[dtype])
+    # m holds only what remains of the first moment from before: b1^(steps since) of it
+    m_before = adamw_ref(p0, grads[:start], LRS[:start], beta1, 0.95, 1e-8, 0.01, start)[1]
+    np.testing.assert_allclose(m, beta1 ** (STEPS - start) * m_before, **TOL[dtype])
+    # handing the velocity to a plain step instead moves elsewhere (the test is not vacuous)
+    q, mm, vv = p0.copy(), np.zeros(P, dtype), np.zeros(P, dtype)
+    uu = np.zeros(P)
+    for t, (g, lr) in enumerate(zip(grads, LRS), start=1):
+        if t > start:
+            uu = beta1 * uu + (1 - beta1) * g.astype(np.float64)
+            g = uu.astype(dtype)
+        adamw_step(q, g, mm, vv, t, lr, beta1, 0.95, 1e-8, 0.01, start if t > start else 0)
+    assert not np.allclose(q, ref_p, rtol=1e-6, atol=0)
+
+
 def test_adamw_after_the_freeze_is_linear_in_the_gradient():
     # what error-feedback compression needs: two steps of g/2 from equal states move p as one
     # step of g would, up to the momentum's decay between them (here beta1 = 0: exactly)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import os
 import time
+import tomllib
 
 from ..errors import UserError
 from ..guard import agree
@@ -159,6 +160,13 @@ def check_writable(directory: str) -> None:
 
 def _saved_compress(attrs) -> tuple:
     """What the compressor state (per-rank residuals) of a checkpoint was made under: the
-    compressor, its scope and the tensor-parallel size (at another t the data groups, and which
-    rank holds which residual, differ). Files from before tensor parallelism: t = 1."""
-    return (attrs.get("compress", "none"), attrs.get("compress_scope", "all"), int(attrs.get("tensor_parallel", 1)))
+    compressor, its scope, the tensor-parallel size (at another t the data groups, and which
+    rank holds which residual, differ) and momentum correction (its residuals hold velocities),
+    the last read from the stored config. Files from before those settings: t = 1, no momentum."""
+    try:
+        dist = tomllib.loads(str(attrs.get("config", ""))).get("dist", {})
+    except tomllib.TOMLDecodeError:
+        dist = {}
+    momentum = bool(dist.get("compress_momentum", False)) if isinstance(dist, dict) else False
+    return (attrs.get("compress", "none"), attrs.get("compress_scope", "all"), int(attrs.get("tensor_parallel", 1)),
+            momentum)

@@ -167,11 +167,11 @@ def _restore_compression(trainer, own_rows, saved_world, saved_compress, log) ->
     if comp is None or not keys:
         return
     cfg = trainer.cfg.dist
-    now = (cfg.compress, cfg.compress_scope, cfg.tensor_parallel)  # as ckpt.manager's _saved_compress
+    now = (cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum)  # as ckpt.manager's
     if saved_world != trainer.world.size or tuple(saved_compress or ()) != now:
         log.info("compression state (error-feedback residuals) not restored: saved with "
-                 f"{saved_world} rank(s) and (compress, scope, tensor_parallel) {saved_compress}, this run has "
-                 f"{trainer.world.size} and {now}; residuals start from zero")
+                 f"{saved_world} rank(s) and (compress, scope, tensor_parallel, momentum) {saved_compress}, "
+                 f"this run has {trainer.world.size} and {now}; residuals start from zero")
         return
     lengths = own_rows.get("/compress/lengths")
     state = {}

@@ -27,6 +27,11 @@ Where it runs (``on_device``):
     hands the compressor a host chunk of it; a device path there would
     need a device-side hierarchical strategy first.
 
+With ``dist.compress_momentum`` (momentum correction, compress/base.py) each
+rank's velocities are summed instead of its gradients, on the host path
+everywhere (a CUDA bucket is staged to the host for it, as scope "inter"
+does), since the device kernels keep no velocity.
+
 A float64 run's gradients are rounded to float32 for the wire on either
 path. Per-rank state (error-feedback residuals, PowerSGD's Q) is exposed by
 ``state()`` for checkpoints, as host arrays under the same keys on every
@@ -44,17 +49,21 @@ from ..errors import ConfigError
 
 
 class GradientCompression:
-    def __init__(self, spec, scope, world, staging, strategy, buckets, flat, seed, log=None, start_step=0):
+    def __init__(self, spec, scope, world, staging, strategy, buckets, flat, seed, log=None, start_step=0,
+                 momentum=0.0):
         self.world, self.staging, self.strategy, self.seed = world, staging, strategy, seed
         self.compressor = make_compressor(spec)
-        self.scope, self.start_step = scope, start_step
+        self.scope, self.start_step, self.momentum = scope, start_step, momentum
         by_name = {s.name: s for s in flat.slots}
         # layer shapes in memory order (buckets list their parameters in reverse)
         self.shapes = [[tuple(by_name[n].shape) for n in reversed(b.slots)] for b in buckets]
         self.sent_bytes = self.dense_bytes = 0
         self.encode_s = self.decode_s = 0.0
         self._sum = None
-        self.on_device = scope != "inter" and staging.device.name == "cuda"
+        self.on_device = scope != "inter" and staging.device.name == "cuda" and not momentum
+        if momentum and staging.device.name == "cuda" and log is not None:
+            log.info("compression: momentum correction runs on the host path (the device kernels keep no "
+                     "velocity): each bucket is copied to the host and back")
         if scope == "inter":
             if not hasattr(strategy, "compress_inter"):
                 raise ConfigError("dist.compress_scope = 'inter' needs dist.allreduce = 'hierarchical' "
@@ -63,14 +72,19 @@ class GradientCompression:
                 raise ConfigError("powersgd compresses whole layers, but scope 'inter' hands it slices of "
                                   "buckets; use dist.compress_scope = 'all' with powersgd")
             compressor = self.compressor
-            strategy.compress_inter(lambda comm: CompressedSum(comm, compressor))
+            strategy.compress_inter(lambda comm: CompressedSum(comm, compressor, momentum))
             self._sum = strategy.cross_compressed
+            if world.n_nodes == 1 and momentum:
+                raise ConfigError("dist.compress_momentum with dist.compress_scope = 'inter' on a single node: "
+                                  "nothing crosses a node, so no velocity would be summed and the optimizer "
+                                  "would take plain gradients for its first moment; use scope 'all', or run on "
+                                  "several nodes")
             if world.n_nodes == 1 and log is not None:
                 log.info("compression: scope inter on a single node: nothing crosses a node, nothing is compressed")
         elif self.on_device:
             self._sum = DeviceCompressedSum(world.comm, self.compressor, staging.device)
         else:
-            self._sum = CompressedSum(world.comm, self.compressor)
+            self._sum = CompressedSum(world.comm, self.compressor, momentum)
 
     def begin_step(self):
         self.sent_bytes = self.dense_bytes = 0

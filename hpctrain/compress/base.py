@@ -18,6 +18,18 @@ Error feedback (:class:`ErrorFeedback`) keeps, per rank and bucket, what
 compression dropped and adds it to the next step's gradient, so nothing is
 lost, only delayed: over any number of steps, the sum of what was sent plus
 the final residual equals the sum of the gradients (to rounding).
+
+Momentum correction (``momentum`` beta > 0; Lin et al.'s Deep Gradient
+Compression, ``dist.compress_momentum``): each rank keeps a velocity
+u <- beta u + (1 - beta) g of its own gradients, and error feedback works on u
+instead of g, so the optimizer receives the sum of the ranks' velocities,
+which is the sum of their Adam first moments (the optimizer then adds only its
+decayed first moment from before compression, see hpctrain/kernels/adamw.py).
+What a compressor selects it also masks in u (``mask_sent``: top-k's and
+random-k's sent entries are zeroed, DGC's momentum-factor masking), so a
+value that went out does not keep pushing through a stale velocity; dense
+compressors (fp16, bf16, sign) mask nothing, and then the sum of what is sent
+tracks Adam's exact first moment, only delayed by the residual.
 """
 
 from __future__ import annotations
@@ -60,6 +72,10 @@ class Compressor:
         """out -= decompress(payload) (float32, in place); see :meth:`add_sent`."""
         out -= self.decompress(payload, out.size, ctx)
 
+    def mask_sent(self, payload: dict, velocity: np.ndarray, ctx: Context) -> None:
+        """Momentum correction's masking: zero ``velocity`` where the payload sent the entry. Dense
+        compressors send every entry approximately and mask nothing (the default)."""
+
     def describe(self) -> str:
         return self.name
 
@@ -69,38 +85,66 @@ def payload_bytes(payload: dict) -> int:
     return int(sum(np.asarray(a).nbytes for a in payload.values()))
 
 
+def momentum_update(velocity: np.ndarray, g: np.ndarray, momentum: float) -> None:
+    """velocity <- momentum velocity + (1 - momentum) g, in place, in float32 (both factors
+    rounded once from float64), as every path computes it."""
+    velocity *= np.float32(momentum)
+    velocity += np.float32(1.0 - momentum) * g.astype(np.float32, copy=False)
+
+
 class ErrorFeedback:
     """Per-rank residuals, one per bucket, for a compressor with ``error_feedback``.
 
     ``step(x, bucket, ctx)`` compresses x + residual and keeps what the local
     decompression misses as the next residual. Residuals are float32 vectors of
     the bucket's length; ``state()`` / ``load_state()`` expose them for
-    checkpoints (as /compress/residual/<bucket>).
+    checkpoints (as /compress/residual/<bucket>). With ``momentum`` > 0 (see
+    the module doc) x first goes into the bucket's velocity, which is what
+    gets compressed; velocities are checkpointed as /compress/velocity/<bucket>.
     """
 
-    def __init__(self, compressor: Compressor):
-        self.compressor = compressor
+    def __init__(self, compressor: Compressor, momentum: float = 0.0):
+        self.compressor, self.momentum = compressor, momentum
         self.residuals: dict[int, np.ndarray] = {}
+        self.velocities: dict[int, np.ndarray] = {}
 
     def step(self, x: np.ndarray, ctx: Context) -> dict:
         c = self.compressor
         if not c.error_feedback:
             return c.compress(x, ctx)
-        r = self.residuals.get(ctx.bucket)
-        if r is None or r.size != x.size:
-            r = self.residuals[ctx.bucket] = np.zeros(x.size, np.float32)
+        r = _zeros_like_bucket(self.residuals, ctx.bucket, x.size)
+        if self.momentum:
+            u = _zeros_like_bucket(self.velocities, ctx.bucket, x.size)
+            momentum_update(u, x, self.momentum)
+            x = u
         # (if compress raises, r is left as x + residual: the run stops on it, see comm/buckets.py)
         np.add(x.astype(np.float32, copy=False), r, out=r)   # r is now x + residual ...
         payload = c.compress(r, ctx)                          # (payloads hold copies, not views)
         c.subtract_sent(payload, r, ctx)                      # ... and then what was not sent
+        if self.momentum:
+            c.mask_sent(payload, u, ctx)
         return payload
 
     def state(self) -> dict:
-        return {f"residual/{b}": r for b, r in sorted(self.residuals.items())}
+        return {**{f"residual/{b}": r for b, r in sorted(self.residuals.items())},
+                **{f"velocity/{b}": u for b, u in sorted(self.velocities.items())}}
 
     def load_state(self, state: dict) -> None:
-        self.residuals = {int(k.split("/")[1]): np.asarray(v, np.float32).copy()
-                          for k, v in state.items() if k.startswith("residual/")}
+        """Residuals and velocities from ``state()``'s keys; an empty dict resets both."""
+        arrays = {"residual": {}, "velocity": {}}
+        for k, v in state.items():
+            kind, b = k.split("/")
+            if kind in arrays:
+                arrays[kind][int(b)] = np.asarray(v, np.float32).copy()
+        self.residuals, self.velocities = arrays["residual"], arrays["velocity"]
+
+
+def _zeros_like_bucket(arrays: dict, bucket: int, n: int) -> np.ndarray:
+    """``arrays[bucket]``, (re)made as n float32 zeros when missing or of another length."""
+    a = arrays.get(bucket)
+    if a is None or a.size != n:
+        a = arrays[bucket] = np.zeros(n, np.float32)
+    return a
 
 
 class NoCompression(Compressor):

@@ -15,13 +15,19 @@ rank r would not shrink (r (n + m) >= n m) are all-reduced uncompressed, and
 so is everything before ``start_step`` (no error feedback then: PowerSGD's
 usual warm-up of exact steps). With r >= rank(sum M), P^ spans the column
 space of sum(M), so S~ = sum(M) exactly.
+
+Momentum correction (``momentum`` beta > 0, see base.py): each layer's
+velocity u <- beta u + (1 - beta) g takes the gradient's place (M_i = u_i +
+residual_i, and uncompressed layers send u_i), and after the step the sent
+subspace is masked out of it: u_i -= P^ (P^T u_i), the projection's version
+of top-k's zeroed entries.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .base import Compressor
+from .base import Compressor, momentum_update
 
 
 class PowerSGD(Compressor):
@@ -34,6 +40,7 @@ class PowerSGD(Compressor):
         self.name = f"powersgd({rank},{start_step})"
         self.q: dict = {}          # (bucket, layer) -> Q, kept between steps
         self.residuals: dict = {}  # (bucket, layer) -> residual (n x m)
+        self.velocities: dict = {}  # (bucket, layer) -> velocity (momentum correction only)
 
     def compresses(self, shape) -> bool:
         if len(shape) != 2:
@@ -47,19 +54,27 @@ class PowerSGD(Compressor):
         """The first Q (m x r) of a layer: Gaussian, the same on every rank (and on every device)."""
         return np.random.default_rng([ctx.seed, ctx.bucket, layer, 0x9D]).standard_normal((m, r)).astype(np.float32)
 
-    def reduce(self, matrices, ctx, allreduce_sum, size: int = 1) -> list:
+    def reduce(self, matrices, ctx, allreduce_sum, size: int = 1, momentum: float = 0.0) -> list:
         """Every rank calls this with its per-layer gradients (2-D or 1-D arrays) of one bucket.
 
         ``allreduce_sum(a)`` must sum ``a`` (float32) over the ``size`` ranks in
-        place and return it. Returns the summed (approximated) gradient per layer.
+        place and return it. Returns the summed (approximated) gradient per layer,
+        or with ``momentum`` > 0 the summed velocity (module doc).
         """
         out = []
         for layer, g in enumerate(matrices):
             g = np.asarray(g, np.float32)
+            key = (ctx.bucket, layer)
+            u = None
+            if momentum:
+                u = self.velocities.get(key)
+                if u is None or u.shape != g.shape:
+                    u = self.velocities[key] = np.zeros(g.shape, np.float32)
+                momentum_update(u, g, momentum)
+                g = u
             if ctx.step < self.start_step or not self.compresses(g.shape):
                 out.append(allreduce_sum(g.copy()))
                 continue
-            key = (ctx.bucket, layer)
             n, m = g.shape
             r = min(self.rank, n, m)
             resid = self.residuals.get(key)
@@ -74,6 +89,8 @@ class PowerSGD(Compressor):
             q_new = allreduce_sum(mat.T @ p_hat)
             approx = p_hat @ q_new.T
             np.subtract(mat, approx / size, out=resid)
+            if u is not None:
+                u -= p_hat @ (p_hat.T @ u)
             self.q[key] = q_new
             out.append(approx)
         return out
@@ -95,11 +112,15 @@ class PowerSGD(Compressor):
             out[f"residual/{b}/{layer}"] = v
         for (b, layer), v in sorted(self.q.items()):
             out[f"q/{b}/{layer}"] = v
+        for (b, layer), v in sorted(self.velocities.items()):
+            out[f"velocity/{b}/{layer}"] = v
         return out
 
     def load_state(self, state: dict) -> None:
-        self.residuals, self.q = {}, {}
+        """Residuals, Q and velocities from ``state()``'s keys; an empty dict resets them all."""
+        self.residuals, self.q, self.velocities = {}, {}, {}
+        targets = {"residual": self.residuals, "q": self.q, "velocity": self.velocities}
         for k, v in state.items():
             kind, b, layer = k.split("/")
-            target = self.residuals if kind == "residual" else self.q
-            target[(int(b), int(layer))] = np.asarray(v, np.float32).copy()
+            if kind in targets:
+                targets[kind][(int(b), int(layer))] = np.asarray(v, np.float32).copy()

@@ -22,6 +22,9 @@ this rank sent, counted from the messages (for an ``MPI_Allreduce`` of a
 payload array: 2 (p-1)/p of its size, what a bandwidth-optimal all-reduce
 sends per rank); ``dense_bytes``, the same measure for the float32 bucket
 uncompressed; ``encode_s`` and ``decode_s``.
+
+``momentum`` > 0 turns on momentum correction (compress/base.py): what is
+summed is then the ranks' velocities, not their gradients.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ TAG = 0x43
 
 
 class CompressedSum:
-    def __init__(self, comm, compressor):
+    def __init__(self, comm, compressor, momentum: float = 0.0):
         self.comm, self.size, self.rank = comm, comm.Get_size(), comm.Get_rank()
-        self.c = compressor
-        self.ef = ErrorFeedback(compressor)
+        self.c, self.momentum = compressor, momentum
+        self.ef = ErrorFeedback(compressor, momentum)
         self.sent_bytes = self.dense_bytes = 0
         self.encode_s = self.decode_s = 0.0
 
@@ -160,7 +163,7 @@ class CompressedSum:
         if at != x.size:
             raise ValueError(f"layer shapes cover {at} elements, the bucket has {x.size}")
         t0 = time.perf_counter()
-        out = self.c.reduce(layers, ctx, allreduce_sum, self.size)
+        out = self.c.reduce(layers, ctx, allreduce_sum, self.size, self.momentum)
         # the products and the QR: PowerSGD's whole compute, its two all-reduces taken out
         self.encode_s, self.decode_s = time.perf_counter() - t0 - comm_s[0], 0.0
         x[:] = np.concatenate([o.reshape(-1) for o in out])

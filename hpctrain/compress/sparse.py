@@ -100,6 +100,9 @@ class TopK(_Sparse):
     def subtract_sent(self, payload, out, ctx):
         out[payload_indices(payload)] -= payload["values"]
 
+    def mask_sent(self, payload, velocity, ctx):
+        velocity[payload_indices(payload)] = 0.0
+
 
 class RandK(_Sparse):
     kind, combine = "randk", "sum"
@@ -118,3 +121,6 @@ class RandK(_Sparse):
         out = np.zeros(n, np.float32)
         out[self.indices(n, ctx)] = payload["values"]
         return out
+
+    def mask_sent(self, payload, velocity, ctx):
+        velocity[self.indices(velocity.size, ctx)] = 0.0

@@ -5,6 +5,10 @@ p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)     (t = step, from 
 Frozen at F > 0 (1-bit Adam's frozen variance, Tang et al. 2021): v keeps its value and its
 bias correction is 1 - b2^F; the update is then linear in g, which is what error-feedback
 compression needs (docs/dist.md). The optimizer decides when (optim.freeze_step).
+Velocity mode (momentum correction, ``dist.compress_momentum``): g is the ranks' summed velocities,
+sum_s (1-b1) b1^(t-s) g_s over the steps since compression started, so m only decays (m = b1 m,
+what remains of the first moment from before) and the update uses m + g, which is Adam's first
+moment again, with its usual bias correction.
 The per-element update is one plain function compiled for both targets; the
 bias corrections, 1 - lr wd, 1 - b1 and 1 - b2 are computed once per step on the
 host in float64 and passed in the parameters' dtype, so float32 buffers are
@@ -18,20 +22,26 @@ from numba import cuda, njit
 from .cuda_support import THREADS, blocks_for
 
 
-def _update(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2):
-    """One element: returns the new (p, m, v)."""
+def _update(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2,
+            velocity):
+    """One element: returns the new (p, m, v); ``velocity``: g is a velocity (module doc)."""
     p = p * decay
-    m = beta1 * m + one_minus_beta1 * g
+    if velocity:
+        m = beta1 * m
+        first = m + g
+    else:
+        m = beta1 * m + one_minus_beta1 * g
+        first = m
     v = beta2 * v + one_minus_beta2 * g * g
-    return p - step_size * m / (math.sqrt(v) * inv_sqrt_bc2 + eps), m, v
+    return p - step_size * first / (math.sqrt(v) * inv_sqrt_bc2 + eps), m, v
 
 
 _update_cpu = njit(_update)
 _update_gpu = cuda.jit(device=True)(_update)
 
 
-def _scalars(dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0):
-    """The update's eight scalars, computed in float64 and rounded once to ``dtype``.
+def _scalars(dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0, velocity=False):
+    """The update's nine scalars, computed in float64 and rounded once to ``dtype`` (``velocity`` as is).
 
     ``frozen_at`` > 0 freezes the second moment: v = 1 * v + 0 * g^2 leaves it as it was (bit
     for bit, for finite g) and its bias correction is that of step ``frozen_at``.
@@ -41,38 +51,41 @@ def _scalars(dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0):
     b2 = 1.0 if frozen_at else beta2
     t = dtype.type
     return (t(1.0 - lr * weight_decay), t(beta1), t(1.0 - beta1), t(b2), t(1.0 - b2), t(eps),
-            t(lr / bias_correction1), t(1.0 / math.sqrt(bias_correction2)))
+            t(lr / bias_correction1), t(1.0 / math.sqrt(bias_correction2)), bool(velocity))
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _adamw_step(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2):
+def _adamw_step(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2,
+                velocity):
     for i in range(p.size):
         p[i], m[i], v[i] = _update_cpu(p[i], g[i], m[i], v[i], decay, beta1, one_minus_beta1, beta2,
-                                       one_minus_beta2, eps, step_size, inv_sqrt_bc2)
+                                       one_minus_beta2, eps, step_size, inv_sqrt_bc2, velocity)
 
 
-def adamw_step(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0):
+def adamw_step(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0,
+               velocity=False):
     """One AdamW update of the flat ``params`` (P,); ``step`` counts from 1; with ``frozen_at`` > 0
-    ``exp_avg_sq`` stays as it is and is bias-corrected as of step ``frozen_at``."""
+    ``exp_avg_sq`` stays as it is and is bias-corrected as of step ``frozen_at``; with ``velocity``
+    ``grads`` are summed velocities (module doc)."""
     _adamw_step(params, grads, exp_avg, exp_avg_sq,
-                *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at))
+                *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at, velocity))
 
 
 # ---- CUDA kernel -------------------------------------------------------------------
 @cuda.jit
 def _adamw_step_kernel(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
-                       inv_sqrt_bc2):
+                       inv_sqrt_bc2, velocity):
     i = cuda.grid(1)
     while i < p.size:
         p[i], m[i], v[i] = _update_gpu(p[i], g[i], m[i], v[i], decay, beta1, one_minus_beta1, beta2,
-                                       one_minus_beta2, eps, step_size, inv_sqrt_bc2)
+                                       one_minus_beta2, eps, step_size, inv_sqrt_bc2, velocity)
         i += cuda.gridsize(1)
 
 
 # ---- launcher ----------------------------------------------------------------------
-def adamw_step_cuda(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0, *,
-                    stream=0):
+def adamw_step_cuda(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0,
+                    velocity=False, *, stream=0):
     _adamw_step_kernel[blocks_for(params.size), THREADS, stream](
         params, grads, exp_avg, exp_avg_sq,
-        *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at))
+        *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at, velocity))
