@@ -44,28 +44,37 @@ def parse_spec(spec: str) -> tuple[str, str, int | None, bool]:
     if steps and not steps.isdigit():
         raise ValueError(f"spec {spec!r}: the steps after ':' must be a whole number")
     if plus and flag != "momentum":
-        raise ValueError(f"spec {spec!r}: the only flag after '+' is 'momentum'")
+        raise ValueError(f"spec {spec!r}: the only flag after '+' is 'momentum' (COMPRESSOR[+momentum][@SCOPE][:STEPS])")
+    if scope not in ("", "all", "inter"):
+        raise ValueError(f"spec {spec!r}: the scope after '@' is all or inter (COMPRESSOR[+momentum][@SCOPE][:STEPS])")
     return comp, scope, int(steps) if steps else None, bool(plus)
 
 
-def run_training(args, spec: str, seed: int, out_dir: str) -> dict:
-    """One training run; its metrics, exit status, and what the launcher and the run printed."""
+def spec_sets(spec: str) -> list[str]:
+    """The --set overrides a spec stands for (its compressor, scope, steps, momentum correction)."""
     comp, scope, steps, momentum = parse_spec(spec)
-    name = re.sub(r"[^a-z0-9.]+", "_", spec.replace("@", "-at-").replace(":", "-steps-").replace("+", "-plus-")) \
-        + f"-seed{seed}"
-    path = os.path.join(out_dir, name + ".jsonl")
-    if os.path.exists(path):
-        os.remove(path)  # a metrics file is appended to only on resume; start clean
-    sets = [f'dist.compress="{comp}"', f'train.metrics="{path}"', f"train.seed={seed}",
-            "train.target_accuracy=0", "train.target_val_bpb=0", "train.target_bpb_vs_bigram=0",
-            f'checkpoint.dir="{os.path.join(out_dir, "ckpt-" + name)}"', "checkpoint.every_minutes=0",
-            "checkpoint.save_final=false", *args.set]
+    sets = [f'dist.compress="{comp}"']
     if scope:
         sets += ['dist.allreduce="hierarchical"', f'dist.compress_scope="{scope}"']
     if steps:
         sets.append(f"train.steps={steps}")
     if momentum:
         sets.append("dist.compress_momentum=true")
+    return sets
+
+
+def run_training(args, spec: str, seed: int, out_dir: str) -> dict:
+    """One training run; its metrics, exit status, and what the launcher and the run printed."""
+    comp, scope, _, momentum = parse_spec(spec)
+    name = re.sub(r"[^a-z0-9.]+", "_", spec.replace("@", "-at-").replace(":", "-steps-").replace("+", "-plus-")) \
+        + f"-seed{seed}"
+    path = os.path.join(out_dir, name + ".jsonl")
+    if os.path.exists(path):
+        os.remove(path)  # a metrics file is appended to only on resume; start clean
+    sets = [f'train.metrics="{path}"', f"train.seed={seed}",
+            "train.target_accuracy=0", "train.target_val_bpb=0", "train.target_bpb_vs_bigram=0",
+            f'checkpoint.dir="{os.path.join(out_dir, "ckpt-" + name)}"', "checkpoint.every_minutes=0",
+            "checkpoint.save_final=false", *args.set, *spec_sets(spec)]
     cmd = shlex.split(args.launcher) + [sys.executable, "-m", "hpctrain", "train", "--config", args.config]
     for s in sets:
         cmd += ["--set", s]
@@ -194,7 +203,11 @@ def part_b(args) -> int:
 
     specs = args.train_compressors
     try:
-        [parse_spec(s) for s in specs]
+        for spec in specs:  # every run's config, checked before any starts
+            try:
+                load_config(os.path.join(REPO, args.config), [*args.set, *spec_sets(spec)])
+            except ConfigError as exc:
+                raise ConfigError(f"spec {spec!r}: {exc}") from None
         cfg = load_config(os.path.join(REPO, args.config), args.set)  # what every run starts from
     except (ValueError, ConfigError) as exc:
         print(f"compression.py: error: {exc}", file=sys.stderr)

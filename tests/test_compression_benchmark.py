@@ -93,3 +93,14 @@ def test_part_b_specs_name_compressor_momentum_scope_and_steps():
     assert parse_spec("fp16+momentum") == ("fp16", "", None, True)
     with pytest.raises(ValueError, match="only flag after"):
         parse_spec("topk(0.01)+velocity")
+    with pytest.raises(ValueError, match="scope after"):
+        parse_spec("topk(0.01)@inter+momentum")  # the flag goes before the scope
+
+
+def test_part_b_checks_every_specs_config_before_training(tmp_path):
+    # the MLP's example trains with SGD: momentum correction is refused there, before any run starts
+    proc = subprocess.run([sys.executable, "benchmarks/compression.py", "--train", "--launcher", "",
+                           "--train-compressors", "none,topk(0.01)+momentum", "--json", str(tmp_path / "x.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "topk(0.01)+momentum" in proc.stderr and "adamw" in proc.stderr, proc.stderr
+    assert "training with" not in proc.stderr and "Traceback" not in proc.stderr

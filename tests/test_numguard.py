@@ -160,6 +160,19 @@ def test_skip_with_compression_resets_the_residuals(small_data, tmp_path):
     assert rows[-1]["bad_steps"] == 1 and all(np.isfinite(r["loss"]) for r in rows if not r["skipped"])
 
 
+def test_rollback_to_a_save_before_compression_started_clears_the_compressor_state(small_data, tmp_path):
+    """The bad step (25) poisons rank 1's residuals with NaN; the rollback goes to step 20, saved before
+    compression started (22), so the file holds no compressor state: the trainer's must still be
+    cleared, else the replay's first compressed step sends the NaN again and rolls back until abort."""
+    ckpt = str(tmp_path / "ef")
+    proc = _run(small_data[0], ckpt, 2, "--set", "guard.nonfinite=rollback", "--set", 'dist.compress="topk(0.1)"',
+                "--set", "dist.compress_start_step=22", "--set", "guard.max_bad_steps=2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"guard: rolled back to {ckpt}/ckpt-00000020.h5 (step 20)" in proc.stdout, proc.stdout
+    assert _metrics(ckpt)[-1]["bad_steps"] == 1
+    assert all(np.isfinite(v).all() for v in _params(f"{ckpt}/ckpt-00000060.h5").values())
+
+
 def test_loss_spike_guard(small_data, tmp_path):
     ckpt = str(tmp_path / "spike")
     proc = _run(small_data[0], ckpt, 2, "--set", "guard.nonfinite=skip", "--set", "guard.spike_zscore=6",

@@ -11,9 +11,12 @@ shape and dtype, and a function giving rows [lo, hi) as a host array. Two kinds:
     at a new world size rank r takes saved row r when r < saved world size and
     starts fresh otherwise (a generator seeded from (train.seed, rank, step));
     rows of ranks that no longer exist are dropped, with a log line.
-    Compressor state (/compress) is restored only at the same world size and
-    the same ``dist.compress`` / ``compress_scope``; otherwise residuals start
-    from zero (the unsent remainder of the last steps is dropped), with a log line.
+    Compressor state (/compress: residuals, PowerSGD's Q, momentum correction's
+    velocities) is restored only at the same world size and the same
+    ``dist.compress`` / ``compress_scope`` / ``tensor_parallel`` /
+    ``compress_momentum``; otherwise it starts from zero (the unsent remainder
+    of the last steps is dropped), with a log line, as it does when the file
+    holds none (a rollback to a checkpoint saved before compression started).
 """
 
 from __future__ import annotations
@@ -163,15 +166,20 @@ def _compression_entries(trainer) -> list[Entry]:
 
 def _restore_compression(trainer, own_rows, saved_world, saved_compress, log) -> None:
     comp = getattr(trainer, "compression", None)
+    if comp is None:
+        return
+    # whatever is not restored starts from zero: a rollback must not keep the state of the steps it
+    # undoes (a NaN residual from the bad step, or velocities past a checkpoint saved before compression)
+    comp.load_state({})
     keys = sorted(p[len("/compress/"):] for p in own_rows if p.startswith("/compress/") and p != "/compress/lengths")
-    if comp is None or not keys:
+    if not keys:
         return
     cfg = trainer.cfg.dist
     now = (cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum)  # as ckpt.manager's
     if saved_world != trainer.world.size or tuple(saved_compress or ()) != now:
-        log.info("compression state (error-feedback residuals) not restored: saved with "
-                 f"{saved_world} rank(s) and (compress, scope, tensor_parallel, momentum) {saved_compress}, "
-                 f"this run has {trainer.world.size} and {now}; residuals start from zero")
+        log.info("compression state (error-feedback residuals, momentum correction's velocities) not restored: "
+                 f"saved with {saved_world} rank(s) and (compress, scope, tensor_parallel, momentum) "
+                 f"{saved_compress}, this run has {trainer.world.size} and {now}; it starts from zero")
         return
     lengths = own_rows.get("/compress/lengths")
     state = {}
