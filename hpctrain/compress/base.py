@@ -112,9 +112,9 @@ class ErrorFeedback:
         c = self.compressor
         if not c.error_feedback:
             return c.compress(x, ctx)
-        r = _zeros_like_bucket(self.residuals, ctx.bucket, x.size)
+        r = zeros_kept(self.residuals, ctx.bucket, (x.size,))
         if self.momentum:
-            u = _zeros_like_bucket(self.velocities, ctx.bucket, x.size)
+            u = zeros_kept(self.velocities, ctx.bucket, (x.size,))
             momentum_update(u, x, self.momentum)
             x = u
         # (if compress raises, r is left as x + residual: the run stops on it, see comm/buckets.py)
@@ -139,11 +139,12 @@ class ErrorFeedback:
         self.residuals, self.velocities = arrays["residual"], arrays["velocity"]
 
 
-def _zeros_like_bucket(arrays: dict, bucket: int, n: int) -> np.ndarray:
-    """``arrays[bucket]``, (re)made as n float32 zeros when missing or of another length."""
-    a = arrays.get(bucket)
-    if a is None or a.size != n:
-        a = arrays[bucket] = np.zeros(n, np.float32)
+def zeros_kept(arrays: dict, key, shape: tuple) -> np.ndarray:
+    """``arrays[key]``, (re)made as float32 zeros of ``shape`` when missing or of another shape:
+    per-rank state (residuals, velocities) that lives from step to step."""
+    a = arrays.get(key)
+    if a is None or a.shape != tuple(shape):
+        a = arrays[key] = np.zeros(shape, np.float32)
     return a
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Compressor, momentum_update
+from .base import Compressor, momentum_update, zeros_kept
 
 
 class PowerSGD(Compressor):
@@ -67,9 +67,7 @@ class PowerSGD(Compressor):
             key = (ctx.bucket, layer)
             u = None
             if momentum:
-                u = self.velocities.get(key)
-                if u is None or u.shape != g.shape:
-                    u = self.velocities[key] = np.zeros(g.shape, np.float32)
+                u = zeros_kept(self.velocities, key, g.shape)
                 momentum_update(u, g, momentum)
                 g = u
             if ctx.step < self.start_step or not self.compresses(g.shape):
@@ -77,9 +75,7 @@ class PowerSGD(Compressor):
                 continue
             n, m = g.shape
             r = min(self.rank, n, m)
-            resid = self.residuals.get(key)
-            if resid is None or resid.shape != g.shape:
-                resid = self.residuals[key] = np.zeros(g.shape, np.float32)
+            resid = zeros_kept(self.residuals, key, g.shape)
             q = self.q.get(key)
             if q is None or q.shape != (m, r):
                 q = self.q[key] = self.initial_q(ctx, layer, m, r)
