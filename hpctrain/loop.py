@@ -116,7 +116,7 @@ def _loop(trainer) -> dict:
                         trainer.apply_update()
                     window += stats[:3]
                 elif trainer.compression is not None:
-                    trainer.compression.load_state({})  # residuals (and velocities) hold the bad gradient too
+                    trainer.compression.undo_step()  # residuals (and velocities) hold the bad gradient too
                 trainer.step += 1
                 trainer.progress.mark("step", trainer.step)
                 signalled = {n: int(c) for n, c in zip(STOP_SIGNALS, stats[6:]) if c}

@@ -9,8 +9,8 @@ Policies (``guard.nonfinite``):
             statistics all-reduce, before any save.
   skip      the step's update is dropped (parameters and optimizer state stay
             as they were, the batch is consumed, the step counts); gradient
-            compression's residuals start again from zero, as they hold the
-            bad gradient too.
+            compression's per-rank state (residuals, velocities), which
+            holds the bad gradient too, is put back as it was before the step.
   rollback  the newest checkpoint this run saved or loaded is reloaded and the
             offending batch is skipped when the run reaches it again, so a
             bad step that already spoiled the optimizer state (a spike that

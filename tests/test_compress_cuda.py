@@ -146,6 +146,37 @@ def test_checkpointed_state_moves_between_device_and_host_paths(comm, spec):
             assert sorted(sa) == sorted(sb) and all(same_bits(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("spec", ["topk(0.02)", "powersgd(2)"])
+def test_restore_takes_the_state_back_to_the_snapshot(comm, spec, path):
+    """The guard's skip (GradientCompression.undo_step): snapshot(), a step with a NaN gradient, restore();
+    the state is the snapshot's bit for bit, and the next step gives what it gives without the bad one.
+    The device path swaps device buffers, so a second bad step and restore must work the same."""
+    dev = CudaDevice("float32")
+    make = (lambda: CompressedSum(comm, make_compressor(spec))) if path == "host" else \
+        (lambda: DeviceCompressedSum(comm, make_compressor(spec), dev))
+    run = (lambda s, g, ctx: run_host(s, g, ctx)) if path == "host" else (lambda s, g, ctx: run_device(dev, s, g, ctx))
+    clean, skipped = make(), make()
+    ctx = [Context(step=k, bucket=0, seed=3) for k in range(4)]
+    for k in range(2):
+        run(clean, grads(k, dtype="float32"), ctx[k])
+        run(skipped, grads(k, dtype="float32"), ctx[k])
+    before = {k: v.copy() for k, v in skipped.state().items()}
+    for bad in range(2):                   # two bad steps in a row, each undone
+        snap = skipped.snapshot()
+        g = grads(9, dtype="float32")
+        g[5] = np.nan
+        run(skipped, g, ctx[2])
+        assert any(not np.isfinite(v).all() for v in skipped.state().values())  # the bad step got in
+        skipped.restore(snap)
+        after = skipped.state()
+        assert sorted(after) == sorted(before) and all(same_bits(after[k], before[k]) for k in before), bad
+    g = grads(2, dtype="float32")
+    assert same_bits(run(skipped, g, ctx[2]), run(clean, g, ctx[2]))
+    a, b = skipped.state(), clean.state()
+    assert sorted(a) == sorted(b) and all(same_bits(a[k], b[k]) for k in a)
+
+
 def test_unknown_compressors_have_no_device_path(comm):
     from hpctrain.compress import Compressor
 

@@ -32,6 +32,12 @@ rank's velocities are summed instead of its gradients, on the host path
 everywhere (a CUDA bucket is staged to the host for it, as scope "inter"
 does), since the device kernels keep no velocity.
 
+With ``keep_undo`` (``guard.nonfinite = "skip"``) ``begin_step`` keeps a copy of
+the per-rank state and ``undo_step`` puts it back, so a step the guard skips
+leaves the residuals, velocities and PowerSGD's Q as they were before it, as
+a rollback to the last save would. It costs one more copy of that state in
+memory (device memory on the device path), and one copy of it per step.
+
 A float64 run's gradients are rounded to float32 for the wire on either
 path. Per-rank state (error-feedback residuals, PowerSGD's Q) is exposed by
 ``state()`` for checkpoints, as host arrays under the same keys on every
@@ -50,10 +56,11 @@ from ..errors import ConfigError
 
 class GradientCompression:
     def __init__(self, spec, scope, world, staging, strategy, buckets, flat, seed, log=None, start_step=0,
-                 momentum=0.0):
+                 momentum=0.0, keep_undo=False):
         self.world, self.staging, self.strategy, self.seed = world, staging, strategy, seed
         self.compressor = make_compressor(spec)
-        self.scope, self.start_step, self.momentum = scope, start_step, momentum
+        self.scope, self.start_step = scope, start_step
+        self.keep_undo, self._undo = keep_undo, None
         by_name = {s.name: s for s in flat.slots}
         # layer shapes in memory order (buckets list their parameters in reverse)
         self.shapes = [[tuple(by_name[n].shape) for n in reversed(b.slots)] for b in buckets]
@@ -87,8 +94,21 @@ class GradientCompression:
             self._sum = CompressedSum(world.comm, self.compressor, momentum)
 
     def begin_step(self):
+        """A new step: counters to zero; with ``keep_undo`` a copy of the state for :meth:`undo_step`."""
         self.sent_bytes = self.dense_bytes = 0
         self.encode_s = self.decode_s = 0.0
+        if self.keep_undo and self._sum is not None:
+            self._undo = self._sum.snapshot()
+
+    def undo_step(self) -> None:
+        """Per-rank state back to what :meth:`begin_step` found: the guard skipped this step, whose
+        residuals and velocities hold its bad gradient."""
+        if self._sum is None:
+            return
+        if self._undo is None:
+            raise RuntimeError("undo_step without a state kept by begin_step (GradientCompression(keep_undo=True))")
+        self._sum.restore(self._undo)
+        self._undo = None
 
     def reduce(self, view, index: int, step: int) -> None:
         """Replace bucket ``index`` (device slice ``view``) by its compressed sum over ranks, or before

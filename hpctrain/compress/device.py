@@ -65,6 +65,7 @@ class DeviceCompressedSum(CompressedSum):
         self.s = dict(stream=device.stream)
         self.arrays: dict = {}     # state key -> device array (a host array until first use after load_state)
         self._pinned: dict = {}
+        self._kept: dict = {}      # state key -> device buffer that snapshot() copies into (reused)
         self.topk_passes = self.topk_fallbacks = 0   # threshold compactions and whole-vector fallbacks, summed
 
     def __call__(self, view, ctx, shapes=None):
@@ -216,6 +217,29 @@ class DeviceCompressedSum(CompressedSum):
     def state(self) -> dict:
         """Residuals (and PowerSGD's Q) on the host, under the host path's keys."""
         return {k: v if isinstance(v, np.ndarray) else self.device.to_host(v) for k, v in sorted(self.arrays.items())}
+
+    def snapshot(self):
+        """A copy of the state where it lives: device arrays copied on the device into buffers kept
+        for it (no host round trip, no allocation after the first), for :meth:`restore`."""
+        out = {}
+        for k, a in self.arrays.items():
+            if isinstance(a, np.ndarray):
+                out[k] = a.copy()
+                continue
+            buf = self._kept.get(k)
+            if buf is None or tuple(buf.shape) != tuple(a.shape):
+                buf = self._kept[k] = self.device.empty(a.shape, a.dtype)
+            buf.copy_to_device(a, stream=self.device.stream)
+            out[k] = buf
+        return out
+
+    def restore(self, snapshot) -> None:
+        """The state :meth:`snapshot` copied, taken over in place: each device array swaps with its
+        copy (the swapped-out one becomes the next snapshot's buffer); state made since is dropped."""
+        for k, a in snapshot.items():
+            if not isinstance(a, np.ndarray):
+                self._kept[k] = self.arrays[k]
+        self.arrays = dict(snapshot)
 
     def load_state(self, state: dict) -> None:
         self.arrays = {k: np.asarray(v, F32).copy() for k, v in state.items()

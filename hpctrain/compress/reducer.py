@@ -203,3 +203,11 @@ class CompressedSum:
 
     def load_state(self, state: dict) -> None:
         (self.c if self.c.combine == "lowrank" else self.ef).load_state(state)
+
+    def snapshot(self):
+        """A copy of the per-rank state, for :meth:`restore` (the guard's skip)."""
+        return {k: np.array(v, copy=True) for k, v in self.state().items()}
+
+    def restore(self, snapshot) -> None:
+        """The state :meth:`snapshot` copied; the snapshot is spent."""
+        self.load_state(snapshot)
