@@ -224,6 +224,38 @@ def test_trainer_on_cuda_compresses_on_the_device_like_the_host_path(small_data,
     assert sorted(s_dev) == sorted(s_host) == ["residual/0"] and all(same_bits(s_dev[k], s_host[k]) for k in s_dev)
 
 
+def test_trainer_on_cuda_with_momentum_correction_equals_the_cpu_trainer(small_data, spec="topk(0.05)"):
+    """dist.compress_momentum on a CUDA device: the buckets are staged to the host path, which keeps the
+    velocities, and AdamW's device kernel runs in velocity mode from compress_start_step on. Four steps
+    (exact, then three compressed) equal the CPU trainer's to float64 rounding, parameters and
+    velocities both; the velocities are really there and nonzero."""
+    from mpi4py import MPI
+
+    from hpctrain.log import Log
+    from hpctrain.runtime import init_world
+    from hpctrain.train import Trainer
+
+    world = init_world(MPI.COMM_SELF)
+    out = {}
+    for device in ("cuda", "cpu"):
+        cfg = _config(small_data[0], spec)
+        cfg.train.device = device
+        cfg.optim.freeze_step = cfg.dist.compress_start_step = 1
+        cfg.dist.compress_momentum = True
+        t = Trainer(cfg.validate(), world, Log(False))
+        assert not t.compression.on_device and t.optimizer.velocity_from == 1
+        for _ in range(4):
+            t.train_step()
+        assert t.optimizer.velocity
+        out[device] = t.device.to_host(t.model.flat.data), {k: v.copy() for k, v in t.compression.state().items()}
+    (p_gpu, s_gpu), (p_cpu, s_cpu) = out["cuda"], out["cpu"]
+    np.testing.assert_allclose(p_gpu, p_cpu, rtol=1e-10, atol=1e-12)
+    assert sorted(s_gpu) == sorted(s_cpu) == ["residual/0", "velocity/0"]
+    assert np.abs(s_cpu["velocity/0"]).max() > 0
+    for k in s_cpu:
+        np.testing.assert_allclose(s_gpu[k], s_cpu[k], rtol=1e-6, atol=1e-6 * np.abs(s_cpu[k]).max())
+
+
 @pytest.mark.parametrize("spec", ["topk(0.05)", "powersgd(2)"])
 def test_gpt_buckets_compress_on_the_device_like_the_host_path(comm, spec):
     """The GPT's gradient buckets (its matrices as PowerSGD's layers, in the flat buffer's order)
