@@ -96,7 +96,8 @@ class Trainer:
                                          self.staging, self.allreduce, self.buckets, self.model.flat, cfg.train.seed,
                                          self.log, cfg.dist.compress_start_step,
                                          cfg.optim.beta1 if cfg.dist.compress_momentum else 0.0,
-                                         keep_undo=cfg.guard.nonfinite == "skip")
+                                         keep_undo=cfg.guard.nonfinite == "skip",
+                                         matrix_parts=getattr(self.model, "matrix_parts", None))
             self.param_gather = None  # ZeRO-1's parameter all-gathers: the main thread's, on a duplicate comm
             if self.shards is not None:
                 self.param_gather = param_gatherer(cfg.dist.allreduce, self.allreduce, dp, self.device,

@@ -239,6 +239,47 @@ def test_powersgd_error_feedback_and_warm_start():
     assert again.q.keys() == c.q.keys() and again.residuals.keys() == c.residuals.keys()
 
 
+def test_powersgd_approximates_each_part_of_a_fused_matrix_on_its_own():
+    """A layer given as (n, k, c) is k matrices n x c side by side (a fused QKV weight): each gets its
+    own rank-r power iteration from its rows of the stacked Q, as a float64 reference computes it
+    part by part; parts of rank <= r come back exact, which one rank-r approximation of the whole
+    n x kc matrix (rank k r) cannot do. The bytes are k r (n + c), Q keeps its (kc, r) shape, and the
+    momentum mask removes each part's own sent subspace from the velocity."""
+    n, k, c, r = 24, 3, 10, 2
+    rng = np.random.default_rng(7)
+    low = np.concatenate([rng.standard_normal((n, r)) @ rng.standard_normal((r, c)) for _ in range(k)], axis=1)
+    ctx = Context(0, 0, seed=4)
+    q0 = PowerSGD.initial_q(ctx, 0, k * c, r).astype(np.float64)
+    for g in (low, rng.standard_normal((n, k * c))):
+        g = g.astype(np.float32)
+        c_parts = PowerSGD(rank=r)
+        (approx,) = c_parts.reduce([g.reshape(n, k, c)], ctx, lambda a: a)
+        assert approx.shape == (n, k * c) and c_parts.q[(0, 0)].shape == (k * c, r)
+        want = []
+        for j in range(k):
+            mj, qj = g[:, j * c:(j + 1) * c].astype(np.float64), q0[j * c:(j + 1) * c]
+            p_hat = np.linalg.qr(mj @ qj)[0]
+            want.append(p_hat @ (mj.T @ p_hat).T)
+        want = np.concatenate(want, axis=1)
+        np.testing.assert_allclose(approx, want, rtol=0, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_allclose(c_parts.residuals[(0, 0)], g - approx, rtol=0, atol=1e-6 * np.abs(g).max())
+    (approx,) = PowerSGD(rank=r).reduce([low.astype(np.float32).reshape(n, k, c)], ctx, lambda a: a)
+    np.testing.assert_allclose(approx, low, rtol=0, atol=1e-4 * np.abs(low).max())   # each part: exact
+    (whole,) = PowerSGD(rank=r).reduce([low.astype(np.float32)], ctx, lambda a: a)
+    assert np.abs(whole - low).max() > 0.1 * np.abs(low).max()                          # as one matrix: not
+    assert PowerSGD(rank=r).payload_bytes([(n, k, c)], step=0) == 4 * k * r * (n + c)
+    assert PowerSGD(rank=4).compresses((8, 3, 8)) is False and PowerSGD(rank=4).compresses((8, 24)) is True
+    mom = PowerSGD(rank=r)
+    g = rng.standard_normal((n, k * c)).astype(np.float32)
+    mom.reduce([g.reshape(n, k, c)], ctx, lambda a: a, 1, BETA)
+    u = mom.velocities[(0, 0)]
+    for j in range(k):
+        mj = (g[:, j * c:(j + 1) * c] * np.float32(1 - BETA)).astype(np.float64)
+        p_hat = np.linalg.qr(mj @ q0[j * c:(j + 1) * c])[0]
+        assert np.abs(p_hat.T @ u[:, j * c:(j + 1) * c]).max() < 1e-5 * np.abs(mj).max()
+        assert np.abs(u[:, j * c:(j + 1) * c]).max() > 0.1 * np.abs(mj).max()
+
+
 # ---- momentum correction (dist.compress_momentum) -------------------------------------------------
 BETA = 0.9
 

@@ -89,20 +89,24 @@ def test_topk_device_path_equals_host_path_past_one_index_block(comm):
     assert same_bits(dsum.state()["residual/0"], host.state()["residual/0"])
 
 
-def test_powersgd_device_path_is_the_host_path_to_rounding(comm):
+@pytest.mark.parametrize("shapes", [SHAPES, [(40, 3, 10), (30,), (30, 5)]], ids=["matrices", "parts"])
+def test_powersgd_device_path_is_the_host_path_to_rounding(comm, shapes):
+    """Also for a layer of three parts side by side ((40, 3, 10): the device path's block-diagonal
+    Q against the host path's part by part)."""
     dev = CudaDevice("float32")
     spec = "powersgd(2, 1)"               # step 0 exact (no residual), then compressed
     host, dsum = CompressedSum(comm, make_compressor(spec)), DeviceCompressedSum(comm, make_compressor(spec), dev)
     for step in range(3):
         ctx = Context(step=step, bucket=0, seed=5)
         g = grads(step, dtype="float32")
-        got, ref = run_device(dev, dsum, g, ctx), run_host(host, g, ctx)
+        got, ref = run_device(dev, dsum, g, ctx, shapes), run_host(host, g, ctx, shapes)
         if step == 0:
             assert same_bits(got, ref) and dsum.state() == {}
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
     hs, ds = host.state(), dsum.state()
     assert sorted(hs) == sorted(ds) == ["q/0/0", "q/0/2", "residual/0/0", "residual/0/2"]  # (30,) is a vector
     for k in hs:
+        assert hs[k].shape == ds[k].shape, k
         np.testing.assert_allclose(ds[k], hs[k], rtol=0, atol=1e-4 * np.abs(hs[k]).max())
 
 
@@ -270,11 +274,11 @@ def test_gpt_buckets_compress_on_the_device_like_the_host_path(comm, spec):
     from hpctrain.runtime import init_world
 
     world, dev = init_world(comm), CudaDevice("float32")
-    model = GPT(dev, 7, 3, 1, 2, 4)  # small: the simulator runs PowerSGD's GEMMs a Python thread per element
+    model = GPT(dev, 7, 3, 1, 2, 8)  # small: the simulator runs PowerSGD's GEMMs a Python thread per element
     buckets = plan_buckets(model.flat, 4, 0.0004, 0.0002)
     staging = Staging(dev)
     paths = [GradientCompression(spec, "all", world, staging, make_allreduce("mpi", world, dev, staging), buckets,
-                                 model.flat, seed=3) for _ in range(2)]
+                                 model.flat, seed=3, matrix_parts=model.matrix_parts) for _ in range(2)]
     assert len(buckets) >= 3 and all(p.on_device for p in paths)
     host = paths[1]
     host._sum, host.on_device = CompressedSum(world.comm, host.compressor), False
@@ -292,6 +296,6 @@ def test_gpt_buckets_compress_on_the_device_like_the_host_path(comm, spec):
             np.testing.assert_allclose(out[0], out[1], rtol=0, atol=1e-5 * np.abs(out[1]).max())
     s_dev, s_host = (p.state() for p in paths)
     assert sorted(s_dev) == sorted(s_host) and s_dev
-    if spec.startswith("powersgd"):  # every matrix rank 2 shrinks (wte, c_attn, c_fc, mlp c_proj) as a matrix
+    if spec.startswith("powersgd"):  # every matrix shrinks at rank 2, c_attn as its three parts
         shrunk = [sh for b in paths[0].shapes for sh in b if paths[0].compressor.compresses(sh)]
-        assert sum(k.startswith("q/") for k in s_dev) == len(shrunk) == 4, shrunk
+        assert sum(k.startswith("q/") for k in s_dev) == len(shrunk) == 6 and (8, 3, 8) in shrunk, shrunk

@@ -38,11 +38,13 @@ POWERSGD_MOMENTUM_MARGIN, TOPK_MOMENTUM_MARGIN = 1.06, 1.05
 
 
 def powersgd_values(rank=4):
-    """Values rank-r PowerSGD sends per step for this GPT: r (rows + cols) per matrix it shrinks,
-    every vector (13 d per block, ln_f's 2 d) as it is; and the model's parameter count."""
-    matrices = [(D, 3 * D), (D, D), (D, 4 * D), (4 * D, D), (V, D), (T, D)]  # c_attn, attn proj, fc, mlp proj, wte, wpe
-    sent = sum(rank * (n + m) if rank * (n + m) < n * m else n * m for n, m in matrices) + 15 * D
-    return sent, sum(n * m for n, m in matrices) + 15 * D
+    """Values rank-r PowerSGD sends per step for this GPT: r (rows + cols) per matrix it shrinks (the
+    QKV weight is three), every vector (13 d per block, ln_f's 2 d) as it is; and the model's
+    parameter count."""
+    # (rows, cols, parts): c_attn (q, k, v), attn proj, fc, mlp proj, wte, wpe
+    matrices = [(D, D, 3), (D, D, 1), (D, 4 * D, 1), (4 * D, D, 1), (V, D, 1), (T, D, 1)]
+    sent = sum(k * (rank * (n + m) if rank * (n + m) < n * m else n * m) for n, m, k in matrices) + 15 * D
+    return sent, sum(n * m * k for n, m, k in matrices) + 15 * D
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,7 @@ def test_powersgd_is_exact_when_its_rank_covers_the_gradients(mpi_text_data):
     shapes = [s for b in compressed.compression.shapes for s in b]
     squeezed = [s for s in shapes if compressed.compression.compressor.compresses(s)]
     assert (256, 64) in squeezed and (64, 256) in squeezed and (256, 64) in shapes  # wte, mlp.c_fc, mlp.c_proj
+    assert (64, 3, 64) in squeezed  # c_attn as its three parts (q, k, v), each rank <= 12 too
     _, want = _steps(exact, 3)
     _, got = _steps(compressed, 3)
     if world.size > 1:

@@ -209,10 +209,12 @@ def test_too_many_bad_steps_abort(small_data, tmp_path):
 
 
 # ---- the same verdicts on the (simulated) GPU ------------------------------------------------
+@pytest.mark.parametrize("compress", ["none", "topk(0.1)"])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_skip_on_each_device_in_process(small_data, tmp_path, monkeypatch, device):
+def test_skip_on_each_device_in_process(small_data, tmp_path, monkeypatch, device, compress):
     """A 1-rank trainer on the CPU and on numba's CUDA device (the simulator in CI): the NaN of
-    step 2 is found in the averaged gradient by the device's all_finite op and the step skipped."""
+    step 2 is found in the averaged gradient by the device's all_finite op and the step skipped.
+    With compression (on the device path on CUDA) the skipped step leaves its state as it was."""
     from mpi4py import MPI
 
     from hpctrain.config import Config
@@ -227,12 +229,15 @@ def test_skip_on_each_device_in_process(small_data, tmp_path, monkeypatch, devic
     cfg.data.train, cfg.data.eval, cfg.model.hidden = small_data[0], "", [16]
     cfg.train.global_batch, cfg.train.steps, cfg.train.device, cfg.train.log_every = 8, 4, device, 10**6
     cfg.checkpoint.dir, cfg.checkpoint.every_minutes, cfg.guard.nonfinite = str(tmp_path), 0.0, "skip"
+    cfg.dist.compress = compress
     t = Trainer(cfg.validate(), init_world(MPI.COMM_SELF))
-    before = []
+    before, kept = [], []
     compute = t.compute_step
 
     def recording(update):
         before.append(t.device.to_host(t.model.flat.data).copy())
+        if t.compression is not None:
+            kept.append({k: np.array(v, copy=True) for k, v in t.compression.state().items()})
         return compute(update)
     t.compute_step = recording
     result = t.run()
@@ -241,3 +246,8 @@ def test_skip_on_each_device_in_process(small_data, tmp_path, monkeypatch, devic
     assert np.isfinite(params).all()
     np.testing.assert_array_equal(before[2], before[3])  # step 2 changed nothing
     assert not np.array_equal(before[1], before[2])      # the others did
+    if compress != "none":
+        assert t.compression.on_device == (device == "cuda")
+        assert sorted(kept[2]) == sorted(kept[3]) == ["residual/0"]
+        assert all(np.array_equal(kept[2][k], kept[3][k]) for k in kept[2])  # nor the residuals
+        assert not np.array_equal(kept[1]["residual/0"], kept[2]["residual/0"])

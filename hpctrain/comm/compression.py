@@ -56,14 +56,17 @@ from ..errors import ConfigError
 
 class GradientCompression:
     def __init__(self, spec, scope, world, staging, strategy, buckets, flat, seed, log=None, start_step=0,
-                 momentum=0.0, keep_undo=False):
+                 momentum=0.0, keep_undo=False, matrix_parts=None):
         self.world, self.staging, self.strategy, self.seed = world, staging, strategy, seed
         self.compressor = make_compressor(spec)
         self.scope, self.start_step = scope, start_step
         self.keep_undo, self._undo = keep_undo, None
         by_name = {s.name: s for s in flat.slots}
-        # layer shapes in memory order (buckets list their parameters in reverse)
-        self.shapes = [[tuple(by_name[n].shape) for n in reversed(b.slots)] for b in buckets]
+        # layer shapes in memory order (buckets list their parameters in reverse); a parameter of
+        # k matrices side by side (the model's matrix_parts) as (n, k, m / k), PowerSGD's parts
+        parts = matrix_parts or {}
+        self.shapes = [[_layer_shape(by_name[n].shape, parts.get(n, 1)) for n in reversed(b.slots)]
+                       for b in buckets]
         self.sent_bytes = self.dense_bytes = 0
         self.encode_s = self.decode_s = 0.0
         self._sum = None
@@ -98,6 +101,7 @@ class GradientCompression:
         self.sent_bytes = self.dense_bytes = 0
         self.encode_s = self.decode_s = 0.0
         if self.keep_undo and self._sum is not None:
+            self._undo = None  # the last step's copy goes first: one copy at a time
             self._undo = self._sum.snapshot()
 
     def undo_step(self) -> None:
@@ -162,3 +166,13 @@ class GradientCompression:
     def load_state(self, state: dict) -> None:
         if self._sum is not None:
             self._sum.load_state(state)
+
+
+def _layer_shape(shape, k: int) -> tuple:
+    """A parameter's shape as the compressor sees it: (n, k, m / k) for k > 1 matrices side by side."""
+    if k == 1:
+        return tuple(shape)
+    n, m = shape
+    if m % k:
+        raise ValueError(f"a parameter of shape {tuple(shape)} is not {k} matrices side by side")
+    return n, k, m // k

@@ -169,18 +169,28 @@ class DeviceCompressedSum(CompressedSum):
                 buf = ef.cast_copy_cuda(g, self._scratch("layer", (size,), F32), **s)
                 ef.cast_copy_cuda(self._upload(allreduce_sum(self._fetch(buf, "layer")), "layer"), g, **s)
                 continue
-            n, m = shape
-            r = min(c.rank, n, m)
+            n, k, cols = c.parts(shape)
+            m, r = k * cols, min(c.rank, n, cols)
             key = f"{ctx.bucket}/{layer}"
-            mat = self._array(f"residual/{key}", shape)
+            mat = self._array(f"residual/{key}", (n, m))
             q = self._array(f"q/{key}", (m, r), lambda: c.initial_q(ctx, layer, m, r))
             ef.ef_correct_cuda(g, mat, **s)                                   # M_i = gradient + residual
-            p = gemm_cuda(mat, q, self._scratch("p", (n, r), F32), **s)
+            # k parts: each GEMM takes the parts' Q's as one block-diagonal m x kr matrix, so
+            # M [Q_1 .. Q_k] gives every part's P side by side (k = 1: Q itself)
+            q_wide = q if k == 1 else self._upload(_block_diagonal(self._fetch(q, "q_host"), k), "q_wide")
+            p = gemm_cuda(mat, q_wide, self._scratch("p", (n, k * r), F32), **s)
             p = allreduce_sum(self._fetch(p, "p"))                             # P = sum_i M_i Q
-            p_hat = self._upload(np.linalg.qr(p.astype(np.float64))[0].astype(F32), "p_hat")
-            q_new = gemm_cuda(mat, p_hat, self._scratch("q", (m, r), F32), trans_a=True, **s)
-            q.copy_to_device(allreduce_sum(self._fetch(q_new, "q")), **s)     # Q = sum_i M_i^T P^
-            approx = gemm_cuda(p_hat, q, self._scratch("approx", shape, F32), trans_b=True, **s)
+            p_hat = np.concatenate([np.linalg.qr(p[:, j * r:(j + 1) * r].astype(np.float64))[0]
+                                    for j in range(k)], axis=1).astype(F32)
+            p_hat = self._upload(p_hat, "p_hat")
+            q_new = gemm_cuda(mat, p_hat, self._scratch("q", (m, k * r), F32), trans_a=True, **s)
+            q_new = self._fetch(q_new, "q")
+            if k > 1:  # each part's own M_j^T P^_j: the diagonal blocks
+                q_new = np.concatenate([q_new[j * cols:(j + 1) * cols, j * r:(j + 1) * r] for j in range(k)])
+            q_sum = allreduce_sum(q_new)                                       # Q = sum_i M_i^T P^
+            q.copy_to_device(q_sum, **s)
+            q_wide = q if k == 1 else self._upload(_block_diagonal(q_sum, k), "q_wide")
+            approx = gemm_cuda(p_hat, q_wide, self._scratch("approx", (n, m), F32), trans_b=True, **s)
             ef.lowrank_residual_cuda(mat, approx, self.size, **s)             # M_i - P^ Q^T / p
             ef.cast_copy_cuda(approx, g, **s)
         self.device.synchronize()
@@ -244,3 +254,12 @@ class DeviceCompressedSum(CompressedSum):
     def load_state(self, state: dict) -> None:
         self.arrays = {k: np.asarray(v, F32).copy() for k, v in state.items()
                        if k.startswith("residual/") or (k.startswith("q/") and self.c.combine == "lowrank")}
+
+
+def _block_diagonal(q, k: int) -> np.ndarray:
+    """The k parts' Q's, stacked in ``q`` (kc x r), as one block-diagonal kc x kr matrix."""
+    c, r = q.shape[0] // k, q.shape[1]
+    out = np.zeros((k * c, k * r), F32)
+    for j in range(k):
+        out[j * c:(j + 1) * c, j * r:(j + 1) * r] = q[j * c:(j + 1) * c]
+    return out

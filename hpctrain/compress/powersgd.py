@@ -10,7 +10,12 @@ For a layer's gradient M (n x m) on rank i, with error feedback
     S~  = P^ Q^T                   approximates sum_i M_i, the same on every rank
     residual_i = M_i - S~ / p      (the residuals add up to sum_i M_i - S~)
 
-So r (n + m) values travel instead of n m. Vectors (biases) and matrices that
+So r (n + m) values travel instead of n m. A layer given as a 3-D array
+(n, k, c) is k matrices n x c side by side (the columns of an n x kc
+parameter, such as a fused QKV weight): each part gets its own P and Q as
+above, their P's travel in one all-reduce (n x kr) and their Q's in another
+(kc x r, the parts' Q stacked: one Q array per layer, as for a matrix), so
+k r (n + c) values travel. Vectors (biases) and matrices that
 rank r would not shrink (r (n + m) >= n m) are all-reduced uncompressed, and
 so is everything before ``start_step`` (no error feedback then: PowerSGD's
 usual warm-up of exact steps). With r >= rank(sum M), P^ spans the column
@@ -42,12 +47,17 @@ class PowerSGD(Compressor):
         self.residuals: dict = {}  # (bucket, layer) -> residual (n x m)
         self.velocities: dict = {}  # (bucket, layer) -> velocity (momentum correction only)
 
+    @staticmethod
+    def parts(shape) -> tuple[int, int, int]:
+        """(n, k, c) of a layer that is k matrices n x c side by side: (n, 1, m) for a matrix n x m."""
+        return (shape[0], 1, shape[1]) if len(shape) == 2 else tuple(shape)
+
     def compresses(self, shape) -> bool:
-        if len(shape) != 2:
+        if len(shape) not in (2, 3):
             return False
-        n, m = shape
-        r = min(self.rank, n, m)
-        return r * (n + m) < n * m
+        n, k, c = self.parts(shape)
+        r = min(self.rank, n, c)
+        return r * (n + c) < n * c
 
     @staticmethod
     def initial_q(ctx, layer, m, r) -> np.ndarray:
@@ -64,29 +74,35 @@ class PowerSGD(Compressor):
         out = []
         for layer, g in enumerate(matrices):
             g = np.asarray(g, np.float32)
+            shape = g.shape                 # (n, k, c): k parts
+            if g.ndim == 3:                 # state and arithmetic on the n x kc matrix
+                g = g.reshape(shape[0], -1)
             key = (ctx.bucket, layer)
             u = None
             if momentum:
                 u = zeros_kept(self.velocities, key, g.shape)
                 momentum_update(u, g, momentum)
                 g = u
-            if ctx.step < self.start_step or not self.compresses(g.shape):
+            if ctx.step < self.start_step or not self.compresses(shape):
                 out.append(allreduce_sum(g.copy()))
                 continue
-            n, m = g.shape
-            r = min(self.rank, n, m)
+            n, k, c = self.parts(shape)
+            r = min(self.rank, n, c)
             resid = zeros_kept(self.residuals, key, g.shape)
             q = self.q.get(key)
-            if q is None or q.shape != (m, r):
-                q = self.q[key] = self.initial_q(ctx, layer, m, r)
+            if q is None or q.shape != (k * c, r):
+                q = self.q[key] = self.initial_q(ctx, layer, k * c, r)
             mat = g + resid
-            p = allreduce_sum(mat @ q)
-            p_hat = np.linalg.qr(p.astype(np.float64))[0].astype(np.float32)
-            q_new = allreduce_sum(mat.T @ p_hat)
-            approx = p_hat @ q_new.T
+            part = [slice(j * c, (j + 1) * c) for j in range(k)]  # part j: columns and Q's rows
+            p = allreduce_sum(np.concatenate([mat[:, cj] @ q[cj] for cj in part], axis=1))
+            p_hats = [np.linalg.qr(p[:, j * r:(j + 1) * r].astype(np.float64))[0].astype(np.float32)
+                      for j in range(k)]
+            q_new = allreduce_sum(np.concatenate([mat[:, cj].T @ p_hat for cj, p_hat in zip(part, p_hats)]))
+            approx = np.concatenate([p_hat @ q_new[cj].T for cj, p_hat in zip(part, p_hats)], axis=1)
             np.subtract(mat, approx / size, out=resid)
             if u is not None:
-                u -= p_hat @ (p_hat.T @ u)
+                for cj, p_hat in zip(part, p_hats):
+                    u[:, cj] -= p_hat @ (p_hat.T @ u[:, cj])
             self.q[key] = q_new
             out.append(approx)
         return out
@@ -96,8 +112,9 @@ class PowerSGD(Compressor):
         total = 0
         for shape in shapes:
             if step >= self.start_step and self.compresses(shape):
-                r = min(self.rank, *shape)
-                total += 4 * r * (shape[0] + shape[1])
+                n, k, c = self.parts(shape)
+                r = min(self.rank, n, c)
+                total += 4 * k * r * (n + c)
             else:
                 total += 4 * int(np.prod(shape))
         return total

@@ -23,6 +23,8 @@ and its model offers (the trainer, checkpoints and optimizer use nothing else):
                        gradient is final
   backward_groups      the name tuples backward claims, in order
   no_decay             names of parameters weight decay must not touch
+  matrix_parts         {name: k} for a 2-D parameter (n, k m) that is k matrices (n, m) side by side
+                       (a fused QKV weight): gradient compression's PowerSGD approximates each part
   targets_per_row      predictions per batch row (1 for a classifier, the context for a language model)
   input_dtype          dtype of ``inputs`` on the device (None: the compute dtype)
   flops_per_row        model FLOPs of one row's forward + backward (for MFU), or 0 when not counted

@@ -170,6 +170,9 @@ class GPT:
         specs += list(self.ln_f.params)
         self.flat = FlatParams(device, specs)
         self.no_decay = frozenset(s.name for s in self.flat.slots if len(s.shape) == 1)
+        # the QKV weight is three matrices side by side (q, k, v; so on every tensor rank too):
+        # PowerSGD approximates each on its own instead of sharing one row space among them
+        self.matrix_parts = {s.name: 3 for s in self.flat.slots if s.name.endswith("attn.c_attn.weight")}
         self.tensor = tensor
         self.tensor_layout = None if tensor is None else TensorLayout(tensor, {
             s.name: split for s in self.flat.slots if (split := _tensor_split(s.name))})

@@ -65,6 +65,7 @@ class MLP:
     targets_per_row = 1      # one label per row
     input_dtype = None       # features in the compute dtype
     no_decay = frozenset()   # weight decay (if any) applies to every parameter, as it always has
+    matrix_parts: dict = {}  # every weight is one matrix
     flops_per_row = 0        # no MFU: the MLP's step is latency-bound, and the start-up GEMM timing costs 0.2 s
 
     def __init__(self, device, n_in, hidden, n_classes, activation="relu"):
