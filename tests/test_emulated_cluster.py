@@ -125,7 +125,7 @@ def test_every_strategy_on_an_emulated_two_node_cluster(tmp_path):
 @pytest.mark.timeout(300)
 def test_compressed_gpt_sends_fewer_bytes_across_the_link(tmp_path, text_data):
     """benchmarks/compression.py part B on the two nodes: a small GPT (68,544 parameters) for 20
-    steps, uncompressed and with powersgd(4) (1/10.2 of the values per step, see
+    steps, uncompressed and with powersgd(4) (1/9.5 of the values per step, see
     test_compress_gpt_convergence.py); the link's own byte counts, read by the benchmark, must show it."""
     out = tmp_path / "compression.json"
     sets = [f'data.train="{text_data}"', "model.n_layer=1", "model.d_model=64", "model.context=32",

@@ -209,5 +209,5 @@ class CompressedSum:
         return {k: np.array(v, copy=True) for k, v in self.state().items()}
 
     def restore(self, snapshot) -> None:
-        """The state :meth:`snapshot` copied; the snapshot is spent."""
+        """The state :meth:`snapshot` copied (copied in again: ``load_state``'s arrays are its own)."""
         self.load_state(snapshot)
