@@ -8,6 +8,7 @@
 # pytest and, for the yardsticks, cupy and torch (no .venv, no install: PYTHONPATH=.).
 # Runs, each with its own time limit, logging into OUTDIR/logs/:
 #   1. every CUDA test on the GPU (NUMBA_ENABLE_CUDASIM=0; also the simulator-sized ones),
+#      then the 2-rank CUDA tests under mpirun (they need pytest-mpi),
 #   2. the kernel benchmark (benchmarks/kernels.py: each kernel validated, then timed
 #      against the copy bandwidth and cuBLAS),
 #   3. MLP and GPT training on cuda at 1 and 2 ranks (2 ranks share the GPU),
@@ -64,7 +65,7 @@ step() {
 
 # sizes: the real check, or the simulator's (each simulated thread is a Python thread)
 if [ $SIM = 1 ]; then
-    GPU_CHECK_SKIP="${GPU_CHECK_SKIP:-} gpu-tests gpt-vs-torch"
+    GPU_CHECK_SKIP="${GPU_CHECK_SKIP:-} gpu-tests gpu-tests-mpi gpt-vs-torch"
     # no warm-up call: the simulator has no JIT to warm, and one call per row is the smoke test
     KERNELS_ARGS=(--small --repeats 1 --warmup 0)
     # 16 evaluation samples: the final evaluation is one forward (8 rows per rank at 2 ranks);
@@ -93,7 +94,19 @@ echo "simulate=$SIM" > "$OUT/mode.txt"
 # -v: a test killed by the limit leaves each earlier result in the log (the XML is written at the end)
 step gpu-tests 300 "$PY" -m pytest -v --durations=20 -p no:cacheprovider --junitxml="$OUT/logs/gpu-tests.xml" \
     tests/test_cuda_kernels.py tests/test_cuda_device.py tests/test_gpu_training.py tests/test_compress_kernels_cuda.py \
-    tests/test_attention_cuda.py tests/test_gpt_cuda_kernels.py tests/test_gpt_cuda_step.py
+    tests/test_attention_cuda.py tests/test_gpt_cuda_kernels.py tests/test_gpt_cuda_step.py tests/test_compress_cuda.py \
+    tests/test_numguard.py::test_skip_on_each_device_in_process tests/test_recompute.py::test_recompute_on_the_cuda_device_gives_the_same_bits \
+    tests/test_checkpoint_state.py::test_cuda_checkpoint_resumes_on_cpu_and_continues_alike
+# the CUDA tests that need ranks (compression's device sums, the GPT and its tensor-parallel
+# split on cuda against cpu), 2 ranks sharing the GPU; they need pytest-mpi (pip install
+# pytest-mpi, or put it on PYTHONPATH: -p loads it without its entry point); without it the
+# step is recorded as skipped
+if [ $SIM = 0 ] && ! "$PY" -c "import pytest_mpi" 2>/dev/null; then
+    echo "pytest-mpi is not importable: the 2-rank CUDA tests are skipped"
+    GPU_CHECK_SKIP="${GPU_CHECK_SKIP:-} gpu-tests-mpi"
+fi
+step gpu-tests-mpi 240 $MPIRUN -n 2 "$PY" -m pytest -q -p no:cacheprovider -p pytest_mpi --with-mpi -m mpi \
+    tests/test_mpi_compress_cuda.py tests/test_mpi_gpt_cuda.py
 step kernels 180 "$PY" benchmarks/kernels.py "${KERNELS_ARGS[@]}" --json "$OUT/kernels.json"
 
 # the data: synthetic tables, and the text corpus (the running Python's standard library);

@@ -29,15 +29,15 @@ def test_gpu_check_dry_run_on_the_simulator(tmp_path):
     doc = json.loads((out / "gpu-check.json").read_text())
     assert doc["passed"] is True
     ran = {s["name"]: s["rc"] for s in doc["steps"]}
-    assert ran == {"gpu-tests": None, "kernels": None, "data": 0, "mlp-cuda-1": 0, "gpt-cuda-1": 0, "mlp-cuda-2": 0,
+    assert ran == {"gpu-tests": None, "gpu-tests-mpi": None, "kernels": None, "data": 0, "mlp-cuda-1": 0, "gpt-cuda-1": 0, "mlp-cuda-2": 0,
                    "gpt-cuda-2": 0, "gpt-vs-torch": None}
-    assert doc["skipped"] == ["gpu-tests", "kernels", "gpt-vs-torch"]
+    assert doc["skipped"] == ["gpu-tests", "gpu-tests-mpi", "kernels", "gpt-vs-torch"]
     assert "numba CUDA simulator" in doc["env"][0]
     runs = doc["runs"]
     assert runs["gpt-1"]["steps"] == runs["gpt-2"]["steps"] == 2
     assert runs["gpt-1"]["loss"] == pytest.approx(runs["gpt-2"]["loss"], rel=1e-6)   # 2 ranks = 1 rank
     assert runs["mlp-1"]["loss"] == pytest.approx(runs["mlp-2"]["loss"], rel=1e-6)
-    assert "**PASSED** (skipped: gpu-tests, kernels, gpt-vs-torch)" in report
+    assert "**PASSED** (skipped: gpu-tests, gpu-tests-mpi, kernels, gpt-vs-torch)" in report
 
 
 def test_a_step_the_budget_cannot_start_fails_the_check(tmp_path):
