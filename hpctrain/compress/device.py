@@ -180,9 +180,7 @@ class DeviceCompressedSum(CompressedSum):
             q_wide = q if k == 1 else self._upload(_block_diagonal(self._fetch(q, "q_host"), k), "q_wide")
             p = gemm_cuda(mat, q_wide, self._scratch("p", (n, k * r), F32), **s)
             p = allreduce_sum(self._fetch(p, "p"))                             # P = sum_i M_i Q
-            p_hat = np.concatenate([np.linalg.qr(p[:, j * r:(j + 1) * r].astype(np.float64))[0]
-                                    for j in range(k)], axis=1).astype(F32)
-            p_hat = self._upload(p_hat, "p_hat")
+            p_hat = self._upload(c.orthonormal_parts(p, k, r), "p_hat")
             q_new = gemm_cuda(mat, p_hat, self._scratch("q", (m, k * r), F32), trans_a=True, **s)
             q_new = self._fetch(q_new, "q")
             if k > 1:  # each part's own M_j^T P^_j: the diagonal blocks

@@ -64,6 +64,13 @@ class PowerSGD(Compressor):
         """The first Q (m x r) of a layer: Gaussian, the same on every rank (and on every device)."""
         return np.random.default_rng([ctx.seed, ctx.bucket, layer, 0x9D]).standard_normal((m, r)).astype(np.float32)
 
+    @staticmethod
+    def orthonormal_parts(p, k: int, r: int) -> np.ndarray:
+        """P^ (n x kr, float32): each part's r columns of the summed P orthonormalised on
+        their own (QR in float64: the Gram-Schmidt of float32 columns loses orthogonality)."""
+        return np.concatenate([np.linalg.qr(p[:, j * r:(j + 1) * r].astype(np.float64))[0]
+                               for j in range(k)], axis=1).astype(np.float32)
+
     def reduce(self, matrices, ctx, allreduce_sum, size: int = 1, momentum: float = 0.0) -> list:
         """Every rank calls this with its per-layer gradients (2-D or 1-D arrays) of one bucket.
 
@@ -95,8 +102,8 @@ class PowerSGD(Compressor):
             mat = g + resid
             part = [slice(j * c, (j + 1) * c) for j in range(k)]  # part j: columns and Q's rows
             p = allreduce_sum(np.concatenate([mat[:, cj] @ q[cj] for cj in part], axis=1))
-            p_hats = [np.linalg.qr(p[:, j * r:(j + 1) * r].astype(np.float64))[0].astype(np.float32)
-                      for j in range(k)]
+            p_hat = self.orthonormal_parts(p, k, r)
+            p_hats = [p_hat[:, j * r:(j + 1) * r] for j in range(k)]
             q_new = allreduce_sum(np.concatenate([mat[:, cj].T @ p_hat for cj, p_hat in zip(part, p_hats)]))
             approx = np.concatenate([p_hat @ q_new[cj].T for cj, p_hat in zip(part, p_hats)], axis=1)
             np.subtract(mat, approx / size, out=resid)
