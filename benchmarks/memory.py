@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -68,7 +69,13 @@ def run(ranks, zero, recompute, args, tmp) -> dict:
     m = MEMORY.search(done.stdout)
     if m is None:
         raise SystemExit(f"memory.py: no memory line in the output of {' '.join(cmd)}:\n{done.stdout[-2000:]}")
-    params, grads, opt, acts = (float(v.replace(",", "")) if v else float("nan") for v in m.groups())
+    # the trainer's line rounds to 10 kB; the table takes the same bytes computed exactly (rank 0's,
+    # as the line's) and refuses a line that disagrees with them
+    shown = [float(v.replace(",", "")) if v else float("nan") for v in m.groups()]
+    params, grads, opt, acts = exact = _planned_mb(ranks, zero, recompute, args)
+    if not all(abs(a - b) <= 0.005 + 1e-9 for a, b in zip(shown, exact) if not (math.isnan(a) and math.isnan(b))):
+        raise SystemExit(f"memory.py: the trainer reported {shown} MB, the plan computes {exact} MB "
+                         f"({ranks} ranks, zero {zero}, recompute {recompute})")
     records = [json.loads(line) for line in open(metrics)]
     steps = records[args.skip:] or records
     return {"ranks": ranks, "zero": zero, "recompute": recompute, "params_mb": params, "grads_mb": grads,
@@ -76,6 +83,21 @@ def run(ranks, zero, recompute, args, tmp) -> dict:
             "peak_rss_mb": max(r["peak_rss_mb"] for r in records),
             "step_ms": 1e3 * statistics.median(r["step_time"] for r in steps),
             "final_loss": records[-1]["loss"], "final_params": _params_hash(ckpt, args.steps)}
+
+
+def _planned_mb(ranks, zero, recompute, args) -> list[float]:
+    """Rank 0's computed parameters, gradients, optimizer state and activations in MB (nan: not
+    known), exact (hpctrain.memory.planned, no allocation) for the run's config and overrides."""
+    from hpctrain.config import load_config
+    from hpctrain.memory import planned
+    from hpctrain.runtime import World
+
+    sets = [f"dist.zero={zero}", f"model.recompute={recompute}", f"dist.bucket_mb={args.bucket_mb}",
+            f"dist.first_bucket_mb={args.bucket_mb}", "data.eval="] + ([f"data.train={args.text}"] if args.text else [])
+    cfg = load_config(os.path.join(REPO, args.config), sets).validate()
+    got = planned(cfg, World(None, 0, ranks, None, 0, ranks, None, 0, 1))
+    return [got[k] / 1e6 if got[k] is not None else float("nan")
+            for k in ("params", "grads", "optimizer", "activations")]
 
 
 def _params_hash(ckpt, step) -> str:
