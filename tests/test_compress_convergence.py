@@ -1,14 +1,16 @@
 """Compression on the example MLP, trained to the end by ``benchmarks/compression.py --train``.
 
 Runs of part B: examples/mlp.toml (the 32-256-256-10 MLP, 76,810 parameters, on the synthetic
-teacher task, the data made as ``make train`` makes it), 1500 steps, 4 ranks under
-``mpirun -n 4 --oversubscribe``, ``train.seed`` 0, with none, topk(0.01), powersgd(4) and sign.
-"Final loss" is the benchmark's: the mean training loss of the last 50 steps.
+teacher task, the data made as ``make train`` makes it), 1500 steps, 2 ranks under
+``mpirun -n 2``, ``train.seed`` 0, with none, topk(0.01), powersgd(4) and sign.
+"Final loss" is the benchmark's: the mean training loss of the last 50 steps. Two ranks, one per
+core: 4 ranks on two cores took 64 s alone against 28 s (164 s in CI beside the other pytest
+worker), and the 4-rank sums are the MPI tests' business (tests/test_mpi_compress*.py).
 
 Compression's loss and bytes targets are judged on the GPT (tests/test_compress_gpt_convergence.py,
 benchmarks/compression.py --model gpt): on this MLP powersgd(4) cannot send 1/30 of the bytes
 (docs/dist.md has the arithmetic) and its final losses (topk 1.147x, powersgd 1.033x of none's,
-seeds 0-2) are recorded in docs/dist.md. Serial test (it launches its own mpirun); about 40 s.
+seeds 0-2, 4 ranks) are recorded in docs/dist.md. Serial test (it launches its own mpirun).
 """
 import json
 import math
@@ -26,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 SPECS = ["none", "topk(0.01)", "powersgd(4)", "sign"]
 SEEDS = {0: SPECS}
 TARGET_BYTES = 30     # at most 1/30 of the uncompressed bytes
+RANKS = 2
 MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 
 
@@ -56,7 +59,7 @@ def runs(tmp_path_factory):
     for seed, specs in SEEDS.items():
         out = folder / f"convergence-{seed}.json"
         rc, stdout, stderr = run_bounded([sys.executable, "benchmarks/compression.py", "--train",
-                                          "--launcher", "mpirun -n 4 --oversubscribe", "--train-compressors",
+                                          "--launcher", f"mpirun -n {RANKS}", "--train-compressors",
                                           ",".join(specs), "--set", f'data.train="{data["train"][0]}"',
                                           "--set", f'data.eval="{data["eval"][0]}"', "--set", "train.steps=1500",
                                           "--set", f"train.seed={seed}", "--json", str(out)], 300)
@@ -64,7 +67,7 @@ def runs(tmp_path_factory):
         if rc:
             pytest.fail(f"benchmark exit {rc}:\n{stdout[-3000:]}{stderr[-3000:]}")
         rows = {r["spec"]: r for r in json.loads(out.read_text())["rows"]}
-        if list(rows) != specs or not all(r["rc"] == 0 and r["n_steps"] == 1500 and r["ranks"] == 4
+        if list(rows) != specs or not all(r["rc"] == 0 and r["n_steps"] == 1500 and r["ranks"] == RANKS
                                           and math.isfinite(r["final_loss"]) and r["bytes_sent"] > 0
                                           for r in rows.values()):
             pytest.fail(f"unexpected runs, seed {seed}: {rows}")
@@ -84,6 +87,7 @@ def test_sign_with_error_feedback_converges(runs):
 
 
 def test_topk_1pct_sends_at_most_1_30_of_the_bytes(runs):
-    # measured 33x at 4 ranks: float32 values, 16-bit block offsets (hpctrain/compress/sparse.py);
-    # 100/p x 8/6 = 33.3x at most (1 % kept, 6 bytes each, p - 1 payloads all-gathered)
-    assert TARGET_BYTES <= runs[0]["none"]["bytes_sent"] / runs[0]["topk(0.01)"]["bytes_sent"] <= 33.4
+    # float32 values, 16-bit block offsets (hpctrain/compress/sparse.py): 1 % kept at 6 bytes each,
+    # p - 1 payloads all-gathered, against the ring's 2 (p - 1) / p x 4 bytes per value: at most
+    # (8 / p) / 0.06 = 133.3 / p, measured 66.5x at 2 ranks (33.2x at 4)
+    assert TARGET_BYTES <= runs[0]["none"]["bytes_sent"] / runs[0]["topk(0.01)"]["bytes_sent"] <= 133.4 / RANKS
