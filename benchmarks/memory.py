@@ -9,8 +9,10 @@ ways, dist.zero 0/1/2 x model.recompute none/blocks (or the ``--variants`` given
 dist.allreduce = ring and buckets of ``--bucket-mb`` (several per block, so ZeRO-2 has slots to
 reuse). Ring's halves sum in the same order as its all-reduce, so with one micro-batch all the
 runs must end on the same loss and the
-same final parameters, bit for bit: checked before any time is reported. Per run: the start-up line's computed bytes per rank
-(parameters, gradients, optimizer state, activations of one micro-batch), the measured peak
+same final parameters, bit for bit: checked before any time is reported. Per run: the computed
+bytes per rank (parameters, gradients, optimizer state, activations of one micro-batch; exact,
+from hpctrain.memory.planned with the run's settings, and checked against the trainer's
+start-up line, which rounds them to 10 kB), the measured peak
 resident set (``peak_rss_mb`` of the metrics: rank 0's process), and the median step time
 after the first ``--skip`` steps. Each row is compared with zero 0 / none at the same world
 size, the yardstick of the same run.
@@ -48,19 +50,23 @@ MEMORY = re.compile(r"memory per rank \(computed\): parameters ([\d,.]+) MB, gra
 VARIANTS = [(0, "none"), (1, "none"), (2, "none"), (0, "blocks"), (1, "blocks"), (2, "blocks")]
 
 
+def overrides(zero, recompute, args) -> list[str]:
+    """The config settings of one variant's run (and of its planned bytes): everything but the
+    run's own files."""
+    return [f"train.steps={args.steps}", f"dist.zero={zero}", f"model.recompute={recompute}",
+            "dist.allreduce=ring", "train.eval_every=0", "data.eval=", "train.target_val_bpb=0",
+            "train.target_bpb_vs_bigram=0", f"dist.bucket_mb={args.bucket_mb}",
+            f"dist.first_bucket_mb={args.bucket_mb}"] + ([f"data.train={args.text}"] if args.text else [])
+
+
 def run(ranks, zero, recompute, args, tmp) -> dict:
     metrics = os.path.join(tmp, f"m-{ranks}-{zero}-{recompute}.jsonl")
     ckpt = tempfile.mkdtemp(prefix=f"ck-{ranks}-{zero}-{recompute}-", dir=tmp)  # a fresh one per run
+    sets = overrides(zero, recompute, args) + [
+        f"train.metrics={metrics}", f"checkpoint.dir={ckpt}", "checkpoint.save_final=true",
+        "checkpoint.every_minutes=0", "train.log_every=1000000"]
     cmd = ["mpirun", "-n", str(ranks), *args.mpirun_args.split(), sys.executable, "-m", "hpctrain", "train",
-           "--config", args.config, "--set", f"train.steps={args.steps}", "--set", f"dist.zero={zero}",
-           "--set", f"model.recompute={recompute}", "--set", "dist.allreduce=ring", "--set", "train.eval_every=0",
-           "--set", "data.eval=", "--set", "train.target_val_bpb=0", "--set", "train.target_bpb_vs_bigram=0",
-           "--set", f"train.metrics={metrics}", "--set", f"dist.bucket_mb={args.bucket_mb}",
-           "--set", f"dist.first_bucket_mb={args.bucket_mb}",
-           "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.save_final=true", "--set",
-           "checkpoint.every_minutes=0", "--set", "train.log_every=1000000", "--resume", ""]
-    if args.text:
-        cmd += ["--set", f"data.train={args.text}"]
+           "--config", args.config, *(x for kv in sets for x in ("--set", kv)), "--resume", ""]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
@@ -87,15 +93,17 @@ def run(ranks, zero, recompute, args, tmp) -> dict:
 
 def _planned_mb(ranks, zero, recompute, args) -> list[float]:
     """Rank 0's computed parameters, gradients, optimizer state and activations in MB (nan: not
-    known), exact (hpctrain.memory.planned, no allocation) for the run's config and overrides."""
+    known), exact (hpctrain.memory.planned, no allocation) for the run's config and overrides,
+    read from REPO as the run reads them (relative data paths)."""
+    import contextlib
+
     from hpctrain.config import load_config
     from hpctrain.memory import planned
     from hpctrain.runtime import World
 
-    sets = [f"dist.zero={zero}", f"model.recompute={recompute}", f"dist.bucket_mb={args.bucket_mb}",
-            f"dist.first_bucket_mb={args.bucket_mb}", "data.eval="] + ([f"data.train={args.text}"] if args.text else [])
-    cfg = load_config(os.path.join(REPO, args.config), sets).validate()
-    got = planned(cfg, World(None, 0, ranks, None, 0, ranks, None, 0, 1))
+    with contextlib.chdir(REPO):
+        cfg = load_config(args.config, overrides(zero, recompute, args)).validate()
+        got = planned(cfg, World(None, 0, ranks, None, 0, ranks, None, 0, 1))
     return [got[k] / 1e6 if got[k] is not None else float("nan")
             for k in ("params", "grads", "optimizer", "activations")]
 

@@ -19,7 +19,7 @@
 # GPU_CHECK_BUDGET_S=N: the whole check ends within about N s (a lease of fixed length): each
 # step's limit is cut to what is left, and a step with under 10 s left is recorded as 'budget'.
 # --simulate: every step's plumbing on the simulator with tiny sizes and a few steps, the
-# test step and the PyTorch comparison left out (the suite runs the CUDA tests on the
+# two test steps and the PyTorch comparison left out (the suite runs the CUDA tests on the
 # simulator anyway; the peer needs a GPU to mean anything): about a minute, no GPU.
 set -uo pipefail
 SIM=0
@@ -102,7 +102,7 @@ step gpu-tests 300 "$PY" -m pytest -v --durations=20 -p no:cacheprovider --junit
 # pytest-mpi, or put it on PYTHONPATH: -p loads it without its entry point); without it the
 # step is recorded as skipped
 if [ $SIM = 0 ] && ! "$PY" -c "import pytest_mpi" 2>/dev/null; then
-    echo "pytest-mpi is not importable: the 2-rank CUDA tests are skipped"
+    echo "pytest-mpi is not importable by $PY: the 2-rank CUDA tests are skipped" | tee "$OUT/logs/gpu-tests-mpi.log"
     GPU_CHECK_SKIP="${GPU_CHECK_SKIP:-} gpu-tests-mpi"
 fi
 step gpu-tests-mpi 240 $MPIRUN -n 2 "$PY" -m pytest -q -p no:cacheprovider -p pytest_mpi --with-mpi -m mpi \

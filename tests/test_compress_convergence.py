@@ -82,12 +82,15 @@ def test_every_compressor_reaches_the_examples_accuracy(runs):
 
 
 def test_sign_with_error_feedback_converges(runs):
-    # the loss starts at ~ln(10) = 2.3; measured 0.098 after 1500 steps (none 0.066)
+    # the loss starts at ~ln(10) = 2.3; measured 0.099 after 1500 steps at 2 ranks (none 0.066)
     assert runs[0]["sign"]["final_loss"] < 0.15 and runs[0]["sign"]["loss_vs_none"] < 2.0
 
 
 def test_topk_1pct_sends_at_most_1_30_of_the_bytes(runs):
     # float32 values, 16-bit block offsets (hpctrain/compress/sparse.py): 1 % kept at 6 bytes each,
     # p - 1 payloads all-gathered, against the ring's 2 (p - 1) / p x 4 bytes per value: at most
-    # (8 / p) / 0.06 = 133.3 / p, measured 66.5x at 2 ranks (33.2x at 4)
-    assert TARGET_BYTES <= runs[0]["none"]["bytes_sent"] / runs[0]["topk(0.01)"]["bytes_sent"] <= 133.4 / RANKS
+    # (8 / p) / 0.06 = 133.3 / p, measured 66.5x at 2 ranks (33.2x at 4). The floor keeps the 4-rank
+    # target's slack (1/30 against 1/33.3 there: 0.9 of the closed form), so wider offsets or values
+    # (25x at 4 ranks, 50x at 2) fail at any rank count
+    ratio = runs[0]["none"]["bytes_sent"] / runs[0]["topk(0.01)"]["bytes_sent"]
+    assert max(TARGET_BYTES, 0.9 * 133.3 / RANKS) <= ratio <= 133.4 / RANKS, ratio

@@ -1,6 +1,6 @@
 """scripts/gpu-check.sh --simulate: the one-command GPU validation, dry-run on numba's CUDA
 simulator with tiny sizes (no GPU here). Every step the real check runs must run and pass
-(the test step and the PyTorch comparison are reported as skipped), and the report must
+(the two test steps and the PyTorch comparison are reported as skipped), and the report must
 say what ran: 1- and 2-rank training on the cuda device end with the same loss. The kernel
 benchmark step is skipped here too (GPU_CHECK_SKIP, which this also checks): its command,
 benchmarks/kernels.py --small --repeats 1 --warmup 0, is test_benchmarks.py's, and running

@@ -103,7 +103,7 @@ class PowerSGD(Compressor):
             part = [slice(j * c, (j + 1) * c) for j in range(k)]  # part j: columns and Q's rows
             p = allreduce_sum(np.concatenate([mat[:, cj] @ q[cj] for cj in part], axis=1))
             p_hat = self.orthonormal_parts(p, k, r)
-            p_hats = [p_hat[:, j * r:(j + 1) * r] for j in range(k)]
+            p_hats = [np.ascontiguousarray(p_hat[:, j * r:(j + 1) * r]) for j in range(k)]  # BLAS as before
             q_new = allreduce_sum(np.concatenate([mat[:, cj].T @ p_hat for cj, p_hat in zip(part, p_hats)]))
             approx = np.concatenate([p_hat @ q_new[cj].T for cj, p_hat in zip(part, p_hats)], axis=1)
             np.subtract(mat, approx / size, out=resid)
