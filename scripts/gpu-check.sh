@@ -91,12 +91,12 @@ echo "simulate=$SIM" > "$OUT/mode.txt"
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tail -1
   mpirun --version 2>&1 | head -1; nproc; } > "$OUT/env.txt" 2>&1
 
+# the lists are shared with make test's real-GPU pass (scripts/test.sh)
+mapfile -t CUDA_TESTS < <(grep -hv -e '^[[:space:]]*#' -e '^[[:space:]]*$' scripts/cuda-tests.txt)
+mapfile -t CUDA_TESTS_MPI < <(grep -hv -e '^[[:space:]]*#' -e '^[[:space:]]*$' scripts/cuda-tests-mpi.txt)
 # -v: a test killed by the limit leaves each earlier result in the log (the XML is written at the end)
 step gpu-tests 300 "$PY" -m pytest -v --durations=20 -p no:cacheprovider --junitxml="$OUT/logs/gpu-tests.xml" \
-    tests/test_cuda_kernels.py tests/test_cuda_device.py tests/test_gpu_training.py tests/test_compress_kernels_cuda.py \
-    tests/test_attention_cuda.py tests/test_gpt_cuda_kernels.py tests/test_gpt_cuda_step.py tests/test_compress_cuda.py \
-    tests/test_numguard.py::test_skip_on_each_device_in_process tests/test_recompute.py::test_recompute_on_the_cuda_device_gives_the_same_bits \
-    tests/test_checkpoint_state.py::test_cuda_checkpoint_resumes_on_cpu_and_continues_alike
+    "${CUDA_TESTS[@]}"
 # the CUDA tests that need ranks (compression's device sums, the GPT and its tensor-parallel
 # split on cuda against cpu), 2 ranks sharing the GPU; they need pytest-mpi (pip install
 # pytest-mpi, or put it on PYTHONPATH: -p loads it without its entry point); without it the
@@ -106,7 +106,7 @@ if [ $SIM = 0 ] && ! "$PY" -c "import pytest_mpi" 2>/dev/null; then
     GPU_CHECK_SKIP="${GPU_CHECK_SKIP:-} gpu-tests-mpi"
 fi
 step gpu-tests-mpi 240 $MPIRUN -n 2 "$PY" -m pytest -q -p no:cacheprovider -p pytest_mpi --with-mpi -m mpi \
-    tests/test_mpi_compress_cuda.py tests/test_mpi_gpt_cuda.py
+    "${CUDA_TESTS_MPI[@]}"
 step kernels 180 "$PY" benchmarks/kernels.py "${KERNELS_ARGS[@]}" --json "$OUT/kernels.json"
 
 # the data: synthetic tables, and the text corpus (the running Python's standard library);

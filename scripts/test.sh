@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole suite: serial pytest (two workers, then the exclusive tests alone), then the
 # MPI tests under mpirun -n 1, 2, 3, 4,
-# then (only where nvidia-smi lists a GPU) the gpu-marked tests on the real GPU.
+# then (only where nvidia-smi lists a GPU) the CUDA tests on the real GPU (scripts/cuda-tests*.txt).
 # CUDA kernels run on numba's simulator everywhere else (tests/conftest.py).
 # Every run has a per-test timeout (setup.cfg) and an outer timeout, so a hang
 # fails instead of blocking. Rank 0 prints; other ranks log to .test-logs/.
@@ -43,13 +43,17 @@ done
 
 # Real-GPU pass: every CUDA test again, on the GPU instead of the simulator
 # (the small simulated shapes too: ragged tiles and the float rules differ).
-GPU_TESTS="tests/test_cuda_kernels.py tests/test_cuda_device.py tests/test_gpu_training.py
-           tests/test_compress_kernels_cuda.py tests/test_attention_cuda.py tests/test_gpt_cuda_kernels.py
-           tests/test_gpt_cuda_step.py"
+# the lists are shared with scripts/gpu-check.sh
+mapfile -t GPU_TESTS < <(grep -hv -e '^[[:space:]]*#' -e '^[[:space:]]*$' scripts/cuda-tests.txt)
+mapfile -t GPU_TESTS_MPI < <(grep -hv -e '^[[:space:]]*#' -e '^[[:space:]]*$' scripts/cuda-tests-mpi.txt)
 if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
-    echo "== GPU: NUMBA_ENABLE_CUDASIM=0 pytest $GPU_TESTS"
-    # shellcheck disable=SC2086
-    NUMBA_ENABLE_CUDASIM=0 timeout 2400 "$PY" -m pytest -q $GPU_TESTS --junitxml=.test-logs/gpu.xml "$@" || status=1
+    echo "== GPU: NUMBA_ENABLE_CUDASIM=0 pytest ${GPU_TESTS[*]}"
+    NUMBA_ENABLE_CUDASIM=0 timeout 2400 "$PY" -m pytest -q "${GPU_TESTS[@]}" --junitxml=.test-logs/gpu.xml "$@"; ok || status=1
+    echo "== GPU, 2 ranks: NUMBA_ENABLE_CUDASIM=0 mpirun -n 2 pytest --with-mpi -m mpi ${GPU_TESTS_MPI[*]}"
+    NUMBA_ENABLE_CUDASIM=0 timeout 900 mpirun -n 2 bash scripts/pytest-rank.sh gpu "${GPU_TESTS_MPI[@]}" "$@" || {
+        status=1
+        [ -f .test-logs/mpi-ngpu-rank1.log ] && { echo "--- .test-logs/mpi-ngpu-rank1.log"; tail -n 40 .test-logs/mpi-ngpu-rank1.log; }
+    }
 else
     echo "== GPU: no GPU listed by nvidia-smi; the gpu tests ran as skips (kernels were tested on the simulator)"
 fi
