@@ -39,6 +39,7 @@ CPU_OPS = SimpleNamespace(
     layernorm_forward=layernorm.layernorm_forward, layernorm_backward=layernorm.layernorm_backward,
     attention_forward=attention.attention_forward, attention_backward=attention.attention_backward,
     attention_state_shapes=attention.attention_state_shapes,
+    attention_max_head_size=None,   # the twin takes any head size
     residual_forward=residual.residual_forward, residual_backward=residual.residual_backward,
 )
 
@@ -118,6 +119,7 @@ class CudaDevice:
             attention_forward=p(attention_cuda.attention_forward_cuda, **s),
             attention_backward=p(attention_cuda.attention_backward_cuda, **s),
             attention_state_shapes=attention_cuda.attention_state_shapes,
+            attention_max_head_size=attention_cuda.HS_SIZES[-1],
             residual_forward=p(residual.residual_forward_cuda, **s),
             residual_backward=p(residual.residual_backward_cuda, **s),
         )

@@ -87,6 +87,27 @@ def make_text_file(folder: str, name: str = "text.h5") -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def dev64():
+    """A float64 CUDA device (the simulator unless NUMBA_ENABLE_CUDASIM=0), one per test module."""
+    from hpctrain.device import CudaDevice
+
+    return CudaDevice("float64")
+
+
+@pytest.fixture(scope="module")
+def dev32():
+    """A float32 CUDA device, one per test module."""
+    from hpctrain.device import CudaDevice
+
+    return CudaDevice("float32")
+
+
+def up(dev, a):
+    """A device array holding host array ``a``, in ``a``'s own dtype (not the device's)."""
+    return dev.from_host(a, a.dtype)
+
+
 @pytest.fixture(scope="session")
 def text_data(tmp_path_factory):
     """Path of the small token file, made once per serial session."""

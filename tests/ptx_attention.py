@@ -1,4 +1,4 @@
-"""The attention kernels (hpctrain/kernels/attention_cuda.py) for tests/ptx_compile.py.
+"""The attention kernels (hpctrain/kernels/attention_cuda_kernels.py) for tests/ptx_compile.py.
 
 Every variant a launch can pick: for each dtype and head-size capacity, each
 tile from 4 up to the largest whose shared memory fits (a forced tile must fit
@@ -7,7 +7,7 @@ too). The accumulators of the three tiled kernels must stay in registers.
 
 from numba.types import Array, float32, float64, int64
 
-from hpctrain.kernels import attention_cuda
+from hpctrain.kernels import attention_cuda, attention_cuda_kernels
 
 
 def kernels():
@@ -16,10 +16,10 @@ def kernels():
         a3 = Array(dt, 3, "C")
         for hs_max in attention_cuda.HS_SIZES:
             for tile in attention_cuda.TILES:
-                fwd, dkv, dq = attention_cuda._kernels(dt.name, tile, hs_max)
+                fwd, dkv, dq = attention_cuda_kernels.attention_kernels(dt.name, tile, hs_max)
                 for kind, kernel, sig in (("forward", fwd, (a3, int64, dt, a3, a3)),
                                           ("backward_dkv", dkv, (a3, a3, a3, a3, int64, dt, a3)),
                                           ("backward_dq", dq, (a3, a3, a3, a3, int64, dt, a3))):
                     if attention_cuda._smem_bytes(kind, tile, hs_max, dt.bitwidth // 8) <= attention_cuda.SMEM_LIMIT:
                         yield f"attention {kind} tile={tile} hs<={hs_max} {dt}", kernel, sig, True
-        yield f"attention dsum {dt}", attention_cuda._dsum_kernel(dt.name), (a3, a3, int64, a3), False
+        yield f"attention dsum {dt}", attention_cuda_kernels.dsum_kernel(dt.name), (a3, a3, int64, a3), False

@@ -13,23 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpctrain.device import CudaDevice, cuda_status
+from hpctrain.device import cuda_status
 from hpctrain.kernels import attention, attention_cuda
 
 pytestmark = pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}")
 
 U32 = 2.0 ** -24
 gpu = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def dev64():
-    return CudaDevice("float64")
-
-
-@pytest.fixture(scope="module")
-def dev32():
-    return CudaDevice("float32")
 
 
 def inputs(B, T, NH, hs, seed=0):

@@ -24,6 +24,7 @@ from hpctrain.compress import Bf16, Context, Fp16, Sign, TopK
 from hpctrain.compress.sparse import k_of, unpack_indices
 from hpctrain.device import CudaDevice, cuda_status, simulated
 from hpctrain.kernels import ef, gather_scatter, quantize16, sign_pack, topk_threshold
+from conftest import up
 from topk_cases import TOPK_CASES, adversarial, expected_road
 
 pytestmark = [pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}"),
@@ -36,10 +37,6 @@ CTX = Context(step=0, bucket=0)
 @pytest.fixture(scope="module")
 def dev():
     return CudaDevice("float32")
-
-
-def up(dev, a):
-    return dev.from_host(a, a.dtype)
 
 
 def bits_of(a):

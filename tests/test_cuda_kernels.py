@@ -19,6 +19,7 @@ import pytest
 
 from hpctrain.device import CpuDevice, CudaDevice, cuda_status, simulated
 from hpctrain.kernels import adamw, bias_act, linear, scale, sgd, softmax_xent
+from conftest import up
 from gelu_float32 import assert_gelu_float32
 
 pytestmark = pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}")
@@ -30,20 +31,6 @@ gpu = pytest.mark.gpu
 
 def rng_for(*key):
     return np.random.default_rng([3031, *key])
-
-
-@pytest.fixture(scope="module")
-def dev64():
-    return CudaDevice("float64")
-
-
-@pytest.fixture(scope="module")
-def dev32():
-    return CudaDevice("float32")
-
-
-def up(dev, a):
-    return dev.from_host(a, a.dtype)
 
 
 def assert_sums_close(got, ref, abs_terms, n):

@@ -25,6 +25,7 @@ import pytest
 
 from hpctrain.device import CudaDevice, cuda_status
 from hpctrain.kernels import embedding, layernorm, layernorm_cuda, residual
+from conftest import up
 
 pytestmark = pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}")
 
@@ -39,10 +40,6 @@ def rng_for(*key):
 @pytest.fixture(scope="module", params=["float64", "float32"])
 def dev(request):
     return CudaDevice(request.param)
-
-
-def up(dev, a):
-    return dev.from_host(a, a.dtype)
 
 
 def down(dev, a):

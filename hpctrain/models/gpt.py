@@ -112,13 +112,11 @@ def build(cfg, device, data: TrainingData, tensor=None) -> "GPT":
     if missing:
         raise ConfigError(f"model.kind = \"gpt\" has no {device.name} kernels yet ({', '.join(missing)}); "
                           f"train it with --set train.device=cpu")
-    if device.name == "cuda" and m.n_head and m.d_model % m.n_head == 0:
-        from ..kernels.attention_cuda import HS_SIZES
-
-        if m.d_model // m.n_head > HS_SIZES[-1]:
-            raise ConfigError(f"model.d_model / model.n_head = {m.d_model // m.n_head} is a head size above the "
-                              f"CUDA attention kernels' limit of {HS_SIZES[-1]}; use more heads (model.n_head >= "
-                              f"{-(-m.d_model // HS_SIZES[-1])}) or train.device=cpu")
+    limit = device.ops.attention_max_head_size   # the device's kernels' own limit (None: none)
+    if limit and m.n_head and m.d_model % m.n_head == 0 and m.d_model // m.n_head > limit:
+        raise ConfigError(f"model.d_model / model.n_head = {m.d_model // m.n_head} is a head size above the "
+                          f"{device.name.upper()} attention kernels' limit of {limit}; use more heads "
+                          f"(model.n_head >= {-(-m.d_model // limit)}) or train.device=cpu")
     return GPT(device, data.info["vocab_size"], m.context, m.n_layer, m.n_head, m.d_model, m.recompute, tensor)
 
 
