@@ -94,6 +94,10 @@ echo "simulate=$SIM" > "$OUT/mode.txt"
 # the lists are shared with make test's real-GPU pass (scripts/test.sh)
 mapfile -t CUDA_TESTS < <(grep -hv -e '^[[:space:]]*#' -e '^[[:space:]]*$' scripts/cuda-tests.txt)
 mapfile -t CUDA_TESTS_MPI < <(grep -hv -e '^[[:space:]]*#' -e '^[[:space:]]*$' scripts/cuda-tests-mpi.txt)
+if [ ${#CUDA_TESTS[@]} = 0 ] || [ ${#CUDA_TESTS_MPI[@]} = 0 ]; then
+    # an empty list would make pytest run the whole suite
+    echo "gpu-check: scripts/cuda-tests.txt or cuda-tests-mpi.txt is missing or empty" >&2; exit 1
+fi
 # -v: a test killed by the limit leaves each earlier result in the log (the XML is written at the end)
 step gpu-tests 300 "$PY" -m pytest -v --durations=20 -p no:cacheprovider --junitxml="$OUT/logs/gpu-tests.xml" \
     "${CUDA_TESTS[@]}"

@@ -46,7 +46,13 @@ done
 # the lists are shared with scripts/gpu-check.sh
 mapfile -t GPU_TESTS < <(grep -hv -e '^[[:space:]]*#' -e '^[[:space:]]*$' scripts/cuda-tests.txt)
 mapfile -t GPU_TESTS_MPI < <(grep -hv -e '^[[:space:]]*#' -e '^[[:space:]]*$' scripts/cuda-tests-mpi.txt)
-if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+if ! { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }; then
+    echo "== GPU: no GPU listed by nvidia-smi; the gpu tests ran as skips (kernels were tested on the simulator)"
+elif [ ${#GPU_TESTS[@]} = 0 ] || [ ${#GPU_TESTS_MPI[@]} = 0 ]; then
+    # pytest given no path would run the whole suite on the GPU
+    echo "== GPU: scripts/cuda-tests.txt or cuda-tests-mpi.txt is missing or empty"
+    status=1
+else
     echo "== GPU: NUMBA_ENABLE_CUDASIM=0 pytest ${GPU_TESTS[*]}"
     NUMBA_ENABLE_CUDASIM=0 timeout 2400 "$PY" -m pytest -q "${GPU_TESTS[@]}" --junitxml=.test-logs/gpu.xml "$@"; ok || status=1
     echo "== GPU, 2 ranks: NUMBA_ENABLE_CUDASIM=0 mpirun -n 2 pytest --with-mpi -m mpi ${GPU_TESTS_MPI[*]}"
@@ -54,8 +60,6 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU
         status=1
         [ -f .test-logs/mpi-ngpu-rank1.log ] && { echo "--- .test-logs/mpi-ngpu-rank1.log"; tail -n 40 .test-logs/mpi-ngpu-rank1.log; }
     }
-else
-    echo "== GPU: no GPU listed by nvidia-smi; the gpu tests ran as skips (kernels were tested on the simulator)"
 fi
 
 echo "== suite finished in $(( $(date +%s) - t0 )) s"

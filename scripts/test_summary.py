@@ -1,6 +1,7 @@
 """Add up the JUnit XML files of a suite run into one closing line.
 
-A test run under mpirun -n N counts once per N; it failed if it failed on any
+A test run under mpirun -n N (mpi-nN-rankR.xml; mpi-ngpu-rankR.xml: the real-GPU pass's 2
+ranks) counts once per run; it failed if it failed on any
 rank. A missing report (a rank killed by a timeout or abort) counts as a failure. Prints every failure with its rank, then 'suite: P passed, F failed, S skipped'.
 Exit status 1 if anything failed or no test ran.
 """
@@ -17,13 +18,15 @@ def main(folder: str, sizes=(1, 2, 3, 4)) -> int:
     failures = []
     # a rank killed by a timeout or an abort writes no XML: that is a failure
     expected = ["serial.xml", "exclusive.xml"] + [f"mpi-n{n}-rank{r}.xml" for n in sizes for r in range(n)]
+    if os.path.exists(os.path.join(folder, "gpu.xml")):  # the real-GPU pass ran: its 2-rank run too
+        expected += ["mpi-ngpu-rank0.xml", "mpi-ngpu-rank1.xml"]
     for name in expected:
         if not os.path.exists(os.path.join(folder, name)):
             failures.append(f"{name[:-4]}: no report (killed, timed out or never started)")
             outcomes[(name, "<run>")] = "failed"
     for path in sorted(glob.glob(os.path.join(folder, "*.xml"))):
         name = os.path.basename(path)[:-4]
-        m = re.match(r"(mpi-n\d+)-rank(\d+)$", name)
+        m = re.match(r"(mpi-n(?:\d+|gpu))-rank(\d+)$", name)   # mpi-ngpu: the real-GPU pass's 2 ranks
         run, rank = (m.group(1), int(m.group(2))) if m else (name, 0)
         for case in ET.parse(path).getroot().iter("testcase"):
             test = f"{case.get('classname')}::{case.get('name')}"

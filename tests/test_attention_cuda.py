@@ -1,4 +1,4 @@
-"""Causal attention's CUDA kernels (hpctrain/kernels/attention_cuda.py) against the CPU twin
+"""Causal attention's CUDA kernels (hpctrain/kernels/attention_cuda*.py) against the CPU twin
 (attention.py, itself checked against NumPy and finite differences in test_kernels.py).
 
 Without a GPU these run on numba's CUDA simulator (every simulated thread is a

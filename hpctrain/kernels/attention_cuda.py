@@ -55,7 +55,7 @@ def attention_state_shapes(B, NH, T):
 
 
 def _smem_bytes(kind, tile, hs_max, itemsize):
-    """Static shared memory of one block (the arrays declared in the kernels below)."""
+    """Static shared memory of one block (the arrays declared in attention_cuda_kernels.py's kernels)."""
     rows, square = tile * (hs_max + 1), tile * (tile + 1)
     n = {"forward": 3 * rows + square,                   # Q, K, V, scores
          "backward_dkv": 4 * rows + 2 * square + 2 * tile,  # K, V, Q, dO, P, dS, lse, D
