@@ -110,7 +110,8 @@ class CheckpointManager:
                 skipped.append(path)
                 continue
             saved_compress = _saved_compress(loaded.attrs)
-            agree(world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, log, saved_compress)
+            agree(world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, log, saved_compress,
+                  loaded.across_ranks)
             self.saved_step, self.saved_path = trainer.step, path
             log.info(f"checkpoint: resumed from {path} at step {trainer.step} (saved by "
                      f"{loaded.world_size} rank(s), hpctrain {loaded.attrs.get('hpctrain_version')})")
@@ -127,7 +128,7 @@ class CheckpointManager:
         loaded = load_checkpoint(self.saved_path, self.world)
         saved_compress = _saved_compress(loaded.attrs)
         agree(self.world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, self.log,
-              saved_compress)
+              saved_compress, loaded.across_ranks)
         self.log.info(f"guard: rolled back to {self.saved_path} (step {trainer.step})")
 
     def _remove_stale_temporaries(self):

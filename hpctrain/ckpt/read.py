@@ -38,6 +38,9 @@ class LoadedCheckpoint:
     attrs: dict
     full: dict = field(default_factory=dict)       # replicated arrays, whole, by dataset path
     own_rows: dict = field(default_factory=dict)   # per-rank arrays: this rank's row (absent beyond the saved world)
+    # read at another world size than the saved one, the per-rank arrays over every saved rank:
+    # a float array's mean row (float64), an integer array whole (saved world, ...)
+    across_ranks: dict = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -144,9 +147,14 @@ def load_checkpoint(path: str, world) -> LoadedCheckpoint:
                                             f"{want:#010x}, computed {got:#010x}): the file is corrupt"))
     # own rows are copied (small), the shared memory of the share goes with the gathered blocks
     out = LoadedCheckpoint(path, attrs, own_rows={name: np.array(row) for name, row in own.items()})
+    resized = out.world_size != size
     for name, shape, dtype, _, per_rank in meta:
         if not per_rank:
             out.full[name] = _allgather_rows(comm, blocks.pop(name), shape, np.dtype(dtype))
+        elif resized:
+            kind = np.dtype(dtype).kind
+            out.across_ranks[name] = (_mean_row(comm, blocks.pop(name), shape) if kind == "f" else
+                                      _allgather_rows(comm, blocks.pop(name), shape, np.dtype(dtype)))
     try:
         check_step(path, attrs, out.full.get("/data/position"))
     except CorruptCheckpoint as exc:
@@ -171,6 +179,17 @@ def _allgather_rows(comm, mine, shape, dtype):
     finally:
         row_type.Free()
     return full
+
+
+def _mean_row(comm, mine, shape):
+    """The mean over the leading axis of an array of which this rank holds rows ``mine``:
+    summed in float64 (each rank its rows, then across ranks), divided once."""
+    from mpi4py import MPI
+
+    partial = np.asarray(mine, np.float64).sum(axis=0) if len(mine) else np.zeros(shape[1:], np.float64)
+    total = np.empty(shape[1:], np.float64)
+    comm.Allreduce(np.ascontiguousarray(partial), total, op=MPI.SUM)
+    return total / shape[0]
 
 
 def _agreed(exc):

@@ -7,16 +7,13 @@ shape and dtype, and a function giving rows [lo, hi) as a host array. Two kinds:
     optimizer state, data position). Written as disjoint row slices by all
     ranks; on resume every rank gets the whole array, whatever the world size.
   * per-rank (``per_rank=True``): a leading world dimension, row r belonging to
-    rank r (RNG state; compressor residuals under /compress). Resharding rule:
-    at a new world size rank r takes saved row r when r < saved world size and
-    starts fresh otherwise (a generator seeded from (train.seed, rank, step));
-    rows of ranks that no longer exist are dropped, with a log line.
+    rank r (RNG state; compressor state under /compress). Resharding rule for
+    the RNG: at a new world size rank r takes saved row r when r < saved world
+    size and starts fresh otherwise (a generator seeded from (train.seed, rank,
+    step)); rows of ranks that no longer exist are dropped, with a log line.
     Compressor state (/compress: residuals, PowerSGD's Q, momentum correction's
-    velocities) is restored only at the same world size and the same
-    ``dist.compress`` / ``compress_scope`` / ``tensor_parallel`` /
-    ``compress_momentum``; otherwise it starts from zero (the unsent remainder
-    of the last steps is dropped), with a log line, as it does when the file
-    holds none (a rollback to a checkpoint saved before compression started).
+    velocities) has its own rule (:mod:`.compress_state`): at another world size
+    every rank takes the mean of the saved rows, where that mean means something.
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import UserError
+from .compress_state import compression_rows, restore_compression
 from .format import OPTIMIZER_STATES
 
 # /data/position fields, in order (int64)
@@ -129,68 +127,8 @@ def training_state(trainer) -> list[Entry]:
     entries.append(_host_entry("/data/position", np.array(
         [trainer.step, epoch, in_epoch, cfg.train.global_batch, cfg.data.shuffle_seed, sampler.n], np.int64)))
     entries.append(_host_entry("/rng/pcg64", rng_to_array(trainer.rng), per_rank=True))
-    entries += _compression_entries(trainer)
+    entries += [_host_entry(path, row, per_rank=True) for path, row in compression_rows(trainer)]
     return entries
-
-
-def _compression_entries(trainer) -> list[Entry]:
-    """Per-rank compressor state as /compress/<key> rows of a (world, ...) array.
-
-    Collective (an all-gather of names and shapes): every rank must create the
-    same datasets, but ranks may hold different keys (scope inter: only ranks
-    that send across nodes have residuals) or lengths differing by one (chunks
-    of a bucket). So the union of keys is written, each row zero-padded to the
-    largest shape, and /compress/lengths (world, keys) keeps each row's true
-    element count (0: this rank had no such state).
-    """
-    comp = getattr(trainer, "compression", None)
-    if comp is None:
-        return []
-    mine = {k: np.asarray(v, np.float32) for k, v in comp.state().items()}
-    everyone = trainer.world.comm.allgather({k: v.shape for k, v in mine.items()})
-    keys = sorted(set().union(*everyone))
-    entries = []
-    for k in keys:
-        shapes = [s[k] for s in everyone if k in s]
-        ndim = max(len(sh) for sh in shapes)
-        full = tuple(max(sh[d] for sh in shapes if len(sh) == ndim) for d in range(ndim))
-        row = np.zeros(full, np.float32)
-        if k in mine and mine[k].ndim == ndim:
-            row[tuple(slice(0, d) for d in mine[k].shape)] = mine[k]
-        entries.append(_host_entry(f"/compress/{k}", row, per_rank=True))
-    lengths = np.array([mine[k].size if k in mine else 0 for k in keys], np.int64)
-    if keys:
-        entries.append(_host_entry("/compress/lengths", lengths, per_rank=True))
-    return entries
-
-
-def _restore_compression(trainer, own_rows, saved_world, saved_compress, log) -> None:
-    comp = getattr(trainer, "compression", None)
-    if comp is None:
-        return
-    # whatever is not restored starts from zero: a rollback must not keep the state of the steps it
-    # undoes (a NaN residual from the bad step, or velocities past a checkpoint saved before compression)
-    comp.load_state({})
-    keys = sorted(p[len("/compress/"):] for p in own_rows if p.startswith("/compress/") and p != "/compress/lengths")
-    if not keys:
-        return
-    cfg = trainer.cfg.dist
-    now = (cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum)  # as ckpt.manager's
-    if saved_world != trainer.world.size or tuple(saved_compress or ()) != now:
-        log.info("compression state (error-feedback residuals, momentum correction's velocities) not restored: "
-                 f"saved with {saved_world} rank(s) and (compress, scope, tensor_parallel, momentum) "
-                 f"{saved_compress}, this run has {trainer.world.size} and {now}; it starts from zero")
-        return
-    lengths = own_rows.get("/compress/lengths")
-    state = {}
-    for i, k in enumerate(keys):
-        row = own_rows[f"/compress/{k}"]
-        n = int(lengths[i]) if lengths is not None else row.size
-        if n == row.size:
-            state[k] = row
-        elif n:
-            state[k] = row.reshape(-1)[:n] if row.ndim == 1 else row  # 1-D residuals padded by one at most
-    comp.load_state(state)
 
 
 def check_compatible(trainer, shapes: dict) -> None:
@@ -221,8 +159,10 @@ def check_compatible(trainer, shapes: dict) -> None:
                                          f"with --set {name}, {fresh}")
 
 
-def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_compress=None) -> None:
-    """Load arrays read by :func:`~hpctrain.ckpt.read.load_checkpoint` into ``trainer``."""
+def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_compress=None,
+            across_ranks=None) -> None:
+    """Load arrays read by :func:`~hpctrain.ckpt.read.load_checkpoint` into ``trainer``
+    (``across_ranks``: its :attr:`~hpctrain.ckpt.read.LoadedCheckpoint.across_ranks`)."""
     check_compatible(trainer, {p: a.shape for p, a in full.items()})
     dev, flat, opt = trainer.device, trainer.model.flat, trainer.optimizer
     layout = getattr(trainer.model, "tensor_layout", None)
@@ -257,7 +197,7 @@ def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_co
     rng = own_rows.get("/rng/pcg64")
     trainer.rng = rng_from_array(rng) if rng is not None else fresh_rng(trainer.cfg.train.seed, trainer.world.rank,
                                                                         trainer.step)
-    _restore_compression(trainer, own_rows, saved_world, saved_compress, log)
+    restore_compression(trainer, own_rows, saved_world, saved_compress, log, across_ranks or {})
     if saved_world != trainer.world.size:
         log.info(f"resharded from {saved_world} to {trainer.world.size} rank(s): parameters and optimizer state "
                  f"re-sliced; per-rank state (RNG) kept for ranks < {min(saved_world, trainer.world.size)}"

@@ -1,0 +1,118 @@
+"""The compressors' per-rank state in a checkpoint (/compress), and back.
+
+Error feedback's residuals, PowerSGD's Q and momentum correction's velocities are
+per rank: row r of each /compress/<key> dataset is rank r's. Restoring them:
+
+  * same world size, and the same ``dist.compress`` / ``compress_scope`` /
+    ``tensor_parallel`` / ``compress_momentum``: each rank takes its own row, so
+    a resumed run continues bit for bit;
+  * another world size, the same settings, ``compress_scope = "all"`` and no
+    tensor parallelism: each of the N' ranks takes the mean of the N saved rows
+    (summed in float64, rounded once to float32). The compressed all-reduce
+    applies the mean over ranks of what each rank sends, so what the update
+    still owes, (1/N) sum_i r_i for residuals (and the mean velocity under
+    momentum correction), is what it was: (1/N') sum_j r'_j = (1/N) sum_i r_i.
+    PowerSGD's Q is the same on every rank, and its mean is itself.
+    With scope "inter" a row is a rank's share of the cross-node chunks, laid
+    out by the saved job's nodes; with tensor parallelism rows hold different
+    pieces of the split matrices: neither has a mean that means anything;
+  * otherwise (another compressor or setting, or the cases just named) the
+    state starts from zero, with a log line: the unsent remainder of the last
+    steps is dropped, and with momentum correction the gathered first moment.
+    So does a rollback to a file that holds none (saved before compression
+    started).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LENGTHS = "/compress/lengths"
+
+
+def compression_rows(trainer) -> list[tuple[str, np.ndarray]]:
+    """This rank's row of each /compress/<key> dataset, as (path, row).
+
+    Collective (an all-gather of names and shapes): every rank must create the
+    same datasets, but ranks may hold different keys (scope inter: only ranks
+    that send across nodes have residuals) or lengths differing by one (chunks
+    of a bucket). So the union of keys is written, each row zero-padded to the
+    largest shape, and /compress/lengths (world, keys) keeps each row's true
+    element count (0: this rank had no such state).
+    """
+    comp = getattr(trainer, "compression", None)
+    if comp is None:
+        return []
+    mine = {k: np.asarray(v, np.float32) for k, v in comp.state().items()}
+    everyone = trainer.world.comm.allgather({k: v.shape for k, v in mine.items()})
+    keys = sorted(set().union(*everyone))
+    rows = []
+    for k in keys:
+        shapes = [s[k] for s in everyone if k in s]
+        ndim = max(len(sh) for sh in shapes)
+        full = tuple(max(sh[d] for sh in shapes if len(sh) == ndim) for d in range(ndim))
+        row = np.zeros(full, np.float32)
+        if k in mine and mine[k].ndim == ndim:
+            row[tuple(slice(0, d) for d in mine[k].shape)] = mine[k]
+        rows.append((f"/compress/{k}", row))
+    if keys:
+        rows.append((LENGTHS, np.array([mine[k].size if k in mine else 0 for k in keys], np.int64)))
+    return rows
+
+
+def restore_compression(trainer, own_rows: dict, saved_world: int, saved_compress, log, across_ranks: dict) -> None:
+    """Load the compressor state of a checkpoint into ``trainer.compression`` by the rules above.
+
+    ``own_rows``: this rank's row of each per-rank dataset (absent beyond the saved world);
+    ``across_ranks`` (read at another world size only): the mean row of each float /compress
+    dataset and every row of /compress/lengths; ``saved_compress``: the saved (compress,
+    scope, tensor_parallel, momentum)."""
+    comp = getattr(trainer, "compression", None)
+    if comp is None:
+        return
+    # whatever is not restored starts from zero: a rollback must not keep the state of the steps it
+    # undoes (a NaN residual from the bad step, or velocities past a checkpoint saved before compression)
+    comp.load_state({})
+    world = trainer.world.size
+    names = own_rows if saved_world == world else across_ranks
+    keys = sorted(p[len("/compress/"):] for p in names if p.startswith("/compress/") and p != LENGTHS)
+    if not keys:
+        return
+    cfg = trainer.cfg.dist
+    now = (cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum)  # as ckpt.manager's
+    why = None
+    if tuple(saved_compress or ()) != now:
+        why = f"saved with (compress, scope, tensor_parallel, momentum) {saved_compress}, this run has {now}"
+    elif saved_world != world and (cfg.compress_scope != "all" or cfg.tensor_parallel > 1):
+        why = (f"saved with {saved_world} rank(s), this run has {world}, and with "
+               + ("compress_scope = 'inter' a rank's rows are its share of the saved job's cross-node chunks"
+                  if cfg.compress_scope != "all" else "tensor parallelism rows hold different pieces of the matrices"))
+    elif saved_world != world and not _whole_rows(across_ranks.get(LENGTHS), keys, across_ranks):
+        why = f"saved with {saved_world} rank(s), this run has {world}, and the saved ranks' rows differ in length"
+    if why:
+        log.info(f"compression state (error-feedback residuals, momentum correction's velocities) not restored: "
+                 f"{why}; it starts from zero")
+        return
+    if saved_world != world:
+        comp.load_state({k: across_ranks[f"/compress/{k}"].astype(np.float32) for k in keys})
+        log.info(f"compression state restored at another world size: each of the {world} rank(s) starts from the "
+                 f"mean of the {saved_world} saved ranks' residuals and velocities (what the update still owes is kept)")
+        return
+    lengths = own_rows.get(LENGTHS)
+    state = {}
+    for i, k in enumerate(keys):
+        row = own_rows[f"/compress/{k}"]
+        n = int(lengths[i]) if lengths is not None else row.size
+        if n == row.size:
+            state[k] = row
+        elif n:
+            state[k] = row.reshape(-1)[:n] if row.ndim == 1 else row  # 1-D residuals padded by one at most
+    comp.load_state(state)
+
+
+def _whole_rows(lengths, keys, means) -> bool:
+    """Every saved rank held every key, unpadded (scope all: whole buckets and matrices on every rank)."""
+    if lengths is None or lengths.shape[1:] != (len(keys),):
+        return False
+    full = np.array([means[f"/compress/{k}"].size for k in keys], np.int64)
+    return bool((lengths == full).all())
