@@ -23,9 +23,10 @@ class Compression:
         self.loaded = {k: np.array(v, np.float32) for k, v in state.items()}
 
 
-def trainer(size, scope="all", t=1, compress="powersgd(2)", momentum=True):
+def trainer(size, scope="all", t=1, compress="powersgd(2)", momentum=True, k=1):
     dist = SimpleNamespace(compress=compress, compress_scope=scope, tensor_parallel=t, compress_momentum=momentum)
-    return SimpleNamespace(compression=Compression(), world=SimpleNamespace(size=size), cfg=SimpleNamespace(dist=dist))
+    return SimpleNamespace(compression=Compression(), world=SimpleNamespace(size=size),
+                           cfg=SimpleNamespace(dist=dist, train=SimpleNamespace(grad_accum_steps=k)))
 
 
 SAVED = ("powersgd(2)", "all", 1, True)
@@ -74,6 +75,24 @@ def test_another_world_size_takes_the_mean_and_keeps_what_is_owed():
         assert np.abs(np.float64(got["residual/0/0"]) - want).max() <= 2 ** -24 * np.abs(want).max()
         assert np.array_equal(got["q/0/0"], saved[0]["q/0/0"])   # the same Q on every rank: its mean is itself
         assert not np.array_equal(got["residual/0/0"], saved[0]["residual/0/0"])   # not merely rank 0's row
+
+
+def test_another_grad_accum_steps_rescales_residuals_and_velocities_not_q():
+    """Residuals are sums of k micro-batches' gradients, scaled by 1 / (N k) after the all-reduce:
+    at k = 3 from a save at k = 2 they (and velocities) are 3/2 of the saved ones; Q is a basis."""
+    saved = rows()
+    saved[0]["velocity/1"] = saved[1]["velocity/1"] = saved[2]["velocity/1"] = np.full(3, 0.5, np.float32)
+    got, log = restored(trainer(2, k=3), saved, saved_compress=SAVED + (2,))
+    want = np.mean([np.float64(s["residual/0/0"]) for s in saved], axis=0) * 1.5
+    np.testing.assert_array_equal(got["residual/0/0"], want.astype(np.float32))
+    np.testing.assert_array_equal(got["velocity/1"], np.full(3, 0.75, np.float32))
+    assert np.array_equal(got["q/0/0"], saved[0]["q/0/0"]) and "scaled by 1.5" in log
+    # at the saved world size too, and a file from before the setting was stored counts as k = 1
+    t = trainer(3, k=2)
+    own = {f"/compress/{k}": v for k, v in saved[1].items()}
+    restore_compression(t, own, 3, SAVED, Log(False), {})
+    np.testing.assert_array_equal(t.compression.loaded["residual/0/0"], saved[1]["residual/0/0"] * 2)
+    assert np.array_equal(t.compression.loaded["q/0/0"], saved[1]["q/0/0"])
 
 
 def test_state_starts_from_zero_where_no_mean_means_anything():

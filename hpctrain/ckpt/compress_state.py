@@ -13,6 +13,10 @@ per rank: row r of each /compress/<key> dataset is rank r's. Restoring them:
     still owes, (1/N) sum_i r_i for residuals (and the mean velocity under
     momentum correction), is what it was: (1/N') sum_j r'_j = (1/N) sum_i r_i.
     PowerSGD's Q is the same on every rank, and its mean is itself.
+    Residuals and velocities are sums of ``train.grad_accum_steps`` (k)
+    micro-batches' gradients, scaled by 1 / (N k) only after the all-reduce: at
+    another k they are multiplied by k_now / k_saved, which keeps the owed update
+    (1 / (N k)) sum_i r_i at any world size and k (factor 1, no rounding, at the same k).
     With scope "inter" a row is a rank's share of the cross-node chunks, laid
     out by the saved job's nodes; with tensor parallelism rows hold different
     pieces of the split matrices: neither has a mean that means anything;
@@ -66,7 +70,7 @@ def restore_compression(trainer, own_rows: dict, saved_world: int, saved_compres
     ``own_rows``: this rank's row of each per-rank dataset (absent beyond the saved world);
     ``across_ranks`` (read at another world size only): the mean row of each float /compress
     dataset and every row of /compress/lengths; ``saved_compress``: the saved (compress,
-    scope, tensor_parallel, momentum)."""
+    scope, tensor_parallel, momentum[, grad_accum_steps]) (:func:`.manager._saved_compress`)."""
     comp = getattr(trainer, "compression", None)
     if comp is None:
         return
@@ -80,9 +84,12 @@ def restore_compression(trainer, own_rows: dict, saved_world: int, saved_compres
         return
     cfg = trainer.cfg.dist
     now = (cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum)  # as ckpt.manager's
+    saved = tuple(saved_compress or ())
+    saved, saved_k = saved[:4], saved[4] if len(saved) > 4 else 1
+    factor = trainer.cfg.train.grad_accum_steps / saved_k
     why = None
-    if tuple(saved_compress or ()) != now:
-        why = f"saved with (compress, scope, tensor_parallel, momentum) {saved_compress}, this run has {now}"
+    if saved != now:
+        why = f"saved with (compress, scope, tensor_parallel, momentum) {saved}, this run has {now}"
     elif saved_world != world and (cfg.compress_scope != "all" or cfg.tensor_parallel > 1):
         why = (f"saved with {saved_world} rank(s), this run has {world}, and with "
                + ("compress_scope = 'inter' a rank's rows are its share of the saved job's cross-node chunks"
@@ -90,13 +97,18 @@ def restore_compression(trainer, own_rows: dict, saved_world: int, saved_compres
     elif saved_world != world and not _whole_rows(across_ranks.get(LENGTHS), keys, across_ranks):
         why = f"saved with {saved_world} rank(s), this run has {world}, and the saved ranks' rows differ in length"
     if why:
-        log.info(f"compression state (error-feedback residuals, momentum correction's velocities) not restored: "
-                 f"{why}; it starts from zero")
+        log.info(f"compression state (error-feedback residuals, momentum correction's velocities, PowerSGD's Q) "
+                 f"not restored: {why}; it starts from zero")
         return
+    if factor != 1:
+        log.info(f"compression state: residuals and velocities were summed over a saved "
+                 f"train.grad_accum_steps={saved_k}, this run sums {trainer.cfg.train.grad_accum_steps}; "
+                 f"scaled by {factor:g} (the update they owe is kept)")
     if saved_world != world:
-        comp.load_state({k: across_ranks[f"/compress/{k}"].astype(np.float32) for k in keys})
+        comp.load_state({k: _scaled(k, across_ranks[f"/compress/{k}"], factor).astype(np.float32) for k in keys})
         log.info(f"compression state restored at another world size: each of the {world} rank(s) starts from the "
-                 f"mean of the {saved_world} saved ranks' residuals and velocities (what the update still owes is kept)")
+                 f"mean of the {saved_world} saved ranks' residuals, velocities and PowerSGD's Q (what the update "
+                 f"still owes is kept)")
         return
     lengths = own_rows.get(LENGTHS)
     state = {}
@@ -104,10 +116,17 @@ def restore_compression(trainer, own_rows: dict, saved_world: int, saved_compres
         row = own_rows[f"/compress/{k}"]
         n = int(lengths[i]) if lengths is not None else row.size
         if n == row.size:
-            state[k] = row
+            state[k] = _scaled(k, row, factor)
         elif n:
-            state[k] = row.reshape(-1)[:n] if row.ndim == 1 else row  # 1-D residuals padded by one at most
+            state[k] = _scaled(k, row.reshape(-1)[:n] if row.ndim == 1 else row, factor)  # 1-D: padded by one at most
     comp.load_state(state)
+
+
+def _scaled(key, row, factor):
+    """Residuals and velocities times ``factor`` (k_now / k_saved, in float64, rounded once); Q as it is."""
+    if factor == 1 or key.startswith("q/"):
+        return row
+    return (np.asarray(row, np.float64) * factor).astype(np.float32)
 
 
 def _whole_rows(lengths, keys, means) -> bool:

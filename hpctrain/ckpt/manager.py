@@ -163,11 +163,15 @@ def _saved_compress(attrs) -> tuple:
     """What the compressor state (per-rank residuals) of a checkpoint was made under: the
     compressor, its scope, the tensor-parallel size (at another t the data groups, and which
     rank holds which residual, differ) and momentum correction (its residuals hold velocities),
-    the last read from the stored config. Files from before those settings: t = 1, no momentum."""
+    the last read from the stored config; then train.grad_accum_steps (residuals are sums of
+    that many micro-batches' gradients), from the stored config too. Files from before those
+    settings: t = 1, no momentum, k = 1."""
     try:
-        dist = tomllib.loads(str(attrs.get("config", ""))).get("dist", {})
+        stored = tomllib.loads(str(attrs.get("config", "")))
     except tomllib.TOMLDecodeError:
-        dist = {}
+        stored = {}
+    dist, train = stored.get("dist", {}), stored.get("train", {})
     momentum = bool(dist.get("compress_momentum", False)) if isinstance(dist, dict) else False
+    k = train.get("grad_accum_steps", 1) if isinstance(train, dict) else 1
     return (attrs.get("compress", "none"), attrs.get("compress_scope", "all"), int(attrs.get("tensor_parallel", 1)),
-            momentum)
+            momentum, k if isinstance(k, int) and k >= 1 else 1)

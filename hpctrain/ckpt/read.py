@@ -181,15 +181,21 @@ def _allgather_rows(comm, mine, shape, dtype):
     return full
 
 
+MEAN_CHUNK = 1 << 26  # elements per Allreduce of a mean row (MPI counts are 32-bit ints)
+
+
 def _mean_row(comm, mine, shape):
-    """The mean over the leading axis of an array of which this rank holds rows ``mine``:
-    summed in float64 (each rank its rows, then across ranks), divided once."""
+    """The mean over the leading axis (float64) of an array of which this rank holds rows ``mine``:
+    summed in float64 (each rank its rows, then across ranks, in chunks), divided once."""
     from mpi4py import MPI
 
-    partial = np.asarray(mine, np.float64).sum(axis=0) if len(mine) else np.zeros(shape[1:], np.float64)
+    partial = mine.sum(axis=0, dtype=np.float64) if len(mine) else np.zeros(shape[1:], np.float64)
     total = np.empty(shape[1:], np.float64)
-    comm.Allreduce(np.ascontiguousarray(partial), total, op=MPI.SUM)
-    return total / shape[0]
+    src, dst = np.ascontiguousarray(partial).reshape(-1), total.reshape(-1)
+    for lo in range(0, max(src.size, 1), MEAN_CHUNK):
+        comm.Allreduce(src[lo:lo + MEAN_CHUNK], dst[lo:lo + MEAN_CHUNK], op=MPI.SUM)
+    total /= shape[0]
+    return total
 
 
 def _agreed(exc):
