@@ -123,7 +123,8 @@ def limit_threads_per_rank() -> None:
     smaller of the cores this rank may run on (a launcher's binding) and the
     node's cores divided by the ranks on it (bindings to a whole socket are
     shared). If any of the thread variables is set, all are left alone. Must
-    run before numpy is imported; called by the command-line entry point only.
+    run before numpy is imported; called by the command-line entry point, the
+    benchmarks and the MPI test ranks (tests/conftest.py), never at import.
     """
     if any(var in os.environ for var in THREAD_VARS):
         return
