@@ -104,13 +104,15 @@ step gpu-tests 300 "$PY" -m pytest -v --durations=20 -p no:cacheprovider --junit
 # the CUDA tests that need ranks (compression's device sums, the GPT and its tensor-parallel
 # split on cuda against cpu), 2 ranks sharing the GPU; they need pytest-mpi (pip install
 # pytest-mpi, or put it on PYTHONPATH: -p loads it without its entry point); without it the
-# step is recorded as skipped
+# step fails with that message (a check that did not run them does not pass), unless
+# GPU_CHECK_SKIP names the step
 if [ $SIM = 0 ] && ! "$PY" -c "import pytest_mpi" 2>/dev/null; then
-    echo "pytest-mpi is not importable by $PY: the 2-rank CUDA tests are skipped" | tee "$OUT/logs/gpu-tests-mpi.log"
-    GPU_CHECK_SKIP="${GPU_CHECK_SKIP:-} gpu-tests-mpi"
+    step gpu-tests-mpi 10 bash -c 'echo "$0"; exit 127' "gpu-check: pytest-mpi is not importable by $PY: pip install \
+pytest-mpi, or put its folder on PYTHONPATH (GPU_CHECK_SKIP=gpu-tests-mpi leaves the 2-rank CUDA tests out)"
+else
+    step gpu-tests-mpi 240 $MPIRUN -n 2 "$PY" -m pytest -q -p no:cacheprovider -p pytest_mpi --with-mpi -m mpi \
+        "${CUDA_TESTS_MPI[@]}"
 fi
-step gpu-tests-mpi 240 $MPIRUN -n 2 "$PY" -m pytest -q -p no:cacheprovider -p pytest_mpi --with-mpi -m mpi \
-    "${CUDA_TESTS_MPI[@]}"
 step kernels 180 "$PY" benchmarks/kernels.py "${KERNELS_ARGS[@]}" --json "$OUT/kernels.json"
 
 # the data: synthetic tables, and the text corpus (the running Python's standard library);

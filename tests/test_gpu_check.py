@@ -54,3 +54,28 @@ def test_a_step_the_budget_cannot_start_fails_the_check(tmp_path):
     assert budget == ["kernels", "data", "mlp-cuda-1", "gpt-cuda-1", "mlp-cuda-2", "gpt-cuda-2"]
     report = (out / "gpu-check.md").read_text()
     assert "**FAILED**" in report and "| data | out of budget |" in report
+
+
+def test_a_real_check_without_pytest_mpi_fails_and_says_why(tmp_path):
+    """Not simulated, every other step left out: when pytest-mpi cannot be imported the 2-rank
+    CUDA tests did not run, so the step fails with the fix in the report (it used to be recorded
+    as skipped, and the check passed); GPU_CHECK_SKIP naming the step is the explicit way to
+    leave it out, recorded as skipped."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "pytest_mpi.py").write_text("raise ImportError('hidden by the test')\n")
+    others = "gpu-tests kernels data mlp-cuda-1 gpt-cuda-1 mlp-cuda-2 gpt-cuda-2 gpt-vs-torch"
+    steps = {}
+    for name, skip in (("missing", others), ("left-out", others + " gpu-tests-mpi")):
+        out = tmp_path / name
+        env = dict(os.environ, HPCTRAIN_PYTHON=sys.executable, GPU_CHECK_SKIP=skip, PYTHONPATH=str(shadow))
+        proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu-check.sh"), str(out)], cwd=str(tmp_path),
+                              env=env, capture_output=True, text=True, timeout=120)
+        # exit 1 both times: the first has a failed step, the second ran none (a check of nothing fails)
+        assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+        steps[name] = {s["name"]: s["rc"] for s in json.loads((out / "gpu-check.json").read_text())["steps"]}
+        steps[name]["report"] = (out / "gpu-check.md").read_text()
+    assert steps["missing"]["gpu-tests-mpi"] == 127
+    assert "pytest-mpi is not importable" in steps["missing"]["report"]
+    assert "pip install pytest-mpi" in steps["missing"]["report"]
+    assert steps["left-out"]["gpu-tests-mpi"] is None and "pytest-mpi" not in steps["left-out"]["report"]

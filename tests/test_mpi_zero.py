@@ -225,6 +225,20 @@ def test_info_plans_the_bytes_the_trainer_allocates(world, mpi_text_data, stage)
     assert memory.planned(cfg, world) == memory.computed(trainer)
 
 
+def test_info_refuses_the_head_size_a_cuda_run_refuses(world, mpi_text_data):
+    """info --config with train.device = cuda (no GPU needed): a head above the CUDA attention
+    kernels' limit is the error a run on cuda gives, not a plan; the CPU's plan takes any head."""
+    from hpctrain import memory
+    from hpctrain.errors import ConfigError
+
+    cfg = _config("gpt", mpi_text_data, "adamw", "ring", 0)
+    cfg.model.n_head, cfg.model.d_model = 1, 256
+    assert memory.planned(cfg, world)["params"] > 256 * 256
+    cfg.train.device = "cuda"
+    with pytest.raises(ConfigError, match="head size above the CUDA attention kernels' limit of 128"):
+        memory.planned(cfg, world)
+
+
 def test_zero_2_without_overlap_trains_like_zero_0(world, mpi_text_data):
     """dist.overlap = false: the main thread reduces a slot's bucket when a layer claims the slot."""
     zero0, _ = _train(_config("gpt", mpi_text_data, "adamw", "ring", 0), world)
