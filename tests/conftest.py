@@ -23,21 +23,25 @@ import pytest
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
-def _share_the_cores_between_ranks() -> None:
-    """Under mpirun (the MPI test phases), each rank gets its share of the cores for BLAS and
-    numba threads, as ``python -m hpctrain`` gives its ranks; before any test module imports numpy.
+def _share_the_cores_between_ranks() -> bool:
+    """Under mpirun (the MPI test phases: pytest --with-mpi), each rank gets its share of the cores
+    for BLAS and numba threads, as ``python -m hpctrain`` gives its ranks; before any test module
+    imports numpy. Returns whether the caller had set a thread count (then nothing is touched).
 
     Without it every rank starts a thread per core: 3 ranks on 2 cores ran tests/test_mpi_zero.py
     in 85 s against 33 s, the waiting OpenBLAS threads spinning on the cores the others need.
-    Plain pytest (one process) is left alone: the threads would pass to the jobs it launches.
+    Plain pytest (one process, even inside a SLURM allocation) is left alone: the counts would
+    pass to the jobs it launches.
     """
-    from hpctrain.runtime import launched_ranks_on_node, limit_threads_per_rank
+    from hpctrain.runtime import THREAD_VARS, launched_ranks_on_node, limit_threads_per_rank
 
-    if launched_ranks_on_node() > 1:
+    caller_set = any(var in os.environ for var in THREAD_VARS)
+    if "--with-mpi" in sys.argv and launched_ranks_on_node() > 1:
         limit_threads_per_rank()
+    return caller_set
 
 
-_share_the_cores_between_ranks()
+CALLER_SET_THREADS = _share_the_cores_between_ranks()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
