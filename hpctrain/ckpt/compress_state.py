@@ -29,9 +29,22 @@ per rank: row r of each /compress/<key> dataset is rank r's. Restoring them:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 LENGTHS = "/compress/lengths"
+
+
+class SavedCompress(NamedTuple):
+    """What a checkpoint's compressor state was made under (:func:`.manager._saved_compress`);
+    the defaults are those of files from before each setting was stored."""
+
+    compress: str = "none"
+    scope: str = "all"
+    tensor_parallel: int = 1   # at another t the data groups, and which rank holds which residual, differ
+    momentum: bool = False     # momentum correction: the rows hold velocities too
+    grad_accum_steps: int = 1  # residuals are sums of this many micro-batches' gradients
 
 
 def compression_rows(trainer) -> list[tuple[str, np.ndarray]]:
@@ -69,8 +82,8 @@ def restore_compression(trainer, own_rows: dict, saved_world: int, saved_compres
 
     ``own_rows``: this rank's row of each per-rank dataset (absent beyond the saved world);
     ``across_ranks`` (read at another world size only): the mean row of each float /compress
-    dataset and every row of /compress/lengths; ``saved_compress``: the saved (compress,
-    scope, tensor_parallel, momentum[, grad_accum_steps]) (:func:`.manager._saved_compress`)."""
+    dataset and every row of /compress/lengths; ``saved_compress``: a :class:`SavedCompress`
+    (or its leading fields as a tuple)."""
     comp = getattr(trainer, "compression", None)
     if comp is None:
         return
@@ -83,13 +96,14 @@ def restore_compression(trainer, own_rows: dict, saved_world: int, saved_compres
     if not keys:
         return
     cfg = trainer.cfg.dist
-    now = (cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum)  # as ckpt.manager's
-    saved = tuple(saved_compress or ())
-    saved, saved_k = saved[:4], saved[4] if len(saved) > 4 else 1
-    factor = trainer.cfg.train.grad_accum_steps / saved_k
+    saved = SavedCompress(*(saved_compress or ()))
+    now = SavedCompress(cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum,
+                        trainer.cfg.train.grad_accum_steps)
+    factor = now.grad_accum_steps / saved.grad_accum_steps
     why = None
-    if saved != now:
-        why = f"saved with (compress, scope, tensor_parallel, momentum) {saved}, this run has {now}"
+    if saved[:4] != now[:4]:
+        why = (f"saved with (compress, scope, tensor_parallel, momentum) {tuple(saved[:4])}, "
+               f"this run has {tuple(now[:4])}")
     elif saved_world != world and (cfg.compress_scope != "all" or cfg.tensor_parallel > 1):
         why = (f"saved with {saved_world} rank(s), this run has {world}, and with "
                + ("compress_scope = 'inter' a rank's rows are its share of the saved job's cross-node chunks"
@@ -102,7 +116,7 @@ def restore_compression(trainer, own_rows: dict, saved_world: int, saved_compres
         return
     if factor != 1:
         log.info(f"compression state: residuals and velocities were summed over a saved "
-                 f"train.grad_accum_steps={saved_k}, this run sums {trainer.cfg.train.grad_accum_steps}; "
+                 f"train.grad_accum_steps={saved.grad_accum_steps}, this run sums {now.grad_accum_steps}; "
                  f"scaled by {factor:g} (the update they owe is kept)")
     if saved_world != world:
         comp.load_state({k: _scaled(k, across_ranks[f"/compress/{k}"], factor).astype(np.float32) for k in keys})

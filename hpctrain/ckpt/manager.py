@@ -23,6 +23,7 @@ import tomllib
 
 from ..errors import UserError
 from ..guard import agree
+from .compress_state import SavedCompress
 from .format import list_checkpoints
 from .read import CorruptCheckpoint, load_checkpoint
 from .state import restore, training_state
@@ -159,13 +160,10 @@ def check_writable(directory: str) -> None:
                         f"(--set checkpoint.dir=PATH)")
 
 
-def _saved_compress(attrs) -> tuple:
+def _saved_compress(attrs) -> SavedCompress:
     """What the compressor state (per-rank residuals) of a checkpoint was made under: the
-    compressor, its scope, the tensor-parallel size (at another t the data groups, and which
-    rank holds which residual, differ) and momentum correction (its residuals hold velocities),
-    the last read from the stored config; then train.grad_accum_steps (residuals are sums of
-    that many micro-batches' gradients), from the stored config too. Files from before those
-    settings: t = 1, no momentum, k = 1."""
+    compressor and its scope and the tensor-parallel size from the file's attributes, momentum
+    correction and train.grad_accum_steps from the stored config (defaults where absent)."""
     try:
         stored = tomllib.loads(str(attrs.get("config", "")))
     except tomllib.TOMLDecodeError:
@@ -173,5 +171,5 @@ def _saved_compress(attrs) -> tuple:
     dist, train = stored.get("dist", {}), stored.get("train", {})
     momentum = bool(dist.get("compress_momentum", False)) if isinstance(dist, dict) else False
     k = train.get("grad_accum_steps", 1) if isinstance(train, dict) else 1
-    return (attrs.get("compress", "none"), attrs.get("compress_scope", "all"), int(attrs.get("tensor_parallel", 1)),
-            momentum, k if isinstance(k, int) and k >= 1 else 1)
+    return SavedCompress(attrs.get("compress", "none"), attrs.get("compress_scope", "all"),
+                         int(attrs.get("tensor_parallel", 1)), momentum, k if isinstance(k, int) and k >= 1 else 1)
