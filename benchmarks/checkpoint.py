@@ -62,7 +62,7 @@ def parse_args(argv=None):
 def training_attrs() -> dict:
     """The root attributes a training run stores with the AdamW state above (the readers check a
     training checkpoint's attributes against its stored config)."""
-    from hpctrain.config import Config
+    from hpctrain.training.config import Config
 
     cfg = Config()
     cfg.optim.name = "adamw"

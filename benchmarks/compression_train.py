@@ -198,7 +198,7 @@ def part_b(args) -> int:
     from compression_report import dump, plot_curves, table_b
 
     sys.path.insert(0, REPO)
-    from hpctrain.config import load_config
+    from hpctrain.training.config_load import load_config
     from hpctrain.errors import ConfigError
 
     specs = args.train_compressors

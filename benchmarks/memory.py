@@ -11,7 +11,7 @@ reuse). Ring's halves sum in the same order as its all-reduce, so with one micro
 runs must end on the same loss and the
 same final parameters, bit for bit: checked before any time is reported. Per run: the computed
 bytes per rank (parameters, gradients, optimizer state, activations of one micro-batch; exact,
-from hpctrain.memory.planned with the run's settings, and checked against the trainer's
+from hpctrain.training.plan.planned_memory with the run's settings, and checked against the trainer's
 start-up line, which rounds them to 10 kB), the measured peak
 resident set (``peak_rss_mb`` of the metrics: rank 0's process), and the median step time
 after the first ``--skip`` steps. Each row is compared with zero 0 / none at the same world
@@ -93,17 +93,17 @@ def run(ranks, zero, recompute, args, tmp) -> dict:
 
 def _planned_mb(ranks, zero, recompute, args) -> list[float]:
     """Rank 0's computed parameters, gradients, optimizer state and activations in MB (nan: not
-    known), exact (hpctrain.memory.planned, no allocation) for the run's config and overrides,
+    known), exact (hpctrain.training.plan.planned_memory, no allocation) for the run's config and overrides,
     read from REPO as the run reads them (relative data paths)."""
     import contextlib
 
-    from hpctrain.config import load_config
-    from hpctrain.memory import planned
+    from hpctrain.training.config_load import load_config
+    from hpctrain.training.plan import planned_memory
     from hpctrain.runtime import World
 
     with contextlib.chdir(REPO):
         cfg = load_config(args.config, overrides(zero, recompute, args)).validate()
-        got = planned(cfg, World(None, 0, ranks, None, 0, ranks, None, 0, 1))
+        got = planned_memory(cfg, World(None, 0, ranks, None, 0, ranks, None, 0, 1))
     return [got[k] / 1e6 if got[k] is not None else float("nan")
             for k in ("params", "grads", "optimizer", "activations")]
 
@@ -127,7 +127,7 @@ def largest_within(budget_bytes, ranks, cfg, vocab=256) -> list[dict]:
     from hpctrain.comm.buckets import plan_buckets
     from hpctrain.comm.zero import ZeroShards
     from hpctrain.comm.zero_grads import GradientSlots
-    from hpctrain.memory import Unallocated
+    from hpctrain.observe.memory import Unallocated
     from hpctrain.models.gpt import GPT
 
     dev = Unallocated("float32")
@@ -169,7 +169,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", default="runs/bench/memory.json")
     args = p.parse_args()
-    from hpctrain.config import load_config
+    from hpctrain.training.config_load import load_config
 
     variants = []
     for v in args.variants.split(","):

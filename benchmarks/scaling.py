@@ -47,7 +47,7 @@ out ``--warmup`` steps (JIT compilation, first touch, the first read-ahead).
   reports its run with the median samples/s (all runs stay in the JSON).
 
 Output in ``--out`` (default runs/bench/scaling): scaling.json (rows, machine,
-arguments), scaling.md and the PNG plots (``hpctrain.bench_report``), metrics
+arguments), scaling.md and the PNG plots (``hpctrain.observe.bench_report``), metrics
 per run in ``runs/``. Exit 0; 1 if a run failed or the losses disagree.
 """
 
@@ -67,7 +67,7 @@ from importlib import metadata
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hpctrain import bench_report  # noqa: E402 - no MPI, no numpy at import
+from hpctrain.observe import bench_report  # noqa: E402 - no MPI, no numpy at import
 from scaling_models import BATCH, PEER, STEPS, describe, parse_models, prepare  # noqa: E402 - beside this file
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")

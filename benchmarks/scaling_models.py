@@ -37,7 +37,7 @@ PEER = {"mlp": "torch_ddp", "gpt": "torch_gpt"}  # the PyTorch peer's script, an
 
 def gpt_optim_sets() -> list[str]:
     """examples/gpt.toml's [optim] as --set items: the benchmark trains the example's way."""
-    from hpctrain.config import load_config
+    from hpctrain.training.config_load import load_config
 
     optim = load_config(os.path.join(REPO, "examples", "gpt.toml")).optim
     return [f"optim.{k}={json.dumps(v)}" for k, v in dataclasses.asdict(optim).items()]

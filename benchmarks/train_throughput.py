@@ -38,12 +38,12 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     sys.path.insert(0, REPO)
-    from hpctrain.config import Config
+    from hpctrain.training.config import Config
     from hpctrain.errors import EXIT_USER_ERROR, UserError
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
     from hpctrain.data.synth import write_synthetic
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     world = init_world()
     if world.is_root and not os.path.exists(args.data):

@@ -7,13 +7,18 @@ Commands
   ckpt    list, verify or inspect checkpoints (``ckpt ls DIR``, ``ckpt verify FILE``, ``ckpt inspect FILE``)
   trace   join the per-rank timelines of ``train --trace DIR`` (``trace merge DIR -o FILE``)
   bench   rebuild a benchmark's table and plots from its JSON (``bench report DIR``)
+  launch  run train under mpirun (or srun in an allocation) and restart it from the newest checkpoint
+          after a failure (``launch -n N [--max-failures K] -- train ARGS``, ``launch --srun -- train ARGS``)
   info    per-rank topology, MPI library and thread level, h5py/HDF5, numba, CUDA
+          (with ``--config``: the bytes per rank that config would take)
 
-Exit codes: 0 ok; 2 a user error (printed once by rank 0); 3 the run finished
-but missed train.target_accuracy or train.target_val_bpb; 4 the watchdog ended a stalled collective
-(dist.comm_timeout); 5 NaN/Inf or loss spikes the numerical guard may not skip
-(guard.nonfinite); 75 stopped by SIGUSR1/SIGTERM after saving a checkpoint
-(run again with --resume auto); 1 anything else (all ranks are aborted).
+Exit codes: 0 ok; 2 a user error (printed once by rank 0); 3 the run finished but missed
+train.target_accuracy, train.target_val_bpb or train.target_bpb_vs_bigram; 4 the watchdog ended a
+stalled collective (dist.comm_timeout); 5 NaN/Inf or loss spikes the numerical guard may not skip
+(guard.nonfinite), or more than guard.max_bad_steps bad steps; 6 launch gave up (more failures
+than --max-failures, two in a row before a step, or no usable node left); 75 stopped by
+SIGUSR1/SIGTERM after saving a checkpoint (run again with --resume auto); 1 anything else
+(all ranks are aborted).
 """
 
 from __future__ import annotations
@@ -101,19 +106,19 @@ def _parser() -> argparse.ArgumentParser:
     tm = trsub.add_parser("merge", help="one Chrome trace with a track per rank (Perfetto, chrome://tracing)")
     tm.add_argument("dir", help="the --trace directory (trace-rank*.json)")
     tm.add_argument("-o", "--output", metavar="FILE", help="merged file (default DIR/trace.json)")
-    tm.set_defaults(func=lambda a: _lazy("trace", "cmd_merge", a))
+    tm.set_defaults(func=lambda a: _lazy("observe.trace", "cmd_merge", a))
 
     b = sub.add_parser("bench", help="benchmark reports (no MPI needed)")
     bsub = b.add_subparsers(dest="bench_command", required=True, metavar="action")
     br = bsub.add_parser("report", help="rebuild the Markdown table and PNG plots from DIR/scaling.json")
     br.add_argument("dir", help="the output directory of benchmarks/scaling.py")
-    br.set_defaults(func=lambda a: _lazy("bench_report", "cmd_report", a))
+    br.set_defaults(func=lambda a: _lazy("observe.bench_report", "cmd_report", a))
 
     la = sub.add_parser("launch", help="run train under mpirun (or srun in an allocation) and restart it from "
                         "the newest checkpoint after a failure (no MPI in this process)",
                         description="python -m hpctrain launch -n N [--max-failures K] [mpirun options] -- "
                                     "train ARGS, or launch --srun [--max-failures K] [srun options] -- train ARGS "
-                                    "inside a SLURM allocation: see hpctrain/launch.py and docs/reliability.md")
+                                    "inside a SLURM allocation: see hpctrain/reliability/launch.py and docs/reliability.md")
     la.add_argument("-n", type=int, metavar="N", help="ranks (mpirun -n)")
     la.add_argument("--srun", action="store_true",
                     help="start each run with srun inside this SLURM allocation; after a failure, on the nodes "
@@ -133,11 +138,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from .config import describe, load_config
+    from .training.config import describe
+    from .training.config_load import load_config
     from .errors import EXIT_CHECKPOINTED, EXIT_TARGET_MISSED
-    from .guard import agree
+    from .reliability.fail_together import agree
     from .runtime import init_world
-    from .train import Trainer
+    from .training.trainer import Trainer
 
     if args.help_config:
         print(describe())
@@ -149,15 +155,15 @@ def cmd_train(args) -> int:
         overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
     if args.trace is not None:
         overrides.append(f"train.trace={json.dumps(args.trace)}")
-    from .ckpt.signals import StopSignal
+    from .reliability.signals import StopSignal
 
     stop = StopSignal().__enter__()  # from here on SIGUSR1/SIGTERM mean "save and stop", not death
     world = init_world()
     cfg = agree(world, load_config, args.config, overrides)
     if cfg.dist.ranks_per_node:
         world = init_world(ranks_per_node=cfg.dist.ranks_per_node)
-    from . import slurm
-    from .config import CheckpointConfig
+    from .reliability import slurm
+    from .training.config import CheckpointConfig
 
     job = slurm.current()  # inside SLURM the default checkpoint.dir is per job (runs/ckpt/<job>)
     cfg.checkpoint.dir = slurm.checkpoint_dir(cfg.checkpoint.dir, CheckpointConfig().dir)
@@ -191,35 +197,30 @@ def _lazy(module, name, args) -> int:
 
 
 def cmd_info(args) -> int:
-    from .info import print_info
+    from .observe.info import print_info
     from .runtime import init_world
 
     world = init_world(ranks_per_node=args.ranks_per_node)
     print_info(world)
     if args.config or args.set:
-        from .config import load_config
-        from .guard import agree
-        from .memory import describe, planned
+        from .observe.memory import describe
+        from .reliability.fail_together import agree
+        from .training.config_load import load_config
+        from .training.plan import paper_run
 
         cfg = agree(world, lambda: load_config(args.config, args.set).validate())
-        got = agree(world, planned, cfg, world)  # a bad file: one error from rank 0
+        plan, got = agree(world, paper_run, cfg, world)  # a bad file: one error from rank 0
         if world.is_root:
-            t = cfg.dist.tensor_parallel
-            print(f"  {describe(got, cfg.dist.zero, world.size // t)} (rank 0 of {world.size}, "
+            print(f"  {describe(got, cfg.dist.zero, plan.dp.size)} (rank 0 of {world.size}, "
                   f"model.kind={cfg.model.kind}, train.device={cfg.train.device}, train.dtype={cfg.train.dtype})")
-            if t > 1:
-                from .comm.grid import groups
-
-                tensor, data = groups(world.size, t)
-                print(f"  tensor parallel t = {t}: tensor groups {' '.join(map(str, tensor))}; data-parallel "
-                      f"groups {' '.join(map(str, data))}")
+            print("\n".join("  " + line for line in plan.describe().splitlines()))
     return 0
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"] and not {"-h", "--help"} & set(argv[1:argv.index("--") if "--" in argv else None]):
-        from .launch import cmd_launch  # before the thread limits below: the ranks choose their own
+        from .reliability.launch import cmd_launch  # before the thread limits below: the ranks choose their own
 
         return cmd_launch(argv[1:])
     limit_threads_per_rank()  # before numpy is imported by any command
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except Exception as exc:  # noqa: BLE001 - every failure leaves through one door
-        from .guard import report_and_exit
+        from .reliability.fail_together import report_and_exit
 
         world = _current_world()
         code = report_and_exit(exc, world)

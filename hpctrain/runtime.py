@@ -87,7 +87,7 @@ def launched_ranks_on_node() -> int:
 
     Read before numpy is imported, to size each rank's BLAS thread pool.
     """
-    from .slurm import step_tasks_on_node
+    from .reliability.slurm import step_tasks_on_node
 
     for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
         value = os.environ.get(var, "")

@@ -62,7 +62,7 @@ def load_gpt(path: str):
     """The GPT saved in checkpoint ``path``, on the CPU in the checkpoint's dtype, and its config."""
     from .ckpt.read import load_checkpoint
     from .ckpt.state import parameter_path
-    from .config import load_config_text
+    from .training.config_load import load_config_text
     from .device import CpuDevice
     from .models.gpt import GPT
     from .runtime import init_world

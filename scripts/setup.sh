@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepare everything hpctrain needs, idempotently: system MPI + parallel HDF5
-# (root with apt only), a .venv, mpi4py and h5py built against the MPI in use.
+# (root with apt only), a .venv, mpi4py and h5py built against the MPI in use,
+# and CuPy where nvidia-smi lists a GPU (cuBLAS for the GEMMs; scripts/cupy-wheel.sh).
 #
 # Two paths:
 #   * root on Debian/Ubuntu: apt installs Open MPI and libhdf5-openmpi-dev.
@@ -15,6 +16,8 @@
 #                                 of trying PyPI's binary wheel first
 #   HDF5_DIR=prefix               parallel HDF5 install to build h5py against
 #   PYTHON=python3.11             interpreter to make the venv from
+#   HPCTRAIN_CUPY=none|cupy-cuda12x  skip CuPy, or install it without a GPU here
+#                                 (a login node building the venv of GPU nodes)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -26,14 +29,21 @@ HDF5_DIR_ASKED=${HDF5_DIR:-}  # as given by the user; detection below may fill H
 
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
+warn() { printf 'setup: WARNING: %s\n' "$*" >&2; }
+
+# The CuPy wheel this machine's driver takes (none without a GPU): asked once, before the stamp
+# check, so that a machine that gains a GPU (or changes driver) re-runs the slow part.
+# shellcheck source=scripts/cupy-wheel.sh
+. scripts/cupy-wheel.sh
+cupy_wheel  # sets CUPY_WHEEL, CUPY_REQUIREMENT, CUPY_WHY
 
 # The stamp covers what set-up depends on; any change re-runs the slow part.
 fingerprint() {
     {
-        cat scripts/setup.sh setup.cfg
+        cat scripts/setup.sh scripts/cupy-wheel.sh setup.cfg
         command -v mpicc h5pcc || true
         "$PYTHON" -c 'import sys; print(sys.version)' 2>/dev/null || true
-        printf '%s\n' "$HDF5_DIR_ASKED" "${HPCTRAIN_MPI4PY_FROM_SOURCE:-}"
+        printf '%s\n' "$HDF5_DIR_ASKED" "${HPCTRAIN_MPI4PY_FROM_SOURCE:-}" "cupy=$CUPY_REQUIREMENT"
     } | sha256sum | cut -d' ' -f1
 }
 
@@ -164,6 +174,27 @@ say "h5py: $("$PY" -c 'import h5py; print(h5py.__version__, "HDF5", h5py.version
 
 # ---- hpctrain itself (editable, so `python -m hpctrain` works from any directory) --
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
+
+# ---- CuPy where nvidia-smi lists a GPU: train.gemm = auto then runs the GEMMs on cuBLAS ----
+# Never fatal: without CuPy the numba GEMM kernels run (0.21-0.34x cuBLAS on an H100), and the
+# run says so at start-up. On a GPU the check multiplies through cuBLAS, as the trainer does.
+say "CuPy: $CUPY_WHY"
+if [ -n "$CUPY_WHEEL" ]; then
+    # with a GPU: a product through cuBLAS; chosen by HPCTRAIN_CUPY (maybe no GPU here): the import
+    cupy_check='import sys; from hpctrain.kernels.cublas import cupy_status; ok, why = cupy_status(); print(why); sys.exit(not ok)'
+    [ -z "${HPCTRAIN_CUPY:-}" ] || cupy_check='import cupy'
+    cupy_failed=""
+    if ! "${PIP[@]}" install "$CUPY_REQUIREMENT"; then
+        cupy_failed="pip install '$CUPY_REQUIREMENT' failed (above)"
+    elif ! cupy_why=$("$PY" -c "$cupy_check" 2>&1); then
+        cupy_failed="CuPy installed but does not work: ${cupy_why##*$'\n'}"  # the exception's line
+    fi
+    if [ -n "$cupy_failed" ]; then
+        warn "$cupy_failed; GEMMs on the GPU will use the slower numba kernels (train.gemm = auto). To fix: fix the cause, then $PY -m pip install '$CUPY_REQUIREMENT'"
+    else
+        say "CuPy: $("$PY" -c 'import cupy; print(cupy.__version__)') (cuBLAS for train.gemm = auto)"
+    fi
+fi
 
 printf '%s\n' "$BUILD_ID" >"$VENV/.hpctrain-build"
 fingerprint >"$STAMP"

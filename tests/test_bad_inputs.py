@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_mpi
-from hpctrain.config import load_config
+from hpctrain.training.config_load import load_config
 from test_cli import TRAIN, _data_set, _one_error
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,7 +13,7 @@ import pytest
 
 from hpctrain.ckpt.format import combine_parts, crc32_combine, crc32_of, list_checkpoints, row_range
 from hpctrain.ckpt.state import fresh_rng, rng_from_array, rng_to_array
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 from hpctrain.device import cuda_status
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,9 +74,9 @@ def _config(train, ckpt_dir, device="cpu", resume="", collective=False):
 def _trainer(cfg, out=None):
     from mpi4py import MPI
 
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     return Trainer(cfg, init_world(MPI.COMM_SELF), Log(out is not None, out))
 
@@ -104,7 +104,7 @@ def test_save_paths_round_trip(small_data, tmp_path, monkeypatch, mode):
     t = _trainer(_config(small_data[0], str(tmp_path), collective=mode == "collective"), out)
     for _ in range(3):
         t.train_step()
-    path = t.checkpoints.save(t)
+    path = t.checkpoints.save(t.state)
     assert verify_file(path)["step"] == 3
     assert ("lacks MPI support" in out.getvalue()) == (mode == "serial-fallback")
     back = _trainer(_config(small_data[0], str(tmp_path), resume=path))
@@ -119,7 +119,7 @@ def test_cuda_checkpoint_resumes_on_cpu_and_continues_alike(small_data, tmp_path
     gpu = _trainer(_config(small_data[0], str(tmp_path), device="cuda"))
     for _ in range(2):
         gpu.train_step()
-    path = gpu.checkpoints.save(gpu)
+    path = gpu.checkpoints.save(gpu.state)
     cpu = _trainer(_config(small_data[0], str(tmp_path), device="cpu", resume=path))
     _assert_same(_host_state(cpu), _host_state(gpu))
     gpu_again = _trainer(_config(small_data[0], str(tmp_path), device="cuda", resume=path))
@@ -133,7 +133,7 @@ def test_checkpoint_of_another_model_lists_the_mismatches(small_data, tmp_path):
     from hpctrain.errors import UserError
 
     t = _trainer(_config(small_data[0], str(tmp_path)))
-    path = t.checkpoints.save(t)
+    path = t.checkpoints.save(t.state)
     cfg = _config(small_data[0], str(tmp_path), resume=path)
     cfg.model.hidden = [16, 10]
     with pytest.raises(UserError) as err:

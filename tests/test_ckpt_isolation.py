@@ -29,7 +29,7 @@ def saved(small_data, tmp_path_factory):
     t = _trainer(_config(small_data[0], str(folder)))
     for _ in range(3):
         t.train_step()
-    path = t.checkpoints.save(t)
+    path = t.checkpoints.save(t.state)
     with h5py.File(path, "r") as f:
         arrays = {}
         f.visititems(lambda n, o: arrays.update({"/" + n: o[()]}) if isinstance(o, h5py.Dataset) else None)

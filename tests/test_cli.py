@@ -114,7 +114,7 @@ def test_dataset_smaller_than_one_global_batch(small_data):
 def test_exception_on_one_rank_aborts_every_rank():
     """Rank 1 fails while rank 0 waits in a collective: the job must end, not hang."""
     code = ("from hpctrain.runtime import init_world\n"
-            "from hpctrain.guard import report_and_exit\n"
+            "from hpctrain.reliability.fail_together import report_and_exit\n"
             "w = init_world()\n"
             "try:\n"
             "    if w.rank == 1: raise RuntimeError('boom on one rank')\n"
@@ -190,7 +190,7 @@ def test_help_and_help_config():
 
 
 def test_importing_hpctrain_starts_no_mpi():
-    code = ("import sys, hpctrain, hpctrain.train, hpctrain.runtime, hpctrain.comm, hpctrain.__main__, "
+    code = ("import sys, hpctrain, hpctrain.training.trainer, hpctrain.runtime, hpctrain.comm, hpctrain.__main__, "
             "hpctrain.device, hpctrain.kernels.linear, hpctrain.comm.staging\n"
             "assert 'mpi4py.MPI' not in sys.modules, 'MPI initialised at import'\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

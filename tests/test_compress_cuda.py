@@ -190,7 +190,7 @@ def test_unknown_compressors_have_no_device_path(comm):
 
 # ---- inside the trainer ------------------------------------------------------------------------
 def _config(train_path, spec):
-    from hpctrain.config import Config
+    from hpctrain.training.config import Config
 
     cfg = Config()
     cfg.data.train, cfg.data.eval = train_path, ""
@@ -208,9 +208,9 @@ def test_trainer_on_cuda_compresses_on_the_device_like_the_host_path(small_data,
     from mpi4py import MPI
 
     from hpctrain.compress.reducer import CompressedSum
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     world = init_world(MPI.COMM_SELF)
     params = {}
@@ -235,9 +235,9 @@ def test_trainer_on_cuda_with_momentum_correction_equals_the_cpu_trainer(small_d
     velocities both; the velocities are really there and nonzero."""
     from mpi4py import MPI
 
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     world = init_world(MPI.COMM_SELF)
     out = {}

@@ -1,4 +1,4 @@
-"""hpctrain/ckpt/compress_state.py's restore rules, on a stand-in trainer: at the saved world
+"""hpctrain/ckpt/compress_state.py's restore rules, on a stand-in run (compressor, config, world size): at the saved world
 size each rank takes its own row; at another world size, scope "all" and no tensor
 parallelism, every rank takes the mean row (so the mean over ranks, what the update still
 owes, is kept); in every other case the state starts from zero and the log says why.
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from hpctrain.ckpt.compress_state import restore_compression
-from hpctrain.log import Log
+from hpctrain.observe.log import Log
 
 
 class Compression:
@@ -49,7 +49,7 @@ def across(saved):
 
 def restored(t, saved, own=None, saved_compress=SAVED):
     out = io.StringIO()
-    restore_compression(t, own or {}, len(saved), saved_compress, Log(True, out), across(saved))
+    restore_compression(t.compression, t.cfg, t.world.size, own or {}, len(saved), saved_compress, Log(True, out), across(saved))
     return t.compression.loaded, out.getvalue()
 
 
@@ -58,7 +58,7 @@ def test_same_world_size_takes_its_own_row():
     t = trainer(3)
     own = {f"/compress/{k}": v for k, v in saved[1].items()}
     own["/compress/lengths"] = np.array([2 * 4, 5], np.int64)   # keys sorted: q/0/0, residual/0/0
-    restore_compression(t, own, 3, SAVED, Log(False), {})
+    restore_compression(t.compression, t.cfg, t.world.size, own, 3, SAVED, Log(False), {})
     assert sorted(t.compression.loaded) == ["q/0/0", "residual/0/0"]
     for k, v in saved[1].items():
         assert np.array_equal(t.compression.loaded[k], v)
@@ -90,7 +90,7 @@ def test_another_grad_accum_steps_rescales_residuals_and_velocities_not_q():
     # at the saved world size too, and a file from before the setting was stored counts as k = 1
     t = trainer(3, k=2)
     own = {f"/compress/{k}": v for k, v in saved[1].items()}
-    restore_compression(t, own, 3, SAVED, Log(False), {})
+    restore_compression(t.compression, t.cfg, t.world.size, own, 3, SAVED, Log(False), {})
     np.testing.assert_array_equal(t.compression.loaded["residual/0/0"], saved[1]["residual/0/0"] * 2)
     assert np.array_equal(t.compression.loaded["q/0/0"], saved[1]["q/0/0"])
 
@@ -113,11 +113,11 @@ def test_state_starts_from_zero_where_no_mean_means_anything():
     out = io.StringIO()
     ranks = across(short)
     ranks["/compress/lengths"][2, 1] = 0
-    restore_compression(t, {}, 3, SAVED, Log(True, out), ranks)
+    restore_compression(t.compression, t.cfg, t.world.size, {}, 3, SAVED, Log(True, out), ranks)
     assert t.compression.loaded == {} and "differ in length" in out.getvalue()
 
 
 def test_a_file_without_compressor_state_resets_it():
     t = trainer(2)
-    restore_compression(t, {}, 3, SAVED, Log(False), {})
+    restore_compression(t.compression, t.cfg, t.world.size, {}, 3, SAVED, Log(False), {})
     assert t.compression.loaded == {}

@@ -7,7 +7,8 @@ import tomllib
 
 import pytest
 
-from hpctrain.config import Config, describe, load_config
+from hpctrain.training.config import Config, describe
+from hpctrain.training.config_load import load_config
 from hpctrain.errors import ConfigError, UserError
 
 
@@ -271,7 +272,7 @@ def test_target_accuracy_needs_an_eval_file():
     (["dist.zero=3"], "dist.zero=3: choose one of 0, 1, 2"),
 ])
 def test_zero_settings_that_cannot_run_are_one_clear_error(overrides, expect):
-    from hpctrain.config import load_config
+    from hpctrain.training.config_load import load_config
 
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hpctrain import device as device_mod
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 from hpctrain.device import CpuDevice, CudaDevice, gpu_for_rank, make_device
 from hpctrain.comm.staging import Staging, cuda_aware_mpi, staging_mode
 from hpctrain.errors import ConfigError
@@ -145,9 +145,9 @@ def test_trainer_steps_on_cuda_equal_cpu_steps(small_data):
     """Data upload, forward, backward, all-reduce (1 rank, staged), AdamW: float64 twins agree."""
     from mpi4py import MPI
 
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     world = init_world(MPI.COMM_SELF)
     runs = {}
@@ -158,7 +158,7 @@ def test_trainer_steps_on_cuda_equal_cpu_steps(small_data):
         runs[device] = losses, trainer.device.to_host(trainer.model.flat.data).copy(), \
             trainer.device.to_host(trainer.optimizer.exp_avg_sq).copy()
         if device == "cuda" and device_mod.simulated():
-            assert trainer.staging.mode == "pinned"   # the real staging path, not the simulator's shortcut
+            assert trainer.plan.staging.mode == "pinned"   # the real staging path, not the simulator's shortcut
     (l_cpu, p_cpu, v_cpu), (l_gpu, p_gpu, v_gpu) = runs["cpu"], runs["cuda"]
     for (a, ca), (b, cb) in zip(l_cpu, l_gpu):
         np.testing.assert_allclose(b, a, rtol=1e-12)

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO
-from hpctrain.config import Config, load_config
+from hpctrain.training.config import Config
+from hpctrain.training.config_load import load_config
 from hpctrain.errors import ConfigError, UserError
 
 SCALE = float(os.environ.get("HPCTRAIN_FUZZ_SCALE", "1"))  # e.g. 20 for a long soak; CI runs 1

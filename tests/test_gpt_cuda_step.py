@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 from hpctrain.device import CpuDevice, CudaDevice, cuda_status
 from hpctrain.models.gpt import GPT
 

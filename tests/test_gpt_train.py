@@ -37,10 +37,10 @@ def test_a_small_gpt_beats_the_bigram_baseline_in_bounded_steps(text_data):
     byte end at most 0.92 x the corpus's bigram baseline (measured 0.88 x, 3.27 against 3.71)."""
     from mpi4py import MPI
 
-    from hpctrain.config import Config
-    from hpctrain.log import Log
+    from hpctrain.training.config import Config
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     with h5py.File(text_data, "r") as f:
         bigram = float(f.attrs["bigram_bpb"])

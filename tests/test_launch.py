@@ -150,7 +150,7 @@ def test_launch_usage_errors(argv, fragment):
 
 
 def test_resume_auto_replaces_the_users_resume():
-    from hpctrain.launch import with_resume_auto
+    from hpctrain.reliability.launch import with_resume_auto
 
     assert with_resume_auto(["train", "--resume", "x.h5", "--set", "a=1"]) == ["train", "--set", "a=1", "--resume",
                                                                                "auto"]

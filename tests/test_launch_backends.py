@@ -14,8 +14,8 @@ import time
 import pytest
 
 from conftest import REPO
-from hpctrain.launch import Supervisor, split_args
-from hpctrain.launch_backends import NoNodes, Srun, tasks_per_node
+from hpctrain.reliability.launch import Supervisor, split_args
+from hpctrain.reliability.launch_backends import NoNodes, Srun, tasks_per_node
 
 # sinfo's view; srun's probe of n3 fails, of n4 hangs; a training step exits as TRAIN_RC says
 SCONTROL = "#!/bin/sh\nfor n in n1 n2 n3 n4; do echo $n; done\n"
@@ -105,7 +105,7 @@ def test_the_launcher_gives_up_when_a_failed_job_has_no_node_left(fake_slurm):
 def test_progress_marks_go_only_where_the_launcher_asks(tmp_path, monkeypatch):
     """The launcher's marks use their own variable: HPCTRAIN_PROGRESS picks the progress display
     (tty | lines), and a run with HPCTRAIN_PROGRESS=lines once wrote its marks to a file named lines."""
-    from hpctrain import progress
+    from hpctrain.reliability import progress
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HPCTRAIN_PROGRESS", "lines")

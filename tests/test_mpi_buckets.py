@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 from hpctrain.errors import UserError
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
@@ -32,8 +32,8 @@ def _config(train, size, **dist):
 
 
 def _train(cfg, world):
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     trainer = Trainer(cfg, world, Log(False))
     trainer.run()
@@ -49,7 +49,7 @@ def world():
 
 def test_buckets_cover_the_gradient_in_reverse_layer_order(mpi_small_data, world):
     trainer = _train(_config(mpi_small_data[0], world.size, train__steps=0), world)
-    buckets, flat = trainer.buckets, trainer.model.flat
+    buckets, flat = trainer.plan.buckets, trainer.model.flat
     assert len(buckets) > 2
     assert buckets[0].slots[0] == flat.slots[-1].name          # last layer first
     assert buckets[0].hi == flat.size and buckets[-1].lo == 0   # contiguous, complete, no overlap
@@ -91,8 +91,8 @@ def test_a_nan_in_one_ranks_gradient_skips_the_step_on_every_rank(mpi_small_data
     (folded by rank 0): every rank judges the step bad and skips it, the parameters stay
     finite and equal everywhere. With shm each rank tests only its share of the averaged
     gradient, so this holds only if the step statistics combine the ranks' answers."""
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     for where in ("last", "first"):
         cfg = _config(mpi_small_data[0], world.size, allreduce=allreduce, overlap=False,
@@ -112,8 +112,8 @@ def test_a_nan_in_one_ranks_gradient_skips_the_step_on_every_rank(mpi_small_data
         seen = world.comm.allgather((result["bad_steps"], bool(np.isfinite(params).all()), params.tobytes()))
         assert [s[:2] for s in seen] == [(1, True)] * world.size, (where, [s[:2] for s in seen])
         assert len({s[2] for s in seen}) == 1
-        if hasattr(trainer.allreduce, "close"):
-            trainer.allreduce.close()   # collective; the pytest-mpi ranks live on for other tests
+        if hasattr(trainer.plan.allreduce, "close"):
+            trainer.plan.allreduce.close()   # collective; the pytest-mpi ranks live on for other tests
 
 
 def test_bucket_layout_mismatch_is_a_clear_error_not_a_hang(mpi_small_data, world):
@@ -152,8 +152,8 @@ def test_overlap_hides_most_communication_behind_a_slow_backward(mpi_small_data,
     # reduction; the exposed remainder (the first layer's 150 KB) is mostly latency
     cfg = _config(mpi_small_data[0], world.size, model__hidden=[2048, 2048, 2048], train__steps=3,
                   bucket_mb=16.0, first_bucket_mb=16.0)
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     from mpi4py import MPI
 
@@ -163,7 +163,7 @@ def test_overlap_hides_most_communication_behind_a_slow_backward(mpi_small_data,
         comm = exposed = 0.0
         for _ in range(cfg.train.steps):
             trainer.train_step()
-            comm, exposed = comm + trainer.comm.comm_s, exposed + trainer.comm.exposed_s
+            comm, exposed = comm + trainer.stepper.reducer.comm_s, exposed + trainer.stepper.reducer.exposed_s
         assert comm > 0
         return world.comm.allreduce(exposed / comm, op=MPI.MAX)
 
@@ -206,5 +206,5 @@ def test_auto_on_one_machine_offers_shm_zero_copy_and_the_trainer_uses_it(mpi_sm
         assert strategy._picked and {zc for _, zc in strategy._picked} == {False, True}
     strategy.strategies["shm"].close()   # collective; the pytest-mpi ranks live on for other tests
     trainer = _train(_config(mpi_small_data[0], world.size, allreduce="auto"), world)
-    assert trainer.allreduce._shm.holds(trainer.model.flat.grad)   # the gradients live in the window
-    trainer.allreduce._shm.close()
+    assert trainer.plan.allreduce._shm.holds(trainer.model.flat.grad)   # the gradients live in the window
+    trainer.plan.allreduce._shm.close()

@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -38,8 +38,8 @@ def _config(train, ckpt_dir, size, steps, optim="adamw", dtype="float32", resume
 
 
 def _trainer(cfg, world):
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     return Trainer(cfg, world, Log(False))
 
@@ -83,13 +83,13 @@ def test_signal_then_resume_is_bit_exact(world, mpi_small_data, optim):
     straight.run()
 
     first = _trainer(_config(mpi_small_data[0], d, world.size, n_steps, optim), world)
-    compute_step = first.compute_step
+    compute_step = first.stepper.run
 
-    def step_with_signal(update):
+    def step_with_signal(at, x, y, update):
         if first.step == k - 1 and world.rank == 0:
             os.kill(os.getpid(), signal.SIGUSR1)  # arrives mid-step, on one rank only
-        return compute_step(update)
-    first.compute_step = step_with_signal
+        return compute_step(at, x, y, update)
+    first.stepper.run = step_with_signal
     result = first.run()
     assert result["stopped_by"] is not None and first.step == k  # every rank stopped at the same step
 
@@ -119,15 +119,15 @@ def test_reshard_to_every_other_world_size(world, mpi_small_data):
     d = _fresh_dir(world, "reshard-down")
     saver = _trainer(_config(mpi_small_data[0], d, world.size, n_steps, dtype="float64"), world)
     _steps(saver, k)  # the schedule of an n_steps run, stopped at k
-    saver.checkpoints.save(saver)
-    saved_rng = rng_to_array(saver.rng)
+    saver.checkpoints.save(saver.state)
+    saved_rng = rng_to_array(saver.state.rng)
     for m in range(1, world.size):
         sub = world.comm.Split(0 if world.rank < m else MPI.UNDEFINED, key=world.rank)
         if sub != MPI.COMM_NULL:
             small = init_world(sub)
             t = _trainer(_config(mpi_small_data[0], d, m, n_steps, dtype="float64", resume="auto"), small)
             assert t.step == k
-            np.testing.assert_array_equal(rng_to_array(t.rng), saved_rng)  # rank r < m keeps its row
+            np.testing.assert_array_equal(rng_to_array(t.state.rng), saved_rng)  # rank r < m keeps its row
             t.run()
             np.testing.assert_allclose(t.model.flat.data, expected, rtol=1e-9, atol=1e-12)
             sub.Free()
@@ -138,13 +138,13 @@ def test_reshard_to_every_other_world_size(world, mpi_small_data):
     if world.rank == 0:
         solo = _trainer(_config(mpi_small_data[0], d1, 1, n_steps, dtype="float64"), init_world(MPI.COMM_SELF))
         _steps(solo, k)
-        solo.checkpoints.save(solo)
+        solo.checkpoints.save(solo.state)
     world.comm.Barrier()
     t = _trainer(_config(mpi_small_data[0], d1, world.size, n_steps, dtype="float64", resume="auto"), world)
     assert t.step == k
     if world.rank > 0:  # ranks beyond the saved world start a generator of their own
         from hpctrain.ckpt.state import fresh_rng
-        np.testing.assert_array_equal(rng_to_array(t.rng), rng_to_array(fresh_rng(0, world.rank, k)))
+        np.testing.assert_array_equal(rng_to_array(t.state.rng), rng_to_array(fresh_rng(0, world.rank, k)))
     t.run()
     np.testing.assert_allclose(t.model.flat.data, expected, rtol=1e-9, atol=1e-12)
 
@@ -170,8 +170,8 @@ def test_corrupt_newest_falls_back_to_previous(world, mpi_small_data, how):
     from hpctrain.ckpt.format import list_checkpoints
     from hpctrain.ckpt.read import CorruptCheckpoint, verify_file
     from hpctrain.errors import UserError
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     d = _fresh_dir(world, f"corrupt-{how}")
     cfg = _config(mpi_small_data[0], d, world.size, 8)
@@ -206,7 +206,7 @@ def test_file_reads_with_serial_h5py_and_h5dump(world, mpi_small_data):
     d = _fresh_dir(world, "interop")
     t = _trainer(_config(mpi_small_data[0], d, world.size, 3), world)
     t.run()
-    path = t.checkpoints.save(t)
+    path = t.checkpoints.save(t.state)
     if world.rank == 0:
         with h5py.File(path, "r") as f:
             assert f.attrs["format"] == FORMAT_NAME and f.attrs["step"] == 3

@@ -121,9 +121,9 @@ def test_aggregated_training_save_resumes_bit_exact(world, mpi_small_data, ranks
     first = _trainer(_config(mpi_small_data[0], d + "/plain", w.size, n_steps), w)
     _steps(first, k)
     first.checkpoints.c.writers_per_node = 0
-    plain = first.checkpoints.save(first)
+    plain = first.checkpoints.save(first.state)
     first.checkpoints.c.writers_per_node, first.checkpoints.directory = 1, d + "/agg"
-    agg = first.checkpoints.save(first)
+    agg = first.checkpoints.save(first.state)
     _same_files(world, plain, agg)
     resumed = _trainer(_config(mpi_small_data[0], d + "/agg", w.size, n_steps, resume=agg), w)
     assert resumed.step == k

@@ -65,7 +65,7 @@ def test_device_sum_equals_host_sum_on_every_rank(spec):
 
 
 def _config(train_path, spec):
-    from hpctrain.config import Config
+    from hpctrain.training.config import Config
 
     cfg = Config()
     cfg.data.train, cfg.data.eval = train_path, ""
@@ -80,9 +80,9 @@ def test_trainer_on_cuda_with_fp16_on_the_device_equals_the_host_path(mpi_small_
     from mpi4py import MPI
 
     from hpctrain.compress.reducer import CompressedSum
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     world = init_world(MPI.COMM_WORLD)
     if 4 % world.size:

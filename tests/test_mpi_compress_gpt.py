@@ -23,8 +23,8 @@ STRATEGIES = ["mpi", "naive", "ring", "rhd", "hierarchical", "shm", "auto"]
 
 
 def _trainer(cfg, world):
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     return Trainer(cfg, world, Log(False))
 
@@ -32,8 +32,8 @@ def _trainer(cfg, world):
 def _steps(trainer, n):
     losses = [trainer.world.comm.allreduce(trainer.train_step()[0]) for _ in range(n)]
     params = trainer.model.flat.data.copy()
-    if hasattr(trainer.allreduce, "close"):
-        trainer.allreduce.close()  # shm windows are freed collectively (the pytest ranks run on)
+    if hasattr(trainer.plan.allreduce, "close"):
+        trainer.plan.allreduce.close()  # shm windows are freed collectively (the pytest ranks run on)
     return losses, params
 
 
@@ -70,7 +70,7 @@ def test_every_compressor_with_every_strategy_and_scope(node_world, mpi_text_dat
         # and the verdicts are gathered before asserting, so a rank failing alone cannot hang the rest
         sends = world.size > 1 and (scope == "all" or world.n_nodes > 1) and c._sum is not None
         problems += [f"{allreduce}/{scope}: {p}" for p in (
-            len(t.buckets) < 3 and f"{len(t.buckets)} buckets", not all(np.isfinite(losses)) and f"loss {losses}",
+            len(t.plan.buckets) < 3 and f"{len(t.plan.buckets)} buckets", not all(np.isfinite(losses)) and f"loss {losses}",
             len(set(digests)) > 1 and "ranks differ",
             sends and not 0 < c.sent_bytes < c.dense_bytes and f"bytes {c.sent_bytes} of {c.dense_bytes}") if p]
     problems = world.comm.allgather(problems)

@@ -9,7 +9,7 @@ rules themselves: tests/test_compress_state.py."""
 import numpy as np
 import pytest
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -40,8 +40,8 @@ def _config(train, ckpt_dir, spec, momentum, resume="", accum=1):
 
 
 def _trainer(cfg, world):
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     return Trainer(cfg, world, Log(False))
 
@@ -73,7 +73,7 @@ def test_resume_at_another_world_size_starts_every_rank_from_the_mean_state(worl
         saver = _trainer(_config(data, d, spec, momentum), world)
         for _ in range(K):
             saver.train_step()
-        saver.checkpoints.save(saver)
+        saver.checkpoints.save(saver.state)
         states = world.comm.allgather(saver.compression.state())
         assert any(k.startswith("residual/") for k in states[0])
         assert not all(np.array_equal(states[0][k], s[k]) for s in states for k in states[0]), \
@@ -107,7 +107,7 @@ def test_resume_at_another_world_size_starts_every_rank_from_the_mean_state(worl
         solo = _trainer(_config(data, d1, spec, momentum), init_world(MPI.COMM_SELF))
         for _ in range(K):
             solo.train_step()
-        solo.checkpoints.save(solo)
+        solo.checkpoints.save(solo.state)
         solo_state = {k: np.array(v, np.float32) for k, v in solo.compression.state().items()}
     solo_state = world.comm.bcast(solo_state)
     t = _trainer(_config(data, d1, spec, momentum, resume="auto", accum=2), world)

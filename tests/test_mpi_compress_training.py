@@ -12,7 +12,7 @@ import signal
 import numpy as np
 import pytest
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
@@ -40,8 +40,8 @@ def _config(train, compress, allreduce="mpi", scope="all", steps=12, ckpt_dir="/
 
 
 def _trainer(cfg, world):
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     return Trainer(cfg, world, Log(False))
 
@@ -115,13 +115,13 @@ def test_resume_with_compression_is_bit_exact(node_world, mpi_small_data, mpi_te
     straight = _trainer(_config(data, spec, allreduce, scope, n_steps, model=model), world)
     straight.run()
     first = _trainer(_config(data, spec, allreduce, scope, n_steps, ckpt_dir=d, model=model), world)
-    step = first.compute_step
+    step = first.stepper.run
 
-    def signalled(update):
+    def signalled(at, x, y, update):
         if first.step == k - 1 and world.rank == world.size - 1:
             os.kill(os.getpid(), signal.SIGUSR1)
-        return step(update)
-    first.compute_step = signalled
+        return step(at, x, y, update)
+    first.stepper.run = signalled
     assert first.run()["stopped_by"]
     assert [s for s, _ in list_checkpoints(d)] == [k]
     resumed = _trainer(_config(data, spec, allreduce, scope, n_steps, ckpt_dir=d, resume="auto", model=model), world)
@@ -162,12 +162,12 @@ def test_freeze_and_compression_start_at_the_same_global_step_past_a_skipped_ste
     cfg = _config(mpi_small_data[0], "topk(0.05)", steps=6)
     cfg.guard.nonfinite, cfg.optim.freeze_step, cfg.dist.compress_start_step = "skip", 3, 3
     t = _trainer(cfg.validate(), world)
-    v_before, compute = {}, t.compute_step  # v_before[s]: the second moment as step s starts
+    v_before, compute = {}, t.stepper.run  # v_before[s]: the second moment as step s starts
 
-    def recording(update):
+    def recording(at, x, y, update):
         v_before[t.step] = t.optimizer.exp_avg_sq.copy()
-        return compute(update)
-    t.compute_step = recording
+        return compute(at, x, y, update)
+    t.stepper.run = recording
     t.run()
     v_before[6] = t.optimizer.exp_avg_sq.copy()
     assert t.guard.bad_steps == 1 and t.optimizer.t == 5 and sorted(v_before) == list(range(7))

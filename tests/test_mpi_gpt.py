@@ -11,7 +11,7 @@ summed (within a rank, then across ranks).
 import numpy as np
 import pytest
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
@@ -38,8 +38,8 @@ def _config(text, steps=6, dtype="float64", allreduce="mpi", ckpt_dir="/tmp/hpct
 
 
 def _trainer(cfg, world):
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     return Trainer(cfg, world, Log(False))
 
@@ -48,8 +48,8 @@ def _train(cfg, world):
     trainer = _trainer(cfg, world)
     trainer.run()
     data = trainer.model.flat.data.copy()
-    if hasattr(trainer.allreduce, "close"):
-        trainer.allreduce.close()  # shm windows are freed collectively (the pytest ranks run on)
+    if hasattr(trainer.plan.allreduce, "close"):
+        trainer.plan.allreduce.close()  # shm windows are freed collectively (the pytest ranks run on)
     return data, trainer
 
 
@@ -68,7 +68,7 @@ def reference(mpi_text_data):
     from hpctrain.runtime import init_world
 
     params, trainer = _train(_config(mpi_text_data), init_world(MPI.COMM_SELF))
-    assert len(trainer.buckets) >= 3  # the test is about several buckets
+    assert len(trainer.plan.buckets) >= 3  # the test is about several buckets
     return params
 
 
@@ -142,7 +142,7 @@ def test_resume_is_bit_exact(world, mpi_text_data):
     first = _trainer(_config(mpi_text_data, steps=10, dtype="float32", ckpt_dir=d), world)
     for _ in range(4):
         first.train_step()
-    first.checkpoints.save(first)
+    first.checkpoints.save(first.state)
     resumed = _trainer(_config(mpi_text_data, steps=10, dtype="float32", ckpt_dir=d, resume="auto"), world)
     assert resumed.step == 4
     resumed.run()
@@ -161,7 +161,7 @@ def test_resume_at_another_world_size(world, mpi_text_data):
     saver = _trainer(_config(mpi_text_data, steps=8, ckpt_dir=d), world)
     for _ in range(3):
         saver.train_step()
-    saver.checkpoints.save(saver)
+    saver.checkpoints.save(saver.state)
     for m in range(1, world.size):
         sub = world.comm.Split(0 if world.rank < m else MPI.UNDEFINED, key=world.rank)
         if sub != MPI.COMM_NULL:
@@ -181,15 +181,15 @@ def test_rollback_recovers_parameters_gone_bad_on_one_rank(world, mpi_text_data)
     cfg = _config(mpi_text_data, steps=8, dtype="float32", ckpt_dir=d)
     cfg.guard.nonfinite, cfg.checkpoint.every_steps = "rollback", 2
     trainer = _trainer(cfg, world)
-    compute_step = trainer.compute_step
+    compute_step = trainer.stepper.run
     poisoned = []
 
-    def poison_once(update):
+    def poison_once(at, x, y, update):
         if trainer.step == 5 and not poisoned and world.rank == world.size - 1:
             trainer.model.flat.data[7] = np.nan
             poisoned.append(True)
-        return compute_step(update)
-    trainer.compute_step = poison_once
+        return compute_step(at, x, y, update)
+    trainer.stepper.run = poison_once
     result = trainer.run()
     assert result["bad_steps"] == 1 and trainer.step == 8
     params = trainer.model.flat.data

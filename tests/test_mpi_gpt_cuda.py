@@ -23,9 +23,9 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
 
     if MPI.COMM_WORLD.size != 2:
         pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
     from test_gpt_cuda_step import _config, assert_close
 
     world = init_world()
@@ -39,9 +39,9 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
             cfg.model.n_layer = 2  # a block spans every bucket of its own: one more block to reuse them
         trainer = Trainer(cfg, world, Log(False))
         if device == "cuda":
-            assert trainer.staging.mode == "pinned"
+            assert trainer.plan.staging.mode == "pinned"
         if zero:
-            assert trainer.grad_slots.rotating < len(trainer.buckets) - 1
+            assert trainer.plan.grad_slots.rotating < len(trainer.plan.buckets) - 1
         losses = [trainer.train_step() for _ in range(cfg.train.steps)]
         runs[device] = losses, trainer.device.to_host(trainer.model.flat.data).copy()
         trainer.close()
@@ -65,9 +65,9 @@ def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(mpi_text_data):
 
     if MPI.COMM_WORLD.size != 2:
         pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
     from test_gpt_cuda_step import _config, assert_close
 
     world = init_world()
@@ -81,7 +81,7 @@ def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(mpi_text_data):
         host = trainer.device.to_host(model.flat.data)
         params = np.concatenate([model.tensor_layout.logical(s.name, host[s.offset:s.offset + s.size].reshape(s.shape))
                                  .reshape(-1) for s in model.flat.slots])
-        runs[device] = loss, params, trainer.tensor.take()["tensor_allreduces"]
+        runs[device] = loss, params, trainer.plan.tensor.take()["tensor_allreduces"]
         trainer.close()
     (l_cpu, p_cpu, n_cpu), (l_gpu, p_gpu, n_gpu) = runs["cpu"], runs["cuda"]
     np.testing.assert_allclose(l_gpu[0], l_cpu[0], rtol=1e-12)

@@ -32,7 +32,7 @@ def test_simulated_nodes_of_k_ranks(k):
 
 def test_agree_raises_everywhere_when_one_rank_fails():
     from hpctrain.errors import DataError, UserError
-    from hpctrain.guard import agree
+    from hpctrain.reliability.fail_together import agree
     from hpctrain.runtime import init_world
 
     w = init_world()

@@ -109,9 +109,9 @@ def test_ranks_passing_different_buffers_get_one_error_not_a_hang(world):
 def test_trainer_keeps_its_gradients_in_the_window(mpi_small_data, world):
     """dist.allreduce = 'shm' on CPU: the flat gradient is the window slot, and every layer's
     gradient view points into it (so backward writes where the reduction reads)."""
-    from hpctrain.config import Config
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.training.config import Config
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     cfg = Config()
     cfg.data.train, cfg.data.eval = mpi_small_data[0], ""
@@ -120,7 +120,7 @@ def test_trainer_keeps_its_gradients_in_the_window(mpi_small_data, world):
     cfg.dist.allreduce, cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = "shm", 0.001, 0.0005
     cfg = cfg.validate()
     trainer = Trainer(cfg, world, Log(False))
-    arena = trainer.allreduce.arenas[0]
+    arena = trainer.plan.allreduce.arenas[0]
     assert trainer.model.flat.grad is arena.mine
     for layer in trainer.model.layers:
         assert np.shares_memory(layer.dw, arena.mine) and np.shares_memory(layer.db, arena.mine)

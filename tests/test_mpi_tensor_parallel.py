@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 from hpctrain.errors import ConfigError, UserError
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
@@ -36,8 +36,8 @@ def _config(data, t, steps=4, optim="adamw", recompute="none", ckpt_dir="/tmp/hp
 
 
 def _train(cfg, world):
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     trainer = Trainer(cfg, world, Log(False))
     trainer.run()
@@ -74,7 +74,7 @@ def test_split_training_equals_data_parallel(world, mpi_text_data, t, optim, rec
     _need(world, t)
     split = _train(_config(mpi_text_data, t, optim=optim, recompute=recompute), world)
     whole = _train(_config(mpi_text_data, 1, optim=optim, recompute=recompute), world)
-    assert split.grid.t == t and split.dp.size == world.size // t
+    assert split.plan.grid.t == t and split.plan.dp.size == world.size // t
     got, want = _logical(split), _logical(whole)
     assert set(got) == set(want)
     moved = 0
@@ -92,7 +92,7 @@ def test_split_training_equals_data_parallel(world, mpi_text_data, t, optim, rec
     for s in split.model.flat.slots:
         if s.name not in split.model.tensor_layout.splits:
             crc = zlib.crc32(np.ascontiguousarray(split.model.flat.view(split.model.flat.data, s.name)).tobytes())
-            assert len(set(split.grid.tensor.comm.allgather(crc))) == 1, s.name
+            assert len(set(split.plan.grid.tensor.comm.allgather(crc))) == 1, s.name
 
 
 def _initial(trainer, name):
@@ -188,7 +188,7 @@ def test_a_replicated_parameter_that_drifts_apart_is_caught(world, mpi_text_data
     trainer.step += 1
     with pytest.raises(RuntimeError, match=r"h\.0\.ln_1\.weight' differs across the tensor group.*"
                                            r"ln_f\.bias' differs"):
-        trainer.checkpoints.save(trainer)
+        trainer.checkpoints.save(trainer.state)
     assert not os.path.exists(os.path.join(d, "ckpt-00000002.h5"))
 
 
@@ -220,8 +220,8 @@ def test_bad_tensor_parallel_sizes_are_one_clear_error(world, mpi_text_data):
     t = world.size + 1   # never divides the world size (n >= 1)
     cfg = _config(mpi_text_data, 1)
     cfg.model.n_head, cfg.model.d_model, cfg.dist.tensor_parallel = t, 4 * t, t
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     # the same message on every rank (an agreed error: the CLI prints it once and every rank exits 1)
     with pytest.raises(UserError, match=f"^dist.tensor_parallel={t} does not divide the world size {world.size}"):
@@ -242,9 +242,9 @@ def test_compression_over_the_data_groups_keeps_replicas_identical(world, mpi_te
     cfg = _config(mpi_text_data, 2, steps=3, ckpt_dir=d)
     cfg.dist.compress = compress
     trainer = _train(cfg.validate(), world)
-    assert trainer.compression is not None and trainer.dp.size == 2
+    assert trainer.compression is not None and trainer.plan.dp.size == 2
     assert os.path.exists(os.path.join(d, "ckpt-00000003.h5"))
     for s in trainer.model.flat.slots:
         if s.name not in trainer.model.tensor_layout.splits:
             crc = zlib.crc32(np.ascontiguousarray(trainer.model.flat.view(trainer.model.flat.data, s.name)).tobytes())
-            assert len(set(trainer.grid.tensor.comm.allgather(crc))) == 1, s.name
+            assert len(set(trainer.plan.grid.tensor.comm.allgather(crc))) == 1, s.name

@@ -9,7 +9,7 @@ rank, then across ranks), which changes results at the 1e-16 level per step.
 import numpy as np
 import pytest
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -31,8 +31,8 @@ def _config(train, per_rank_batch, size, optim, allreduce="mpi", steps=None):
 
 
 def _train(cfg, world):
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     trainer = Trainer(cfg, world, Log(False))
     trainer.run()
@@ -71,9 +71,9 @@ def test_ranks_hold_identical_parameters(mpi_small_data):
 
 
 def test_initial_parameters_come_from_rank_0(mpi_small_data):
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     world = init_world()
     cfg = _config(mpi_small_data[0], 16, world.size, "sgd")
@@ -87,9 +87,9 @@ def test_eval_accuracy_is_global(mpi_small_data):
     """Each rank scores a shard; the all-reduced accuracy equals a 1-rank evaluation."""
     from mpi4py import MPI
 
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     world = init_world()
     cfg = _config(mpi_small_data[0], 8, world.size, "sgd", steps=0)

@@ -12,7 +12,7 @@ train.exact_shares keeps the old error.
 import numpy as np
 import pytest
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 from hpctrain.errors import UserError
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
@@ -33,14 +33,14 @@ def _mlp(train, global_batch, allreduce="mpi", **settings):
 
 
 def _train(cfg, world):
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     trainer = Trainer(cfg, world, Log(False))
     trainer.run()
     params = trainer.model.flat.data.copy()
-    if hasattr(trainer.allreduce, "close"):
-        trainer.allreduce.close()  # shm windows are freed collectively
+    if hasattr(trainer.plan.allreduce, "close"):
+        trainer.plan.allreduce.close()  # shm windows are freed collectively
     return params, trainer
 
 
@@ -71,7 +71,7 @@ def test_uneven_shares_train_like_one_rank(mpi_small_data, world, one_rank, allr
         pytest.skip(f"{global_batch} rows divide evenly at {world.size} rank(s) (the other batch size is uneven)")
     w = init_world(ranks_per_node=2) if allreduce == "hierarchical" else world   # nodes of 2 (+1) ranks
     params, trainer = _train(_mlp(mpi_small_data[0], global_batch, allreduce), w)
-    shares = world.comm.allgather(trainer.sampler.batch)
+    shares = world.comm.allgather(trainer.state.sampler.batch)
     assert sum(shares) == global_batch and max(shares) - min(shares) <= 1
     assert trainer.uneven
     np.testing.assert_allclose(params, one_rank[global_batch], rtol=1e-10, atol=1e-13)
@@ -79,7 +79,7 @@ def test_uneven_shares_train_like_one_rank(mpi_small_data, world, one_rank, allr
 
 def test_shares_are_contiguous_and_cover_the_batch(mpi_small_data, world):
     _, trainer = _train(_mlp(mpi_small_data[0], 255, train__steps=0), world)
-    s = trainer.sampler
+    s = trainer.state.sampler
     rows = world.comm.allgather(s.indices(3))
     whole = np.random.default_rng([s.seed, 0]).permutation(s.n)[3 * 255:4 * 255]
     np.testing.assert_array_equal(np.concatenate(rows), whole)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hpctrain.watchdog import Watchdog
+from hpctrain.reliability.watchdog import Watchdog
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 

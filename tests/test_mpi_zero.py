@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
@@ -46,8 +46,8 @@ def _config(model, data, optim, allreduce, zero, steps=6, ckpt_dir="/tmp/hpctrai
 
 
 def _train(cfg, world):
-    from hpctrain.log import Log
-    from hpctrain.train import Trainer
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
 
     trainer = Trainer(cfg, world, Log(False))
     initial = trainer.model.flat.data.copy()
@@ -98,7 +98,7 @@ def test_zero_trains_like_zero_0(world, data, optim, allreduce, stage, accum):
     model = "gpt" if isinstance(data, str) else "mlp"
     p0, s0, initial = _zero_0(model, data, optim, allreduce, accum, world)
     zero1, _ = _train(_config(model, data, optim, allreduce, stage, accum=accum), world)
-    assert len(zero1.buckets) >= 3  # the test is about several buckets, each cut in shares
+    assert len(zero1.plan.buckets) >= 3  # the test is about several buckets, each cut in shares
     p1, s1 = zero1.model.flat.data, _whole_state(zero1)
     if allreduce in ("ring", "naive") and (stage == 1 or accum == 1):
         assert np.array_equal(p0, p1)
@@ -121,16 +121,17 @@ def test_each_rank_keeps_its_share_of_the_optimizer_state(world, mpi_text_data, 
     # the shares tile the buffer: together exactly the flat buffer, each within one element a
     # bucket of 1/size of it
     assert sum(world.comm.allgather(opt.state_size)) == flat.size
-    bound = sum(-(-b.size // size) for b in trainer.buckets)
-    assert flat.size // size - len(trainer.buckets) <= opt.state_size <= bound
+    bound = sum(-(-b.size // size) for b in trainer.plan.buckets)
+    assert flat.size // size - len(trainer.plan.buckets) <= opt.state_size <= bound
     owned = np.zeros(flat.size, np.int64)
     for lo, hi, _ in opt.shards.pieces:
         owned[lo:hi] += 1
     assert np.array_equal(world.comm.allreduce(owned), np.ones(flat.size, np.int64))
     # the start-up line's accounting says so, and matches the allocated arrays
-    from hpctrain import memory
+    from hpctrain.observe import memory
+    from hpctrain.training.plan import memory_of
 
-    computed = memory.computed(trainer)
+    computed = memory_of(trainer.plan, trainer.model, trainer.optimizer, trainer.state.sampler)
     assert computed["optimizer"] == opt.exp_avg.nbytes + opt.exp_avg_sq.nbytes == 2 * 8 * opt.state_size
     assert computed["params"] == computed["grads"] == flat.data.nbytes == 8 * flat.size
     assert "(zero 1: a 1/%d share)" % size in memory.describe(computed, 1, size)
@@ -142,7 +143,7 @@ def test_zero_2_keeps_a_few_bucket_slots_and_its_share_of_the_gradient(world, mp
     cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = 0.005, 0.005  # ~650 values: a block spans several buckets
     cfg.model.n_layer = 6  # the blocks outweigh the tied table (4,096 of the values), which has a slot of its own
     trainer, _ = _train(cfg, world)
-    slots, flat, opt, buckets = trainer.grad_slots, trainer.model.flat, trainer.optimizer, trainer.buckets
+    slots, flat, opt, buckets = trainer.plan.grad_slots, trainer.model.flat, trainer.optimizer, trainer.plan.buckets
     # the gradients live in the slots (no P-element buffer is left) and the optimizer reads the chunks
     assert flat.grad is slots.buffer and opt.grads is slots.owned
     assert slots.owned.size == opt.shards.owned == opt.state_size
@@ -159,19 +160,20 @@ def test_zero_2_keeps_a_few_bucket_slots_and_its_share_of_the_gradient(world, mp
         for name in b.slots:
             g = flat.grad_view(name)
             assert np.shares_memory(g, view) and g.size <= view.size
-    from hpctrain import memory
+    from hpctrain.observe import memory
+    from hpctrain.training.plan import memory_of
 
-    computed = memory.computed(trainer)
+    computed = memory_of(trainer.plan, trainer.model, trainer.optimizer, trainer.state.sampler)
     assert computed["grads"] == slots.buffer.nbytes + slots.owned.nbytes == 8 * (slots.size + slots.owned.size)
     assert "(zero 2: bucket slots and a 1/%d share)" % world.size in memory.describe(computed, 2, world.size)
     # the chunks are this rank's 1/size share (within an element per bucket); in all less than zero 1's
     # P (from 2 ranks on: the slots fit in the other ranks' shares), and only then no warning
     assert flat.size // world.size - len(buckets) <= slots.owned.size <= flat.size // world.size + len(buckets)
     smaller = slots.size + slots.owned.size < flat.size
-    assert smaller == (world.size > 1) and (memory.zero2_advice(trainer) is None) == smaller
+    assert smaller == (world.size > 1) and (memory.zero2_advice(trainer.plan, trainer.model.flat) is None) == smaller
     # few buckets: no slot to reuse, and the start-up warns
     few, _ = _train(_config("gpt", mpi_text_data, "adamw", allreduce, 2, steps=1, bucket_mb=0), world)
-    assert "lower dist.bucket_mb" in memory.zero2_advice(few)
+    assert "lower dist.bucket_mb" in memory.zero2_advice(few.plan, few.model.flat)
 
 
 @pytest.mark.parametrize("allreduce", ["rhd", "hierarchical", "hierarchical@1", "hierarchical@2", "shm", "auto"])
@@ -195,12 +197,12 @@ def test_zero_with_rhd_hierarchical_shm_and_auto_trains_like_zero_0(world, mpi_t
         cfg.dist.auto_cache = os.path.join(mpi_shared_dir, f"auto-{world.size}.json")  # measured once
         cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = 0.005, 0.005  # zero 2 reuses slots
         runs[stage], _ = _train(cfg, world)
-    assert runs[2].grad_slots.rotating < len(runs[2].buckets) - 1
+    assert runs[2].plan.grad_slots.rotating < len(runs[2].plan.buckets) - 1
     p0 = runs[0].model.flat.data
-    native = runs[1].allreduce.native_halves
+    native = runs[1].plan.allreduce.native_halves
     one_size = world.n_nodes == 1 or world.size % int(nodes) == 0  # 3 ranks in nodes of 2: unequal
     assert native == (allreduce == "rhd" or allreduce == "hierarchical" and one_size)
-    gather = type(runs[1].param_gather).__name__
+    gather = type(runs[1].plan.param_gather).__name__
     assert gather == ({"rhd": "RhdAllreduce", "hierarchical": "HierarchicalAllreduce"}[allreduce] if native
                       else "NaiveAllreduce")
     for stage in (1, 2):
@@ -210,33 +212,34 @@ def test_zero_with_rhd_hierarchical_shm_and_auto_trains_like_zero_0(world, mpi_t
         else:
             assert np.array_equal(runs[stage].model.flat.data, p0)
     # the traffic counted: half an all-reduce for a reduce-scatter of the strategy's own
-    bytes_1 = runs[1]._compression_metrics()["bytes_sent"]
-    dense = runs[0]._compression_metrics()["bytes_sent"]
+    bytes_1 = runs[1].stepper.comm_metrics()["bytes_sent"]
+    dense = runs[0].stepper.comm_metrics()["bytes_sent"]
     assert abs(bytes_1 - dense * (2 if native else 3) / 2) <= 3
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_info_plans_the_bytes_the_trainer_allocates(world, mpi_text_data, stage):
-    """memory.planned (info --config) builds nothing real, yet counts what a trainer allocates."""
-    from hpctrain import memory
+    """planned_memory (info --config) builds nothing real, yet counts what a trainer allocates."""
+    from hpctrain.training.plan import memory_of, planned_memory
 
     cfg = _config("gpt", mpi_text_data, "adamw", "ring", stage, steps=1, bucket_mb=0.005)
     trainer, _ = _train(cfg, world)
-    assert memory.planned(cfg, world) == memory.computed(trainer)
+    assert planned_memory(cfg, world) == memory_of(trainer.plan, trainer.model, trainer.optimizer,
+                                                    trainer.state.sampler)
 
 
 def test_info_refuses_the_head_size_a_cuda_run_refuses(world, mpi_text_data):
     """info --config with train.device = cuda (no GPU needed): a head above the CUDA attention
     kernels' limit is the error a run on cuda gives, not a plan; the CPU's plan takes any head."""
-    from hpctrain import memory
     from hpctrain.errors import ConfigError
+    from hpctrain.training.plan import planned_memory
 
     cfg = _config("gpt", mpi_text_data, "adamw", "ring", 0)
     cfg.model.n_head, cfg.model.d_model = 1, 256
-    assert memory.planned(cfg, world)["params"] > 256 * 256
+    assert planned_memory(cfg, world)["params"] > 256 * 256
     cfg.train.device = "cuda"
     with pytest.raises(ConfigError, match="head size above the CUDA attention kernels' limit of 128"):
-        memory.planned(cfg, world)
+        planned_memory(cfg, world)
 
 
 def test_zero_2_without_overlap_trains_like_zero_0(world, mpi_text_data):
@@ -245,7 +248,7 @@ def test_zero_2_without_overlap_trains_like_zero_0(world, mpi_text_data):
     cfg = _config("gpt", mpi_text_data, "adamw", "ring", 2)
     cfg.dist.overlap, cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = False, 0.005, 0.005
     zero2, _ = _train(cfg, world)
-    assert zero2.grad_slots.rotating < len(zero2.buckets) - 1  # slots are reused
+    assert zero2.plan.grad_slots.rotating < len(zero2.plan.buckets) - 1  # slots are reused
     np.testing.assert_allclose(zero2.model.flat.data, zero0.model.flat.data, rtol=1e-10, atol=1e-13)
 
 

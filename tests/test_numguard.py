@@ -1,7 +1,7 @@
 """The numerical guard: NaN/Inf and loss spikes under each policy (abort, skip, rollback).
 
 Unit tests of the verdicts, then real 2-rank jobs with a NaN (or a spike) injected
-into one rank's batch at a given step (HPCTRAIN_FAULT, hpctrain/faults.py)."""
+into one rank's batch at a given step (HPCTRAIN_FAULT, hpctrain/reliability/faults.py)."""
 
 import json
 import os
@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO
 from hpctrain.errors import EXIT_DIVERGED, TrainingDiverged
-from hpctrain.numguard import NumericGuard
+from hpctrain.reliability.numeric_guard import NumericGuard
 from mpi_jobs import env
 
 pytestmark = pytest.mark.timeout(240)
@@ -217,10 +217,10 @@ def test_skip_on_each_device_in_process(small_data, tmp_path, monkeypatch, devic
     With compression (on the device path on CUDA) the skipped step leaves its state as it was."""
     from mpi4py import MPI
 
-    from hpctrain.config import Config
+    from hpctrain.training.config import Config
     from hpctrain.device import cuda_status
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     if device == "cuda" and cuda_status()[0] == 0:
         pytest.skip("numba.cuda unusable")
@@ -232,14 +232,14 @@ def test_skip_on_each_device_in_process(small_data, tmp_path, monkeypatch, devic
     cfg.dist.compress = compress
     t = Trainer(cfg.validate(), init_world(MPI.COMM_SELF))
     before, kept = [], []
-    compute = t.compute_step
+    compute = t.stepper.run
 
-    def recording(update):
+    def recording(at, x, y, update):
         before.append(t.device.to_host(t.model.flat.data).copy())
         if t.compression is not None:
             kept.append({k: np.array(v, copy=True) for k, v in t.compression.state().items()})
-        return compute(update)
-    t.compute_step = recording
+        return compute(at, x, y, update)
+    t.stepper.run = recording
     result = t.run()
     assert result["steps"] == 4 and result["bad_steps"] == 1
     params = t.device.to_host(t.model.flat.data)

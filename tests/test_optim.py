@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hpctrain.config import OptimConfig
+from hpctrain.training.config import OptimConfig
 from hpctrain.device import CpuDevice
 from hpctrain.kernels.adamw import adamw_step
 from hpctrain.kernels.sgd import sgd_step

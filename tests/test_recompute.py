@@ -148,10 +148,10 @@ def test_mlp_activation_bytes_equal_the_arrays_held():
 def _train(text, recompute, out):
     from mpi4py import MPI
 
-    from hpctrain.config import Config
-    from hpctrain.log import Log
+    from hpctrain.training.config import Config
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     cfg = Config()
     cfg.model.kind, cfg.model.recompute = "gpt", recompute

@@ -106,7 +106,7 @@ def test_scaling_runs_a_gpt_with_tokens_per_s_and_a_per_op_table(gpt_bench):
 
 
 def test_op_table_sets_hpctrain_beside_the_peer_with_their_ratio():
-    from hpctrain import bench_report
+    from hpctrain.observe import bench_report
 
     def row(trainer, ops, exposed):
         return {"trainer": trainer, "model": "g", "mode": "weak", "ranks": 2, "global_batch": 8, "per_rank_batch": 4,
@@ -127,7 +127,7 @@ def test_op_table_sets_hpctrain_beside_the_peer_with_their_ratio():
 
 
 def test_bench_report_reads_a_json_from_before_the_gpt():
-    from hpctrain import bench_report
+    from hpctrain.observe import bench_report
 
     doc = {"machine": {"cores": 2}, "args": {"batch": 32, "strong_batch": 64},
            "models": {"m": {"dim": 8, "hidden": [16], "classes": 10, "params": 314}},   # no kind, no batches
@@ -182,7 +182,7 @@ def test_bench_report_joins_the_parts_of_a_job_array(bench, tmp_path):
 
 
 def test_ceiling_compares_hpctrain_with_independent_runs_at_the_same_ranks():
-    from hpctrain import bench_report
+    from hpctrain.observe import bench_report
 
     def row(trainer, ranks, step_ms, mode="weak"):
         return {"trainer": trainer, "model": "m", "mode": mode, "ranks": ranks, "global_batch": 100 * ranks,

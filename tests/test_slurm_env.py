@@ -1,4 +1,4 @@
-"""hpctrain.slurm without a cluster: what a job's environment says, the per-job checkpoint
+"""hpctrain.reliability.slurm without a cluster: what a job's environment says, the per-job checkpoint
 directory, tasks per node of an srun step; and late stop signals after a finished run."""
 
 import os
@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from hpctrain import slurm
-from hpctrain.ckpt.signals import StopSignal
+from hpctrain.reliability import slurm
+from hpctrain.reliability.signals import StopSignal
 from hpctrain.runtime import launched_ranks_on_node
 
 JOB = {"SLURM_JOB_ID": "1234", "SLURM_JOB_NAME": "hpctrain", "SLURM_JOB_NODELIST": "n[1-2]",

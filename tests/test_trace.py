@@ -103,14 +103,14 @@ def test_unwritable_trace_directory_is_one_clear_error(small_data, tmp_path):
 
 
 def test_tracing_off_leaves_no_tracer(small_data, tmp_path):
-    from hpctrain.config import load_config
-    from hpctrain.log import Log, Timers
+    from hpctrain.training.config_load import load_config
+    from hpctrain.observe.log import Log, Timers
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
     from mpi4py import MPI
 
     cfg = load_config(None, [f"data.train={small_data[0]}", "model.hidden=[8]", "train.global_batch=32",
                              f"checkpoint.dir={tmp_path}"])
     trainer = Trainer(cfg, init_world(MPI.COMM_SELF), Log(False))
-    assert trainer.tracer is None and trainer.model.tracer is None and trainer.comm.tracer is None
+    assert trainer.tracer is None and trainer.model.tracer is None and trainer.stepper.reducer.tracer is None
     assert type(trainer.timers) is Timers

@@ -1,6 +1,6 @@
 """A tiny GPT config for the MPI tests of compression (and whatever else wants a GPT in seconds)."""
 
-from hpctrain.config import Config
+from hpctrain.training.config import Config
 
 B = 12  # global batch in windows: divisible by 1, 2, 3 and 4 ranks
 

@@ -4,7 +4,7 @@ A peer (torch_ddp.py: the MLP; torch_gpt.py: the GPT) is one function
 ``build(cfg, world, resume, dtype) -> PeerModel``, handed to :func:`main`,
 which does the rest the same way for both:
 
-* flags: hpctrain's own ``--config`` / ``--set`` (``hpctrain.config``), ``--resume FILE`` (a step-0
+* flags: hpctrain's own ``--config`` / ``--set`` (``hpctrain.training.config``), ``--resume FILE`` (a step-0
   checkpoint of ``benchmarks/peers/init_checkpoint.py``), ``--trace DIR``;
 * threads: ``torch.set_num_threads`` = hpctrain's per-rank share (cores / ranks on the node,
   ``OMP_NUM_THREADS`` if set), one inter-op thread;
@@ -154,9 +154,9 @@ def main(name: str, kind: str, doc: str, build, argv=None) -> int:
                   file=sys.stderr)
         return EXIT_SKIPPED
 
-    from hpctrain.config import load_config
+    from hpctrain.training.config_load import load_config
     from hpctrain.errors import UserError
-    from hpctrain.log import Metrics, Timers
+    from hpctrain.observe.log import Metrics, Timers
     from hpctrain.optim import LRSchedule, peak_lr
     from hpctrain.runtime import init_world
 

@@ -54,11 +54,11 @@ def main(argv=None) -> int:
     limit_threads_per_rank()
     from mpi4py import MPI
 
-    from hpctrain.config import load_config
+    from hpctrain.training.config_load import load_config
     from hpctrain.errors import UserError
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     everyone = MPI.COMM_WORLD
     rank, size = everyone.Get_rank(), everyone.Get_size()

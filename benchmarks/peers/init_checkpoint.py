@@ -29,11 +29,11 @@ def main(argv=None) -> int:
     from hpctrain.runtime import limit_threads_per_rank
 
     limit_threads_per_rank()
-    from hpctrain.config import load_config
+    from hpctrain.training.config_load import load_config
     from hpctrain.errors import UserError
-    from hpctrain.log import Log
+    from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
-    from hpctrain.train import Trainer
+    from hpctrain.training.trainer import Trainer
 
     world = init_world()
     # no resume, metrics or trace; no eval file (it is not needed to build the model)
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
                        'train.trace=""', 'data.eval=""', "train.target_accuracy=0", "checkpoint.keep_last=0"]
     try:
         trainer = Trainer(load_config(args.config, sets), world, Log(False))
-        path = trainer.checkpoints.save(trainer)
+        path = trainer.checkpoints.save(trainer.state)
     except UserError as exc:
         if world.is_root:
             print(f"init_checkpoint: error: {exc}", file=sys.stderr)

@@ -47,21 +47,21 @@ class SavedCompress(NamedTuple):
     grad_accum_steps: int = 1  # residuals are sums of this many micro-batches' gradients
 
 
-def compression_rows(trainer) -> list[tuple[str, np.ndarray]]:
-    """This rank's row of each /compress/<key> dataset, as (path, row).
+def compression_rows(comp, world) -> list[tuple[str, np.ndarray]]:
+    """This rank's row of each /compress/<key> dataset of the compressors' state ``comp`` (a
+    :class:`~hpctrain.comm.compression.GradientCompression`, or None), as (path, row).
 
-    Collective (an all-gather of names and shapes): every rank must create the
+    Collective over ``world.comm`` (an all-gather of names and shapes): every rank must create the
     same datasets, but ranks may hold different keys (scope inter: only ranks
     that send across nodes have residuals) or lengths differing by one (chunks
     of a bucket). So the union of keys is written, each row zero-padded to the
     largest shape, and /compress/lengths (world, keys) keeps each row's true
     element count (0: this rank had no such state).
     """
-    comp = getattr(trainer, "compression", None)
     if comp is None:
         return []
     mine = {k: np.asarray(v, np.float32) for k, v in comp.state().items()}
-    everyone = trainer.world.comm.allgather({k: v.shape for k, v in mine.items()})
+    everyone = world.comm.allgather({k: v.shape for k, v in mine.items()})
     keys = sorted(set().union(*everyone))
     rows = []
     for k in keys:
@@ -77,28 +77,27 @@ def compression_rows(trainer) -> list[tuple[str, np.ndarray]]:
     return rows
 
 
-def restore_compression(trainer, own_rows: dict, saved_world: int, saved_compress, log, across_ranks: dict) -> None:
-    """Load the compressor state of a checkpoint into ``trainer.compression`` by the rules above.
+def restore_compression(comp, cfg, world: int, own_rows: dict, saved_world: int, saved_compress, log,
+                        across_ranks: dict) -> None:
+    """Load the compressor state of a checkpoint into ``comp`` (None: nothing to do) by the rules
+    above, for this run's config ``cfg`` at world size ``world``.
 
     ``own_rows``: this rank's row of each per-rank dataset (absent beyond the saved world);
     ``across_ranks`` (read at another world size only): the mean row of each float /compress
     dataset and every row of /compress/lengths; ``saved_compress``: a :class:`SavedCompress`
     (or its leading fields as a tuple)."""
-    comp = getattr(trainer, "compression", None)
     if comp is None:
         return
     # whatever is not restored starts from zero: a rollback must not keep the state of the steps it
     # undoes (a NaN residual from the bad step, or velocities past a checkpoint saved before compression)
     comp.load_state({})
-    world = trainer.world.size
     names = own_rows if saved_world == world else across_ranks
     keys = sorted(p[len("/compress/"):] for p in names if p.startswith("/compress/") and p != LENGTHS)
     if not keys:
         return
-    cfg = trainer.cfg.dist
     saved = SavedCompress(*(saved_compress or ()))
-    now = SavedCompress(cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum,
-                        trainer.cfg.train.grad_accum_steps)
+    k, cfg = cfg.train.grad_accum_steps, cfg.dist
+    now = SavedCompress(cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum, k)
     factor = now.grad_accum_steps / saved.grad_accum_steps
     why = None
     if saved[:4] != now[:4]:

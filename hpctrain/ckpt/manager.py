@@ -1,16 +1,17 @@
 """When to save, where, what to resume from, and how many checkpoints to keep.
 
-``CheckpointManager`` is built by the trainer on every rank (all of its
-methods that touch files or MPI are collective):
+``CheckpointManager`` is built by the trainer on every rank from the run's plan (all of its
+methods that touch files or MPI are collective); what it saves and loads is a
+:class:`~hpctrain.training.state.TrainingState`:
 
-  * ``resume(trainer)``: ``checkpoint.resume`` = "" (fresh start), "auto" (the
+  * ``resume(state)``: ``checkpoint.resume`` = "" (fresh start), "auto" (the
     newest checkpoint in ``checkpoint.dir`` that verifies; corrupt or truncated
     ones are skipped with a warning; no checkpoint means a fresh start, but if
     there are some and none verifies the run stops rather than lose them) or a
     path;
   * ``due(step)``: every ``every_steps`` steps; ``every_minutes`` is judged by
     rank 0's clock and agreed in the trainer's per-step all-reduce;
-  * ``save(trainer)``: an atomic parallel write (:mod:`.write`), then rank 0
+  * ``save(state)``: an atomic parallel write (:mod:`.write`), then rank 0
     deletes checkpoints older than it beyond ``keep_last`` (never newer ones).
 """
 
@@ -22,7 +23,7 @@ import time
 import tomllib
 
 from ..errors import UserError
-from ..guard import agree
+from ..reliability.fail_together import agree
 from .compress_state import SavedCompress
 from .format import list_checkpoints
 from .read import CorruptCheckpoint, load_checkpoint
@@ -31,8 +32,12 @@ from .write import write_checkpoint
 
 
 class CheckpointManager:
-    def __init__(self, cfg, world, log):
-        self.cfg, self.c, self.world, self.log = cfg, cfg.checkpoint, world, log
+    """Saves, resumes and rolls back the training state of the run ``plan`` lays out. ``hooks``:
+    the tests' fault hooks for saves (:class:`~hpctrain.reliability.faults.Faults`), or None."""
+
+    def __init__(self, plan, log, hooks=None):
+        self.plan, self.cfg, self.world, self.log, self.hooks = plan, plan.cfg, plan.world, log, hooks
+        self.c = self.cfg.checkpoint
         self.directory = self.c.dir
         self.clock = time.monotonic  # rank 0's clock for every_minutes (tests substitute one)
         self._last_save = self.clock()
@@ -49,22 +54,22 @@ class CheckpointManager:
         return bool(self.c.every_minutes) and self.clock() - self._last_save >= 60.0 * self.c.every_minutes
 
     # ---- save ---------------------------------------------------------------------
-    def save(self, trainer) -> str:
+    def save(self, state) -> str:
         t0 = time.perf_counter()
-        epoch = trainer.sampler.position(trainer.step)[0]
+        epoch = state.sampler.position(state.step)[0]
         attrs = {"epoch": epoch, "config": self.cfg.to_toml(), "optimizer": self.cfg.optim.name,
                  "dtype": self.cfg.train.dtype, "compress": self.cfg.dist.compress,
                  "compress_scope": self.cfg.dist.compress_scope, "tensor_parallel": self.cfg.dist.tensor_parallel}
-        path = write_checkpoint(self.directory, trainer.step, training_state(trainer), attrs, self.world,
+        path = write_checkpoint(self.directory, state.step, training_state(state, self.plan), attrs, self.world,
                                 log=self.log, collective=self.c.collective_io,
-                                writers_per_node=self.c.writers_per_node)
+                                writers_per_node=self.c.writers_per_node, hooks=self.hooks)
         if self.world.is_root:
-            self._prune(trainer.step)
+            self._prune(state.step)
         self.world.comm.Barrier()  # nobody returns while rank 0 may still delete
         self._last_save = self.clock()
-        self.saved_step, self.saved_path = trainer.step, path
+        self.saved_step, self.saved_path = state.step, path
         self.save_seconds = time.perf_counter() - t0
-        self.log.info(f"checkpoint: saved {path} (step {trainer.step}, {self.save_seconds:.2f} s)")
+        self.log.info(f"checkpoint: saved {path} (step {state.step}, {self.save_seconds:.2f} s)")
         return path
 
     def _prune(self, saved: int):
@@ -81,7 +86,7 @@ class CheckpointManager:
                 self.log.warn(f"could not delete old checkpoint {path}: {exc.strerror or exc}")
 
     # ---- resume -------------------------------------------------------------------
-    def resume(self, trainer) -> None:
+    def resume(self, state) -> None:
         spec, world, log = self.c.resume, self.world, self.log
         if world.is_root:
             self._remove_stale_temporaries()
@@ -111,10 +116,10 @@ class CheckpointManager:
                 skipped.append(path)
                 continue
             saved_compress = _saved_compress(loaded.attrs)
-            agree(world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, log, saved_compress,
-                  loaded.across_ranks)
-            self.saved_step, self.saved_path = trainer.step, path
-            log.info(f"checkpoint: resumed from {path} at step {trainer.step} (saved by "
+            agree(world, restore, state, self.plan, loaded.full, loaded.own_rows, loaded.world_size, log,
+                  saved_compress, loaded.across_ranks)
+            self.saved_step, self.saved_path = state.step, path
+            log.info(f"checkpoint: resumed from {path} at step {state.step} (saved by "
                      f"{loaded.world_size} rank(s), hpctrain {loaded.attrs.get('hpctrain_version')})")
             return
         err = UserError(f"checkpoint.dir {self.directory!r} holds {len(skipped)} checkpoint(s) and none verifies "
@@ -124,13 +129,13 @@ class CheckpointManager:
         err.agreed = True  # every rank reached the same verdicts
         raise err
 
-    def rollback(self, trainer) -> None:
+    def rollback(self, state) -> None:
         """Reload the newest checkpoint this run saved or loaded (guard.nonfinite = rollback). Collective."""
         loaded = load_checkpoint(self.saved_path, self.world)
         saved_compress = _saved_compress(loaded.attrs)
-        agree(self.world, restore, trainer, loaded.full, loaded.own_rows, loaded.world_size, self.log,
+        agree(self.world, restore, state, self.plan, loaded.full, loaded.own_rows, loaded.world_size, self.log,
               saved_compress, loaded.across_ranks)
-        self.log.info(f"guard: rolled back to {self.saved_path} (step {trainer.step})")
+        self.log.info(f"guard: rolled back to {self.saved_path} (step {state.step})")
 
     def _remove_stale_temporaries(self):
         """Temporary files of saves that crashed: never checkpoints, safe to delete before we write."""

@@ -106,35 +106,36 @@ def _check_replicas(drifted: list) -> None:
                            "tensor rank's copy): " + "; ".join(drifted))
 
 
-def training_state(trainer) -> list[Entry]:
-    """Every array of ``trainer`` that a bit-exact restart needs, in file order. Parameters and
-    optimizer state are logical arrays: a ZeRO share or a tensor-parallel piece is gathered
-    (collectives), so the file does not depend on how the run was split."""
-    dev, flat, opt, sampler, cfg = trainer.device, trainer.model.flat, trainer.optimizer, trainer.sampler, trainer.cfg
+def training_state(state, plan) -> list[Entry]:
+    """Every array of ``state`` (a :class:`~hpctrain.training.state.TrainingState`) that a bit-exact
+    restart needs, in file order. Parameters and optimizer state are logical arrays: a ZeRO share or
+    a tensor-parallel piece is gathered (collectives over ``plan``'s groups), so the file does not
+    depend on how the run was split."""
+    dev, flat, opt, sampler, cfg = plan.device, state.model.flat, state.optimizer, state.sampler, plan.cfg
     drifted = []
-    entries = _slot_entries("model", trainer.model, dev.to_host, flat.data, dev.dtype, drifted)
+    entries = _slot_entries("model", state.model, dev.to_host, flat.data, dev.dtype, drifted)
     for state_name, buf in opt.state().items():
         to_host = dev.to_host
         if getattr(opt, "shards", None) is not None:  # ZeRO-1: the whole state assembled on the host (collective)
-            buf, to_host = opt.shards.gather(trainer.dp.comm, dev.to_host(buf), flat.size), np.asarray
-        entries += _slot_entries(f"optim/{state_name}", trainer.model, to_host, buf, dev.dtype, drifted)
-    if getattr(trainer.model, "tensor_layout", None) is not None:
-        from ..guard import agree
+            buf, to_host = opt.shards.gather(plan.dp.comm, dev.to_host(buf), flat.size), np.asarray
+        entries += _slot_entries(f"optim/{state_name}", state.model, to_host, buf, dev.dtype, drifted)
+    if getattr(state.model, "tensor_layout", None) is not None:
+        from ..reliability.fail_together import agree
 
-        agree(trainer.world, _check_replicas, drifted)  # one verdict on every rank, before any writing
+        agree(plan.world, _check_replicas, drifted)  # one verdict on every rank, before any writing
     entries.append(_host_entry("/optim/step_count", np.array([getattr(opt, "t", 0)], np.int64)))
-    epoch, in_epoch = sampler.position(trainer.step)
+    epoch, in_epoch = sampler.position(state.step)
     entries.append(_host_entry("/data/position", np.array(
-        [trainer.step, epoch, in_epoch, cfg.train.global_batch, cfg.data.shuffle_seed, sampler.n], np.int64)))
-    entries.append(_host_entry("/rng/pcg64", rng_to_array(trainer.rng), per_rank=True))
-    entries += [_host_entry(path, row, per_rank=True) for path, row in compression_rows(trainer)]
+        [state.step, epoch, in_epoch, cfg.train.global_batch, cfg.data.shuffle_seed, sampler.n], np.int64)))
+    entries.append(_host_entry("/rng/pcg64", rng_to_array(state.rng), per_rank=True))
+    entries += [_host_entry(path, row, per_rank=True) for path, row in compression_rows(state.compression, plan.world)]
     return entries
 
 
-def check_compatible(trainer, shapes: dict) -> None:
+def check_compatible(state, cfg, shapes: dict) -> None:
     """Raise :class:`IncompatibleCheckpoint` listing every parameter whose shape differs or is missing."""
-    flat, problems = trainer.model.flat, []
-    logical = getattr(trainer.model, "logical_shape", lambda s: s.shape)
+    flat, problems = state.model.flat, []
+    logical = getattr(state.model, "logical_shape", lambda s: s.shape)
     want = {parameter_path("model", s.name): tuple(logical(s)) for s in flat.slots}
     for path, shape in want.items():
         if path not in shapes:
@@ -145,27 +146,29 @@ def check_compatible(trainer, shapes: dict) -> None:
     problems += [f"{p}: in the checkpoint, not in the model" for p in extra]
     fresh = "or start fresh (--resume '' or another checkpoint.dir)"
     if problems:  # the model knows which of its settings (or its data's shape) the shapes come from
-        raise IncompatibleCheckpoint(f"the checkpoint does not fit this model ({trainer.cfg.model.kind}: its "
-                                     f"settings or its data's shape differ); {trainer.model.checkpoint_hint(shapes)}, "
+        raise IncompatibleCheckpoint(f"the checkpoint does not fit this model ({cfg.model.kind}: its "
+                                     f"settings or its data's shape differ); {state.model.checkpoint_hint(shapes)}, "
                                      f"{fresh}:\n  " + "\n  ".join(problems))
-    for state_name in trainer.optimizer.state():
+    for state_name in state.optimizer.state():
         missing = [s.name for s in flat.slots if parameter_path(f"optim/{state_name}", s.name) not in shapes]
         if missing:
             saved = [n for n, states in OPTIMIZER_STATES.items()
                      if all(parameter_path(f"optim/{s}", missing[0]) in shapes for s in states)]
             name = f"optim.name={saved[0]}" if saved else "the optim.name it was saved with"
             raise IncompatibleCheckpoint(f"the checkpoint has no optimizer state {state_name!r} for optim.name="
-                                         f"{trainer.cfg.optim.name!r}: it was saved with another optimizer; resume "
+                                         f"{cfg.optim.name!r}: it was saved with another optimizer; resume "
                                          f"with --set {name}, {fresh}")
 
 
-def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_compress=None,
+def restore(state, plan, full: dict, own_rows: dict, saved_world: int, log, saved_compress=None,
             across_ranks=None) -> None:
-    """Load arrays read by :func:`~hpctrain.ckpt.read.load_checkpoint` into ``trainer``
-    (``across_ranks``: its :attr:`~hpctrain.ckpt.read.LoadedCheckpoint.across_ranks`)."""
-    check_compatible(trainer, {p: a.shape for p, a in full.items()})
-    dev, flat, opt = trainer.device, trainer.model.flat, trainer.optimizer
-    layout = getattr(trainer.model, "tensor_layout", None)
+    """Load arrays read by :func:`~hpctrain.ckpt.read.load_checkpoint` into ``state`` (a
+    :class:`~hpctrain.training.state.TrainingState`, laid out by ``plan``; ``across_ranks``: the
+    :attr:`~hpctrain.ckpt.read.LoadedCheckpoint.across_ranks`)."""
+    cfg, world = plan.cfg, plan.world
+    check_compatible(state, cfg, {p: a.shape for p, a in full.items()})
+    dev, flat, opt = plan.device, state.model.flat, state.optimizer
+    layout = getattr(state.model, "tensor_layout", None)
     mine = (lambda name, a: a) if layout is None else layout.local  # noqa: E731  (this rank's piece)
     for s in flat.slots:
         dev.copy_from_host(flat.view(flat.data, s.name), mine(s.name, full[parameter_path("model", s.name)]))
@@ -180,26 +183,25 @@ def restore(trainer, full: dict, own_rows: dict, saved_world: int, log, saved_co
     if hasattr(opt, "t"):
         opt.t = int(full["/optim/step_count"][0])
     position = dict(zip(POSITION_FIELDS, (int(v) for v in full["/data/position"])))
-    trainer.step = position["global_step"]
-    cfg = trainer.cfg
-    if (position["shuffle_seed"], position["n_samples"]) != (cfg.data.shuffle_seed, trainer.sampler.n):
+    state.step = position["global_step"]
+    if (position["shuffle_seed"], position["n_samples"]) != (cfg.data.shuffle_seed, state.sampler.n):
         log.warn(f"the checkpoint was saved with data.shuffle_seed={position['shuffle_seed']} on "
-                 f"{position['n_samples']} samples, this run has {cfg.data.shuffle_seed} on {trainer.sampler.n}: "
+                 f"{position['n_samples']} samples, this run has {cfg.data.shuffle_seed} on {state.sampler.n}: "
                  f"the data order differs from the saved run's from here on (not a bit-exact continuation)")
     saved_dtype = full[parameter_path("model", flat.slots[0].name)].dtype
     if saved_dtype != np.dtype(dev.dtype):
         log.warn(f"the checkpoint holds {saved_dtype} parameters, this run computes in {np.dtype(dev.dtype)}: "
                  f"parameters and optimizer state are cast")
-    if position["global_batch"] != trainer.cfg.train.global_batch:
+    if position["global_batch"] != cfg.train.global_batch:
         log.warn(f"the checkpoint was saved with train.global_batch={position['global_batch']}, this run uses "
-                 f"{trainer.cfg.train.global_batch}: the data order continues from step {trainer.step} of the new "
+                 f"{cfg.train.global_batch}: the data order continues from step {state.step} of the new "
                  f"batch size, so some samples of the current epoch may repeat or be skipped")
     rng = own_rows.get("/rng/pcg64")
-    trainer.rng = rng_from_array(rng) if rng is not None else fresh_rng(trainer.cfg.train.seed, trainer.world.rank,
-                                                                        trainer.step)
-    restore_compression(trainer, own_rows, saved_world, saved_compress, log, across_ranks or {})
-    if saved_world != trainer.world.size:
-        log.info(f"resharded from {saved_world} to {trainer.world.size} rank(s): parameters and optimizer state "
-                 f"re-sliced; per-rank state (RNG) kept for ranks < {min(saved_world, trainer.world.size)}"
-                 + (f", fresh for ranks >= {saved_world}" if trainer.world.size > saved_world else
-                    f", dropped for saved ranks >= {trainer.world.size}"))
+    state.rng = rng_from_array(rng) if rng is not None else fresh_rng(cfg.train.seed, world.rank, state.step)
+    restore_compression(state.compression, cfg, world.size, own_rows, saved_world, saved_compress, log,
+                        across_ranks or {})
+    if saved_world != world.size:
+        log.info(f"resharded from {saved_world} to {world.size} rank(s): parameters and optimizer state "
+                 f"re-sliced; per-rank state (RNG) kept for ranks < {min(saved_world, world.size)}"
+                 + (f", fresh for ranks >= {saved_world}" if world.size > saved_world else
+                    f", dropped for saved ranks >= {world.size}"))

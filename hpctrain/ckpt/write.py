@@ -26,15 +26,14 @@ checkpoint, and the previous checkpoints untouched. Without an MPI-enabled
 h5py the same file is written by rank 0 alone (per-rank rows gathered to it),
 with one warning.
 
-Fault injection for the tests: ``HPCTRAIN_CKPT_WRITE_DELAY_S`` sleeps between
-the data writes and the commit (only in the save of step
-``HPCTRAIN_CKPT_DELAY_STEP`` when that is set).
+Test hooks enter through ``hooks`` (a :class:`~hpctrain.reliability.faults.Faults`, the one
+seam that reads them): ``before_commit(step)`` between the data writes and the commit, and
+``before_close(step, rank)`` just before the file's collective close.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import numpy as np
@@ -59,13 +58,14 @@ def mpi_hdf5() -> bool:
 
 
 def write_checkpoint(directory: str, step: int, entries, attrs: dict, world, log=None,
-                     collective: bool = False, writers_per_node: int = 0) -> str:
+                     collective: bool = False, writers_per_node: int = 0, hooks=None) -> str:
     """Write ``entries`` (see :mod:`.state`) as checkpoint ``step`` in ``directory``; returns its path.
 
     ``attrs``: extra root attributes (epoch, config text, ...), identical on
     every rank. ``collective``: MPI-IO collective transfers for the data
     writes (default independent: each rank's slices are large and contiguous).
     ``writers_per_node`` k > 0: k ranks per node write the data (:mod:`.aggregate`).
+    ``hooks``: the tests' fault hooks (see the module docstring), or None.
     Collective over ``world.comm``; raises :class:`CheckpointWriteError` on
     every rank if any rank failed.
     """
@@ -86,7 +86,8 @@ def write_checkpoint(directory: str, step: int, entries, attrs: dict, world, log
     attrs = dict(attrs, created=comm.bcast(time.strftime("%Y-%m-%dT%H:%M:%S%z") if rank == 0 else None, root=0))
     if err is None:  # an agreed error is the same object text on every rank: agree once per stage
         write = _write_parallel if parallel else _write_serial
-        err = _agree(comm, write(tmp, step, entries, attrs, world, collective, writers_per_node))
+        err = _agree(comm, write(tmp, step, entries, attrs, world, collective, writers_per_node,
+                                  hooks or _NO_HOOKS))
         if err is None:
             if rank == 0:
                 try:
@@ -160,7 +161,7 @@ def _create(f, plan):
     return dsets
 
 
-def _write_parallel(tmp, step, entries, attrs, world, collective, writers_per_node):
+def _write_parallel(tmp, step, entries, attrs, world, collective, writers_per_node, hooks):
     """The parallel write; returns an error agreed by every rank, or None.
 
     Every stage that makes collective calls (open, dataset creation, attributes,
@@ -200,7 +201,7 @@ def _write_parallel(tmp, step, entries, attrs, world, collective, writers_per_no
         if err is None:
             try:
                 parts = _checksums(blocks)
-                _inject_delay(step)
+                hooks.before_commit(step)
             except Exception as exc:  # noqa: BLE001
                 err = exc
         del blocks
@@ -215,7 +216,7 @@ def _write_parallel(tmp, step, entries, attrs, world, collective, writers_per_no
                 f.attrs["complete"] = True
             except Exception as exc:  # noqa: BLE001
                 err = exc
-        _inject_stop(step, world.rank)
+        hooks.before_close(step, world.rank)
     try:
         f.close()
     except Exception as exc:  # noqa: BLE001
@@ -258,7 +259,7 @@ def _agreed_error(text):
     return err
 
 
-def _write_serial(tmp, step, entries, attrs, world, collective=False, writers_per_node=0):
+def _write_serial(tmp, step, entries, attrs, world, collective, writers_per_node, hooks):
     import h5py
 
     comm, rank, size = world.comm, world.rank, world.size
@@ -285,7 +286,7 @@ def _write_serial(tmp, step, entries, attrs, world, collective=False, writers_pe
                     full = np.ascontiguousarray(e.rows(0, d.shape[0]), dtype=e.dtype)
                 d[...] = full
                 d.attrs["crc32"] = np.uint32(crc32_of(full))
-            _inject_delay(step)
+            hooks.before_commit(step)
             f.attrs["complete"] = True
         fsync(tmp)
     except Exception as exc:  # noqa: BLE001 - agreed on by the caller
@@ -304,22 +305,17 @@ def _agree(comm, err):
     return None
 
 
-def _inject_delay(step):
-    delay = float(os.environ.get("HPCTRAIN_CKPT_WRITE_DELAY_S", "0") or 0)
-    only = os.environ.get("HPCTRAIN_CKPT_DELAY_STEP", "")
-    if delay > 0 and (not only or int(only) == step):
-        time.sleep(delay)
+class _NoHooks:
+    """No test hooks (a save outside the tests)."""
+
+    def before_commit(self, step):
+        pass
+
+    def before_close(self, step, rank):
+        pass
 
 
-def _inject_stop(step, rank):
-    """Test hook: ``HPCTRAIN_CKPT_STOP_RANK=R`` stops rank R (SIGSTOP) here, at the save of
-    ``HPCTRAIN_CKPT_DELAY_STEP`` (any save when unset): a node lost mid-save, while the other ranks go
-    on into HDF5's collective close and wait for it there (h5py releases the GIL meanwhile, so their
-    watchdog threads run)."""
-    victim = os.environ.get("HPCTRAIN_CKPT_STOP_RANK", "")
-    only = os.environ.get("HPCTRAIN_CKPT_DELAY_STEP", "")
-    if victim and int(victim) == rank and (not only or int(only) == step):
-        os.kill(os.getpid(), signal.SIGSTOP)
+_NO_HOOKS = _NoHooks()
 
 
 def _remove_quietly(path):

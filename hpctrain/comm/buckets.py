@@ -122,7 +122,7 @@ class BucketedAllreduce:
         self._may_inline = bool(buckets) and (one_core or self._views[-1].nbytes <= INLINE_MAX_BYTES)
         self.comm_s = self.exposed_s = 0.0
         self.bytes = sum(v.nbytes for v in self._views)
-        self.tracer, self.trace_args = None, {}  # set by the trainer when tracing (hpctrain.trace)
+        self.tracer, self.trace_args = None, {}  # set by the trainer when tracing (hpctrain.observe.trace)
 
     claim = None         # ZeRO-2's hook before backward writes gradients (hpctrain.comm.zero_grads)
     every_micro = False  # True: backward feeds the buckets in every micro-batch, each writing afresh

@@ -26,18 +26,51 @@ from __future__ import annotations
 import numpy as np
 
 
+# The fix, named wherever CuPy is missing or unusable; setup.cfg's gpu extra says why cupy-cuda12x
+# on a CUDA 13 driver too.
+CUPY_FIX = ("run `bash scripts/setup.sh` on a GPU node (it installs CuPy where nvidia-smi lists a GPU), "
+            "or `pip install 'cupy-cuda12x[ctk]>=14'` into the venv")
+
+
+def cupy_found() -> tuple[str, str]:
+    """(CuPy's version, "") when CuPy imports and was built for a CUDA major version the driver
+    runs, else ("", why not). Creates no CUDA context (``info`` calls it on every rank); a cuBLAS
+    that fails to load shows only in :func:`cupy_status`."""
+    try:
+        import cupy
+    except ModuleNotFoundError as exc:
+        if exc.name == "cupy":
+            return "", "CuPy is not installed"
+        return "", f"CuPy does not import ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # noqa: BLE001 - a broken CuPy (a missing CUDA library) is a status
+        return "", f"CuPy does not import ({type(exc).__name__}: {exc})"
+    try:
+        # both are version queries: neither creates a context. 12080 is CUDA 12.8
+        built, driver = cupy.cuda.runtime.runtimeGetVersion(), cupy.cuda.runtime.driverGetVersion()
+    except Exception as exc:  # noqa: BLE001
+        return "", f"CuPy {cupy.__version__} cannot load its CUDA runtime ({type(exc).__name__}: {exc})"
+    if built // 1000 > driver // 1000:
+        return "", (f"CuPy {cupy.__version__} is built for CUDA {built // 1000}, the driver runs CUDA "
+                    f"{driver // 1000}.{driver % 1000 // 10}")
+    return cupy.__version__, ""
+
+
 def cupy_status(gpu: int = 0) -> tuple[bool, str]:
-    """(whether CuPy imports and its cuBLAS multiplies on GPU ``gpu``, why not)."""
+    """(whether CuPy imports and its cuBLAS multiplies on GPU ``gpu``, why not). Creates the
+    context on ``gpu``: the device calls it when it is made."""
+    version, why = cupy_found()
+    if not version:
+        return False, why
     try:
         import cupy
 
         with cupy.cuda.Device(gpu):  # on the rank's own GPU: no context on GPU 0 for every rank
             a = cupy.ones((2, 2), cupy.float32)
             if float((a @ a)[0, 0]) != 2.0:  # loads cuBLAS: a broken install fails here, not at step 1
-                return False, "CuPy's cuBLAS gave a wrong product"
+                return False, f"CuPy {version}'s cuBLAS gave a wrong product"
         return True, ""
-    except Exception as exc:  # noqa: BLE001 - a missing or broken CuPy is a status
-        return False, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a missing or broken cuBLAS is a status
+        return False, f"CuPy {version} cannot multiply on GPU {gpu} ({type(exc).__name__}: {exc})"
 
 
 def _c_strides(shape, itemsize):

@@ -1,6 +1,6 @@
 """Finiteness check: does a buffer hold only finite numbers (no NaN, no +-Inf)?
 
-The numerical guard (:mod:`hpctrain.numguard`) asks it of every averaged
+The numerical guard (:mod:`hpctrain.reliability.numeric_guard`) asks it of every averaged
 gradient bucket, on the communication thread right after the bucket's
 all-reduce, so it must cost about one read of the bucket.
 """

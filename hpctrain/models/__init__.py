@@ -30,7 +30,7 @@ and its model offers (the trainer, checkpoints and optimizer use nothing else):
   flops_per_row        model FLOPs of one row's forward + backward (for MFU), or 0 when not counted
   activation_bytes(rows)   bytes of the activations a micro-batch of ``rows`` rows keeps for backward
   checkpoint_hint(shapes)  the fix to print when a checkpoint's parameter shapes do not fit
-  tracer               an hpctrain.trace.Tracer or None (spans per layer)
+  tracer               an hpctrain.observe.trace.Tracer or None (spans per layer)
   tensor_layout        a TensorLayout (split parameters and their logical arrays) or None: optional
 """
 

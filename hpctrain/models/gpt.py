@@ -175,7 +175,7 @@ class GPT:
         self.tensor_layout = None if tensor is None else TensorLayout(tensor, {
             s.name: split for s in self.flat.slots if (split := _tensor_split(s.name))})
         self._bind()
-        self.tracer = None  # an hpctrain.trace.Tracer: a span per block in forward and backward
+        self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per block in forward and backward
         self._dres = {}
 
     def _bind(self):

@@ -79,7 +79,7 @@ class MLP:
         self.flat = FlatParams(device, [p for layer in self.layers for p in layer.params])
         for layer in self.layers:
             layer.bind(self.flat)
-        self.tracer = None  # an hpctrain.trace.Tracer: a span per layer in forward and backward
+        self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per layer in forward and backward
 
     def activation_bytes(self, rows: int) -> int:
         """Bytes of the activation arrays a micro-batch of ``rows`` rows keeps from forward to

@@ -1,7 +1,10 @@
-"""Fault injection for the reliability tests: ``HPCTRAIN_FAULT=KIND:STEP[:RANK][,...]``.
+"""Fault injection for the reliability tests: the one seam through which test hooks enter a run.
 
-Read once when a trainer is built; unset (the normal case) it costs one
-dictionary lookup per step. Kinds, each acting on rank RANK (default 0) just
+Every hook is read from the environment here, once, when a trainer is built (no production
+path reads the environment for them); unset (the normal case) they cost one dictionary lookup
+per step and two method calls per checkpoint save.
+
+``HPCTRAIN_FAULT=KIND:STEP[:RANK][,...]``: kinds, each acting on rank RANK (default 0) just
 before global step STEP's forward pass (STEP ``start``: at the start of the
 trainer's start-up, before its first collective; only raise, segv and hang):
 
@@ -12,18 +15,27 @@ trainer's start-up, before its first collective; only raise, segv and hang):
   hang   the rank sleeps in Python forever (busy elsewhere: the watchdog must
          say "not in a collective")
 
-Killing or stopping a rank is done from outside by the tests (kill -9,
+Checkpoint saves (:func:`hpctrain.ckpt.write.write_checkpoint` calls the two hooks):
+
+  HPCTRAIN_CKPT_WRITE_DELAY_S=S  sleep S s between a save's data writes and its commit (a save
+                                 held open, so a test can kill the job inside it)
+  HPCTRAIN_CKPT_STOP_RANK=R      rank R stops itself (SIGSTOP) just before the file's collective
+                                 close: a node lost mid-save, while the others wait in HDF5
+  HPCTRAIN_CKPT_DELAY_STEP=N     both act only in the save of step N (every save when unset)
+
+Killing or stopping a rank is otherwise done from outside by the tests (kill -9,
 SIGSTOP), as a real failure would be.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 KINDS = ("nan", "spike", "raise", "segv", "hang")
 START_UP = -1  # the step number of "start"
@@ -46,11 +58,18 @@ def parse(text: str) -> list[tuple[str, int, int]]:
 
 
 class Faults:
-    """The faults meant for ``rank``, by step."""
+    """The faults meant for ``rank``: by step, and in checkpoint saves. ``text``: the
+    HPCTRAIN_FAULT list (default: the environment's); ``env``: where every hook is read
+    (default ``os.environ``)."""
 
-    def __init__(self, rank: int, text: str | None = None):
-        text = os.environ.get("HPCTRAIN_FAULT", "") if text is None else text
+    def __init__(self, rank: int, text: str | None = None, env=None):
+        env = os.environ if env is None else env
+        text = env.get("HPCTRAIN_FAULT", "") if text is None else text
+        self.rank = rank
         self.by_step = {step: kind for kind, step, r in parse(text) if r == rank}
+        self.save_delay_s = _number(env, "HPCTRAIN_CKPT_WRITE_DELAY_S", float) or 0.0
+        self.save_step = _number(env, "HPCTRAIN_CKPT_DELAY_STEP", int)
+        self.save_stop_rank = _number(env, "HPCTRAIN_CKPT_STOP_RANK", int)
 
     def check_inputs(self, input_dtype) -> None:
         """Refuse, at start-up (where every rank agrees on errors), nan/spike faults on inputs that
@@ -85,3 +104,28 @@ class Faults:
             while True:
                 time.sleep(1.0)
         return x
+
+    # ---- checkpoint saves (hpctrain.ckpt.write) ----
+    def _in_save(self, step: int) -> bool:
+        return self.save_step is None or self.save_step == step
+
+    def before_commit(self, step: int) -> None:
+        """Between a save's data writes and its commit: HPCTRAIN_CKPT_WRITE_DELAY_S."""
+        if self.save_delay_s > 0 and self._in_save(step):
+            time.sleep(self.save_delay_s)
+
+    def before_close(self, step: int, rank: int) -> None:
+        """Just before the file's collective close: HPCTRAIN_CKPT_STOP_RANK stops itself."""
+        if self.save_stop_rank == rank and self._in_save(step):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _number(env, name: str, kind):
+    """``env[name]`` as ``kind``; None when unset or empty."""
+    text = env.get(name, "")
+    if not text:
+        return None
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r}: expected a number") from None

@@ -1,8 +1,7 @@
-"""Typed run configuration: one dataclass per section (:mod:`.config_sections`), TOML file plus ``--set``.
+"""Reading a run configuration: the defaults, then a TOML file, then ``--set`` overrides; or the
+configuration text a checkpoint stores.
 
 Contract:
-  * every field has a default and a one-line reason (``help``), shown by
-    ``python -m hpctrain train --help-config``;
   * unknown sections or keys, wrong types and out-of-range values raise
     :class:`~hpctrain.errors.ConfigError` naming the key and the fix;
   * :func:`load_config` is pure (no MPI): every rank parses the same inputs.
@@ -12,92 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import tomllib
 import typing
-from dataclasses import dataclass, field
 
-from .config_sections import (CheckpointConfig, DataConfig, DistConfig, GuardConfig, ModelConfig, OptimConfig,
-                              TrainConfig)
-from .errors import ConfigError
-
-__all__ = ["Config", "load_config", "describe", "ModelConfig", "DataConfig", "TrainConfig", "OptimConfig",
-           "DistConfig", "CheckpointConfig", "GuardConfig"]
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    guard: GuardConfig = field(default_factory=GuardConfig)
-
-    def validate(self) -> "Config":
-        for section in dataclasses.fields(self):
-            sub = getattr(self, section.name)
-            for f in dataclasses.fields(sub):
-                choices = f.metadata.get("choices")
-                if choices and getattr(sub, f.name) not in choices:
-                    raise ConfigError(f"{section.name}.{f.name}={getattr(sub, f.name)!r}: "
-                                      f"choose one of {', '.join(map(str, choices))}")
-            if hasattr(sub, "validate"):
-                sub.validate()
-        if self.train.target_accuracy and not self.data.eval and self.model.kind == "mlp":
-            raise ConfigError("train.target_accuracy is set but data.eval is empty; "
-                              "name an evaluation file or set train.target_accuracy = 0")
-        if (self.train.target_val_bpb or self.train.target_bpb_vs_bigram) and self.model.kind != "gpt":
-            raise ConfigError("train.target_val_bpb and target_bpb_vs_bigram are language-model targets: they need "
-                              "model.kind = \"gpt\" (the mlp's target is train.target_accuracy)")
-        if self.dist.compress_momentum:
-            self._check_compress_momentum()
-        if self.dist.tensor_parallel > 1:
-            if self.model.kind != "gpt":
-                raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel}: tensor parallelism splits the "
-                                  f"GPT's blocks; model.kind = {self.model.kind!r} trains data-parallel only "
-                                  f"(dist.tensor_parallel = 1)")
-            if self.model.n_head % self.dist.tensor_parallel:
-                raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel} does not divide model.n_head="
-                                  f"{self.model.n_head}: each tensor rank owns n_head / t whole heads")
-        return self
-
-    def _check_compress_momentum(self) -> None:
-        """Momentum correction hands AdamW's first moment to the compressor from the step compression
-        starts, which is only the same first moment while the second moment is frozen from then on."""
-        d, o = self.dist, self.optim
-        if d.compress == "none":
-            raise ConfigError("dist.compress_momentum corrects a compressor's momentum; dist.compress = 'none' "
-                              "compresses nothing (set dist.compress, or compress_momentum = false)")
-        if o.name != "adamw":
-            raise ConfigError(f"dist.compress_momentum moves AdamW's first moment into the compressor; optim.name "
-                              f"= {o.name!r} (use adamw, or compress_momentum = false)")
-        if not d.compress_start_step or o.freeze_step != d.compress_start_step:
-            raise ConfigError(f"dist.compress_momentum needs optim.freeze_step = dist.compress_start_step > 0 (the "
-                              f"velocities are summed through AdamW's frozen second moment, from the step "
-                              f"compression starts); they are {o.freeze_step} and {d.compress_start_step}")
-
-    def to_toml(self) -> str:
-        """The resolved config as TOML text (printed by rank 0, stored in checkpoints)."""
-        lines = []
-        for section in dataclasses.fields(self):
-            lines.append(f"[{section.name}]")
-            for key, value in dataclasses.asdict(getattr(self, section.name)).items():
-                lines.append(f"{key} = {_toml_value(value)}")
-            lines.append("")
-        return "\n".join(lines)
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        # JSON string escapes are valid TOML basic-string escapes; TOML also forbids a raw DEL
-        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return repr(v)
+from ..errors import ConfigError
+from .config import Config
 
 
 def _suggest(name: str, options) -> str:
@@ -218,14 +136,3 @@ def _from_doc(doc: dict, origin) -> Config:
         for key, value in table.items():
             _apply(cfg, section, key, value, origin)
     return cfg
-
-
-def describe() -> str:
-    """Every key with its default and reason, for ``--help-config``."""
-    out = []
-    for section in dataclasses.fields(Config):
-        out.append(f"[{section.name}]")
-        for f in dataclasses.fields(section.default_factory()):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            out.append(f"  {f.name} = {_toml_value(default):<24} # {f.metadata['help']}")
-    return "\n".join(out)

@@ -88,7 +88,7 @@ class Metrics:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 self._fh = open(path, "a", buffering=1 << 16)
             except OSError as exc:
-                from .errors import ConfigError
+                from ..errors import ConfigError
 
                 raise ConfigError(f"train.metrics={path!r} cannot be written ({exc.strerror or exc}); "
                                   f"choose a writable path or set train.metrics = \"\"") from None

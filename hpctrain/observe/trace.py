@@ -11,7 +11,7 @@ ready. ``pid`` is the rank, ``tid`` a small number per thread (0 main, 1 comm),
 both named by metadata events.
 
 Clock: ``time.perf_counter`` (CLOCK_MONOTONIC on Linux, the clock of
-:class:`~hpctrain.log.Timers`, immune to NTP steps). Every rank reads it right
+:class:`~hpctrain.observe.log.Timers`, immune to NTP steps). Every rank reads it right
 after leaving one ``MPI_Barrier`` when the trainer is built, and timestamps are
 microseconds since then: ranks share a time base up to the barrier's exit skew
 (microseconds on one node, tens of microseconds across nodes). Each file also
@@ -127,7 +127,7 @@ class Tracer:
 
 
 class TracedTimers(Timers):
-    """:class:`~hpctrain.log.Timers` that also records each phase as a span (the trainer's
+    """:class:`~hpctrain.observe.log.Timers` that also records each phase as a span (the trainer's
     timers when tracing is on; the plain class otherwise, so tracing off costs nothing)."""
 
     def __init__(self, tracer: Tracer, sync=None):
@@ -146,7 +146,7 @@ class TracedTimers(Timers):
 
 def make_trace_dir(directory: str) -> None:
     """Create ``directory`` or raise a ConfigError naming the fix (called on every rank)."""
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     try:
         os.makedirs(directory, exist_ok=True)

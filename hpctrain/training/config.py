@@ -1,16 +1,20 @@
-"""The sections of the run configuration: one dataclass each, with every field's default, its
-one-line reason (``help``, shown by ``python -m hpctrain train --help-config``) and the checks
-of its values (``validate``). Parsing and the whole :class:`~hpctrain.config.Config` are in
-:mod:`hpctrain.config`, which re-exports these classes.
+"""The run configuration: one dataclass per section, every field with its default, its one-line
+reason (``help``, shown by ``python -m hpctrain train --help-config``) and the checks of its values
+(``validate``), and the whole :class:`Config` with the checks across sections.
+
+Reading a configuration (TOML file, ``--set`` overrides, the text a checkpoint stores) is
+:mod:`.config_load`; :meth:`Config.to_toml` writes one back.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
-from .errors import ConfigError
-from .models import FAMILIES
+from ..errors import ConfigError
+from ..models import FAMILIES
 
 
 def _f(default, why, **kw):
@@ -233,7 +237,7 @@ class DistConfig:
         if self.compress_start_step < 0:
             raise ConfigError(f"dist.compress_start_step={self.compress_start_step}: a step >= 0 (0 = compress "
                               f"from the first step)")
-        from .compress import make_compressor
+        from ..compress import make_compressor
         try:
             compressor = make_compressor(self.compress)
         except ValueError as exc:
@@ -250,7 +254,7 @@ class DistConfig:
             raise ConfigError(f"dist.tensor_parallel={self.tensor_parallel} with dist.zero={self.zero}: ZeRO's shares "
                               f"are cut from the whole flat buffer every rank holds, which tensor parallelism splits; "
                               f"use one of them (dist.zero = 0, or dist.tensor_parallel = 1)")
-        from .comm.zero import refusal
+        from ..comm.zero import refusal
         why = refusal(self.zero, self.compress)
         if why:
             raise ConfigError(why)
@@ -304,3 +308,89 @@ class GuardConfig:
         if self.spike_window < 2 or self.max_bad_steps < 1:
             raise ConfigError(f"guard.spike_window={self.spike_window} must be >= 2 and guard.max_bad_steps="
                               f"{self.max_bad_steps} >= 1")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+    def validate(self) -> "Config":
+        for section in dataclasses.fields(self):
+            sub = getattr(self, section.name)
+            for f in dataclasses.fields(sub):
+                choices = f.metadata.get("choices")
+                if choices and getattr(sub, f.name) not in choices:
+                    raise ConfigError(f"{section.name}.{f.name}={getattr(sub, f.name)!r}: "
+                                      f"choose one of {', '.join(map(str, choices))}")
+            if hasattr(sub, "validate"):
+                sub.validate()
+        if self.train.target_accuracy and not self.data.eval and self.model.kind == "mlp":
+            raise ConfigError("train.target_accuracy is set but data.eval is empty; "
+                              "name an evaluation file or set train.target_accuracy = 0")
+        if (self.train.target_val_bpb or self.train.target_bpb_vs_bigram) and self.model.kind != "gpt":
+            raise ConfigError("train.target_val_bpb and target_bpb_vs_bigram are language-model targets: they need "
+                              "model.kind = \"gpt\" (the mlp's target is train.target_accuracy)")
+        if self.dist.compress_momentum:
+            self._check_compress_momentum()
+        if self.dist.tensor_parallel > 1:
+            if self.model.kind != "gpt":
+                raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel}: tensor parallelism splits the "
+                                  f"GPT's blocks; model.kind = {self.model.kind!r} trains data-parallel only "
+                                  f"(dist.tensor_parallel = 1)")
+            if self.model.n_head % self.dist.tensor_parallel:
+                raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel} does not divide model.n_head="
+                                  f"{self.model.n_head}: each tensor rank owns n_head / t whole heads")
+        return self
+
+    def _check_compress_momentum(self) -> None:
+        """Momentum correction hands AdamW's first moment to the compressor from the step compression
+        starts, which is only the same first moment while the second moment is frozen from then on."""
+        d, o = self.dist, self.optim
+        if d.compress == "none":
+            raise ConfigError("dist.compress_momentum corrects a compressor's momentum; dist.compress = 'none' "
+                              "compresses nothing (set dist.compress, or compress_momentum = false)")
+        if o.name != "adamw":
+            raise ConfigError(f"dist.compress_momentum moves AdamW's first moment into the compressor; optim.name "
+                              f"= {o.name!r} (use adamw, or compress_momentum = false)")
+        if not d.compress_start_step or o.freeze_step != d.compress_start_step:
+            raise ConfigError(f"dist.compress_momentum needs optim.freeze_step = dist.compress_start_step > 0 (the "
+                              f"velocities are summed through AdamW's frozen second moment, from the step "
+                              f"compression starts); they are {o.freeze_step} and {d.compress_start_step}")
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML text (printed by rank 0, stored in checkpoints)."""
+        lines = []
+        for section in dataclasses.fields(self):
+            lines.append(f"[{section.name}]")
+            for key, value in dataclasses.asdict(getattr(self, section.name)).items():
+                lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        # JSON string escapes are valid TOML basic-string escapes; TOML also forbids a raw DEL
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def describe() -> str:
+    """Every key with its default and reason, for ``--help-config``."""
+    out = []
+    for section in dataclasses.fields(Config):
+        out.append(f"[{section.name}]")
+        for f in dataclasses.fields(section.default_factory()):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append(f"  {f.name} = {_toml_value(default):<24} # {f.metadata['help']}")
+    return "\n".join(out)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from .errors import EXIT_DIVERGED, TrainingDiverged
+from ..errors import EXIT_DIVERGED, TrainingDiverged
 
 
 class NumericGuard:

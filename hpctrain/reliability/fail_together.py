@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-from .errors import EXIT_USER_ERROR, UserError
+from ..errors import EXIT_USER_ERROR, UserError
 
 
 def agree(world, fn, *args, **kwargs):

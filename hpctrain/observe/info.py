@@ -26,35 +26,41 @@ def _libraries() -> dict:
 
     out["numpy"] = numpy.__version__
     out["numba"] = numba.__version__
-    from .comm.staging import cuda_aware_mpi
+    from ..comm.staging import cuda_aware_mpi
 
     aware, how = cuda_aware_mpi()
     out["CUDA-aware MPI"] = f"{'yes' if aware else 'no'} ({how})"
     return out
 
 
-def _device_choice(local_rank: int) -> tuple[str, str]:
-    """(what train.device=auto gives this rank, CUDA status line) without creating a CUDA context."""
-    from .device import cuda_status, gpu_for_rank, gpu_name, simulated
+def _device_choice(local_rank: int) -> tuple[str, str, str]:
+    """(what train.device=auto gives this rank, its GEMMs under train.gemm=auto, CUDA status line)
+    without creating a CUDA context: CuPy is imported, not run (a cuBLAS that fails to load
+    shows at training start-up, as the device's warning)."""
+    from ..device import cuda_status, gpu_for_rank, gpu_name, simulated
+    from ..kernels.cublas import cupy_found
 
     n, why = cuda_status()
     if simulated():
-        return "cpu (auto never picks the simulator; device=cuda uses it)", "numba CUDA simulator"
+        return ("cpu (auto never picks the simulator; device=cuda uses it)",
+                "numpy BLAS; numba (simulator) with device=cuda", "numba CUDA simulator")
     if n == 0:
-        return "cpu", f"no GPU ({why})"
+        return "cpu", "numpy BLAS", f"no GPU ({why})"
     gpu = gpu_for_rank(local_rank, n)
-    return f"cuda:{gpu} {gpu_name(gpu)}", f"{n} GPU(s) visible"
+    version, no_cupy = cupy_found()
+    gemm = f"cublas (CuPy {version})" if version else f"numba ({no_cupy})"
+    return f"cuda:{gpu} {gpu_name(gpu)}", gemm, f"{n} GPU(s) visible"
 
 
 def print_info(world) -> None:
     """Collective: every rank reports; rank 0 prints a table in rank order."""
-    from . import slurm
+    from ..reliability import slurm
 
-    device, cuda_line = _device_choice(world.local_rank)
+    device, gemm, cuda_line = _device_choice(world.local_rank)
     job = slurm.current()
     mine = {"rank": world.rank, "host": socket.gethostname(), "pid": os.getpid(),
             "local": f"{world.local_rank}/{world.local_size}", "node": f"{world.node_rank}/{world.n_nodes}",
-            "device": device, "CUDA": cuda_line,
+            "device": device, "GEMM": gemm, "CUDA": cuda_line,
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
             "threads": os.environ.get("OMP_NUM_THREADS", "-"),
             "slurm_job": job.tag if job else "-", "slurm_node": (job and job.node_name) or "-"}
@@ -62,16 +68,22 @@ def print_info(world) -> None:
     libs = _libraries() if world.is_root else None
     if not world.is_root:
         return
-    from . import __version__
+    from .. import __version__
 
     print(f"hpctrain {__version__}: {world.size} rank(s), {world.n_nodes} node(s)")
     if job:
         print(f"  {slurm.describe(job)}")
     for key, value in libs.items():
         print(f"  {key:<17} {value}")
-    cols = ["rank", "host", "pid", "local", "node", "device", "CUDA", "CUDA_VISIBLE_DEVICES", "threads", "slurm_job",
-            "slurm_node"]
+    cols = ["rank", "host", "pid", "local", "node", "device", "GEMM", "CUDA", "CUDA_VISIBLE_DEVICES", "threads",
+            "slurm_job", "slurm_node"]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  " + "  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
         print("  " + "  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+    slow = [str(r["rank"]) for r in rows if r["GEMM"].startswith("numba (")]
+    if slow:
+        from ..kernels.cublas import CUPY_FIX
+
+        print(f"  GEMM: rank(s) {','.join(slow)} would run the numba GEMM kernels on a GPU (train.gemm = auto); "
+              f"to fix: {CUPY_FIX}")

@@ -4,7 +4,7 @@
     python -m hpctrain launch --srun [--max-failures 3] [srun options] -- train --config my.toml
 
 runs ``mpirun -n 4 [options] python -m hpctrain train ...`` (or, inside a SLURM
-allocation, ``srun --kill-on-bad-exit=1 [options] ...``: :mod:`hpctrain.launch_backends`);
+allocation, ``srun --kill-on-bad-exit=1 [options] ...``: :mod:`hpctrain.reliability.launch_backends`);
 when the job fails it starts it again with ``--resume auto`` (the newest valid
 checkpoint in checkpoint.dir; a fresh start when there is none), up to
 ``--max-failures`` times (default: ``HPCTRAIN_MAX_FAILURES``, else 3); under
@@ -28,7 +28,7 @@ nothing restarts.
 Each restart is logged with its cause, the hosts, and what it cost: the
 restarted run's start-up, checkpoint load and first step, from the moment the
 failed job ended, and the steps redone since the checkpoint. The job reports
-its progress through ``HPCTRAIN_LAUNCH_PROGRESS`` (:mod:`hpctrain.progress`).
+its progress through ``HPCTRAIN_LAUNCH_PROGRESS`` (:mod:`hpctrain.reliability.progress`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import time
 
 from . import progress
 from .launch_backends import Mpirun, NoNodes, Srun
-from .errors import EXIT_CHECKPOINTED, EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_TARGET_MISSED, EXIT_USER_ERROR
+from ..errors import EXIT_CHECKPOINTED, EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_TARGET_MISSED, EXIT_USER_ERROR
 
 FINAL = {0: "finished", EXIT_CHECKPOINTED: "stopped after saving a checkpoint", EXIT_USER_ERROR: "a user error",
          EXIT_TARGET_MISSED: "finished with its target missed", EXIT_DIVERGED: "diverged"}

@@ -1,0 +1,1 @@
+"""Training: the run's configuration, its plan (what runs where), one step, and the run loop over steps."""

@@ -1,0 +1,141 @@
+"""One optimizer step: the batch in, the statistics out.
+
+On every rank: this rank's rows of the global batch (read by the caller) -> k micro-batches of
+forward and backward into the flat gradient -> the gradient averaged over the data group, bucket
+by bucket, by the communication thread -> the optimizer update of each bucket as it arrives.
+Because every rank starts from rank 0's parameters and applies the same averaged gradient, N ranks
+with batch b train like one rank with batch N*b (up to floating-point summation order).
+
+:class:`Step` is where a CUDA-graph replay or a pipeline schedule will replace the eager sequence:
+it needs only the plan, the training state, the learning-rate schedule, the timers and the
+watchdog, and it returns :class:`StepStats`. It does not advance ``state.step``: the run loop
+does, after judging the statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..comm.zero import traffic_halves
+from ..comm.zero_grads import make_reducer
+from ..data.sampler import shard_range
+
+
+@dataclass
+class StepStats:
+    """This rank's share of one step: the loss summed over its predictions, the correct ones, and
+    whether its loss or (its share of) the averaged gradient held a NaN or Inf."""
+
+    loss_sum: float
+    correct: int
+    loss_nonfinite: bool
+    grad_nonfinite: bool
+
+
+class _Unwatched:
+    """A watchdog that watches nothing (a step used without the run's watchdog: unit tests)."""
+
+    def watch(self, *args, **kwargs):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+class Step:
+    """One optimizer step of ``state`` (model, optimizer, compression) as ``plan`` lays it out.
+
+    ``schedule``: the learning rate per step; ``timers``: a :class:`~hpctrain.observe.log.Timers`
+    (data, forward, backward, allreduce, optimizer, allgather); ``watchdog``: the run's stall
+    watchdog (None: unwatched). Builds the gradient reducer (the communication thread) over the
+    plan's buckets; collective calls happen only inside :meth:`run` and :meth:`apply_update`.
+    """
+
+    def __init__(self, plan, state, schedule, timers, watchdog=None):
+        cfg = plan.cfg
+        self.plan, self.state, self.schedule, self.timers = plan, state, schedule, timers
+        self.watchdog = watchdog or _Unwatched()
+        self.reducer = make_reducer(plan.allreduce, state.model.flat.grad, plan.buckets, plan.device, plan.shards,
+                                    plan.grad_slots, plan.micro_batches, overlap=cfg.dist.overlap,
+                                    compression=state.compression, check_finite=cfg.guard.check_grads)
+        self._bucket_names = plan.bucket_names()
+
+    def run(self, step: int, x_all, y_all, update: bool = True) -> StepStats:
+        """Forward, backward and all-reduce of global step ``step`` on this rank's rows ``x_all``,
+        ``y_all`` (host arrays), and with ``update`` the optimizer step too (without it, the
+        run loop calls :meth:`apply_update` once the step is judged). Collective over the plan's groups.
+
+        With k = train.grad_accum_steps, the rows are k micro-batches whose gradients add up
+        locally; only the last backward feeds the buckets (ZeRO-2: every backward,
+        hpctrain.comm.zero_grads), and the sum over ranks and micro-batches is scaled once by
+        1 / (size k). Where shares differ, each loss is weighted so that the result is still the
+        mean over the whole global batch (the trainer sets the loss's row weight).
+        """
+        plan, model, t, wd = self.plan, self.state.model, self.timers, self.watchdog
+        k, device, reducer = plan.micro_batches, plan.device, self.reducer
+        reducer.start(scale=1.0 / (plan.dp.size * k), step=step)
+        loss_sum, correct = 0.0, 0
+        for micro in range(k):
+            last = micro == k - 1
+            with t("data"):
+                part = slice(*shard_range(len(y_all), micro, k))  # k equal parts, or differing by one row
+                x = device.upload(x_all[part], "x", model.input_dtype)
+                y = device.upload(y_all[part], "y", np.int64)
+            with t("forward"):
+                ls, c = model.forward(x, y)
+                loss_sum, correct = loss_sum + ls, correct + c
+            with t("backward"):  # ZeRO-2 reduces every micro-batch (reducer.every_micro): it overwrites
+                fresh = micro == 0 or reducer.every_micro
+                model.backward(accumulate=not fresh, ready=reducer.mark_ready if last or reducer.every_micro
+                               else None, claim=reducer.claim)
+        # the optimizer waits for each bucket in turn and updates just its slice
+        # ("allreduce" is the exposed wait; the overlapped part hides in backward)
+        if update:
+            self.state.optimizer.begin_step(step)
+        lr = self.schedule.lr(step)
+        for bucket, name in zip(plan.buckets, self._bucket_names):
+            with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {step}", step):
+                reducer.wait(bucket)
+            if update:
+                self._update(step, bucket, name, lr)
+        return StepStats(loss_sum, correct, not math.isfinite(loss_sum), reducer.nonfinite)
+
+    def apply_update(self, step: int) -> None:
+        """The optimizer step of judged step ``step`` whose buckets are all reduced (the numeric
+        guard's deferred policies)."""
+        self.state.optimizer.begin_step(step)
+        lr = self.schedule.lr(step)
+        for bucket, name in zip(self.plan.buckets, self._bucket_names):
+            self._update(step, bucket, name, lr)
+
+    def _update(self, step, bucket, name, lr) -> None:
+        """The optimizer on ``bucket`` (ZeRO-1: on this rank's chunk, then the bucket's parameters
+        all-gathered, while the communication thread reduce-scatters the next buckets)."""
+        plan, optimizer = self.plan, self.state.optimizer
+        if plan.shards is None:
+            with self.timers("optimizer"):
+                optimizer.update(lr, bucket.lo, bucket.hi)
+            return
+        lo, hi, _ = plan.shards.pieces[bucket.index]
+        with self.timers("optimizer"):
+            optimizer.update(lr, lo, hi)
+        with self.timers("allgather"), self.watchdog.watch("parameter all-gather", f"{name}, step {step}", step):
+            plan.param_gather.allgather(self.state.model.flat.data[bucket.lo:bucket.hi])
+
+    def comm_metrics(self) -> dict:
+        """The last step's communication for the metrics: times, bytes reduced and, per rank, bytes
+        sent against the dense all-reduce's (2 (p-1)/p of the buckets), with the compressor's figures."""
+        cfg, reducer, c = self.plan.cfg, self.reducer, self.state.compression
+        out = {"comm_time": reducer.comm_s, "exposed_comm_time": reducer.exposed_s, "bytes_reduced": reducer.bytes,
+               "allreduce": cfg.dist.allreduce}
+        if c is None:
+            p = self.plan.dp.size
+            halves = traffic_halves(cfg.dist.zero, getattr(self.plan.allreduce, "native_halves", False),
+                                    cfg.train.grad_accum_steps)
+            dense = halves * (p - 1) * reducer.bytes // p
+            return {**out, "bytes_sent": dense, "bytes_dense": dense}
+        return {**out, "compress": cfg.dist.compress, "compress_scope": cfg.dist.compress_scope,
+                "bytes_sent": c.sent_bytes, "bytes_dense": c.dense_bytes, "compression_ratio": c.ratio,
+                "encode_time": c.encode_s, "decode_time": c.decode_s}

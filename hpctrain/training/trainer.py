@@ -1,0 +1,256 @@
+"""The trainer: a run's parts built collectively, then the run loop over them.
+
+    trainer = Trainer(cfg, world)      # every rank; start-up is watched and every error agreed
+    trainer.run()                      # RunLoop(...).run(): steps, verdicts, saves, evaluation
+    trainer.close()
+
+Start-up builds, in order: the :class:`~hpctrain.training.plan.Plan` (grid, groups, device,
+buckets, ZeRO shares), the data and the model, the :class:`~hpctrain.training.state.TrainingState`
+(model, optimizer, sampler, RNG, compressor state), the checks every rank must pass alike, the
+all-reduce strategy (``plan.connect``), the :class:`~hpctrain.training.step.Step`, the initial
+weights' broadcast and the resume from a checkpoint. Each collective runs in a watched region,
+so a rank that stops during start-up ends the job with a report. The model and its data come
+from the family ``model.kind`` (:mod:`hpctrain.models`); the trainer knows them only through
+that interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..ckpt.manager import CheckpointManager, check_writable
+from ..ckpt.state import fresh_rng
+from ..comm.buckets import layout_signature
+from ..comm.collectives import Collectives
+from ..comm.compression import GradientCompression
+from ..comm.grid import check_same_reduction
+from ..comm.zero_grads import place_gradients
+from ..errors import ConfigError, DataError
+from ..models import family
+from ..observe.log import Log, Metrics, Timers
+from ..optim import LRSchedule, make_optimizer, peak_lr
+from ..reliability.fail_together import agree
+from ..reliability.faults import Faults
+from ..reliability.numeric_guard import NumericGuard
+from ..reliability.progress import Progress
+from ..reliability.signals import StopSignal
+from ..reliability.watchdog import Watchdog
+from .loop import RunLoop
+from .plan import place
+from .state import TrainingState
+from .step import Step
+
+
+class Trainer:
+    """A run's parts, built collectively over ``world`` (all ranks construct it).
+
+    ``plan``: what runs where; ``state``: what a checkpoint holds; ``stepper``: one optimizer step;
+    ``checkpoints``, ``guard`` (the numeric guard), ``data``; what the run reports to (``log``,
+    ``metrics``, ``timers``, ``tracer``, ``op_times``) and is watched by (``watchdog``,
+    ``progress``, ``stop_signal``, ``faults``). ``stop_signal``: an already installed
+    :class:`StopSignal` (the CLI installs one before anything else, so a signal during start-up
+    is not fatal); by default :meth:`run` installs its own for its duration.
+    """
+
+    def __init__(self, cfg, world, log: Log | None = None, stop_signal: StopSignal | None = None):
+        self.cfg, self.world = cfg, world
+        self.log = log or Log(world.is_root)
+        # every start-up collective is watched (at 10x the limit: start-up includes local work such
+        # as opening the data), so a rank that stops before training also ends the job, with a report
+        self.watchdog = Watchdog(world.comm, cfg.dist.comm_timeout, self.log)  # collective (a Dup)
+        self.faults = Faults(world.rank)  # the tests' hooks, read from the environment once
+        self.progress = Progress(world.is_root)  # for a supervising launcher (HPCTRAIN_LAUNCH_PROGRESS)
+        self.progress.mark("start", 0)
+        self.watchdog.start()
+        try:
+            self._start_up(cfg, world)
+        finally:
+            self.watchdog.stop()  # run() starts it again
+        self._own_signal = stop_signal is None
+        self.stop_signal = stop_signal or StopSignal()
+
+    # ---- start-up ------------------------------------------------------------------
+    def _start_up(self, cfg, world):
+        """Everything __init__ builds, its collectives each in a watched region."""
+        wd = self.watchdog
+        self.faults.at_start_up()
+        with wd.watch("start-up", "checking the data and the bucket layout on every rank", slack=10):
+            # Set-up checks may fail on some ranks only (a file missing on one node):
+            # agree() makes every rank raise the same error instead of hanging.
+            agree(world, self._build)
+            plan = self.plan
+            if plan.device.gemm_note:  # train.gemm = auto on a GPU without a usable CuPy: slow GEMMs, say why once
+                self.log.warn(plan.device.gemm_note)
+            # Ranks reading different files (node-local copies that differ) would
+            # train on garbage or mismatch in Bcast; compare what each rank sees.
+            agree(world, _check_same_data, world.comm.allgather(self.data.signature), cfg.data.train)
+            # Buckets reduced in a different order or size on some rank would pair
+            # collectives wrongly and hang: compare the layouts first.
+            layouts = world.comm.allgather(layout_signature(plan.buckets, plan.device.dtype))
+            agree(world, check_same_layout, layouts)
+            if plan.grid.tensor is not None:
+                placed = world.comm.allgather(tuple(node for node, _ in plan.dp.where))
+                agree(world, check_same_reduction, placed, cfg.dist.allreduce)
+        with wd.watch("start-up", f"all-reduce set-up (dist.allreduce={cfg.dist.allreduce})", slack=10):
+            # strategies may run collectives while being built (auto measures), so
+            # only once every rank is known to have built everything else
+            plan.connect(self.log)
+            place_gradients(plan.allreduce, self.model, plan.grad_slots, plan.device)
+            if cfg.dist.compress != "none":
+                self.state.compression = agree(
+                    world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, plan.dp, plan.staging,
+                    plan.allreduce, plan.buckets, self.model.flat, cfg.train.seed, self.log,
+                    cfg.dist.compress_start_step, cfg.optim.beta1 if cfg.dist.compress_momentum else 0.0,
+                    keep_undo=cfg.guard.nonfinite == "skip", matrix_parts=getattr(self.model, "matrix_parts", None))
+        self.guard = NumericGuard(cfg.guard, self.log)
+        # waiting at each phase end serialises the GPU: only when asked (or tracing, below)
+        self.timers = Timers(sync=plan.device.synchronize if cfg.train.sync_phases else None)
+        self.stepper = Step(plan, self.state, self.schedule, self.timers, self.watchdog)
+        with wd.watch("start-up", "broadcast of the initial weights", slack=10):
+            # data parallelism starts from identical weights: its rank 0's (under tensor parallelism
+            # each data group holds one tensor rank's pieces)
+            Collectives(plan.dp, plan.device, plan.staging).Bcast(self.model.flat.data, root=0)
+        with wd.watch("start-up", "GEMM peak for MFU", slack=10):
+            self.peak_flops = None  # FLOP/s over all ranks; None: MFU not reported
+            if self.model.flops_per_row:
+                from ..observe.mfu import world_peak_flops
+
+                self.peak_flops = world_peak_flops(world, plan.device)
+        with wd.watch("start-up", "trace clock and checkpoint directory", slack=10):
+            self.tracer = None  # hpctrain.observe.trace.Tracer when train.trace is set: spans per phase, layer, bucket
+            if cfg.train.trace:
+                from ..observe.trace import TracedTimers, Tracer
+
+                self.tracer = Tracer(cfg.train.trace, world, sync=plan.device.synchronize)
+                self.timers = self.stepper.timers = TracedTimers(self.tracer, sync=plan.device.synchronize)
+                self.model.tracer = self.stepper.reducer.tracer = self.tracer
+                self.stepper.reducer.trace_args = {"strategy": cfg.dist.allreduce, "compress": cfg.dist.compress}
+            self.checkpoints = CheckpointManager(plan, self.log, hooks=self.faults)
+        with self.watchdog.watch("checkpoint load", "resume", slack=10):
+            self.checkpoints.resume(self.state)  # may restore parameters, optimizer state, step and RNG
+        self.metrics.begin(resumed=self.checkpoints.saved_path is not None)
+        self.progress.mark("ready", self.step)
+
+    def _build(self):
+        """The plan, the data, the model and the training state; the checks of their arithmetic. Local
+        but for the grid's communicator splits."""
+        cfg, world = self.cfg, self.world
+        # tensor groups of dist.tensor_parallel ranks split the model; data groups across them
+        # average gradients: everything data-parallel runs over plan.dp
+        self.plan = plan = place(cfg, world)
+        self.op_times = None
+        if cfg.train.op_times:
+            from ..observe.op_times import OpTimes
+
+            self.op_times = OpTimes(plan.device)  # wraps the device's kernel table
+        models = family(cfg.model.kind)
+        self.data = models.open_data(cfg, plan.dp, plan.device)  # tensor ranks of a data group read the same rows
+        model = models.build(cfg, plan.device, self.data, tensor=plan.tensor)
+        model.init(cfg.train.seed)
+        self.faults.check_inputs(model.input_dtype)
+        peak = peak_lr(cfg.optim, cfg.train.global_batch)
+        self.schedule = LRSchedule(cfg.optim, peak, cfg.train.steps)
+        plan.divide(model)
+        optimizer = make_optimizer(plan.device, model.flat, cfg.optim, model.no_decay, plan.shards,
+                                   plan.grad_slots and plan.grad_slots.owned,
+                                   cfg.dist.compress_start_step if cfg.dist.compress_momentum else 0)
+        # per-rank generator for anything stochastic per rank (saved under /rng)
+        self.state = TrainingState(model, optimizer, self.data.sampler, fresh_rng(cfg.train.seed, world.rank))
+        sampler, k = self.data.sampler, plan.micro_batches
+        if cfg.train.exact_shares and sampler.batch % k:
+            raise ConfigError(f"train.grad_accum_steps={k} does not divide the per-rank batch "
+                              f"{sampler.batch} (global {cfg.train.global_batch} / {plan.dp.size} data-parallel "
+                              f"ranks); "
+                              f"or set train.exact_shares = false to let micro-batches differ by one row")
+        if sampler.batch < k:
+            raise ConfigError(f"train.grad_accum_steps={k} exceeds this rank's {sampler.batch} rows per step "
+                              f"(global {cfg.train.global_batch} over {plan.dp.size} data-parallel ranks); lower it")
+        # Shares (and micro-batches) that differ: every prediction's loss gets the same weight,
+        # size k / (G predictions per row), instead of 1 / (the rows of its micro-batch), so the
+        # sum over ranks scaled by 1 / (size k) is the whole batch's mean. Even shares keep 1/B.
+        self.uneven = not sampler.even or sampler.batch % k != 0
+        if self.uneven:
+            model.loss.row_weight = (plan.dp.size * k) / (cfg.train.global_batch * model.targets_per_row)
+        if cfg.optim.schedule == "cosine" and cfg.optim.min_lr > peak:
+            raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds the peak lr {peak:g} "
+                              f"(after the linear scaling rule); lower optim.min_lr")
+        check_writable(cfg.checkpoint.dir)
+        if cfg.train.trace:
+            from ..observe.trace import make_trace_dir
+
+            make_trace_dir(cfg.train.trace)
+        # opened here so an unwritable path is an agreed user error, not an abort; emptied
+        # after the resume unless a checkpoint was loaded (a resumed run appends to its metrics)
+        self.metrics = Metrics(cfg.train.metrics, world.is_root)
+
+    # ---- the parts most callers reach for --------------------------------------------
+    @property
+    def model(self):
+        return self.state.model
+
+    @property
+    def optimizer(self):
+        return self.state.optimizer
+
+    @property
+    def compression(self):
+        return self.state.compression
+
+    @property
+    def device(self):
+        return self.plan.device
+
+    @property
+    def step(self) -> int:
+        """The global step the next update makes."""
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    # ---- steps and the run -----------------------------------------------------------
+    def loop(self) -> RunLoop:
+        """The run loop over this trainer's parts."""
+        return RunLoop(self.plan, self.state, self.stepper, self.data, self.checkpoints, self.guard, log=self.log,
+                       metrics=self.metrics, timers=self.timers, watchdog=self.watchdog, progress=self.progress,
+                       stop_signal=self.stop_signal, faults=self.faults, tracer=self.tracer, op_times=self.op_times,
+                       peak_flops=self.peak_flops)
+
+    def train_step(self) -> tuple[float, int]:
+        """Run global step ``step`` whole (update included, no verdict) and advance; returns this
+        rank's (loss_sum, correct). The run loop judges each step first instead."""
+        with self.timers("data"):
+            x_all, y_all = self.data.reader.batch(self.step)
+        stats = self.stepper.run(self.step, x_all, y_all, update=True)
+        self.step += 1
+        return stats.loss_sum, stats.correct
+
+    def evaluate(self, whole: bool = False) -> dict:
+        """The evaluation set's loss and accuracy (see :meth:`RunLoop.evaluate`). Collective."""
+        return self.loop().evaluate(whole)
+
+    def run(self) -> dict:
+        """Train to ``train.steps`` (or a stop signal); collective. See :mod:`hpctrain.training.loop`."""
+        with self.stop_signal if self._own_signal else contextlib.nullcontext():
+            return self.loop().run()
+
+    def close(self) -> None:
+        """Close the data files (the run is over; the trainer is not used again)."""
+        self.data.close()
+
+
+def check_same_layout(layouts):
+    """Every rank must reduce the same gradient buckets in the same order."""
+    if len(set(layouts)) > 1:
+        detail = ", ".join(f"rank {r}: {h}" for r, h in enumerate(layouts))
+        raise ConfigError(f"ranks disagree on the gradient bucket layout ({detail}); every rank must build "
+                          f"the same model with the same dist.bucket_mb and train.dtype, or the all-reduce "
+                          f"would deadlock")
+
+
+def _check_same_data(seen, path):
+    if len(set(seen)) > 1:
+        detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
+        raise DataError(f"ranks see different datasets at {path!r} ({detail}); "
+                        f"every rank must read the same file (check node-local copies)")

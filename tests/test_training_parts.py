@@ -1,0 +1,278 @@
+"""The trainer's three parts, each used without the others (one process, no mpirun):
+
+* the plan (hpctrain/training/plan.py): the grid, groups, buckets and ZeRO shares of a config,
+  placed for real on one rank and on paper for a rank of a larger world;
+* the step (hpctrain/training/step.py): a batch in, the statistics out, the update exactly SGD
+  on the averaged gradient, micro-batches adding up to the whole batch's gradient;
+* the run loop (hpctrain/training/loop.py) over a stand-in step, data and checkpoints: which steps
+  it saves, what the numeric guard does to a bad step, a stop signal.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hpctrain.errors import TrainingDiverged
+from hpctrain.observe.log import Log, Metrics, Timers
+from hpctrain.reliability.numeric_guard import NumericGuard
+from hpctrain.reliability.progress import Progress
+from hpctrain.runtime import World
+from hpctrain.training.config import Config
+from hpctrain.training.loop import RunLoop
+from hpctrain.training.plan import on_paper, place
+from hpctrain.training.state import TrainingState
+from hpctrain.training.step import Step, StepStats
+
+
+def _config(data: str, **train) -> Config:
+    cfg = Config()
+    cfg.data.train, cfg.data.eval, cfg.model.hidden = data, "", [16, 8]
+    cfg.train.dtype, cfg.train.device, cfg.train.global_batch = "float64", "cpu", 32
+    cfg.optim.name, cfg.optim.lr, cfg.optim.momentum, cfg.optim.weight_decay = "sgd", 0.1, 0.0, 0.0
+    cfg.optim.warmup_steps, cfg.optim.schedule, cfg.optim.scale_lr = 0, "constant", False
+    cfg.dist.bucket_mb, cfg.dist.first_bucket_mb, cfg.dist.allreduce = 0.0005, 0.0005, "mpi"
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg.validate()
+
+
+def _self_world():
+    from mpi4py import MPI
+
+    from hpctrain.runtime import init_world
+
+    return init_world(MPI.COMM_SELF)
+
+
+def _model_on(plan, cfg):
+    from hpctrain.models import family
+
+    models = family(cfg.model.kind)
+    data = models.open_data(cfg, plan.dp, plan.device)
+    model = models.build(cfg, plan.device, data, tensor=plan.tensor)
+    model.init(cfg.train.seed)
+    return data, model
+
+
+# ---- the plan ---------------------------------------------------------------------------
+def test_the_plan_divides_the_parameters_into_buckets_and_zero_shares(small_data):
+    cfg = _config(small_data[0])
+    cfg.dist.zero = 1
+    plan = place(cfg, _self_world())
+    data, model = _model_on(plan, cfg)
+    try:
+        plan.divide(model)
+    finally:
+        data.close()
+    # the buckets tile the flat buffer in backward's order: the last layers' first
+    assert len(plan.buckets) >= 2
+    assert plan.buckets[0].hi == model.flat.size and plan.buckets[-1].lo == 0
+    assert all(a.lo == b.hi for a, b in zip(plan.buckets, plan.buckets[1:]))
+    # one rank owns every element of every bucket
+    assert sum(hi - lo for lo, hi, _ in plan.shards.pieces) == model.flat.size
+    assert plan.dp.size == 1 and plan.grid.tensor is None and plan.micro_batches == 1
+    assert plan.allreduce is None  # connect() is a separate, collective stage
+    text = plan.describe()
+    assert "plan: 1 rank(s) = data 1 x tensor 1 x pipeline 1" in text
+    assert f"{len(plan.buckets)} gradient bucket(s)" in text and "zero 1" in text
+
+
+def test_a_plan_on_paper_places_a_rank_of_a_larger_world(small_data):
+    """Rank 3 of 4 with dist.tensor_parallel = 2: tensor rank 1 of group [2, 3], data rank 1 of
+    group [1, 3]; no communicator is made and no memory taken."""
+    cfg = _config(small_data[0])
+    cfg.model.kind, cfg.dist.tensor_parallel = "mlp", 1
+    world = World(None, 3, 4, None, 3, 4, None, 0, 1)
+    plan = on_paper(cfg, world)
+    assert (plan.dp.rank, plan.dp.size, plan.grid.tensor) == (3, 4, None)
+    cfg.dist.tensor_parallel = 2
+    plan = on_paper(cfg, world)
+    assert (plan.grid.tensor.rank, plan.grid.tensor.size, plan.dp.rank, plan.dp.size) == (1, 2, 1, 2)
+    assert plan.dp.comm is None and plan.device.name == "cpu"
+    assert "tensor groups [0, 1] [2, 3]; data groups [0, 2] [1, 3]" in plan.describe()
+
+
+# ---- the step ----------------------------------------------------------------------------
+def _step(cfg, small_data):
+    """A connected one-rank plan, the model's state and its Step (no loop, no checkpoints)."""
+    from hpctrain.optim import LRSchedule, make_optimizer
+
+    plan = place(cfg, _self_world())
+    data, model = _model_on(plan, cfg)
+    plan.divide(model)
+    plan.connect(Log(False))
+    optimizer = make_optimizer(plan.device, model.flat, cfg.optim, model.no_decay)
+    state = TrainingState(model, optimizer, data.sampler, np.random.default_rng(0))
+    step = Step(plan, state, LRSchedule(cfg.optim, cfg.optim.lr, cfg.train.steps), Timers())
+    return step, state, data
+
+
+def test_a_step_takes_a_batch_and_returns_its_statistics_and_the_sgd_update(small_data):
+    cfg = _config(small_data[0])
+    step, state, data = _step(cfg, small_data)
+    try:
+        x, y = data.reader.batch(0)
+        model = state.model
+        before = model.flat.data.copy()
+        # the statistics are the model's own on this batch
+        loss_ref, correct_ref = model.forward(x, y)
+        stats = step.run(0, x, y, update=False)
+        assert isinstance(stats, StepStats) and not stats.loss_nonfinite and not stats.grad_nonfinite
+        assert stats.loss_sum == loss_ref and stats.correct == correct_ref
+        assert np.array_equal(model.flat.data, before)  # no update until asked
+        grad = model.flat.grad.copy()
+        assert np.abs(grad).max() > 0
+        step.apply_update(0)  # plain SGD, lr 0.1: p - lr g, bit for bit in float64
+        np.testing.assert_array_equal(model.flat.data, before - 0.1 * grad)
+        assert state.step == 0  # the step never advances the state: the loop does
+        metrics = step.comm_metrics()
+        assert metrics["bytes_reduced"] == 8 * model.flat.size and metrics["allreduce"] == "mpi"
+    finally:
+        data.close()
+
+
+def test_micro_batches_add_up_to_the_whole_batch_gradient(small_data):
+    grads = []
+    for k in (1, 4):
+        step, state, data = _step(_config(small_data[0], grad_accum_steps=k), small_data)
+        try:
+            x, y = data.reader.batch(0)
+            step.run(0, x, y, update=False)
+            grads.append(state.model.flat.grad.copy())
+        finally:
+            data.close()
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-12, atol=1e-15)
+
+
+def test_a_poisoned_batch_is_reported_not_finite(small_data):
+    """A NaN feature: ReLU may hide it from the loss, never from the averaged gradient."""
+    step, state, data = _step(_config(small_data[0]), small_data)
+    try:
+        x, y = data.reader.batch(0)
+        x = np.array(x, copy=True)
+        x[0, 0] = np.nan
+        stats = step.run(0, x, y, update=False)
+        assert stats.grad_nonfinite and not np.isfinite(state.model.flat.grad).all()
+    finally:
+        data.close()
+
+
+# ---- the run loop ------------------------------------------------------------------------
+class FakeStep:
+    """A step whose loss is given per step (NaN for a bad one); records its updates."""
+
+    def __init__(self, losses, schedule):
+        self.losses, self.schedule, self.updates, self.runs = losses, schedule, [], []
+
+    def run(self, step, x, y, update=True):
+        self.runs.append(step)
+        if update:
+            self.updates.append(step)
+        loss = self.losses.get(step, 1.0)
+        return StepStats(loss * len(y), len(y) // 2, not math.isfinite(loss), False)
+
+    def apply_update(self, step):
+        self.updates.append(step)
+
+    def comm_metrics(self):
+        return {"comm_time": 0.0}
+
+
+class FakeCheckpoints:
+    def __init__(self, every):
+        self.every, self.saved, self.saved_step = every, [], None
+
+    def step_due(self, step):
+        return step % self.every == 0
+
+    def time_due(self):
+        return False
+
+    def save(self, state):
+        self.saved.append(state.step)
+        self.saved_step = state.step
+
+    def rollback(self, state):  # pragma: no cover - the tests here use skip and abort
+        raise AssertionError("no rollback expected")
+
+
+class FakeWatchdog:
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def watch(self, *args, **kwargs):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def _loop(tmp_path, losses=None, nonfinite="skip", steps=7, signal_at=None):
+    from mpi4py import MPI
+
+    cfg = Config()
+    cfg.train.steps, cfg.train.global_batch, cfg.train.log_every, cfg.train.eval_every = steps, 4, 2, 0
+    cfg.train.target_accuracy, cfg.checkpoint.save_final, cfg.guard.nonfinite = 0.0, True, nonfinite
+    world = World(MPI.COMM_SELF, 0, 1, None, 0, 1, None, 0, 1)
+    device = SimpleNamespace(describe=lambda: "cpu (stand-in)", dtype=np.dtype(np.float32), synchronize=lambda: None)
+    plan = SimpleNamespace(cfg=cfg, world=world, device=device, staging=SimpleNamespace(mode="host"), buckets=[1],
+                           grid=SimpleNamespace(tensor=None, tensor_rank=0), dp=world, tensor=None, micro_batches=1,
+                           grad_slots=None)
+    model = SimpleNamespace(flat=SimpleNamespace(size=10), targets_per_row=1, flops_per_row=0)
+    optimizer = SimpleNamespace(state=lambda: {}, state_size=0)
+    sampler = SimpleNamespace(batch=4, steps_per_epoch=100, position=lambda step: (0, step))
+    state = TrainingState(model, optimizer, sampler, np.random.default_rng(0))
+    reader = SimpleNamespace(batch=lambda step: (np.zeros((4, 2), np.float32), np.zeros(4, np.int64)))
+    data = SimpleNamespace(reader=reader, eval_shard=None, units="samples", describe="stand-in", info={})
+    step = FakeStep(losses or {}, SimpleNamespace(lr=lambda s: 0.1))
+    stop = SimpleNamespace(received=None)
+    if signal_at is not None:  # the signal arrives during step signal_at
+        run = step.run
+
+        def signalled(at, x, y, update=True):
+            if at == signal_at:
+                stop.received = "SIGUSR1"
+            return run(at, x, y, update)
+        step.run = signalled
+    out, metrics = io.StringIO(), tmp_path / "metrics.jsonl"
+    ckpts = FakeCheckpoints(every=3)
+    loop = RunLoop(plan, state, step, data, ckpts, NumericGuard(cfg.guard, Log(True, out)), log=Log(True, out),
+                   metrics=Metrics(str(metrics), True), timers=Timers(), watchdog=FakeWatchdog(),
+                   progress=Progress(False), stop_signal=stop)
+    return loop, step, ckpts, state, out, metrics
+
+
+def test_the_loop_steps_saves_when_due_and_writes_a_metrics_line_per_step(tmp_path):
+    loop, step, ckpts, state, out, metrics = _loop(tmp_path)
+    result = loop.run()
+    assert result["steps"] == 7 == state.step and result["stopped_by"] is None and result["bad_steps"] == 0
+    assert step.runs == step.updates == list(range(7))  # skip defers each update until the verdict
+    assert ckpts.saved == [3, 6, 7]  # every 3 steps, and the final one
+    lines = metrics.read_text().splitlines()
+    assert len(lines) == 7 and '"step": 7' in lines[-1]
+    assert "done: 7 steps" in out.getvalue()
+
+
+def test_the_loop_skips_a_bad_step_and_aborts_under_abort(tmp_path):
+    loop, step, ckpts, state, out, _ = _loop(tmp_path, losses={2: float("nan")})
+    result = loop.run()
+    assert result["bad_steps"] == 1 and state.step == 7
+    assert 2 in step.runs and 2 not in step.updates  # the step counts, its update is dropped
+    loop, step, ckpts, state, out, _ = _loop(tmp_path, losses={2: float("nan")}, nonfinite="abort")
+    with pytest.raises(TrainingDiverged):
+        loop.run()
+    assert state.step == 2 and ckpts.saved == []  # nothing of the bad step is saved
+
+
+def test_a_stop_signal_saves_and_stops_at_the_step_boundary(tmp_path):
+    loop, step, ckpts, state, out, _ = _loop(tmp_path, signal_at=4)
+    result = loop.run()
+    assert result["stopped_by"] == "SIGUSR1 received on 1 rank(s)" and state.step == 5
+    assert ckpts.saved == [3, 5] and "stopping at step 5" in out.getvalue()
