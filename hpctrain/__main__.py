@@ -28,7 +28,7 @@ import faulthandler
 import json
 import sys
 
-from .runtime import launched_rank, limit_threads_per_rank
+from .runtime import launched_rank, limit_threads_per_rank, yield_when_oversubscribed
 
 
 # How long a rank other than 0 waits before it leaves, where it leaves without a collective that
@@ -224,6 +224,7 @@ def main(argv=None) -> int:
 
         return cmd_launch(argv[1:])
     limit_threads_per_rank()  # before numpy is imported by any command
+    yield_when_oversubscribed()  # before MPI_Init
     # a fatal signal (SIGSEGV in native code, SIGBUS, SIGFPE, SIGABRT, SIGILL) prints every thread's
     # Python stack before the process dies; the launcher then names the rank and the signal
     faulthandler.enable(all_threads=True)

@@ -132,3 +132,18 @@ def limit_threads_per_rank() -> None:
     per_rank = max(1, min(cores, (os.cpu_count() or 1) // launched_ranks_on_node()))
     for var in THREAD_VARS:
         os.environ[var] = str(per_rank)
+
+
+YIELD_VAR = "OMPI_MCA_mpi_yield_when_idle"
+
+
+def yield_when_oversubscribed() -> None:
+    """With more ranks on this node than cores, have Open MPI yield the core while a rank waits,
+    unless the user chose (``OMPI_MCA_mpi_yield_when_idle`` set). By default a rank waiting in a
+    collective polls without yielding, so the waiting ranks take the cores the computing ones need:
+    4 ranks on 2 cores ran 300 steps of a small MLP in 29 s, and in 4.5 s with yielding (the same
+    VM, back to back). Other MPI libraries ignore the variable. Must run before MPI_Init; called
+    where :func:`limit_threads_per_rank` is, never at import.
+    """
+    if YIELD_VAR not in os.environ and launched_ranks_on_node() > (os.cpu_count() or 1):
+        os.environ[YIELD_VAR] = "1"

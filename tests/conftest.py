@@ -33,11 +33,12 @@ def _share_the_cores_between_ranks() -> bool:
     Plain pytest (one process, even inside a SLURM allocation) is left alone: the counts would
     pass to the jobs it launches.
     """
-    from hpctrain.runtime import THREAD_VARS, launched_ranks_on_node, limit_threads_per_rank
+    from hpctrain.runtime import THREAD_VARS, launched_ranks_on_node, limit_threads_per_rank, yield_when_oversubscribed
 
     caller_set = any(var in os.environ for var in THREAD_VARS)
     if "--with-mpi" in sys.argv and launched_ranks_on_node() > 1:
         limit_threads_per_rank()
+        yield_when_oversubscribed()
     return caller_set
 
 
@@ -75,6 +76,16 @@ LONGEST_FIRST = ("test_gpu_check", "test_benchmarks", "test_fuzz_checkpoint", "t
                  "test_compress_cuda", "test_launch", "test_numguard", "test_gpt_cuda_step", "test_gpt_cuda_kernels",
                  "test_emulated_cluster", "test_compress_convergence", "test_bad_inputs", "test_cli",
                  "test_gpt_train", "test_scaling_benchmark", "test_checkpoint_jobs", "test_cuda_compile")
+
+
+def pytest_runtest_setup(item):
+    """``@pytest.mark.compares_ranks``: the test compares N ranks with one rank (or what the ranks
+    exchange); under ``mpirun -n 1`` it would compare a run with itself, so it is skipped there."""
+    if item.get_closest_marker("compares_ranks") is not None and item.get_closest_marker("mpi") is not None:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() == 1:
+            pytest.skip("compares ranks with one rank: at one rank it would compare a run with itself")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -64,3 +64,14 @@ def test_a_checkpoint_save_calls_the_hooks_it_is_given(tmp_path):
     # the serial fallback (h5py without MPI) has no collective close to stop before
     assert hooks.calls == [("commit", 7)] + ([("close", 7, 0)] if mpi_hdf5() else [])
     write_checkpoint(str(tmp_path), 8, entries, {"epoch": 0}, init_world(MPI.COMM_SELF))  # no hooks: nothing
+
+
+def test_a_step_delay_sleeps_before_every_step_not_at_start_up(monkeypatch):
+    slept = []
+    monkeypatch.setattr(faults_mod.time, "sleep", slept.append)
+    hooks = Faults(2, env={"HPCTRAIN_STEP_DELAY_S": "0.25"})
+    x = np.ones((2, 3))
+    for step in range(3):
+        assert hooks.before_step(step, x) is x   # the batch untouched
+    hooks.at_start_up()
+    assert slept == [0.25, 0.25, 0.25]

@@ -56,6 +56,7 @@ def test_buckets_cover_the_gradient_in_reverse_layer_order(mpi_small_data, world
     assert all(a.lo == b.hi for a, b in zip(buckets, buckets[1:]))
 
 
+@pytest.mark.compares_ranks
 @pytest.mark.parametrize("allreduce", ["mpi", "naive", "ring", "rhd", "hierarchical", "shm", "auto"])
 def test_every_strategy_trains_like_mpi(mpi_small_data, world, allreduce):
     from hpctrain.runtime import init_world

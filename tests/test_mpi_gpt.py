@@ -72,6 +72,7 @@ def reference(mpi_text_data):
     return params
 
 
+@pytest.mark.compares_ranks
 @pytest.mark.parametrize("allreduce", ["mpi", "naive", "ring", "rhd", "hierarchical", "shm", "auto"])
 def test_n_ranks_equal_one_rank_with_n_times_batch(world, mpi_text_data, reference, allreduce):
     params, _ = _train(_config(mpi_text_data, allreduce=allreduce), world)
@@ -106,6 +107,7 @@ def test_training_moves_the_weights_and_lowers_the_loss(world, mpi_text_data, re
         assert np.array_equal(saved, now)
 
 
+@pytest.mark.compares_ranks
 @pytest.mark.parametrize("whole", [False, True])
 def test_evaluation_shards_add_up_to_one_rank(world, mpi_text_data, whole):
     """Each rank scores its shard of the validation windows (uneven at 3 ranks); the all-reduced
@@ -119,6 +121,7 @@ def test_evaluation_shards_add_up_to_one_rank(world, mpi_text_data, whole):
     assert n["accuracy"] == one["accuracy"] and n["bpb"] == pytest.approx(one["bpb"], rel=1e-12)
 
 
+@pytest.mark.compares_ranks
 @pytest.mark.parametrize("compress", ["fp16", "topk(0.05)", "powersgd(2)"])
 def test_compression_keeps_every_rank_identical(world, mpi_text_data, compress):
     cfg = _config(mpi_text_data, steps=5, dtype="float32")
@@ -150,6 +153,7 @@ def test_resume_is_bit_exact(world, mpi_text_data):
     assert first.model.flat.data.tobytes() != straight.tobytes()
 
 
+@pytest.mark.compares_ranks
 def test_resume_at_another_world_size(world, mpi_text_data):
     """Saved by every rank, resumed by 1 .. n-1 of them: the same run continues (float64)."""
     from mpi4py import MPI

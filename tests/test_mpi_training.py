@@ -11,7 +11,7 @@ import pytest
 
 from hpctrain.training.config import Config
 
-pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.mpi, pytest.mark.compares_ranks, pytest.mark.timeout(240)]
 
 
 def _config(train, per_rank_batch, size, optim, allreduce="mpi", steps=None):

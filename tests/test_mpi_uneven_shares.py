@@ -62,6 +62,7 @@ def one_rank(mpi_small_data):
     return {g: _train(_mlp(mpi_small_data[0], g), self_world)[0] for g in (256, 255, 254)}
 
 
+@pytest.mark.compares_ranks
 @pytest.mark.parametrize("allreduce", ["mpi", "naive", "ring", "rhd", "hierarchical", "shm", "auto"])
 @pytest.mark.parametrize("global_batch", [256, 255])
 def test_uneven_shares_train_like_one_rank(mpi_small_data, world, one_rank, allreduce, global_batch):
@@ -106,6 +107,7 @@ def test_a_global_batch_smaller_than_the_world_is_one_clear_error(mpi_small_data
         _train(_mlp(mpi_small_data[0], world.size - 1), world)
 
 
+@pytest.mark.compares_ranks
 def test_the_gpt_with_uneven_shares_trains_like_one_rank(mpi_text_data, world):
     """25 windows of 16 tokens: every token's loss weighs 1 / 400 wherever its window is."""
     from mpi4py import MPI

@@ -82,3 +82,20 @@ def test_stop_signals_after_the_run_are_ignored():
     finally:
         for name, handler in saved.items():
             signal.signal(getattr(signal, name), handler)
+
+
+def test_ranks_yield_their_core_only_when_the_node_is_oversubscribed(monkeypatch):
+    """More launched ranks on the node than cores: Open MPI's waiting ranks yield (set before
+    MPI_Init); as many ranks as cores or fewer, or a value the user set: left alone."""
+    from hpctrain.runtime import YIELD_VAR, yield_when_oversubscribed
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for ranks, want in (("4", "1"), ("3", "1"), ("2", None), ("1", None)):
+        monkeypatch.delenv(YIELD_VAR, raising=False)
+        monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", ranks)
+        yield_when_oversubscribed()
+        assert os.environ.get(YIELD_VAR) == want, ranks
+    monkeypatch.setenv(YIELD_VAR, "0")  # the user's choice wins
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    yield_when_oversubscribed()
+    assert os.environ[YIELD_VAR] == "0"

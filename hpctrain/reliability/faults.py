@@ -15,6 +15,10 @@ trainer's start-up, before its first collective; only raise, segv and hang):
   hang   the rank sleeps in Python forever (busy elsewhere: the watchdog must
          say "not in a collective")
 
+``HPCTRAIN_STEP_DELAY_S=S``: every rank sleeps S s before each step's forward pass (a slow step, so
+that a test's job outlasts a SLURM time limit with few, cheap steps; the arithmetic is unchanged, so
+the same run without the delay is its bit-exact reference).
+
 Checkpoint saves (:func:`hpctrain.ckpt.write.write_checkpoint` calls the two hooks):
 
   HPCTRAIN_CKPT_WRITE_DELAY_S=S  sleep S s between a save's data writes and its commit (a save
@@ -67,6 +71,7 @@ class Faults:
         text = env.get("HPCTRAIN_FAULT", "") if text is None else text
         self.rank = rank
         self.by_step = {step: kind for kind, step, r in parse(text) if r == rank}
+        self.step_delay_s = _number(env, "HPCTRAIN_STEP_DELAY_S", float) or 0.0
         self.save_delay_s = _number(env, "HPCTRAIN_CKPT_WRITE_DELAY_S", float) or 0.0
         self.save_step = _number(env, "HPCTRAIN_CKPT_DELAY_STEP", int)
         self.save_stop_rank = _number(env, "HPCTRAIN_CKPT_STOP_RANK", int)
@@ -85,6 +90,8 @@ class Faults:
 
     def before_step(self, step: int, x: np.ndarray) -> np.ndarray:
         """Apply this step's fault, if any; returns the (possibly poisoned copy of the) batch."""
+        if self.step_delay_s > 0 and step != START_UP:
+            time.sleep(self.step_delay_s)
         kind = self.by_step.get(step)
         if kind is None:
             return x
