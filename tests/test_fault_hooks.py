@@ -22,14 +22,14 @@ def test_the_save_hooks_act_only_at_their_step_and_rank(monkeypatch):
         hooks = Faults(rank, env=env)
         for step in (5, 10):
             hooks.before_commit(step)
-            hooks.before_close(step, rank)
+            hooks.before_close(step)
     assert slept == [2.5, 2.5]                          # step 10 only, on both ranks
     assert stopped == [faults_mod.signal.SIGSTOP]       # rank 1 at step 10 only
     every = Faults(0, env={"HPCTRAIN_CKPT_WRITE_DELAY_S": "1"})
     every.before_commit(3), every.before_commit(4)
     assert slept[2:] == [1.0, 1.0]                      # no step named: every save
     quiet = Faults(0, env={})
-    quiet.before_commit(1), quiet.before_close(1, 0)
+    quiet.before_commit(1), quiet.before_close(1)
     assert len(slept) == 4 and len(stopped) == 1
 
 
@@ -54,24 +54,25 @@ def test_a_checkpoint_save_calls_the_hooks_it_is_given(tmp_path):
         def before_commit(self, step):
             self.calls.append(("commit", step))
 
-        def before_close(self, step, rank):
-            self.calls.append(("close", step, rank))
+        def before_close(self, step):
+            self.calls.append(("close", step))
 
     a = np.arange(12.0).reshape(3, 4)
     entries = [Entry("/model/a/weight", a.shape, a.dtype, lambda lo, hi: a[lo:hi])]
     hooks = Recording()
     write_checkpoint(str(tmp_path), 7, entries, {"epoch": 0}, init_world(MPI.COMM_SELF), hooks=hooks)
     # the serial fallback (h5py without MPI) has no collective close to stop before
-    assert hooks.calls == [("commit", 7)] + ([("close", 7, 0)] if mpi_hdf5() else [])
+    assert hooks.calls == [("commit", 7)] + ([("close", 7)] if mpi_hdf5() else [])
     write_checkpoint(str(tmp_path), 8, entries, {"epoch": 0}, init_world(MPI.COMM_SELF))  # no hooks: nothing
 
 
-def test_a_step_delay_sleeps_before_every_step_not_at_start_up(monkeypatch):
+def test_a_step_delay_paces_every_step_not_start_up(monkeypatch):
     slept = []
     monkeypatch.setattr(faults_mod.time, "sleep", slept.append)
     hooks = Faults(2, env={"HPCTRAIN_STEP_DELAY_S": "0.25"})
     x = np.ones((2, 3))
     for step in range(3):
-        assert hooks.before_step(step, x) is x   # the batch untouched
+        hooks.pace()
+        assert hooks.before_step(step, x) is x   # the batch untouched: the pace is apart from the faults
     hooks.at_start_up()
     assert slept == [0.25, 0.25, 0.25]

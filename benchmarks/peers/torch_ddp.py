@@ -4,7 +4,7 @@
     mpirun -n 2 python benchmarks/peers/torch_ddp.py --set ... --resume runs/init/ckpt-00000000.h5 \\
         --set train.metrics=runs/peer.jsonl
 
-It takes hpctrain's own ``--config`` / ``--set`` (parsed by ``hpctrain.training.config``),
+It takes hpctrain's own ``--config`` / ``--set`` (parsed by ``hpctrain.training.config_load``),
 so the same flags describe both runs:
 
 * model: ``Linear(+ReLU | GELU(tanh))`` per ``model.hidden``, then a Linear to

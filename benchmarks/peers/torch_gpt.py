@@ -4,7 +4,7 @@
     mpirun -n 2 python benchmarks/peers/torch_gpt.py --config examples/gpt.toml --set ... \\
         --resume runs/init/ckpt-00000000.h5 --set train.metrics=runs/peer.jsonl
 
-It takes hpctrain's own ``--config`` / ``--set`` (parsed by ``hpctrain.training.config``),
+It takes hpctrain's own ``--config`` / ``--set`` (parsed by ``hpctrain.training.config_load``),
 so the same flags describe both runs:
 
 * model: GPT-2 as hpctrain's ``model.kind = "gpt"`` (benchmarks/peers/gpt2_torch.py:

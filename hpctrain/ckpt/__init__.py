@@ -1,7 +1,7 @@
 """Parallel HDF5 checkpoints: atomic, verifiable, resumable at any world size.
 
   format   file names, layout constants, CRC-32 and its combination
-  state    the trainer's state as named logical arrays, and back
+  state    the training state as named logical arrays, and back
   write    the parallel write protocol (h5py ``mpio``) and the atomic commit
   slices   a rank's share of the data: pieces, transfers, checksums while syncing
   aggregate  writer ranks per node that write their node's other ranks' slices (writers_per_node)
@@ -10,7 +10,6 @@
   isolated HDF5 decodes a file only in a child process (it may crash, loop or blow up on a corrupt one)
   share    a rank's share of a file, read by such a child into memory the parent maps
   manager  when to save, what to resume from, keep_last
-  signals  SIGUSR1 / SIGTERM -> save and exit
   cli      ``python -m hpctrain ckpt ls|verify|inspect``
 
 The file format is documented in docs/checkpoint-format.md.

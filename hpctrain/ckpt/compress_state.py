@@ -77,10 +77,10 @@ def compression_rows(comp, world) -> list[tuple[str, np.ndarray]]:
     return rows
 
 
-def restore_compression(comp, cfg, world: int, own_rows: dict, saved_world: int, saved_compress, log,
+def restore_compression(comp, cfg, world_size: int, own_rows: dict, saved_world: int, saved_compress, log,
                         across_ranks: dict) -> None:
     """Load the compressor state of a checkpoint into ``comp`` (None: nothing to do) by the rules
-    above, for this run's config ``cfg`` at world size ``world``.
+    above, for this run's config ``cfg`` at world size ``world_size``.
 
     ``own_rows``: this rank's row of each per-rank dataset (absent beyond the saved world);
     ``across_ranks`` (read at another world size only): the mean row of each float /compress
@@ -91,7 +91,7 @@ def restore_compression(comp, cfg, world: int, own_rows: dict, saved_world: int,
     # whatever is not restored starts from zero: a rollback must not keep the state of the steps it
     # undoes (a NaN residual from the bad step, or velocities past a checkpoint saved before compression)
     comp.load_state({})
-    names = own_rows if saved_world == world else across_ranks
+    names = own_rows if saved_world == world_size else across_ranks
     keys = sorted(p[len("/compress/"):] for p in names if p.startswith("/compress/") and p != LENGTHS)
     if not keys:
         return
@@ -103,12 +103,12 @@ def restore_compression(comp, cfg, world: int, own_rows: dict, saved_world: int,
     if saved[:4] != now[:4]:
         why = (f"saved with (compress, scope, tensor_parallel, momentum) {tuple(saved[:4])}, "
                f"this run has {tuple(now[:4])}")
-    elif saved_world != world and (cfg.compress_scope != "all" or cfg.tensor_parallel > 1):
-        why = (f"saved with {saved_world} rank(s), this run has {world}, and with "
+    elif saved_world != world_size and (cfg.compress_scope != "all" or cfg.tensor_parallel > 1):
+        why = (f"saved with {saved_world} rank(s), this run has {world_size}, and with "
                + ("compress_scope = 'inter' a rank's rows are its share of the saved job's cross-node chunks"
                   if cfg.compress_scope != "all" else "tensor parallelism rows hold different pieces of the matrices"))
-    elif saved_world != world and not _whole_rows(across_ranks.get(LENGTHS), keys, across_ranks):
-        why = f"saved with {saved_world} rank(s), this run has {world}, and the saved ranks' rows differ in length"
+    elif saved_world != world_size and not _whole_rows(across_ranks.get(LENGTHS), keys, across_ranks):
+        why = f"saved with {saved_world} rank(s), this run has {world_size}, and the saved ranks' rows differ in length"
     if why:
         log.info(f"compression state (error-feedback residuals, momentum correction's velocities, PowerSGD's Q) "
                  f"not restored: {why}; it starts from zero")
@@ -117,9 +117,9 @@ def restore_compression(comp, cfg, world: int, own_rows: dict, saved_world: int,
         log.info(f"compression state: residuals and velocities were summed over a saved "
                  f"train.grad_accum_steps={saved.grad_accum_steps}, this run sums {now.grad_accum_steps}; "
                  f"scaled by {factor:g} (the update they owe is kept)")
-    if saved_world != world:
+    if saved_world != world_size:
         comp.load_state({k: _scaled(k, across_ranks[f"/compress/{k}"], factor).astype(np.float32) for k in keys})
-        log.info(f"compression state restored at another world size: each of the {world} rank(s) starts from the "
+        log.info(f"compression state restored at another world size: each of the {world_size} rank(s) starts from the "
                  f"mean of the {saved_world} saved ranks' residuals, velocities and PowerSGD's Q (what the update "
                  f"still owes is kept)")
         return

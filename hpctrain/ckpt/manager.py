@@ -9,8 +9,8 @@ methods that touch files or MPI are collective); what it saves and loads is a
     ones are skipped with a warning; no checkpoint means a fresh start, but if
     there are some and none verifies the run stops rather than lose them) or a
     path;
-  * ``due(step)``: every ``every_steps`` steps; ``every_minutes`` is judged by
-    rank 0's clock and agreed in the trainer's per-step all-reduce;
+  * ``step_due(step)``: every ``every_steps`` steps; ``time_due()``: ``every_minutes``,
+    judged by rank 0's clock and agreed in the run loop's per-step all-reduce;
   * ``save(state)``: an atomic parallel write (:mod:`.write`), then rank 0
     deletes checkpoints older than it beyond ``keep_last`` (never newer ones).
 """
@@ -50,7 +50,7 @@ class CheckpointManager:
         return bool(self.c.every_steps) and step % self.c.every_steps == 0
 
     def time_due(self) -> bool:
-        """Rank 0's view of ``every_minutes`` (the trainer all-reduces it)."""
+        """Rank 0's view of ``every_minutes`` (the run loop all-reduces it)."""
         return bool(self.c.every_minutes) and self.clock() - self._last_save >= 60.0 * self.c.every_minutes
 
     # ---- save ---------------------------------------------------------------------

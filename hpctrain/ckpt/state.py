@@ -1,4 +1,4 @@
-"""What a checkpoint holds: the trainer's state as named logical arrays, and back.
+"""What a checkpoint holds: the training state as named logical arrays, and back.
 
 Every array is an :class:`Entry`: a path in the file, its full (logical)
 shape and dtype, and a function giving rows [lo, hi) as a host array. Two kinds:

@@ -28,7 +28,7 @@ with one warning.
 
 Test hooks enter through ``hooks`` (a :class:`~hpctrain.reliability.faults.Faults`, the one
 seam that reads them): ``before_commit(step)`` between the data writes and the commit, and
-``before_close(step, rank)`` just before the file's collective close.
+``before_close(step)`` just before the file's collective close (each rank's hooks know their rank).
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _write_parallel(tmp, step, entries, attrs, world, collective, writers_per_no
                 f.attrs["complete"] = True
             except Exception as exc:  # noqa: BLE001
                 err = exc
-        hooks.before_close(step, world.rank)
+        hooks.before_close(step)
     try:
         f.close()
     except Exception as exc:  # noqa: BLE001
@@ -311,7 +311,7 @@ class _NoHooks:
     def before_commit(self, step):
         pass
 
-    def before_close(self, step, rank):
+    def before_close(self, step):
         pass
 
 

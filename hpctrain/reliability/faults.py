@@ -15,9 +15,9 @@ trainer's start-up, before its first collective; only raise, segv and hang):
   hang   the rank sleeps in Python forever (busy elsewhere: the watchdog must
          say "not in a collective")
 
-``HPCTRAIN_STEP_DELAY_S=S``: every rank sleeps S s before each step's forward pass (a slow step, so
-that a test's job outlasts a SLURM time limit with few, cheap steps; the arithmetic is unchanged, so
-the same run without the delay is its bit-exact reference).
+``HPCTRAIN_STEP_DELAY_S=S``: every rank sleeps S s before each step, outside its timed phases (so
+that a test's job outlasts a SLURM time limit with few, cheap steps; the arithmetic is unchanged,
+so the same run without the delay is its bit-exact reference; the step times exclude it).
 
 Checkpoint saves (:func:`hpctrain.ckpt.write.write_checkpoint` calls the two hooks):
 
@@ -84,14 +84,17 @@ class Faults:
                 raise ConfigError(f"HPCTRAIN_FAULT {kind}:{step}: poisons float inputs (model.kind = \"mlp\"); "
                                   f"this model's inputs are token ids")
 
+    def pace(self) -> None:
+        """Before a step, outside its timed phases: HPCTRAIN_STEP_DELAY_S."""
+        if self.step_delay_s > 0:
+            time.sleep(self.step_delay_s)
+
     def at_start_up(self) -> None:
         """Apply the ``start`` fault, if any (raise, segv or hang)."""
         self.before_step(START_UP, None)
 
     def before_step(self, step: int, x: np.ndarray) -> np.ndarray:
         """Apply this step's fault, if any; returns the (possibly poisoned copy of the) batch."""
-        if self.step_delay_s > 0 and step != START_UP:
-            time.sleep(self.step_delay_s)
         kind = self.by_step.get(step)
         if kind is None:
             return x
@@ -121,9 +124,9 @@ class Faults:
         if self.save_delay_s > 0 and self._in_save(step):
             time.sleep(self.save_delay_s)
 
-    def before_close(self, step: int, rank: int) -> None:
-        """Just before the file's collective close: HPCTRAIN_CKPT_STOP_RANK stops itself."""
-        if self.save_stop_rank == rank and self._in_save(step):
+    def before_close(self, step: int) -> None:
+        """Just before the file's collective close: the rank HPCTRAIN_CKPT_STOP_RANK names stops itself."""
+        if self.save_stop_rank == self.rank and self._in_save(step):
             os.kill(os.getpid(), signal.SIGSTOP)
 
 

@@ -9,11 +9,14 @@ then saves, metrics and the progress line. The stall watchdog watches the whole 
 The loop takes its parts explicitly: the plan and the training state, the step, the data, the
 checkpoints, the numeric guard, and what it reports to and is watched by (log, metrics, timers,
 watchdog, progress marks, stop signal, fault hooks; a tracer, per-op times and the GEMM peak when
-asked for). It owns none of them; whoever built them closes them.
+asked for). :meth:`RunLoop.run` starts and stops the watchdog, installs the stop signal around
+the steps when ``own_signal`` says it is its to install, and closes the metrics and progress
+files at the end; everything else stays with whoever built it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -36,14 +39,17 @@ def _shares(global_batch: int, size: int) -> str:
 
 
 class RunLoop:
-    """Trains ``state`` to ``train.steps`` (or a stop signal) with ``step``, as ``plan`` lays it out."""
+    """Trains ``state`` to ``train.steps`` (or a stop signal) with ``stepper`` (a
+    :class:`~hpctrain.training.step.Step`), as ``plan`` lays it out. ``own_signal``: install
+    ``stop_signal`` (a :class:`~hpctrain.reliability.signals.StopSignal`) around the steps; False
+    when the caller installed it already (the CLI does, before anything else)."""
 
-    def __init__(self, plan, state, step, data, checkpoints, guard, *, log, metrics, timers, watchdog, progress,
-                 stop_signal, faults=None, tracer=None, op_times=None, peak_flops=None):
-        self.plan, self.state, self.step, self.data = plan, state, step, data
+    def __init__(self, plan, state, stepper, data, checkpoints, guard, *, log, metrics, timers, watchdog, progress,
+                 stop_signal, own_signal=False, faults=None, tracer=None, op_times=None, peak_flops=None):
+        self.plan, self.state, self.stepper, self.data = plan, state, stepper, data
         self.checkpoints, self.guard = checkpoints, guard
         self.log, self.metrics, self.timers, self.watchdog = log, metrics, timers, watchdog
-        self.progress, self.stop_signal, self.faults = progress, stop_signal, faults
+        self.progress, self.stop_signal, self.own_signal, self.faults = progress, stop_signal, own_signal, faults
         self.tracer, self.op_times, self.peak_flops = tracer, op_times, peak_flops
 
     def run(self) -> dict:
@@ -102,72 +108,73 @@ class RunLoop:
         if guard.policy == "rollback" and ckpt.saved_step is None and state.step < tc.steps:
             self._save(", for guard.nonfinite=rollback")  # something to roll back to
         try:
-            while state.step < tc.steps:
-                t0 = time.perf_counter()
-                if state.step in guard.skip_steps:
-                    log.info(f"guard: stepping over the batch of step {state.step} (bad before the rollback)")
+            with self.stop_signal if self.own_signal else contextlib.nullcontext():
+                while state.step < tc.steps:
+                    t0 = time.perf_counter()
+                    if state.step in guard.skip_steps:
+                        log.info(f"guard: stepping over the batch of step {state.step} (bad before the rollback)")
+                        state.step += 1
+                        self.progress.mark("step", state.step)
+                        if ckpt.step_due(state.step) or (tc.steps == state.step and cfg.checkpoint.save_final):
+                            self._save()
+                        continue
+                    stats = self._step_and_judge()
+                    if stats is None:  # rolled back
+                        continue
+                    bad = stats.bad
+                    if bad is None:
+                        window += stats.sums[:3]
                     state.step += 1
                     self.progress.mark("step", state.step)
-                    if ckpt.step_due(state.step) or (tc.steps == state.step and cfg.checkpoint.save_final):
-                        self._save()
-                    continue
-                stats = self._step_and_judge()
-                if stats is None:  # rolled back
-                    continue
-                bad = stats.bad
-                if bad is None:
-                    window += stats.sums[:3]
-                state.step += 1
-                self.progress.mark("step", state.step)
-                signalled = stats.signalled
-                if signalled or stats.time_due or ckpt.step_due(state.step) or (tc.steps == state.step and
-                                                                                 cfg.checkpoint.save_final):
-                    with self.timers("checkpoint"):
-                        self._save()
-                split = self.timers.pop()
-                tensor = plan.tensor.take() if plan.tensor is not None else {}  # this step's, before evaluation
-                op_split = self.op_times.pop() if self.op_times else {}  # before evaluation's ops
-                step_time = time.perf_counter() - t0
-                rate = _rates(tc.global_batch, per_row, state.model.flops_per_row, peak, step_time)
-                if self.tracer is not None:
-                    self.tracer.complete("step", t0, "step", {"step": state.step})  # as in the metrics
-                scores = None  # evaluated at eval_every and at the last step (not on the way out after a signal)
-                if data.eval_shard and (state.step == tc.steps or not signalled and tc.eval_every
-                                        and state.step % tc.eval_every == 0):
-                    t_eval = time.perf_counter()
-                    scores = self.evaluate(whole=state.step == tc.steps)
-                    final_scores = scores if state.step == tc.steps else None
-                    eval_s = time.perf_counter() - t_eval
-                    if plan.tensor is not None:
-                        plan.tensor.take()  # evaluation's forward all-reduces are not a step's
-                    t_window, eval_total = t_window + eval_s, eval_total + eval_s  # rates count training only
-                sums = stats.sums
-                self.metrics.write(step=state.step, epoch=state.sampler.position(state.step - 1)[0],
-                                   loss=sums[0] / sums[2], accuracy=sums[1] / sums[2],
-                                   lr=self.step.schedule.lr(state.step - 1), step_time=step_time,
-                                   **self.step.comm_metrics(), **tensor, **rate,
-                                   bad_steps=guard.bad_steps, skipped=bad is not None,
-                                   **memory.measured(plan.device),
-                                   **{f"t_{k}": v for k, v in split.items()},
-                                   **op_split,
-                                   **({f"val_{k}": v for k, v in scores.items()} if scores else {}))
-                if signalled and state.step < tc.steps:  # at the last step: finished, exit normally
-                    stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
-                    log.info(f"stopping at step {state.step}: {stopped_by}; checkpoint saved; exit code "
-                             f"{EXIT_CHECKPOINTED} (resume with --resume auto)")
-                    break
-                if (state.step % tc.log_every == 0 or state.step == tc.steps) and window[2]:
-                    now = time.perf_counter()
-                    rate = window[2] / (now - t_window)  # predictions per second: samples or tokens
-                    eta = (now - t_start) / max(1, state.step - first_step) * (tc.steps - state.step)
-                    mfu = f" | MFU {100 * rate * state.model.flops_per_row / per_row / peak:.1f}%" if peak else ""
-                    log.progress(f"step {state.step:>6}/{tc.steps} | loss {window[0] / window[2]:.4f} | "
-                                 f"acc {100 * window[1] / window[2]:5.1f}% | {rate:,.0f} {units}/s{mfu} | "
-                                 f"lr {self.step.schedule.lr(state.step - 1):.4g} | ETA {format_eta(eta)}")
-                    window[:] = 0
-                    t_window = now
-                if scores and state.step < tc.steps:
-                    log.info(f"eval at step {state.step}: {describe_eval(scores)}")
+                    signalled = stats.signalled
+                    if signalled or stats.time_due or ckpt.step_due(state.step) or (tc.steps == state.step and
+                                                                                     cfg.checkpoint.save_final):
+                        with self.timers("checkpoint"):
+                            self._save()
+                    split = self.timers.pop()
+                    tensor = plan.tensor.take() if plan.tensor is not None else {}  # this step's, before evaluation
+                    op_split = self.op_times.pop() if self.op_times else {}  # before evaluation's ops
+                    step_time = time.perf_counter() - t0
+                    rate = _rates(tc.global_batch, per_row, state.model.flops_per_row, peak, step_time)
+                    if self.tracer is not None:
+                        self.tracer.complete("step", t0, "step", {"step": state.step})  # as in the metrics
+                    scores = None  # evaluated at eval_every and at the last step (not on the way out after a signal)
+                    if data.eval_shard and (state.step == tc.steps or not signalled and tc.eval_every
+                                            and state.step % tc.eval_every == 0):
+                        t_eval = time.perf_counter()
+                        scores = self.evaluate(whole=state.step == tc.steps)
+                        final_scores = scores if state.step == tc.steps else None
+                        eval_s = time.perf_counter() - t_eval
+                        if plan.tensor is not None:
+                            plan.tensor.take()  # evaluation's forward all-reduces are not a step's
+                        t_window, eval_total = t_window + eval_s, eval_total + eval_s  # rates count training only
+                    sums = stats.sums
+                    self.metrics.write(step=state.step, epoch=state.sampler.position(state.step - 1)[0],
+                                       loss=sums[0] / sums[2], accuracy=sums[1] / sums[2],
+                                       lr=self.stepper.schedule.lr(state.step - 1), step_time=step_time,
+                                       **self.stepper.comm_metrics(), **tensor, **rate,
+                                       bad_steps=guard.bad_steps, skipped=bad is not None,
+                                       **memory.measured(plan.device),
+                                       **{f"t_{k}": v for k, v in split.items()},
+                                       **op_split,
+                                       **({f"val_{k}": v for k, v in scores.items()} if scores else {}))
+                    if signalled and state.step < tc.steps:  # at the last step: finished, exit normally
+                        stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
+                        log.info(f"stopping at step {state.step}: {stopped_by}; checkpoint saved; exit code "
+                                 f"{EXIT_CHECKPOINTED} (resume with --resume auto)")
+                        break
+                    if (state.step % tc.log_every == 0 or state.step == tc.steps) and window[2]:
+                        now = time.perf_counter()
+                        rate = window[2] / (now - t_window)  # predictions per second: samples or tokens
+                        eta = (now - t_start) / max(1, state.step - first_step) * (tc.steps - state.step)
+                        mfu = f" | MFU {100 * rate * state.model.flops_per_row / per_row / peak:.1f}%" if peak else ""
+                        log.progress(f"step {state.step:>6}/{tc.steps} | loss {window[0] / window[2]:.4f} | "
+                                     f"acc {100 * window[1] / window[2]:5.1f}% | {rate:,.0f} {units}/s{mfu} | "
+                                     f"lr {self.stepper.schedule.lr(state.step - 1):.4g} | ETA {format_eta(eta)}")
+                        window[:] = 0
+                        t_window = now
+                    if scores and state.step < tc.steps:
+                        log.info(f"eval at step {state.step}: {describe_eval(scores)}")
         finally:
             if self.tracer is not None:
                 self.tracer.save()
@@ -193,11 +200,13 @@ class RunLoop:
         (the compressors' state undone too), or a rollback (returns None then; abort raises)."""
         plan, state, guard, wd = self.plan, self.state, self.guard, self.watchdog
         step = state.step
+        if self.faults is not None:
+            self.faults.pace()  # a test's slow step, outside the timed phases
         with self.timers("data"):
             x_all, y_all = self.data.reader.batch(step)
             if self.faults is not None:
                 x_all = self.faults.before_step(step, x_all)
-        own = self.step.run(step, x_all, y_all, update=not guard.deferred)
+        own = self.stepper.run(step, x_all, y_all, update=not guard.deferred)
         judged = _Judged.gather(plan, self.stop_signal, self.checkpoints, own, state.sampler.batch
                                 * state.model.targets_per_row, wd, step)
         judged.bad = guard.verdict(step, judged.sums[0] / judged.sums[2], judged.sums[4], judged.sums[5])
@@ -212,7 +221,7 @@ class RunLoop:
             return None
         if judged.bad is None:
             if guard.deferred:
-                self.step.apply_update(step)
+                self.stepper.apply_update(step)
         elif state.compression is not None:
             state.compression.undo_step()  # residuals (and velocities) hold the bad gradient too
         return judged

@@ -93,8 +93,9 @@ class Plan:
         if t > 1:
             tensor, data = groups(size, t)
             lines.append(f"  tensor groups {' '.join(map(str, tensor))}; data groups {' '.join(map(str, data))}")
-        lines.append(f"  device {self.device.name}, {cfg.train.dtype} everywhere (parameters, compute, gradient "
-                     f"reduction, optimizer state); {self.micro_batches} micro-batch(es) per step")
+        reduced = cfg.train.dtype if d.compress == "none" else f"compressed by {d.compress}"
+        lines.append(f"  device {self.device.name}; parameters, compute and optimizer state in {cfg.train.dtype}, "
+                     f"gradients reduced {reduced}; {self.micro_batches} micro-batch(es) per step")
         item = self.device.dtype.itemsize
         sizes = [b.size * item / 1e6 for b in self.buckets]
         lines.append(f"  {len(self.buckets)} gradient bucket(s), {min(sizes, default=0):,.2f}-{max(sizes, default=0):,.2f}"

@@ -4,19 +4,19 @@
     trainer.run()                      # RunLoop(...).run(): steps, verdicts, saves, evaluation
     trainer.close()
 
-Start-up builds, in order: the :class:`~hpctrain.training.plan.Plan` (grid, groups, device,
-buckets, ZeRO shares), the data and the model, the :class:`~hpctrain.training.state.TrainingState`
-(model, optimizer, sampler, RNG, compressor state), the checks every rank must pass alike, the
-all-reduce strategy (``plan.connect``), the :class:`~hpctrain.training.step.Step`, the initial
-weights' broadcast and the resume from a checkpoint. Each collective runs in a watched region,
-so a rank that stops during start-up ends the job with a report. The model and its data come
+Start-up builds, in order: the :class:`~hpctrain.training.plan.Plan`'s grid, groups and device
+(``place``), the data and the model, the plan's buckets and ZeRO shares (``divide``), the
+optimizer and the :class:`~hpctrain.training.state.TrainingState` (model, optimizer, sampler,
+RNG), the checks every rank must pass alike, the all-reduce strategy (``plan.connect``), the
+compressors (the state's compressor state), the :class:`~hpctrain.training.step.Step`, the
+initial weights' broadcast, the GEMM peak for MFU, the tracer, the checkpoint manager and the
+resume from a checkpoint. Each collective runs in a watched region, so a rank that stops
+during start-up ends the job with a report. The model and its data come
 from the family ``model.kind`` (:mod:`hpctrain.models`); the trainer knows them only through
 that interface.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 from ..ckpt.manager import CheckpointManager, check_writable
 from ..ckpt.state import fresh_rng
@@ -214,14 +214,17 @@ class Trainer:
         """The run loop over this trainer's parts."""
         return RunLoop(self.plan, self.state, self.stepper, self.data, self.checkpoints, self.guard, log=self.log,
                        metrics=self.metrics, timers=self.timers, watchdog=self.watchdog, progress=self.progress,
-                       stop_signal=self.stop_signal, faults=self.faults, tracer=self.tracer, op_times=self.op_times,
-                       peak_flops=self.peak_flops)
+                       stop_signal=self.stop_signal, own_signal=self._own_signal, faults=self.faults,
+                       tracer=self.tracer, op_times=self.op_times, peak_flops=self.peak_flops)
 
     def train_step(self) -> tuple[float, int]:
-        """Run global step ``step`` whole (update included, no verdict) and advance; returns this
-        rank's (loss_sum, correct). The run loop judges each step first instead."""
+        """Run global step ``step`` whole (update included, no verdict; the fault hooks as in the
+        run loop) and advance; returns this rank's (loss_sum, correct). The run loop judges each
+        step first instead."""
+        self.faults.pace()
         with self.timers("data"):
             x_all, y_all = self.data.reader.batch(self.step)
+            x_all = self.faults.before_step(self.step, x_all)
         stats = self.stepper.run(self.step, x_all, y_all, update=True)
         self.step += 1
         return stats.loss_sum, stats.correct
@@ -232,8 +235,7 @@ class Trainer:
 
     def run(self) -> dict:
         """Train to ``train.steps`` (or a stop signal); collective. See :mod:`hpctrain.training.loop`."""
-        with self.stop_signal if self._own_signal else contextlib.nullcontext():
-            return self.loop().run()
+        return self.loop().run()
 
     def close(self) -> None:
         """Close the data files (the run is over; the trainer is not used again)."""
