@@ -1,9 +1,12 @@
-"""Bad inputs of issue 9 as a user meets them: real `mpirun -n 2` jobs, each ending with one
-message (printed once, by rank 0) that names the problem and the fix, and a non-zero exit.
+"""Bad inputs of issue 9 as a user meets them: each ends with one message (printed once, by
+rank 0) that names the problem and the fix, and a non-zero exit.
 
 Wrong-dtype and wrong-shape datasets, out-of-range dist settings, a checkpoint of another model
-or optimizer, and a disk that fills up during a save (a real, small tmpfs). Every launch has a
-timeout. (Missing files, 1-D /x, labels out of range and more are in test_cli.py.)
+or optimizer, and a disk that fills up during a save (a real, small tmpfs). A checkpoint that does
+not fit and the full disk are real `mpirun -n 2` jobs, each launch with a timeout; the dataset and
+dist-setting errors, set-up errors agreed by every rank, are checked in this process on the same
+code (test_cli._one_error_in_process, whose docstring names the real launches of that mechanism).
+(Missing files, 1-D /x, labels out of range and more are in test_cli.py.)
 """
 
 import os
@@ -16,7 +19,7 @@ import pytest
 
 from conftest import REPO, run_mpi
 from hpctrain.training.config_load import load_config
-from test_cli import TRAIN, _data_set, _one_error
+from test_cli import TRAIN, _data_set, _one_error, _one_error_in_process, _train_setup
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,14 +39,14 @@ DATASETS = {  # name: (what to store, fragments of the one error line)
 
 
 @pytest.mark.parametrize("name", list(DATASETS))
-def test_wrong_dtype_or_shape_dataset_is_one_clear_error(tmp_path, name):
+def test_wrong_dtype_or_shape_dataset_is_one_clear_error(tmp_path, capsys, name):
     spec, fragments = DATASETS[name]
     path = tmp_path / f"{name}.h5"
     with h5py.File(path, "w") as f:
         f["x"] = spec.get("x", np.zeros((N, 4), np.float32))
         f["y"] = spec.get("y", np.arange(N) % 4)
         f.attrs["n_classes"] = spec.get("n_classes", 4)
-    _one_error(run_mpi(2, TRAIN + _data_set(str(path))), str(path), *fragments)
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(str(path))), str(path), *fragments)
 
 
 @pytest.mark.parametrize("override,fragments", [
@@ -52,20 +55,26 @@ def test_wrong_dtype_or_shape_dataset_is_one_clear_error(tmp_path, name):
     ("dist.allreduce=fastest", ["dist.allreduce='fastest'", "choose one of mpi, naive, ring"]),
     ("dist.compress=zip", ["dist.compress='zip'", "choose none, fp16"]),
 ])
-def test_out_of_range_dist_setting_is_one_clear_error(small_data, override, fragments):
-    _one_error(run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", override]), *fragments)
+def test_out_of_range_dist_setting_is_one_clear_error(small_data, capsys, override, fragments):
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(small_data[0]), "--set", override), *fragments)
 
 
 def test_bucket_mb_0_is_valid_one_bucket_after_backward():
     assert load_config(None, ["dist.bucket_mb=0"]).dist.bucket_mb == 0.0  # documented meaning, not an error
 
 
+def _ckpt_run_args(data, ckpt, *extra, steps=2):
+    return TRAIN + _data_set(data) + ["--set", f"train.steps={steps}", "--set", f"checkpoint.dir={ckpt}",
+                                      "--set", "train.log_every=1000", *extra]
+
+
 def _ckpt_run(data, ckpt, *extra, steps=2):
-    return run_mpi(2, TRAIN + _data_set(data) + ["--set", f"train.steps={steps}", "--set", f"checkpoint.dir={ckpt}",
-                                                 "--set", "train.log_every=1000", *extra])
+    return run_mpi(2, _ckpt_run_args(data, ckpt, *extra, steps=steps))
 
 
-def test_checkpoint_of_another_model_or_optimizer_is_one_clear_error(small_data, tmp_path):
+def test_checkpoint_of_another_model_or_optimizer_is_one_clear_error(small_data, tmp_path, capsys):
+    """Another model: the real launch of a checkpoint that cannot be loaded. Another optimizer: the
+    same resume of the same 2-rank checkpoint, in this process (test_cli._one_error_in_process)."""
     ck = str(tmp_path / "ck")
     saved = _ckpt_run(small_data[0], ck, "--set", "model.hidden=[32]", "--set", "checkpoint.save_final=true")
     assert saved.returncode == 0, saved.stderr
@@ -74,9 +83,9 @@ def test_checkpoint_of_another_model_or_optimizer_is_one_clear_error(small_data,
     for line in ("/model/fc0/weight: checkpoint (8, 32), model (8, 64)", "/model/fc1/weight: checkpoint (32, 4), "
                  "model (64, 64)", "/model/fc2/weight: missing in the checkpoint (model has (64, 4))"):
         assert wider.stderr.count(line) == 1, wider.stderr  # the list of mismatches, printed once
-    adamw = _ckpt_run(small_data[0], ck, "--set", "model.hidden=[32]", "--set", "optim.name=adamw",
-                      "--resume", "auto", steps=4)
-    _one_error(adamw, "no optimizer state 'exp_avg'", "--set optim.name=sgd")
+    adamw = _train_setup(*_ckpt_run_args(small_data[0], ck, "--set", "model.hidden=[32]", "--set", "optim.name=adamw",
+                                         "--resume", "auto", steps=4)[3:])
+    _one_error_in_process(capsys, adamw, "no optimizer state 'exp_avg'", "--set optim.name=sgd")
 
 
 MIB = 1 << 20

@@ -1,5 +1,8 @@
 """Checkpoints as a user's job meets them: real mpirun jobs that are signalled or
-killed, then resumed; and the ``ckpt`` command line. Every launch has a timeout."""
+killed, then resumed; and the ``ckpt`` command line. Every launch has a timeout. A resume from
+a missing file and an unwritable checkpoint.dir, set-up errors agreed by every rank, run the
+trainer's set-up in this process (test_cli._one_error_in_process names the real launches of that
+mechanism; test_bad_inputs.py holds the real launch of a checkpoint that cannot be loaded)."""
 
 import os
 import re
@@ -11,6 +14,7 @@ import time
 import pytest
 
 from conftest import REPO
+from test_cli import _one_error_in_process, _train_setup, train_in_process
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -99,9 +103,9 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(small_data, tmp_pat
 
 def test_ckpt_command_line(small_data, tmp_path):
     ckpt = str(tmp_path / "ck")
-    run = subprocess.run([sys.executable, *_train_args(small_data[0], ckpt, 6, "--set", "checkpoint.every_steps=3")],
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
+    # the checkpoints to read: the 1-rank run the command line makes, made in this process
+    run = train_in_process(*_train_args(small_data[0], ckpt, 6, "--set", "checkpoint.every_steps=3")[3:])
+    assert run["stopped_by"] is None and run["targets_met"], run  # exit code 0
     newest = os.path.join(ckpt, "ckpt-00000006.h5")
     ls = _ckpt("ls", ckpt)
     assert ls.returncode == 0 and ls.stdout.index("ckpt-00000006.h5") < ls.stdout.index("ckpt-00000003.h5")
@@ -121,19 +125,13 @@ def test_ckpt_command_line(small_data, tmp_path):
     assert missing.returncode == 0 and "no checkpoints" in missing.stdout
 
 
-def test_resume_from_a_missing_file_is_one_clear_error(small_data, tmp_path):
-    proc = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable,
-                           *_train_args(small_data[0], str(tmp_path / "ck"), 5, "--resume", "/no/such.h5")],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-    errors = [line for line in proc.stderr.splitlines() if "hpctrain: error:" in line]
-    assert proc.returncode == 2 and len(errors) == 1 and "/no/such.h5" in errors[0], proc.stderr
+def test_resume_from_a_missing_file_is_one_clear_error(small_data, tmp_path, capsys):
+    _one_error_in_process(capsys, _train_setup(*_train_args(small_data[0], str(tmp_path / "ck"), 5,
+                                                            "--resume", "/no/such.h5")[3:]), "/no/such.h5")
 
 
-def test_unwritable_checkpoint_dir_is_one_clear_error(small_data, tmp_path):
+def test_unwritable_checkpoint_dir_is_one_clear_error(small_data, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    proc = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable,
-                           *_train_args(small_data[0], str(blocker / "ck"), 5)],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-    errors = [line for line in proc.stderr.splitlines() if "hpctrain: error:" in line]
-    assert proc.returncode == 2 and len(errors) == 1 and "checkpoint.dir" in errors[0], proc.stderr
+    _one_error_in_process(capsys, _train_setup(*_train_args(small_data[0], str(blocker / "ck"), 5)[3:]),
+                          "checkpoint.dir")

@@ -1,14 +1,22 @@
 """The command line as a user meets it: launches under mpirun, bad inputs, exit codes.
 
-Each bad input runs as a real `mpirun -n 2` job with a timeout and must give
-exactly one message (from rank 0) naming the problem, and a non-zero exit.
+Each bad input must give exactly one message (from rank 0) naming the problem, and a non-zero
+exit. Each way to fail runs at least once as a real `mpirun` job with a timeout: a config error
+agreed at set-up (test_unknown_config_key_names_the_fix), a set-up error of the trainer
+(test_cuda_device_without_a_gpu; and a global batch that 3 ranks cannot share exactly), ranks that
+see different datasets, an exception on one rank (abort), a usage error before MPI is up, ranks
+that leave without MPI_Finalize. The other config and set-up errors are checked in this process
+(``_one_error_in_process``: the same set-up on a 1-rank world, reported by the same code, held to
+the same checks as ``_one_error``).
 """
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import types
 
 import h5py
 import numpy as np
@@ -36,62 +44,149 @@ def _one_error(proc, *fragments):
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
 
 
+def _one_error_in_process(capsys, fail, *fragments, agreed=True):
+    """``fail(world)`` on a 1-rank world (COMM_SELF) must raise an error that every rank agreed on
+    (raised by ``agree``: under mpirun each rank raises the same error, rank 0 alone prints it and
+    every rank exits with its code), and ``report_and_exit`` -- where ``python -m hpctrain`` sends
+    every failure -- must print it as ``_one_error`` wants a launch's output: exactly one
+    'hpctrain: error:' line holding every fragment, no traceback, exit code 2. The real launches
+    of this module (test_unknown_config_key_names_the_fix, test_cuda_device_without_a_gpu) check
+    that an agreed error ends an `mpirun -n 2` job that way. ``agreed=False``: a command that runs
+    as one process (``sample``), where there is no other rank to agree with. Returns
+    what was printed to stderr."""
+    from mpi4py import MPI
+
+    from hpctrain.reliability.fail_together import report_and_exit
+    from hpctrain.runtime import init_world
+
+    world = init_world(MPI.COMM_SELF)
+    capsys.readouterr()
+    with pytest.raises(Exception) as caught, contextlib.chdir(REPO):  # relative paths as under run_mpi
+        fail(world)
+    assert not agreed or getattr(caught.value, "agreed", False), repr(caught.value)
+    code = report_and_exit(caught.value, world)
+    err = capsys.readouterr().err
+    _one_error(types.SimpleNamespace(stderr=err, returncode=code), *fragments)
+    return err
+
+
+def _config_and_overrides(argv):
+    """``python -m hpctrain train ARGV`` read by the command line's own parser: its --config and the
+    overrides cmd_train makes of --set and --resume."""
+    from hpctrain.__main__ import _parser
+
+    args = _parser().parse_args(["train", *argv])
+    assert args.ranks_per_node is args.trace is None, argv  # cmd_train turns them into --set; not used here
+    overrides = list(args.set)
+    if args.resume is not None:  # as cmd_train does
+        overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
+    return args.config, overrides
+
+
+def _train_setup(*argv):
+    """``fail`` for _one_error_in_process: what ``python -m hpctrain train ARGV`` does on every rank
+    before its first step (hpctrain.__main__.cmd_train): the config loaded inside ``agree``, then
+    the trainer's set-up."""
+    from hpctrain.reliability.fail_together import agree
+    from hpctrain.training.config_load import load_config
+    from hpctrain.training.trainer import Trainer
+
+    config, overrides = _config_and_overrides(argv)
+
+    def fail(world):
+        cfg = agree(world, load_config, config, overrides)
+        Trainer(cfg, world).close()  # reached only if nothing failed: pytest.raises then fails the test
+    return fail
+
+
+def train_in_process(*argv):
+    """The run ``python -m hpctrain train ARGV`` makes, on one rank (COMM_SELF) in this process: the
+    config loaded as cmd_train loads it, the log printed to stdout as rank 0 prints it. Returns the
+    trainer's result (cmd_train's exit code comes from it: 75 if stopped_by, else 0 if targets_met,
+    else 3)."""
+    from mpi4py import MPI
+
+    from hpctrain.observe.log import Log
+    from hpctrain.runtime import init_world
+    from hpctrain.training.config_load import load_config
+    from hpctrain.training.trainer import Trainer
+
+    config, overrides = _config_and_overrides(argv)
+    with contextlib.chdir(REPO):  # relative paths as under run_mpi
+        trainer = Trainer(load_config(config, overrides), init_world(MPI.COMM_SELF), Log(True))
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
+
+
+def hpctrain_in_process(capsys, *args):
+    """``python -m hpctrain ARGS`` for a command that runs as one process (``sample``), run in this
+    process by the command line's parser and the command's own function: (exit code, stdout)."""
+    from hpctrain.__main__ import _parser
+
+    capsys.readouterr()
+    parsed = _parser().parse_args(list(args))
+    with contextlib.chdir(REPO):
+        code = parsed.func(parsed)
+    return code, capsys.readouterr().out
+
+
 def test_unknown_config_key_names_the_fix(small_data):
+    """The real launch of a config error: every rank agrees, rank 0 prints, all exit 2."""
     proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", "train.stepz=5"])
     _one_error(proc, "unknown key train.stepz", "did you mean 'steps'")
 
 
-def test_wrong_type_in_config(small_data):
-    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", "train.steps=abc"])
-    _one_error(proc, "train.steps", "expected int")
+def test_wrong_type_in_config(small_data, capsys):
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(small_data[0]), "--set", "train.steps=abc"),
+                          "train.steps", "expected int")
 
 
-def test_out_of_range_value(small_data):
-    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", "optim.lr=-1"])
-    _one_error(proc, "optim.lr=-1", "must be > 0")
+def test_out_of_range_value(small_data, capsys):
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(small_data[0]), "--set", "optim.lr=-1"),
+                          "optim.lr=-1", "must be > 0")
 
 
-def test_missing_config_file():
-    proc = run_mpi(2, ["-m", "hpctrain", "train", "--config", "no/such.toml"])
-    _one_error(proc, "no/such.toml", "not found")
+def test_missing_config_file(capsys):
+    _one_error_in_process(capsys, _train_setup("--config", "no/such.toml"), "no/such.toml", "not found")
 
 
 def test_cuda_device_without_a_gpu(small_data):
+    """The real launch of a set-up error of the trainer (the other data and set-up errors are
+    checked in this process: _one_error_in_process)."""
     # CUDA_VISIBLE_DEVICES="" hides any GPU, and the simulator is off: no GPU here
     proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", "train.device=cuda"],
                    env_extra={"NUMBA_ENABLE_CUDASIM": "0", "CUDA_VISIBLE_DEVICES": ""})
     _one_error(proc, "train.device='cuda' but no GPU is usable", "CUDA_VISIBLE_DEVICES=''", "'auto' or 'cpu'")
 
 
-def test_missing_dataset(tmp_path):
-    proc = run_mpi(2, TRAIN + _data_set(str(tmp_path / "absent.h5")))
-    _one_error(proc, "absent.h5", "not found", "hpctrain data synth")
+def test_missing_dataset(tmp_path, capsys):
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(str(tmp_path / "absent.h5"))),
+                          "absent.h5", "not found", "hpctrain data synth")
 
 
-def test_dataset_that_is_not_hdf5(tmp_path):
+def test_dataset_that_is_not_hdf5(tmp_path, capsys):
     bad = tmp_path / "text.h5"
     bad.write_text("not hdf5\n")
-    proc = run_mpi(2, TRAIN + _data_set(str(bad)))
-    _one_error(proc, "not a readable HDF5 file")
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(str(bad))), "not a readable HDF5 file")
 
 
-def test_dataset_without_labels(tmp_path):
+def test_dataset_without_labels(tmp_path, capsys):
     bad = tmp_path / "nolabels.h5"
     with h5py.File(bad, "w") as f:
         f["x"] = np.zeros((128, 4), dtype=np.float32)
         f.attrs["n_classes"] = 2
-    proc = run_mpi(2, TRAIN + _data_set(str(bad)))
-    _one_error(proc, "lacks dataset(s) /y")
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(str(bad))), "lacks dataset(s) /y")
 
 
-def test_dataset_with_wrong_shape(tmp_path):
+def test_dataset_with_wrong_shape(tmp_path, capsys):
     bad = tmp_path / "flat.h5"
     with h5py.File(bad, "w") as f:
         f["x"] = np.zeros(128, dtype=np.float32)
         f["y"] = np.zeros(128, dtype=np.int64)
         f.attrs["n_classes"] = 2
-    proc = run_mpi(2, TRAIN + _data_set(str(bad)))
-    _one_error(proc, "/x must be a 2-D float array")
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(str(bad))), "/x must be a 2-D float array")
 
 
 def test_global_batch_not_divisible_by_world_size_with_exact_shares(small_data):
@@ -106,9 +201,9 @@ def test_uneven_shares_are_named_at_start_up(small_data):
     assert "global batch 64 = 22 x 1 + 21 x 2 (uneven shares, gradients weighted by share)" in proc.stdout
 
 
-def test_dataset_smaller_than_one_global_batch(small_data):
-    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", "train.global_batch=4096"])
-    _one_error(proc, "fewer than one global batch")
+def test_dataset_smaller_than_one_global_batch(small_data, capsys):
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(small_data[0]),
+                                               "--set", "train.global_batch=4096"), "fewer than one global batch")
 
 
 def test_exception_on_one_rank_aborts_every_rank():
@@ -168,8 +263,11 @@ def test_info_shows_every_rank_and_simulated_nodes():
     assert [(r[0], r[4]) for r in rows] == [("0", "0/2"), ("1", "1/2")]
 
 
-def test_info_with_a_config_prints_its_memory_per_rank(text_data):
-    """info --config: the bytes per rank at this world size, one line from rank 0; a bad value is one error."""
+def test_info_with_a_config_prints_its_memory_per_rank(text_data, capsys):
+    """info --config: the bytes per rank at this world size, one line from rank 0; a bad value is one error
+    (agreed by every rank: checked on info's own code in this process, as _one_error_in_process says)."""
+    from hpctrain.__main__ import _parser, cmd_info
+
     args = ["-m", "hpctrain", "info", "--config", "examples/gpt.toml", "--set", f"data.train={text_data}",
             "--set", "dist.allreduce=ring", "--set", "dist.zero=1"]
     proc = run_mpi(2, args, timeout=60)
@@ -177,8 +275,8 @@ def test_info_with_a_config_prints_its_memory_per_rank(text_data):
     lines = [l for l in proc.stdout.splitlines() if "memory per rank (computed)" in l]
     assert len(lines) == 1 and "optimizer state" in lines[0] and "(zero 1: a 1/2 share)" in lines[0], proc.stdout
     assert "(rank 0 of 2, model.kind=gpt" in lines[0]
-    bad = run_mpi(2, args + ["--set", "dist.zero=5"], timeout=60)
-    assert bad.returncode != 0 and bad.stderr.count("hpctrain: error: dist.zero=5") == 1, bad.stderr
+    bad = _parser().parse_args(args[2:] + ["--set", "dist.zero=5"])
+    _one_error_in_process(capsys, lambda world: cmd_info(bad), "hpctrain: error: dist.zero=5")
 
 
 def test_help_and_help_config():
@@ -197,39 +295,43 @@ def test_importing_hpctrain_starts_no_mpi():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_labels_out_of_range(tmp_path):
+def test_labels_out_of_range(tmp_path, capsys):
     bad = tmp_path / "onebased.h5"
     with h5py.File(bad, "w") as f:
         f["x"] = np.zeros((128, 4), dtype=np.float32)
         f["y"] = np.arange(128) % 4 + 1  # 1-based labels with n_classes = 4
         f.attrs["n_classes"] = 4
-    proc = run_mpi(2, TRAIN + _data_set(str(bad)))
-    _one_error(proc, "labels span [1, 4]", "n_classes=4")
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(str(bad))), "labels span [1, 4]", "n_classes=4")
 
 
-def test_unwritable_metrics_path(small_data, tmp_path):
+def test_unwritable_metrics_path(small_data, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", f"train.metrics={blocker}/m.jsonl"])
-    _one_error(proc, "train.metrics", "cannot be written")
+    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(small_data[0]),
+                                               "--set", f"train.metrics={blocker}/m.jsonl"),
+                          "train.metrics", "cannot be written")
 
 
-def test_metrics_are_appended_only_by_a_run_that_resumed(small_data, tmp_path):
+def test_metrics_are_appended_only_by_a_run_that_resumed(small_data, tmp_path, capsys):
     """--resume auto with no checkpoint is a fresh start: it must not append to an older run's
-    metrics (seen: a second "step": 1 in the middle of the file); a real resume continues them."""
+    metrics (seen: a second "step": 1 in the middle of the file); a real resume continues them.
+    (The two 1-rank runs run in this process: train_in_process.)"""
     import json
 
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ck"
     metrics.write_text('{"step": 1, "from": "an older run"}\n')
-    run = TRAIN + _data_set(small_data[0]) + ["--set", f"train.metrics={metrics}", "--set", f"checkpoint.dir={ckpt}",
-                                             "--set", "train.log_every=1", "--resume", "auto"]
-    first = run_mpi(1, run + ["--set", "train.steps=3", "--set", "checkpoint.save_final=true"])
-    assert first.returncode == 0, first.stderr
+    run = TRAIN[3:] + _data_set(small_data[0]) + ["--set", f"train.metrics={metrics}", "--set",
+                                                 f"checkpoint.dir={ckpt}", "--set", "train.log_every=1",
+                                                 "--resume", "auto"]
+    first = train_in_process(*run, "--set", "train.steps=3", "--set", "checkpoint.save_final=true")
+    assert first["stopped_by"] is None and first["targets_met"], first  # exit code 0
     steps = [json.loads(line).get("step") for line in metrics.read_text().splitlines()]
     assert "an older run" not in metrics.read_text() and steps[0] == 1, steps
-    second = run_mpi(1, run + ["--set", "train.steps=5"])
-    assert second.returncode == 0, second.stderr
-    assert "resumed from" in second.stdout + second.stderr
+    capsys.readouterr()
+    second = train_in_process(*run, "--set", "train.steps=5")
+    assert second["stopped_by"] is None and second["targets_met"], second  # exit code 0
+    out = capsys.readouterr()
+    assert "resumed from" in out.out + out.err
     after = [json.loads(line).get("step") for line in metrics.read_text().splitlines()]
     assert after[:len(steps)] == steps and [s for s in after[len(steps):] if s is not None][:2] == [4, 5], after
 

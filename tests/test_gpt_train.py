@@ -1,6 +1,10 @@
 """The GPT as a user runs it: convergence below the bigram baseline, a real 2-rank job with its
 metrics, trace and target, text sampled from its checkpoint, and bad inputs that end in one
-clear error (serial tests; the jobs are real `mpirun -n 2` launches with timeouts)."""
+clear error (serial tests; the jobs are real `mpirun -n 2` launches with timeouts, the
+`sample` and `data` commands real processes). A missed target, more samples and the bad inputs
+run the same code in this process, on one rank: how each way to fail ends a real launch is
+checked once (test_cli.py: _one_error_in_process names those launches; test_bad_inputs.py: a
+checkpoint that does not fit)."""
 
 import json
 import os
@@ -12,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_mpi
-from test_cli import _one_error
+from test_cli import _one_error, _one_error_in_process, _train_setup, hpctrain_in_process, train_in_process
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,9 +26,13 @@ TINY = ["--set", "model.kind=gpt", "--set", "model.n_layer=2", "--set", "model.n
         "--set", "checkpoint.every_minutes=0", "--set", "train.target_bpb_vs_bigram=0"]
 
 
+def gpt_args(text, *extra):
+    """The arguments of ``python -m hpctrain train`` for the tiny GPT on ``text``."""
+    return ["--config", "examples/gpt.toml", *TINY, "--set", f"data.train={text}", *extra]
+
+
 def gpt_job(text, *extra, n=2, timeout=180):
-    return run_mpi(n, ["-m", "hpctrain", "train", "--config", "examples/gpt.toml", *TINY,
-                       "--set", f"data.train={text}", *extra], timeout=timeout)
+    return run_mpi(n, ["-m", "hpctrain", "train", *gpt_args(text, *extra)], timeout=timeout)
 
 
 def hpctrain(*args, timeout=120):
@@ -87,37 +95,49 @@ def test_the_job_reports_tokens_mfu_op_times_and_validation(gpt_run, text_data):
     assert sorted(os.listdir(out / "trace")) == ["trace-rank00000.json", "trace-rank00001.json"]
 
 
-def test_a_missed_target_exits_3(text_data, tmp_path):
-    proc = gpt_job(text_data, "--set", "train.steps=2", "--set", "train.target_val_bpb=0.5", "--set",
-                   f"checkpoint.dir={tmp_path}", "--set", "train.metrics=")
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "target 0.5000 bpb: NOT reached" in proc.stdout
+def test_a_missed_target_exits_3(text_data, tmp_path, capsys):
+    """The run ends with its targets not met, which cmd_train turns into exit 3 (a real launch
+    exits 3 in test_cli.py::test_missed_accuracy_target_exits_3); here on one rank, in this process."""
+    result = train_in_process(*gpt_args(text_data, "--set", "train.steps=2", "--set", "train.target_val_bpb=0.5",
+                                        "--set", f"checkpoint.dir={tmp_path}", "--set", "train.metrics="))
+    assert result["stopped_by"] is None and not result["targets_met"], result
+    assert "target 0.5000 bpb: NOT reached" in capsys.readouterr().out
 
 
-def test_sample_is_deterministic_for_a_seed(gpt_run):
+def test_sample_is_deterministic_for_a_seed(gpt_run, capsys):
+    """Two real ``python -m hpctrain sample`` processes with one seed give the same text; another
+    seed and greedy sampling run the same command in this process (each compared with a sample of
+    this process)."""
     ckpt = str(gpt_run[0] / "ckpt" / "ckpt-00000012.h5")
     first = hpctrain("sample", "--checkpoint", ckpt, "--prompt", "def ", "--tokens", "40", "--seed", "3")
     again = hpctrain("sample", "--checkpoint", ckpt, "--prompt", "def ", "--tokens", "40", "--seed", "3")
-    other = hpctrain("sample", "--checkpoint", ckpt, "--prompt", "def ", "--tokens", "40", "--seed", "4")
-    greedy = [hpctrain("sample", "--checkpoint", ckpt, "--temperature", "0", "--tokens", "40", "--seed", str(s))
-              for s in (1, 2)]
-    for proc in (first, again, other, *greedy):
+    for proc in (first, again):
         assert proc.returncode == 0, proc.stderr
     assert first.stdout == again.stdout and first.stdout.startswith("def ")
-    assert first.stdout != other.stdout
-    assert greedy[0].stdout == greedy[1].stdout  # greedy ignores the seed
+    here, other = (hpctrain_in_process(capsys, "sample", "--checkpoint", ckpt, "--prompt", "def ", "--tokens", "40",
+                                       "--seed", seed) for seed in ("3", "4"))
+    greedy = [hpctrain_in_process(capsys, "sample", "--checkpoint", ckpt, "--temperature", "0", "--tokens", "40",
+                                  "--seed", str(s)) for s in (1, 2)]
+    for code, _ in (here, other, *greedy):
+        assert code == 0
+    assert here[1] != other[1]
+    assert greedy[0][1] == greedy[1][1]  # greedy ignores the seed
 
 
-def test_sample_refuses_an_mlp_checkpoint_and_other_files(small_data, text_data, tmp_path):
-    proc = run_mpi(1, ["-m", "hpctrain", "train", "--set", f"data.train={small_data[0]}", "--set", "train.steps=1",
-                       "--set", "model.hidden=[8]", "--set", "train.global_batch=16", "--set",
-                       f"checkpoint.dir={tmp_path}", "--set", "checkpoint.save_final=true", "--set",
-                       "train.metrics="])
-    assert proc.returncode == 0, proc.stderr
+def test_sample_refuses_an_mlp_checkpoint_and_other_files(small_data, text_data, tmp_path, capsys):
+    """The MLP's checkpoint (a 1-step run in this process) through the real command; the other
+    files through the same command in this process (_one_error_in_process, agreed=False: sample
+    is one process)."""
+    result = train_in_process("--set", f"data.train={small_data[0]}", "--set", "train.steps=1", "--set",
+                              "model.hidden=[8]", "--set", "train.global_batch=16", "--set",
+                              f"checkpoint.dir={tmp_path}", "--set", "checkpoint.save_final=true", "--set",
+                              "train.metrics=")
+    assert result["steps"] == 1 and result["stopped_by"] is None and result["targets_met"], result
     mlp = str(tmp_path / "ckpt-00000001.h5")
     _one_error(hpctrain("sample", "--checkpoint", mlp), "model.kind = \"mlp\" run, not of a GPT")
-    _one_error(hpctrain("sample", "--checkpoint", text_data), text_data)
-    _one_error(hpctrain("sample", "--checkpoint", str(tmp_path / "missing.h5")), "no such file")
+    for path, fragment in ((text_data, text_data), (str(tmp_path / "missing.h5"), "no such file")):
+        _one_error_in_process(capsys, lambda world: hpctrain_in_process(capsys, "sample", "--checkpoint", path),
+                              fragment, agreed=False)
 
 
 def _token_file(path, vocab):
@@ -131,40 +151,43 @@ def _token_file(path, vocab):
 
 @pytest.mark.parametrize("case", ["heads", "context", "tokens-for-mlp", "table-for-gpt", "cuda-head-size",
                                   "bpb-of-non-bytes"])
-def test_bad_gpt_input_is_one_clear_error(case, text_data, small_data, tmp_path):
+def test_bad_gpt_input_is_one_clear_error(case, text_data, small_data, tmp_path, capsys):
+    """Set-up errors agreed by every rank, on the code a launch runs, in this process
+    (test_cli._one_error_in_process)."""
     if case == "heads":
-        proc = gpt_job(text_data, "--set", "model.n_head=3")
+        argv = gpt_args(text_data, "--set", "model.n_head=3")
         fragments = ["model.n_head=3 does not divide model.d_model=16", "choose n_head from 1, 2, 4, 8, 16"]
     elif case == "context":
         short = _token_file(tmp_path / "short.h5", 256)
-        proc = gpt_job(short, "--set", "model.context=512")
+        argv = gpt_args(short, "--set", "model.context=512")
         fragments = ["val stream has 400 tokens", "fewer than context + 1 = 513", "lower model.context"]
     elif case == "tokens-for-mlp":
-        proc = run_mpi(2, ["-m", "hpctrain", "train", "--set", f"data.train={text_data}"])
+        argv = ["--set", f"data.train={text_data}"]
         fragments = [text_data, "token file", "model.kind"]
     elif case == "bpb-of-non-bytes":  # a token file of another tokenizer has no bits per byte
-        proc = gpt_job(_token_file(tmp_path / "ids.h5", 256), "--set", "train.target_bpb_vs_bigram=0.75")
+        argv = gpt_args(_token_file(tmp_path / "ids.h5", 256), "--set", "train.target_bpb_vs_bigram=0.75")
         fragments = ["does not hold byte tokens", "target_bpb_vs_bigram"]
     elif case == "table-for-gpt":
-        proc = gpt_job(small_data[0])
+        argv = gpt_args(small_data[0])
         fragments = [small_data[0], "model.kind"]
-    else:  # the simulator stands in for a GPU: one head of 256 is above the CUDA attention's limit
-        proc = run_mpi(2, ["-m", "hpctrain", "train", "--config", "examples/gpt.toml", *TINY, "--set",
-                           f"data.train={text_data}", "--set", "train.device=cuda", "--set", "model.n_head=1",
-                           "--set", "model.d_model=256"],
-                       env_extra={"NUMBA_ENABLE_CUDASIM": "1"})
+    else:  # the simulator (a GPU in the GPU pass) stands in: one head of 256 is above the CUDA attention's limit
+        argv = ["--config", "examples/gpt.toml", *TINY, "--set", f"data.train={text_data}", "--set",
+                "train.device=cuda", "--set", "model.n_head=1", "--set", "model.d_model=256"]
         fragments = ["head size above the CUDA attention kernels' limit of 128", "model.n_head >= 2"]
-    _one_error(proc, *fragments)
+    _one_error_in_process(capsys, _train_setup(*argv), *fragments)
 
 
-def test_a_checkpoint_with_another_vocabulary_is_one_clear_error(text_data, tmp_path):
-    saved = gpt_job(text_data, "--set", "train.steps=1", "--set", f"checkpoint.dir={tmp_path}", "--set",
-                    "train.metrics=")
-    assert saved.returncode == 0, saved.stderr[-2000:]
+def test_a_checkpoint_with_another_vocabulary_is_one_clear_error(text_data, tmp_path, capsys):
+    """The save (one step) and the resume run in this process; a checkpoint that does not fit ends a
+    real launch in test_bad_inputs.py::test_checkpoint_of_another_model_or_optimizer_is_one_clear_error."""
+    saved = train_in_process(*gpt_args(text_data, "--set", "train.steps=1", "--set", f"checkpoint.dir={tmp_path}",
+                                       "--set", "train.metrics="))
+    assert saved["stopped_by"] is None and saved["targets_met"], saved  # exit code 0
     wider = _token_file(tmp_path / "vocab300.h5", 300)
-    proc = gpt_job(wider, "--set", f"checkpoint.dir={tmp_path}", "--resume", "auto", "--set", "train.metrics=")
-    _one_error(proc, "does not fit this model", "vocabulary is 256 tokens, the data file's is 300")
-    assert "/model/wte: checkpoint (256, 16), model (300, 16)" in proc.stderr
+    err = _one_error_in_process(capsys, _train_setup(*gpt_args(wider, "--set", f"checkpoint.dir={tmp_path}",
+                                                               "--resume", "auto", "--set", "train.metrics=")),
+                                "does not fit this model", "vocabulary is 256 tokens, the data file's is 300")
+    assert "/model/wte: checkpoint (256, 16), model (300, 16)" in err
 
 
 def test_data_text_of_an_empty_directory_is_one_clear_error(tmp_path):

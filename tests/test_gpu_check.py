@@ -34,7 +34,7 @@ def test_gpu_check_dry_run_on_the_simulator(tmp_path):
     assert doc["skipped"] == ["gpu-tests", "gpu-tests-mpi", "kernels", "gpt-vs-torch"]
     assert "numba CUDA simulator" in doc["env"][0]
     runs = doc["runs"]
-    assert runs["gpt-1"]["steps"] == runs["gpt-2"]["steps"] == 2
+    assert runs["gpt-1"]["steps"] == runs["gpt-2"]["steps"] == runs["mlp-1"]["steps"] == runs["mlp-2"]["steps"] == 2
     assert runs["gpt-1"]["loss"] == pytest.approx(runs["gpt-2"]["loss"], rel=1e-6)   # 2 ranks = 1 rank
     assert runs["mlp-1"]["loss"] == pytest.approx(runs["mlp-2"]["loss"], rel=1e-6)
     assert "**PASSED** (skipped: gpu-tests, gpu-tests-mpi, kernels, gpt-vs-torch)" in report

@@ -1,7 +1,8 @@
 """The numerical guard: NaN/Inf and loss spikes under each policy (abort, skip, rollback).
 
 Unit tests of the verdicts, then real 2-rank jobs with a NaN (or a spike) injected
-into one rank's batch at a given step (HPCTRAIN_FAULT, hpctrain/reliability/faults.py)."""
+into one rank's batch at a given step (HPCTRAIN_FAULT, hpctrain/reliability/faults.py); the
+1-rank runs run in this process."""
 
 import json
 import os
@@ -17,6 +18,7 @@ from conftest import REPO
 from hpctrain.errors import EXIT_DIVERGED, TrainingDiverged
 from hpctrain.reliability.numeric_guard import NumericGuard
 from mpi_jobs import env
+from test_cli import train_in_process
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -69,11 +71,16 @@ def test_policies_and_the_bad_step_limit():
 
 
 # ---- real jobs ---------------------------------------------------------------------------
-def _run(data, ckpt, n, *extra, fault="nan:25:1", steps=60):
-    args = ["-m", "hpctrain", "train", "--set", f"data.train={data}", "--set", "model.hidden=[64]",
+def _train_args(data, ckpt, *extra, steps=60):
+    """The arguments of ``python -m hpctrain train`` for these jobs."""
+    return ["--set", f"data.train={data}", "--set", "model.hidden=[64]",
             "--set", "train.global_batch=64", "--set", f"train.steps={steps}", "--set", "train.log_every=1000",
             "--set", f"train.metrics={ckpt}.jsonl", "--set", f"checkpoint.dir={ckpt}",
             "--set", "checkpoint.every_steps=10", "--set", "checkpoint.every_minutes=0", *extra]
+
+
+def _run(data, ckpt, n, *extra, fault="nan:25:1", steps=60):
+    args = ["-m", "hpctrain", "train", *_train_args(data, ckpt, *extra, steps=steps)]
     launch = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable] if n > 1 else [sys.executable]
     return subprocess.run(launch + args, cwd=REPO, env=env(HPCTRAIN_FAULT=fault), capture_output=True,
                           text=True, timeout=180)
@@ -102,12 +109,33 @@ def test_abort_stops_before_saving_the_bad_step(small_data, tmp_path):
     assert all(np.isfinite(v).all() for v in _params(f"{ckpt}/ckpt-00000020.h5").values())
 
 
+@pytest.fixture(scope="module")
+def skip_at_25(small_data, tmp_path_factory):
+    """(checkpoint dir, process) of the 2-rank skip run with a NaN at step 25 on rank 1, every save
+    kept: one launch for test_skip_drops_the_step_and_counts_it[2] and the skip side of
+    test_rollback_equals_skip_bit_for_bit[25], which each launched this job (the first with the
+    default keep_last; it reads only the last save, which every keep_last keeps)."""
+    skip = str(tmp_path_factory.mktemp("skip-25") / "skip")
+    return skip, _run(small_data[0], skip, 2, "--set", "guard.nonfinite=skip", "--set", "checkpoint.keep_last=0",
+                      fault="nan:25:1")
+
+
 @pytest.mark.parametrize("n", [1, 2])
-def test_skip_drops_the_step_and_counts_it(small_data, tmp_path, n):
-    ckpt = str(tmp_path / "skip")
-    proc = _run(small_data[0], ckpt, n, "--set", "guard.nonfinite=skip", fault=f"nan:25:{n - 1}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "guard: NaN/Inf in the averaged gradient at step 25" in proc.stdout and "skip (1 of at most" in proc.stdout
+def test_skip_drops_the_step_and_counts_it(small_data, tmp_path, request, monkeypatch, capsys, n):
+    """n = 2: a real 2-rank job (shared: skip_at_25). n = 1: the run ``python -m hpctrain train`` makes
+    without a launcher, on one rank in this process (test_cli.train_in_process; its result gives the
+    command's exit code), the fault read from the environment as the job reads it."""
+    if n == 2:  # the shared launch; its keep_last=0 (every save kept) changes nothing read here
+        ckpt, proc = request.getfixturevalue("skip_at_25")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = proc.stdout
+    else:
+        ckpt = str(tmp_path / "skip")
+        monkeypatch.setenv("HPCTRAIN_FAULT", f"nan:25:{n - 1}")
+        result = train_in_process(*_train_args(small_data[0], ckpt, "--set", "guard.nonfinite=skip"))
+        assert result["stopped_by"] is None and result["targets_met"], result  # exit code 0
+        out = capsys.readouterr().out
+    assert "guard: NaN/Inf in the averaged gradient at step 25" in out and "skip (1 of at most" in out
     rows = _metrics(ckpt)
     assert [r["step"] for r in rows if r["skipped"]] == [26]  # the record of step 25 is written as step 26
     assert rows[-1]["step"] == 60 and rows[-1]["bad_steps"] == 1 and np.isfinite(rows[-1]["loss"])
@@ -123,14 +151,18 @@ def clean_params(small_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("bad", [25, 19])
-def test_rollback_equals_skip_bit_for_bit(small_data, tmp_path, bad, clean_params):
+def test_rollback_equals_skip_bit_for_bit(small_data, tmp_path, request, bad, clean_params):
     """Rollback reloads the last save and steps over the bad batch on the replay; skip drops that
     step's update in place. Both leave the state of a run that never saw the batch: the same bits.
     (Step 19: stepping over it reaches a save point, step 20, which must still be saved.)"""
     skip, back = str(tmp_path / "skip"), str(tmp_path / "back")
     fault = f"nan:{bad}:1"
     keep = ("--set", "checkpoint.keep_last=0")
-    assert _run(small_data[0], skip, 2, "--set", "guard.nonfinite=skip", *keep, fault=fault).returncode == 0
+    if bad == 25:  # this very skip job is shared with test_skip_drops_the_step_and_counts_it[2]
+        skip, skipped = request.getfixturevalue("skip_at_25")
+    else:
+        skipped = _run(small_data[0], skip, 2, "--set", "guard.nonfinite=skip", *keep, fault=fault)
+    assert skipped.returncode == 0
     proc = _run(small_data[0], back, 2, "--set", "guard.nonfinite=rollback", *keep, fault=fault)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = bad // 10 * 10

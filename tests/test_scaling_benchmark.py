@@ -28,13 +28,19 @@ def _scaling(out, *extra, timeout=280):
                           capture_output=True, text=True, timeout=timeout)
 
 
+# hpctrain's runs reduce with MPI_Allreduce, not the benchmark's default auto: auto's fit cache
+# holds one world shape, so every 2-rank run here measured it again (~3 s each, ~12 of the MLP
+# sweep's ~50 s) for numbers no test reads; auto in the trainer is tests/test_mpi_buckets.py's
+ALLREDUCE = ("--allreduce", "mpi")
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling")
     # the peer is left out here (tests/test_torch_peer.py covers it, and it needs torch)
     proc = _scaling(out, "--models", "tiny=8-16", "--ranks", "1", "2", "--steps", "3", "--warmup", "1",
                     "--samples", "2048", "--batch", "32", "--peer-models", "", "--trace-config", "tiny:2",
-                    "--ckpt-every", "2")
+                    "--ckpt-every", "2", *ALLREDUCE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
@@ -70,7 +76,7 @@ def gpt_bench(tmp_path_factory, text_data):
     out = tmp_path_factory.mktemp("scaling-gpt")
     proc = _scaling(out, "--models", "gt=gpt:1-32-2-32", "--ranks", "1", "2", "--modes", "weak", "--steps", "3",
                     "--warmup", "1", "--batch", "8", "--text", text_data, "--peer-models", "gt",
-                    "--ceiling-models", "", "--trace-config", "")
+                    "--ceiling-models", "", "--trace-config", "", *ALLREDUCE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
