@@ -25,7 +25,7 @@ train: setup data/synth-train.h5 data/synth-eval.h5
 	$(MPIRUN) -n $(NP) $(PY) -m hpctrain train --config $(CONFIG)
 
 # The GPT example: a byte-level corpus of the Python standard library's own source (~30 MB, seconds to make),
-# then a ~1 M-parameter GPT on 2 ranks (CPU); sample-gpt prints text from its final checkpoint.
+# then a ~1 M-parameter GPT on 2 ranks (a GPU if visible, else the CPU); sample-gpt prints text from its final checkpoint.
 data/text.h5: | setup
 	$(PY) -m hpctrain data text --out $@
 

@@ -72,8 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--config", help="part B config (default per --model)")
     p.add_argument("--set", action="append", default=[], help="extra --set for every part B run")
     p.add_argument("--window", type=int, default=50, help="part B, MLP: training-loss smoothing, steps (50)")
-    p.add_argument("--target-loss", type=float, default=0.0, help="0: --target-factor x none's final loss")
-    p.add_argument("--target-factor", type=float, default=1.02, help="target over none's final loss (1.02)")
+    p.add_argument("--target-loss", type=float, default=0.0,
+                   help="0: --target-factor x none's last curve point of the same seed (for the GPT a 32,768-token "
+                        "evaluation)")
+    p.add_argument("--target-factor", type=float, default=1.02,
+                   help="target over none's last curve point of the same seed (1.02)")
     p.add_argument("--json", default=os.path.join(REPO, "runs", "bench", "compression.json"))
     args = p.parse_args(argv)
     config, specs = MODELS[args.model]

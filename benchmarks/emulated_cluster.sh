@@ -4,7 +4,7 @@
 # between them capped with tbf at --rate in both directions. Everything is torn
 # down on exit, error or signal. See ../shared/EMULATED-CLUSTER.md.
 #
-#   benchmarks/emulated_cluster.sh [--rate 1gbit|none] [--np 4] -- COMMAND...
+#   benchmarks/emulated_cluster.sh [--rate 1gbit|100mbit|none] [--np 4] -- COMMAND...
 #   benchmarks/emulated_cluster.sh -- .venv/bin/python benchmarks/allreduce.py --max 64M
 #
 # Ranks are mapped by node (rank 0 -> nodeA, 1 -> nodeB, 2 -> nodeA, ...), so a

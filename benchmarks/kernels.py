@@ -301,7 +301,7 @@ def load_cupy():
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--small", action="store_true", help="tiny shapes (8..32): a smoke test, e.g. on the simulator")
+    p.add_argument("--small", action="store_true", help="small shapes (3..600): a smoke test, e.g. on the simulator")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per kernel (default 20; 3 with --small)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed calls first: JIT compile, first touch, clocks up (default 3; 1 with --small; "

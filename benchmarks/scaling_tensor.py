@@ -1,6 +1,6 @@
 """The tensor-parallel part of benchmarks/scaling.py (``--tensor-parallel T [T ...]``).
 
-    python benchmarks/scaling.py --models gpt --ranks 2 --tensor-parallel 1 2 --modes strong
+    python benchmarks/scaling.py --models gpt --ranks 2 --tensor-parallel 1 2
 
 Per GPT model and rank count n, one hpctrain run per t that divides n and the model's heads,
 all at the same global batch (the model's batch x n, as strong scaling), so each row does the

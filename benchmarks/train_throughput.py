@@ -2,7 +2,8 @@
 
     python benchmarks/train_throughput.py --ranks 1 2 4            # launches mpirun itself
     python benchmarks/train_throughput.py --device cuda --ranks 1  # on a GPU node (default: cpu)
-    mpirun -n 4 python benchmarks/train_throughput.py --worker     # one configuration
+    mpirun -n 4 python benchmarks/train_throughput.py --worker --out r.json --data d.h5  # one configuration
+                                                                   # (JSON row only, no table)
 
 Each configuration keeps the per-rank batch fixed (weak scaling), warms up,
 then times ``--steps`` steps. Per phase (data, forward, backward, allreduce,

@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train data-parallel (run under mpirun -n N or srun)",
                        description="Train data-parallel. Example: mpirun -n 4 python -m hpctrain train "
                                    "--config examples/mlp.toml --set optim.lr=0.05")
-    t.add_argument("--config", help="TOML file with [model] [data] [train] [optim] [dist] sections")
+    t.add_argument("--config", help="TOML file with [model] [data] [train] [optim] [dist] [checkpoint] [guard] "
+                                    "sections")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable), e.g. --set train.steps=500")
     t.add_argument("--ranks-per-node", type=int, metavar="K",
@@ -118,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
                         "the newest checkpoint after a failure (no MPI in this process)",
                         description="python -m hpctrain launch -n N [--max-failures K] [mpirun options] -- "
                                     "train ARGS, or launch --srun [--max-failures K] [srun options] -- train ARGS "
-                                    "inside a SLURM allocation: see hpctrain/reliability/launch.py and docs/reliability.md")
+                                    "inside a SLURM allocation: see hpctrain/reliability/launch.py and "
+                                    "docs/reliability.md")
     la.add_argument("-n", type=int, metavar="N", help="ranks (mpirun -n)")
     la.add_argument("--srun", action="store_true",
                     help="start each run with srun inside this SLURM allocation; after a failure, on the nodes "

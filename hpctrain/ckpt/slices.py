@@ -62,8 +62,7 @@ def checksums(blocks):
     with ISA-L's CRC (~28 GB/s, :mod:`.format`) it costs ~2 ms per 64 MB. An
     earlier design hid zlib's slower CRC (~4 GB/s) behind an extra fsync of
     the data before the close; that second flush cost more than it hid once
-    the CRC got fast (64 MB at 1 rank: 0.75x of the raw write with it, see
-    docs/benchmarks.md for without).
+    the CRC got fast (64 MB at 1 rank: 0.75x of the raw write with it).
     """
     return [(combine_parts([(crc32_of(b), b.nbytes) for b in written]), sum(b.nbytes for b in written))
             for written in blocks]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def add_data_parser(sub) -> None:
     """The ``data`` command and its actions, added to the top-level subparsers ``sub``."""
-    d = sub.add_parser("data", help="make or inspect datasets")
+    d = sub.add_parser("data", help="make, import or inspect datasets")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="action")
     s = dsub.add_parser("synth", help="write a learnable synthetic classification set (teacher network)")
     s.add_argument("--out", required=True, help="HDF5 file to write (atomically)")
