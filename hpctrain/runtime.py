@@ -139,10 +139,13 @@ YIELD_VAR = "OMPI_MCA_mpi_yield_when_idle"
 
 def yield_when_oversubscribed() -> None:
     """With more ranks on this node than cores, have Open MPI yield the core while a rank waits,
-    unless the user chose (``OMPI_MCA_mpi_yield_when_idle`` set). By default a rank waiting in a
-    collective polls without yielding, so the waiting ranks take the cores the computing ones need:
-    4 ranks on 2 cores ran 300 steps of a small MLP in 29 s, and in 4.5 s with yielding (the same
-    VM, back to back). Other MPI libraries ignore the variable. Must run before MPI_Init; called
+    unless the user chose (``OMPI_MCA_mpi_yield_when_idle`` set). Open MPI yields by itself only
+    when its own launcher knows the node is oversubscribed (``mpirun --oversubscribe``); started
+    by srun on a node that declares more CPUs than it has (as the tests' local SLURM cluster
+    does), or with any binding the launcher believes, a rank waiting in a collective polls
+    without yielding and takes the core a computing rank needs: 4 ranks of a small MLP on 2
+    cores under srun ran 300 steps in 8.2-8.5 s, and in 1.9-2.5 s with yielding (the same VM,
+    back to back). Other MPI libraries ignore the variable. Must run before MPI_Init; called
     where :func:`limit_threads_per_rank` is, never at import.
     """
     if YIELD_VAR not in os.environ and launched_ranks_on_node() > (os.cpu_count() or 1):
