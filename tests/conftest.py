@@ -72,10 +72,11 @@ def real_gpu_reason() -> str:
 # The longest serial modules (seconds measured in CI, 2 cores), started first: the serial phase
 # runs on two xdist workers a module at a time (--dist loadfile), and a long module started
 # last leaves the other worker idle at the end. Order only; every test still runs.
-LONGEST_FIRST = ("test_gpu_check", "test_benchmarks", "test_fuzz_checkpoint", "test_cuda_kernels",
-                 "test_compress_cuda", "test_launch", "test_numguard", "test_gpt_cuda_step", "test_gpt_cuda_kernels",
-                 "test_emulated_cluster", "test_compress_convergence", "test_bad_inputs", "test_cli",
-                 "test_gpt_train", "test_scaling_benchmark", "test_checkpoint_jobs", "test_cuda_compile")
+LONGEST_FIRST = ("test_compress_cuda", "test_fuzz_checkpoint", "test_gpt_cuda_step", "test_gpu_check",
+                 "test_numguard", "test_launch", "test_emulated_cluster", "test_gpt_cuda_kernels", "test_recompute",
+                 "test_benchmarks", "test_checkpoint_jobs", "test_cuda_kernels", "test_cli", "test_scaling_benchmark",
+                 "test_cuda_compile", "test_compress_convergence", "test_compress_kernels_cuda",
+                 "test_compress_gpt_convergence", "test_gpt_train", "test_checkpoint_state")
 
 
 def pytest_runtest_setup(item):
