@@ -73,8 +73,9 @@ def _ckpt_run(data, ckpt, *extra, steps=2):
 
 
 def test_checkpoint_of_another_model_or_optimizer_is_one_clear_error(small_data, tmp_path, capsys):
-    """Another model: the real launch of a checkpoint that cannot be loaded. Another optimizer: the
-    same resume of the same 2-rank checkpoint, in this process (test_cli._one_error_in_process)."""
+    """Another model: the real launch of a checkpoint that cannot be loaded. Another optimizer: a
+    1-rank resume of the same 2-rank checkpoint, in this process (test_cli._one_error_in_process;
+    the check that refuses it runs before anything that depends on the world size)."""
     ck = str(tmp_path / "ck")
     saved = _ckpt_run(small_data[0], ck, "--set", "model.hidden=[32]", "--set", "checkpoint.save_final=true")
     assert saved.returncode == 0, saved.stderr

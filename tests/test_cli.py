@@ -12,7 +12,6 @@ the same checks as ``_one_error``).
 
 import contextlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -304,12 +303,14 @@ def test_labels_out_of_range(tmp_path, capsys):
     _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(str(bad))), "labels span [1, 4]", "n_classes=4")
 
 
-def test_unwritable_metrics_path(small_data, tmp_path, capsys):
+def test_unwritable_metrics_path(small_data, tmp_path):
+    """A set-up error on one rank only (rank 0 alone opens the metrics file): the other rank joins
+    the agreement, so the job still prints one error, naming the rank, and every rank exits 2.
+    The real launch of that mechanism."""
     blocker = tmp_path / "file"
     blocker.write_text("")
-    _one_error_in_process(capsys, _train_setup(*TRAIN[3:], *_data_set(small_data[0]),
-                                               "--set", f"train.metrics={blocker}/m.jsonl"),
-                          "train.metrics", "cannot be written")
+    proc = run_mpi(2, TRAIN + _data_set(small_data[0]) + ["--set", f"train.metrics={blocker}/m.jsonl"])
+    _one_error(proc, "on rank 0:", "train.metrics", "cannot be written")
 
 
 def test_metrics_are_appended_only_by_a_run_that_resumed(small_data, tmp_path, capsys):

@@ -120,6 +120,7 @@ def test_sample_is_deterministic_for_a_seed(gpt_run, capsys):
                                   "--seed", str(s)) for s in (1, 2)]
     for code, _ in (here, other, *greedy):
         assert code == 0
+    assert here[1] == first.stdout  # this process samples as the command does
     assert here[1] != other[1]
     assert greedy[0][1] == greedy[1][1]  # greedy ignores the seed
 

@@ -6,7 +6,7 @@ import pytest
 from hpctrain.device import CpuDevice
 from hpctrain.comm import STRATEGIES, make_allreduce
 
-pytestmark = [pytest.mark.mpi, pytest.mark.compares_ranks, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,11 @@ from hpctrain.errors import UserError
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
 
+# strategies that leave the gradient as it is at one rank (MPI_Allreduce of one rank is a copy; ring,
+# rhd and shm return at once): their 1-rank run is the reference's own run
+IDLE_AT_ONE_RANK = ("mpi", "ring", "rhd", "shm")
+
+
 def _config(train, size, **dist):
     cfg = Config()
     cfg.data.train, cfg.data.eval = train, ""
@@ -56,11 +61,12 @@ def test_buckets_cover_the_gradient_in_reverse_layer_order(mpi_small_data, world
     assert all(a.lo == b.hi for a, b in zip(buckets, buckets[1:]))
 
 
-@pytest.mark.compares_ranks
 @pytest.mark.parametrize("allreduce", ["mpi", "naive", "ring", "rhd", "hierarchical", "shm", "auto"])
 def test_every_strategy_trains_like_mpi(mpi_small_data, world, allreduce):
     from hpctrain.runtime import init_world
 
+    if world.size == 1 and allreduce in IDLE_AT_ONE_RANK:
+        pytest.skip("one rank: this strategy leaves the gradient as it is (the run is the reference's)")
     # hierarchical on simulated nodes of 2 ranks (2 + 1 at 3 ranks)
     w = init_world(ranks_per_node=2) if allreduce == "hierarchical" else world
     ref = _train(_config(mpi_small_data[0], world.size), world).model.flat.data

@@ -72,9 +72,11 @@ def reference(mpi_text_data):
     return params
 
 
-@pytest.mark.compares_ranks
 @pytest.mark.parametrize("allreduce", ["mpi", "naive", "ring", "rhd", "hierarchical", "shm", "auto"])
 def test_n_ranks_equal_one_rank_with_n_times_batch(world, mpi_text_data, reference, allreduce):
+    if world.size == 1 and allreduce in ("mpi", "ring", "rhd", "shm"):
+        # at one rank these leave the gradient as it is: the run is the reference's own
+        pytest.skip("one rank: this strategy leaves the gradient as it is (the run is the reference's)")
     params, _ = _train(_config(mpi_text_data, allreduce=allreduce), world)
     np.testing.assert_allclose(params, reference, rtol=1e-10, atol=1e-13)
 

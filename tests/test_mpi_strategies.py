@@ -67,7 +67,6 @@ def test_strategies_are_registered():
     assert set(NAMES) <= set(STRATEGIES)
 
 
-@pytest.mark.compares_ranks
 @pytest.mark.parametrize("name", NAMES + HIER)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("n", [0, 3, 1001])  # 3 < size 4: ring and rhd get empty chunks
@@ -85,7 +84,6 @@ def test_rank_plus_index_has_closed_form_results(world, node_world, name, dtype,
             np.testing.assert_array_equal(buf, expected.astype(dtype), err_msg=op)
 
 
-@pytest.mark.compares_ranks
 @pytest.mark.parametrize("name", ["mpi", "ring", "rhd", "shm"] + HIER)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 1023, 2**20 + 3])
@@ -116,7 +114,6 @@ def test_random_data_agrees_with_naive(world, node_world, name, dtype, n):
         assert_same_on_every_rank(comm, got)
 
 
-@pytest.mark.compares_ranks
 @pytest.mark.parametrize("inner", ["mpi", "ring"])  # mpi: nonblocking cross-node phase; ring: blocking
 @pytest.mark.parametrize("n", [5, 1001])
 def test_hierarchical_in_tiny_segments_has_closed_form_results(world, node_world, inner, n):
