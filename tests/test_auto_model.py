@@ -45,3 +45,62 @@ def test_a_window_slice_chooses_among_the_zero_copy_fits_and_a_plain_array_among
     assert a.choose(1 << 20) == "mpi"   # never zero-copy for a buffer outside the window ...
     a.fits["shm"] = auto._segments(auto.PROBE_BYTES, [1e-5, 1e-5, 1e-5, 1e-5, 1e-5])
     assert a.choose(1 << 20) == "shm" and a.choose(1 << 20, zero_copy=True) == auto.ZERO_COPY  # ... nor copy in it
+
+
+def _fits(x):
+    return {"ring": [(x, 1e-9)] * 4}
+
+
+def test_the_cache_keeps_one_entry_per_layout(tmp_path):
+    """Jobs of several sizes share one cache file: each finds its own entry, a size's new
+    measurement replaces only its own, and a file of one entry (older versions) still reads."""
+    path = str(tmp_path / "auto.json")
+    k4, k2 = {"size": 4, "n_nodes": 2}, {"size": 2, "n_nodes": 1}
+    auto._save(path, k4, _fits(1.0))
+    auto._save(path, k2, _fits(2.0))
+    assert auto._load(path, k4) == _fits(1.0) and auto._load(path, k2) == _fits(2.0)
+    auto._save(path, k2, _fits(3.0))
+    assert auto._load(path, k4) == _fits(1.0) and auto._load(path, k2) == _fits(3.0)
+    assert auto._load(path, {"size": 8}) is None
+    import json
+
+    with open(path, "w") as fh:
+        json.dump({"key": k4, "fits": _fits(5.0)}, fh)
+    assert auto._load(path, k4) == _fits(5.0)
+    with open(path, "w") as fh:
+        fh.write("{not json")
+    assert auto._load(path, k4) is None  # measured again; the next save rewrites the file
+    auto._save(path, k2, _fits(6.0))
+    assert auto._load(path, k2) == _fits(6.0)
+
+
+def test_concurrent_writers_lose_no_entry(tmp_path):
+    """Eight processes, each saving its own layout's entry into the same file twenty times."""
+    import multiprocessing
+
+    path = str(tmp_path / "auto.json")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_save_many, args=(path, i)) for i in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for i in range(8):
+        assert auto._load(path, {"size": i}) == _fits(19.0)
+
+
+def _save_many(path, i):
+    for n in range(20):
+        auto._save(path, {"size": i}, _fits(float(n)))
+
+
+def test_a_checkpoint_gives_back_its_choices_only_at_its_layout():
+    a = _auto_with({"ring": [1e-5, 2e-5, 1e-4, 1e-3, 1e-2], "rhd": [2e-5, 3e-5, 2e-4, 2e-3, 2e-2]})
+    a.key, a._picked = {"size": 4}, {}
+    saved = a.choices()
+    assert a.choose(1 << 20) == "ring"
+    other = dict(saved, fits={"ring": saved["fits"]["rhd"], "rhd": saved["fits"]["ring"]})  # rhd wins there
+    assert a.restore_choices(other) and a.choose(1 << 20) == "rhd"
+    assert not a.restore_choices(dict(saved, key={"size": 2})) and a.choose(1 << 20) == "rhd"
+    assert not a.restore_choices(None)

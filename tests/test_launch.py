@@ -12,13 +12,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import h5py
 import numpy as np
 import pytest
 
 from conftest import REPO
-from mpi_jobs import env, finish, rank_pid, wait_for
+from mpi_jobs import alive, env, finish, rank_pid, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -47,14 +48,22 @@ def _model(path):
         return out
 
 
+def _records(path):
+    return [json.loads(line) for line in open(path)]
+
+
 def test_kill_9_of_a_rank_restarts_and_ends_as_a_resume_from_the_same_checkpoint(small_data, tmp_path):
-    ckpt, steps = str(tmp_path / "ck"), 400
+    """Rank 0 (the one that writes the metrics) killed after a checkpoint: the job restarts from it,
+    ends with the bits of a plain resume from it, and its metrics file holds every step once, each
+    record's loss, accuracy and learning rate those of a run that never failed (the records before
+    the checkpoint were on disk, the ones the failed attempt wrote after it are replaced)."""
+    ckpt, steps, metrics = str(tmp_path / "ck"), 400, str(tmp_path / "metrics.jsonl")
     args = _train(small_data[0], ckpt, steps, "--set", "checkpoint.every_steps=20", "--set", "checkpoint.keep_last=0",
-                  "--set", "checkpoint.save_final=true")
+                  "--set", "checkpoint.save_final=true", "--set", f"train.metrics={metrics}")
     proc = _launch(args)
     try:
         wait_for(lambda: os.path.exists(os.path.join(ckpt, "ckpt-00000040.h5")), 120, "the checkpoint of step 40")
-        os.kill(rank_pid(ckpt, 1), signal.SIGKILL)
+        os.kill(rank_pid(ckpt, 0), signal.SIGKILL)
     finally:
         code, out, err = finish(proc, 180)
     assert code == 0, (out[-3000:], err[-3000:])
@@ -79,6 +88,18 @@ def test_kill_9_of_a_rank_restarts_and_ends_as_a_resume_from_the_same_checkpoint
     assert got.keys() == want.keys() and got
     for name in got:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+    # the metrics against a run that never failed, record by record
+    whole = str(tmp_path / "whole.jsonl")
+    straight = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable, "-m", "hpctrain",
+                               *_train(small_data[0], str(tmp_path / "straight"), steps, "--set",
+                                       f"train.metrics={whole}")],
+                              cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert straight.returncode == 0, straight.stderr
+    records, expected = _records(metrics), _records(whole)
+    assert [r["step"] for r in records] == list(range(1, steps + 1)) == [r["step"] for r in expected]
+    for r, e in zip(records, expected):
+        assert (r["loss"], r["accuracy"], r["lr"]) == (e["loss"], e["accuracy"], e["lr"]), (r, e)
 
 
 def test_a_crash_before_the_first_step_restarts_once_then_gives_up(small_data, tmp_path):
@@ -114,6 +135,72 @@ def test_a_stalled_rank_is_a_failure_that_restarts(small_data, tmp_path):
     assert code == EXIT_GAVE_UP, (out, err)
     assert out.count("exit code 4 (the stall watchdog ended a stalled job)") == 2, out
     assert "restart 1 of at most 1" in out and "resumed at step 4" in out, out
+
+
+@pytest.mark.exclusive  # a heartbeat limit of 3 s
+def test_a_stopped_rank_is_heard_gone_in_seconds_and_the_job_restarts(small_data, tmp_path):
+    """Rank 1 stopped (SIGSTOP: what a rank on a node that lost power or its network looks like to
+    the others) under dist.comm_timeout's default of 300 s: its heartbeats stop, the launcher ends
+    the job after HPCTRAIN_DETECT_S = 3 s (the stopped rank too: nothing is left behind), restarts
+    it from the newest checkpoint, and the run finishes; the first new step comes within 30 s of the
+    stop, where the watchdog alone would have waited 300 s. Its node's other rank still beat, so the
+    cause is the rank, not the node."""
+    ckpt, steps = str(tmp_path / "ck"), 200
+    args = _train(small_data[0], ckpt, steps, "--set", "checkpoint.every_steps=20", "--set", "checkpoint.keep_last=0")
+    proc = _launch(args, HPCTRAIN_DETECT_S="3")
+    stopped = None
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(ckpt, "ckpt-00000040.h5")), 120, "the checkpoint of step 40")
+        stopped = rank_pid(ckpt, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        t_stop = time.time()
+        code, out, err = finish(proc, 120)
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except OSError:
+                pass
+        if proc.poll() is None:  # the launcher, mpirun and the ranks: one session
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, (out[-3000:], err[-3000:])
+    assert "rank(s) 1 stopped answering (silent for" in out and "their nodes' other ranks still beat" in out, out
+    assert "failure 1: rank(s) 1 stopped answering" in out and "the job finished (after 1 restart(s))" in out, out
+    assert not alive([stopped]), "the stopped rank was left behind"
+    m = re.search(r"recovered: first new step ([\d.]+) s after the failure \(detection ([\d.]+) s, tear-down "
+                  r"([\d.]+) s, start-up [\d.]+ s, checkpoint load and set-up [\d.]+ s, first step [\d.]+ s\); "
+                  r"resumed at step (\d+)", out)
+    assert m, out
+    total, detection = float(m.group(1)), float(m.group(2))
+    assert 3.0 <= detection < 6.0, out    # the limit, and at most a beat and a poll more
+    assert total < 30.0 and int(m.group(4)) >= 40, out
+    print(f"\nstopped rank: detection {detection:.1f} s, first new step {total:.1f} s after the failure "
+          f"(the stop at {t_stop:.1f})")
+
+
+@pytest.mark.exclusive  # a heartbeat limit of 3 s, on a node kept busy
+def test_busy_ranks_on_an_oversubscribed_node_keep_beating(small_data, tmp_path):
+    """Four ranks of a wider MLP on this 2-core machine, every core busy for about 15 s, under a
+    heartbeat limit of 3 s (the default is 10): no rank is taken for lost, and the launcher reports
+    the largest gap between two beats of a rank (a beat a second is sent; here it stays far below
+    the limit)."""
+    args = _train(small_data[0], str(tmp_path / "ck"), 100000, "--set", "model.hidden=[512,512]",
+                  "--set", "train.global_batch=256")
+    proc = subprocess.Popen([sys.executable, "-m", "hpctrain", "launch", "-n", "4", "--oversubscribe", "--", *args],
+                            cwd=REPO, env=env(HPCTRAIN_DETECT_S="3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        time.sleep(15)
+        os.kill(proc.pid, signal.SIGTERM)  # save and stop (exit 75)
+        code, out, err = finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == EXIT_CHECKPOINTED, (out[-3000:], err[-3000:])
+    assert "stopped answering" not in out and "failure" not in out, out
+    gap = float(re.search(r"heartbeats: the largest gap between two beats of a rank was ([\d.]+) s", out).group(1))
+    assert gap < 3.0, out
+    print(f"\nbusy node: the largest gap between two beats of a rank {gap:.1f} s")
 
 
 def test_sigterm_to_the_launcher_saves_and_stops_without_a_restart(small_data, tmp_path):
@@ -160,11 +247,13 @@ def test_resume_auto_replaces_the_users_resume():
 def test_recovery_benchmark_splits_a_restart_into_its_phases(small_data, tmp_path):
     """benchmarks/recovery.py on the MLP: one kill -9, one restart, one row with every phase measured."""
     out = tmp_path / "recovery.json"
-    proc = subprocess.run([sys.executable, "benchmarks/recovery.py", "--models", "mlp", "--every", "5", "--kill-at",
-                           "10", "--mlp-data", small_data[0], "--json", str(out), "--timeout", "150"],
+    proc = subprocess.run([sys.executable, "benchmarks/recovery.py", "--cases", "rank", "--models", "mlp",
+                           "--every", "5", "--kill-at", "10", "--mlp-data", small_data[0], "--json", str(out),
+                           "--timeout", "150"],
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     (row,) = json.load(open(out))["rows"]
-    assert row["model"] == "mlp" and row["ranks"] == 2 and row["resumed_at"] >= 10, row
-    assert row["detect_s"] > 0 and row["startup_s"] > 0 and row["first_step_s"] > 0, row
-    assert "| mlp | 2 |" in proc.stdout, proc.stdout
+    assert row["case"] == "rank" and row["model"] == "mlp" and row["ranks"] == 2 and row["resumed_at"] >= 10, row
+    assert row["detect_s"] > 0 and row["startup_s"] > 0 and row["load_s"] > 0 and row["first_step_s"] > 0, row
+    assert row["total_s"] >= row["detect_s"] + row["startup_s"] and row["total_by_clock_s"] > 0, row
+    assert "| rank | mlp | 2 |" in proc.stdout and "failure 1: exit code 137" in proc.stdout, proc.stdout

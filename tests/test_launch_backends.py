@@ -147,7 +147,7 @@ class _Backend:
     def progress_dir(self):
         return None
 
-    def start(self, restart, command, say):
+    def start(self, restart, command, say, lost_nodes=()):
         if restart:
             self.supervisor._forward(signal.SIGTERM, None)
             return [sys.executable, "-c", f"open({str(self.marker)!r}, 'w')"], "here"
@@ -171,7 +171,7 @@ def test_a_stop_signal_between_a_failure_and_its_restart_starts_nothing(tmp_path
 class _StartingJob(_Backend):
     """The stop signal reaches a job whose Python has not yet set hpctrain's handler: SIGUSR1 kills it."""
 
-    def start(self, restart, command, say):
+    def start(self, restart, command, say, lost_nodes=()):
         # _forward's record of the signal, once the job runs (before its Python could set a handler)
         threading.Timer(0.1, lambda: setattr(self.supervisor, "stop", "SIGUSR1")).start()
         return [sys.executable, "-c", "import os, signal, time; time.sleep(1); os.kill(os.getpid(), signal.SIGUSR1)"], \
@@ -183,3 +183,57 @@ def test_a_job_stopped_before_it_could_save_counts_as_saved(tmp_path, capsys):
     sup = backend.supervisor = Supervisor(backend, 3, ["train"])
     assert sup.run() == 75  # 138 before: requeue.sbatch then took it for a failure and did not requeue
     assert "reached the job before it could save (still starting): nothing lost" in capsys.readouterr().out
+
+
+def test_a_restart_leaves_the_nodes_the_heartbeats_lost_out_without_probing_them(fake_slurm):
+    """n4's ranks stopped answering: it is left out at once (its probe would only have waited out the
+    limit); n2 is down by sinfo, n3's probe fails; n1 is what is left."""
+    backend = Srun(["--mpi=pmix"], env=fake_slurm, probe_s=20)
+    assert backend.problem() is None
+    said = []
+    t0 = time.monotonic()
+    argv, where = backend.start(1, ["train"], said.append, lost_nodes=("n4",))
+    assert time.monotonic() - t0 < 5.0, said  # no 20 s wait on n4
+    assert where == "2 rank(s) on 1 node(s) n1 (3 of 4 lost)", (where, said)
+    assert "node n4 is not usable: its ranks stopped answering (no heartbeat)" in said, said
+    assert backend.probed
+
+
+def test_tearing_down_under_srun_cancels_the_running_steps_and_kills_srun(fake_slurm, tmp_path):
+    """squeue lists the job's steps (the batch and extern steps among them): the numbered ones get
+    scancel --signal=KILL, not waited for; srun itself gets SIGKILL."""
+    log = tmp_path / "scancel.log"
+    for name, text in (("squeue", "#!/bin/sh\nprintf '7.batch\\n7.extern\\n7.3\\n'\n"),
+                       ("scancel", f"#!/bin/sh\necho \"$*\" >> {log}\nsleep 30\n")):
+        path = tmp_path / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    backend = Srun([], env=fake_slurm)
+    srun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    t0 = time.monotonic()
+    backend.tear_down(srun, print)
+    assert srun.wait(timeout=5) == -signal.SIGKILL and time.monotonic() - t0 < 5.0  # scancel's sleep not waited
+    for _ in range(50):
+        if log.exists():
+            break
+        time.sleep(0.05)
+    assert log.read_text().split() == ["--signal=KILL", "7.3"]
+    for proc in backend.cancelling:
+        proc.kill()
+
+
+def test_tearing_down_under_mpirun_kills_every_process_under_it_a_stopped_one_too():
+    from hpctrain.reliability.launch_backends import Mpirun
+
+    root = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"])
+    time.sleep(0.3)
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(root.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+    assert len(children) == 2
+    os.kill(children[0], signal.SIGSTOP)
+    Mpirun(2, []).tear_down(root, print)
+    assert root.wait(timeout=5) == -signal.SIGKILL
+    time.sleep(0.2)
+    for pid in children:
+        state = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}") else "gone"
+        assert state in ("gone", "Z"), (pid, state)

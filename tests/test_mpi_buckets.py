@@ -215,3 +215,57 @@ def test_auto_on_one_machine_offers_shm_zero_copy_and_the_trainer_uses_it(mpi_sm
     trainer = _train(_config(mpi_small_data[0], world.size, allreduce="auto"), world)
     assert trainer.plan.allreduce._shm.holds(trainer.model.flat.grad)   # the gradients live in the window
     trainer.plan.allreduce._shm.close()
+
+
+def _favouring(winner: str, names) -> dict:
+    """auto fits under which ``winner`` is predicted fastest at every size (the others cost 1 s)."""
+    from hpctrain.comm.auto import PROBE_BYTES
+
+    return {n: [(0.0 if n == winner else 1.0, 1e-15)] * (len(PROBE_BYTES) - 1) for n in names}
+
+
+def test_a_resume_takes_the_auto_choices_its_checkpoint_was_made_with(mpi_small_data, world, monkeypatch):
+    """dist.allreduce = auto, its fits cached in a file that other jobs share: a run picks ring
+    (its fits say so), saves at step 4, and runs to step 10; then another job writes the same layout's
+    entry with fits that pick rhd. Resumed from step 4, the run takes its checkpoint's choices
+    (ring), not the cache's, and ends on the bits of the run that never stopped (at 3 and 4 ranks
+    ring and rhd add in different orders, so the cache's choice would end elsewhere)."""
+    import os
+
+    from conftest import fresh_shared_dir
+
+    from hpctrain.comm import auto
+
+    d = fresh_shared_dir(world, "auto-resume")
+    cache = os.path.join(d, "auto.json")
+    monkeypatch.setattr(auto.AutoAllreduce, "_measure",
+                        lambda self: _favouring("ring", self.names) if self.world.rank == 0 else None)
+
+    def run(**settings):
+        cfg = _config(mpi_small_data[0], world.size, allreduce="auto", auto_cache=cache,
+                      checkpoint__dir=d, checkpoint__every_steps=4, checkpoint__every_minutes=0.0, **settings)
+        cfg.train.steps = 10
+        trainer = _train(cfg, world)
+        if trainer.plan.allreduce._shm is not None:
+            trainer.plan.allreduce._shm.close()  # collective; the pytest-mpi ranks live on
+        return trainer
+
+    straight = run()
+    picked = straight.plan.allreduce.choose(1 << 12, True)
+    assert picked == "ring"
+    if world.rank == 0:  # another job, the same layout: its measurement now favours rhd
+        auto._save(cache, straight.plan.allreduce.key, _favouring("rhd", straight.plan.allreduce.names))
+    world.comm.Barrier()
+    resumed = run(checkpoint__resume=os.path.join(d, "ckpt-00000004.h5"))
+    assert resumed.step == 10 and resumed.plan.allreduce.choose(1 << 12, True) == "ring"
+    assert np.array_equal(resumed.model.flat.data, straight.model.flat.data)
+    # and a fresh run at this layout reads the cache's (rhd) entry: the cache was not the reason
+    cfg = _config(mpi_small_data[0], world.size, allreduce="auto", auto_cache=cache, checkpoint__dir=d + "/fresh")
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
+
+    fresh = Trainer(cfg, world, Log(False))
+    assert fresh.plan.allreduce.choose(1 << 12, True) == "rhd"
+    if fresh.plan.allreduce._shm is not None:
+        fresh.plan.allreduce._shm.close()
+    fresh.close()

@@ -29,6 +29,14 @@ def test_job_fields_and_tag():
     assert task.tag == "1234_2" and task.restart_count == 3  # the array's name, stable across requeues
 
 
+def test_a_step_on_fewer_nodes_names_its_own():
+    """A restart on the nodes left after a node loss runs as a step of the same allocation: its
+    start-up line names the step's nodes, not the allocation's."""
+    step = slurm.current({**JOB, "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_NUM_NODES": "1"})
+    assert (step.node_list, step.n_nodes) == ("n1", 1)
+    assert "1 node(s) n1" in slurm.describe(step)
+
+
 def test_checkpoint_dir_is_per_job_only_when_left_at_the_default():
     assert slurm.checkpoint_dir("runs/ckpt", "runs/ckpt", env=JOB) == os.path.join("runs/ckpt", "1234")
     assert slurm.checkpoint_dir("runs/ckpt/", "runs/ckpt", env=JOB) == os.path.join("runs/ckpt/", "1234")

@@ -18,6 +18,7 @@ methods that touch files or MPI are collective); what it saves and loads is a
 from __future__ import annotations
 
 import glob
+import json
 import os
 import time
 import tomllib
@@ -60,6 +61,9 @@ class CheckpointManager:
         attrs = {"epoch": epoch, "config": self.cfg.to_toml(), "optimizer": self.cfg.optim.name,
                  "dtype": self.cfg.train.dtype, "compress": self.cfg.dist.compress,
                  "compress_scope": self.cfg.dist.compress_scope, "tensor_parallel": self.cfg.dist.tensor_parallel}
+        choices = getattr(self.plan.allreduce, "choices", None)  # dist.allreduce = auto: what it picks by
+        if choices is not None:
+            attrs["allreduce_auto"] = json.dumps(choices())
         path = write_checkpoint(self.directory, state.step, training_state(state, self.plan), attrs, self.world,
                                 log=self.log, collective=self.c.collective_io,
                                 writers_per_node=self.c.writers_per_node, hooks=self.hooks)
@@ -121,6 +125,7 @@ class CheckpointManager:
             self.saved_step, self.saved_path = state.step, path
             log.info(f"checkpoint: resumed from {path} at step {state.step} (saved by "
                      f"{loaded.world_size} rank(s), hpctrain {loaded.attrs.get('hpctrain_version')})")
+            self._restore_choices(loaded.attrs)
             return
         err = UserError(f"checkpoint.dir {self.directory!r} holds {len(skipped)} checkpoint(s) and none verifies "
                         f"(see the warnings above; 'python -m hpctrain ckpt ls {self.directory} --verify' lists "
@@ -136,6 +141,19 @@ class CheckpointManager:
         agree(self.world, restore, state, self.plan, loaded.full, loaded.own_rows, loaded.world_size, self.log,
               saved_compress, loaded.across_ranks)
         self.log.info(f"guard: rolled back to {self.saved_path} (step {state.step})")
+
+    def _restore_choices(self, attrs) -> None:
+        """The all-reduce choices the saved run made (``dist.allreduce = auto``), taken back when this
+        run has the same layout, so a resume reduces as the saved run did (every rank alike: they
+        read the same attributes)."""
+        restore = getattr(self.plan.allreduce, "restore_choices", None)
+        text = attrs.get("allreduce_auto")
+        if restore is not None and text:
+            try:
+                saved = json.loads(str(text))
+            except ValueError:
+                saved = None
+            restore(saved if isinstance(saved, dict) else None, self.log)
 
     def _remove_stale_temporaries(self):
         """Temporary files of saves that crashed: never checkpoints, safe to delete before we write."""

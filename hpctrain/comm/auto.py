@@ -9,8 +9,13 @@ all sizes was tried first and chose badly: MPI libraries switch algorithms
 with the message size, so no single alpha and beta fit both ends. A call runs
 the strategy with the smallest predicted time for ``buf.nbytes``. Rank 0 fits and broadcasts, so every rank
 picks the same strategy for the same size (they must: a mismatch would
-deadlock). The fit is cached in a JSON file keyed by everything it depends on
-(world shape, dtype, device, MPI library, candidates) and logged once.
+deadlock). The fit is cached in a JSON file, one entry per key of everything it
+depends on (world shape, dtype, device, MPI library, candidates), so jobs of
+several sizes sharing one file each find their own (updates are atomic and
+locked: no entry is lost to a concurrent writer), and logged once. A checkpoint
+stores the fits its run used (:meth:`AutoAllreduce.choices`); a resume at the
+same layout takes them back (:meth:`AutoAllreduce.restore_choices`), so it
+reduces as the saved run did whatever the cache holds by then.
 
 ``shm`` is a candidate where every rank shares one machine (dropped, on every
 rank alike, elsewhere). Its cost depends on where the buffer lives, so on a
@@ -75,6 +80,24 @@ class AutoAllreduce(WholeSumHalves):
                 _save(cache_path, self.key, self.fits)
             if log is not None:
                 log.info(f"allreduce auto ({source}): " + self.describe())
+
+    def choices(self) -> dict:
+        """What a checkpoint stores: the key and the fits this run picks by (JSON-able)."""
+        return {"key": self.key, "fits": {n: [list(seg) for seg in f] for n, f in self.fits.items()}}
+
+    def restore_choices(self, saved: dict, log=None) -> bool:
+        """Take the fits a checkpoint's run used (``saved``: its :meth:`choices`) when it ran at this
+        layout (the same key), so the resumed run picks as it did; returns whether they were taken.
+        Every rank reads the same checkpoint, so all decide alike (no communication)."""
+        if not saved or saved.get("key") != self.key:
+            if log is not None and saved:
+                log.info("allreduce auto: the checkpoint's choices were made at another layout; "
+                         "this run keeps its own (" + self.describe() + ")")
+            return False
+        self.adopt_fits({n: [tuple(seg) for seg in f] for n, f in saved["fits"].items()})
+        if log is not None:
+            log.info("allreduce auto (the checkpoint's choices): " + self.describe())
+        return True
 
     def adopt_fits(self, fits: dict) -> None:
         """Use ``fits`` (another group's measurements, same candidates) from now on: groups that
@@ -182,25 +205,46 @@ def _segments(sizes, times) -> list[tuple[float, float]]:
     return out
 
 
-def _load(path: str, key: dict):
-    if not path or not os.path.exists(path):
-        return None
+MAX_ENTRIES = 64  # keys kept in one cache file; the oldest entry goes first
+
+
+def _entries(path: str) -> list:
+    """The cache file's entries ([{"key", "fits"}]); [] when there is none or it cannot be read
+    (measure again; the next save rewrites it). A file of one entry (older versions) is one."""
     try:
         with open(path) as fh:
             doc = json.load(fh)
     except (OSError, ValueError):
-        return None  # unreadable or corrupt: measure again and overwrite
-    if doc.get("key") != key:
+        return []
+    if not isinstance(doc, dict):
+        return []
+    entries = doc.get("entries", [doc] if "key" in doc else [])
+    return [e for e in entries if isinstance(e, dict) and "key" in e and isinstance(e.get("fits"), dict)]
+
+
+def _load(path: str, key: dict):
+    if not path:
         return None
-    return {n: [tuple(seg) for seg in v] for n, v in doc["fits"].items()}
+    for entry in _entries(path):
+        if entry["key"] == key:
+            return {n: [tuple(seg) for seg in v] for n, v in entry["fits"].items()}
+    return None
 
 
 def _save(path: str, key: dict, fits: dict) -> None:
+    """Add (or replace) ``key``'s entry: under an exclusive lock of ``path.lock`` (jobs sharing the
+    file update it in turn, none losing another's entry), written whole and renamed into place
+    (readers never see half a file)."""
+    import fcntl
+
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump({"key": key, "fits": fits}, fh, indent=1)
-    os.replace(tmp, path)  # readers never see half a file
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = [e for e in _entries(path) if e["key"] != key] + [{"key": key, "fits": fits}]
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump({"entries": entries[-MAX_ENTRIES:]}, fh, indent=1)
+        os.replace(tmp, path)
 
 
 def _human(nbytes: int) -> str:

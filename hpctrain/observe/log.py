@@ -75,9 +75,13 @@ class Metrics:
     """Per-step metrics as JSON lines, written by rank 0 (no-op elsewhere or when path is empty).
 
     The file is opened (and so checked writable) at start-up without touching
-    its contents; :meth:`begin` then keeps them when the run resumed from a
-    checkpoint (its steps continue the file) and empties the file otherwise,
-    so a fresh start never appends to an older run's steps.
+    its contents; :meth:`begin` then empties it for a fresh start (never appending
+    to an older run's steps) or, for a run resumed at step s, keeps the records of
+    steps 1..s and drops later ones (a failed attempt wrote them; the resumed run
+    writes them again), so the file holds every step exactly once. Records go
+    through a buffer; :meth:`sync` (the run loop calls it with every checkpoint)
+    and :meth:`close` make them durable (flush and fsync), so a crash loses no
+    record of a step a checkpoint holds.
     """
 
     def __init__(self, path: str, is_root: bool):
@@ -93,18 +97,38 @@ class Metrics:
                 raise ConfigError(f"train.metrics={path!r} cannot be written ({exc.strerror or exc}); "
                                   f"choose a writable path or set train.metrics = \"\"") from None
 
-    def begin(self, resumed: bool) -> None:
-        """Keep the file's records when ``resumed``, else start it empty."""
-        if self._fh is not None and not resumed:
-            self._fh.seek(0)
-            self._fh.truncate()
+    def begin(self, resumed_step: int | None) -> None:
+        """A fresh start (None): the file starts empty. Resumed at step ``resumed_step``: the records
+        up to that step stay, the first record of a later step (or a line a crash cut short) and
+        everything after it go."""
+        if self._fh is None:
+            return
+        keep = 0
+        if resumed_step is not None:
+            with open(self.path, "rb") as fh:
+                for line in fh:
+                    try:
+                        if not line.endswith(b"\n") or json.loads(line)["step"] > resumed_step:
+                            break
+                    except (ValueError, KeyError, TypeError):
+                        break
+                    keep += len(line)
+        self._fh.seek(keep)
+        self._fh.truncate()
 
     def write(self, **record) -> None:
         if self._fh is not None:
             self._fh.write(json.dumps(record) + "\n")
 
+    def sync(self) -> None:
+        """Every record written so far on disk (flush and fsync)."""
+        if self._fh is not None:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+
     def close(self) -> None:
         if self._fh is not None:
+            self.sync()
             self._fh.close()
             self._fh = None
 

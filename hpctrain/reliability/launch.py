@@ -25,10 +25,19 @@ to the launcher reach the ranks as SIGUSR1 (mpirun and srun forward it; mpirun's
 own SIGTERM handling kills the ranks without a save): they save, exit 75, and
 nothing restarts.
 
-Each restart is logged with its cause, the hosts, and what it cost: the
-restarted run's start-up, checkpoint load and first step, from the moment the
-failed job ended, and the steps redone since the checkpoint. The job reports
-its progress through ``HPCTRAIN_LAUNCH_PROGRESS`` (:mod:`hpctrain.reliability.progress`).
+A lost node is noticed by heartbeats (:mod:`.heartbeat`): every rank beats once a second, and
+when ranks heard before stay silent for ``HPCTRAIN_DETECT_S`` seconds (default 10; 0 turns it
+off) the launcher ends the job itself (the back-end's ``tear_down``) instead of waiting for a
+collective's timeout (``dist.comm_timeout``) or for SLURM to declare the node down
+(``SlurmdTimeout``, 300 s by default). A node all of whose ranks fell silent is lost: a restart
+under srun leaves it out without probing it. Some ranks silent on a node whose others still beat
+(stopped, hung outside Python): the job restarts on every node.
+
+Each restart is logged with its cause as observed (the heartbeats' silence, or the job's exit
+status), where it runs, and what it cost, phase by phase: detection and tear-down (heartbeats),
+the node probes (srun), the restarted run's start-up, checkpoint load and first step, and the
+steps redone since the checkpoint. The job reports its progress through
+``HPCTRAIN_LAUNCH_PROGRESS`` (:mod:`hpctrain.reliability.progress`).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import sys
 import tempfile
 import time
 
-from . import progress
+from . import heartbeat, progress
 from .launch_backends import Mpirun, NoNodes, Srun
 from ..errors import EXIT_CHECKPOINTED, EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_TARGET_MISSED, EXIT_USER_ERROR
 
@@ -121,14 +130,37 @@ def describe_exit(rc: int) -> str:
     return f"exit code {rc}"
 
 
-class Supervisor:
-    """Runs the job, judges each end, restarts; ``run()`` returns the launcher's exit code."""
+class Lost:
+    """What the heartbeats say is gone: ``silent`` (rank, node, seconds) of the ranks that stopped
+    beating; a node is lost when every rank heard from it is silent."""
 
-    def __init__(self, backend, max_failures, command, say=None):
+    def __init__(self, silent, heard_nodes: dict):
+        self.silent = silent
+        self.ranks = [r for r, _, _ in silent]
+        quiet = {node for _, node, _ in silent}
+        self.nodes = sorted(n for n in quiet if all(r in self.ranks for r in heard_nodes.get(n, ())))
+        self.seconds = min(s for _, _, s in silent)
+
+    def describe(self) -> str:
+        ranks = ", ".join(map(str, self.ranks))
+        if self.nodes:
+            return (f"node(s) {','.join(self.nodes)} stopped answering (rank(s) {ranks} silent for "
+                    f"{self.seconds:.1f} s: no heartbeat)")
+        return (f"rank(s) {ranks} stopped answering (silent for {self.seconds:.1f} s: no heartbeat; "
+                f"their nodes' other ranks still beat)")
+
+
+class Supervisor:
+    """Runs the job, judges each end, restarts; ``run()`` returns the launcher's exit code.
+    ``detect_s``: the heartbeats' limit (None: ``HPCTRAIN_DETECT_S`` or its default; 0: off)."""
+
+    def __init__(self, backend, max_failures, command, say=None, detect_s=None):
         self.backend, self.max_failures, self.command = backend, max_failures, command
         self.say = say or (lambda line: print(f"hpctrain launch: {line}", flush=True))
         self.proc = None
         self.stop = None  # the signal that asked the job to stop: no restart after it
+        self.detect_s = heartbeat.detect_s() if detect_s is None else detect_s
+        self.listener = None
 
     def _forward(self, signum, frame):
         self.stop = signal.Signals(signum).name
@@ -147,42 +179,60 @@ class Supervisor:
             folder = tempfile.TemporaryDirectory(prefix=".hpctrain-launch-", dir=self.backend.progress_dir())
         except OSError:  # not writable: this machine's, which rank 0 shares when it runs here
             folder = tempfile.TemporaryDirectory(prefix="hpctrain-launch-")
-        with folder as tmp:
-            return self._loop(os.path.join(tmp, "progress"))
+        self.listener = heartbeat.Listener() if self.detect_s > 0 else None
+        try:
+            with folder as tmp:
+                return self._loop(os.path.join(tmp, "progress"))
+        finally:
+            if self.listener is not None:
+                self.listener.close()
 
     def _loop(self, progress_path: str) -> int:
-        failures, idle_failures, command, failed_at, last = 0, 0, self.command, None, None
+        failures, idle_failures, command, failed_at, last, lost = 0, 0, self.command, None, None, None
+        phases_before = {}  # a restart's phases before it starts: detection, tear-down
         while True:
             if os.path.exists(progress_path):
                 os.remove(progress_path)
+            t_probe = time.time()
             try:
-                cmd, where = self.backend.start(failures, command, self.say)
+                cmd, where = self.backend.start(failures, command, self.say, lost.nodes if lost else ())
             except NoNodes as exc:
                 return self._give_up(str(exc))
+            probes = time.time() - t_probe if getattr(self.backend, "probed", False) else None
             if self.stop is not None:  # it came while no job ran (the probes take seconds): start none
                 when = "between a failure and its restart" if failures else "before the job started"
                 self.say(f"{self.stop} arrived {when}: not starting it; the newest checkpoint stays in "
                          f"checkpoint.dir (exit {EXIT_CHECKPOINTED}, as after a save)")
                 return EXIT_CHECKPOINTED
             env = dict(os.environ, **{progress.ENV: progress_path, "HPCTRAIN_RESTART": str(failures)})
+            if self.listener is not None:
+                env[heartbeat.ENV] = self.listener.env_value(failures)
+            phases = dict(phases_before, probes=probes) if failures else {}
             started = time.time()
             self.say(f"{'start' if not failures else f'restart {failures} of at most {self.max_failures}'}: "
                      f"{where}: {' '.join(cmd[:cmd.index(sys.executable)])} ... {' '.join(command)}")
             self.proc = subprocess.Popen(cmd, env=env)
-            reported = failed_at is None
+            reported, lost = failed_at is None, None
             while True:
                 try:
                     rc = self.proc.wait(timeout=POLL_S)
                     break
                 except subprocess.TimeoutExpired:
                     if not reported:
-                        reported = self._report_recovery(progress_path, failed_at, last)
+                        reported = self._report_recovery(progress_path, failed_at, last, phases, started)
+                    if lost is None and self.stop is None:
+                        lost = self._heard_lost()
                 except KeyboardInterrupt:  # Ctrl-C reached mpirun too (same process group): it ends the job
                     self.stop = "SIGINT"
             ended = time.time()
             marks = progress.read(progress_path)
+            if self.listener is not None and lost is None:
+                self.listener.poll()
+                if self.listener.heard or self.listener.done:
+                    self.say(f"heartbeats: the largest gap between two beats of a rank was "
+                             f"{self.listener.largest_gap:.1f} s (a rank is lost after {self.detect_s:g} s)")
             if not reported:
-                self._report_recovery(progress_path, failed_at, last, final=True)
+                self._report_recovery(progress_path, failed_at, last, phases, started, final=True)
             if self.stop is not None and rc in (-signal.SIGUSR1, 128 + signal.SIGUSR1) and "ready" not in marks:
                 # the ranks got SIGUSR1 before hpctrain set its handler (Python still starting):
                 # they had nothing to save, and the newest checkpoint is the one to resume from
@@ -199,24 +249,51 @@ class Supervisor:
             idle_failures = 0 if progressed else idle_failures + 1
             last = step.step if step is not None else (ready.step if ready is not None else None)
             reached = f"at step {last}" if last is not None else "before its first step"
-            self.say(f"failure {failures}: {describe_exit(rc)} {reached}, {ended - started:.1f} s after its start")
+            cause = lost.describe() if lost is not None else describe_exit(rc)
+            self.say(f"failure {failures}: {cause} {reached}, {ended - started:.1f} s after its start")
             if idle_failures >= 2:
                 return self._give_up(f"the job failed twice in a row before completing a step (last: "
                                      f"{describe_exit(rc)}); that is not transient: fix the cause and run again")
             if failures > self.max_failures:
                 return self._give_up(f"{failures} failure(s), more than --max-failures={self.max_failures} "
                                      f"(last: {describe_exit(rc)})")
-            command, failed_at = with_resume_auto(self.command), ended
+            command = with_resume_auto(self.command)
+            if lost is not None:  # the failure: when the lost ranks fell silent
+                failed_at = lost.detected_at - lost.seconds
+                phases_before = {"detection": lost.seconds, "tear-down": ended - lost.detected_at}
+            else:
+                failed_at, phases_before = ended, {}
 
-    def _report_recovery(self, path, failed_at, last_step, final=False) -> bool:
-        """Print what the restart cost once its first step is done (or, ``final``, as far as it got)."""
+    def _heard_lost(self):
+        """The heartbeats: a :class:`Lost` (and the job torn down) when ranks heard before fell silent."""
+        if self.listener is None:
+            return None
+        self.listener.poll()
+        silent = self.listener.silent(self.detect_s)
+        if not silent:
+            return None
+        by_node = {}
+        for rank, (_, node) in self.listener.heard.items():
+            by_node.setdefault(node, []).append(rank)
+        lost = Lost(silent, by_node)
+        lost.detected_at = time.time()
+        self.say(f"{lost.describe()}: ending the job")
+        self.backend.tear_down(self.proc, self.say)
+        return lost
+
+    def _report_recovery(self, path, failed_at, last_step, phases, started, final=False) -> bool:
+        """Print what the restart cost once its first step is done (or, ``final``, as far as it got),
+        phase by phase: ``phases`` holds those before the restart (detection and tear-down when the
+        heartbeats found the failure, the node probes), ``started`` is when the restart began."""
         marks = progress.read(path)
         start, ready, step = marks.get("start"), marks.get("ready"), marks.get("step")
         if step is None and not final:
             return False
-        parts = []
+        parts = [f"{name} {s:.1f} s" for name, s in (("detection", phases.get("detection")),
+                                                      ("tear-down", phases.get("tear-down")),
+                                                      ("node probes", phases.get("probes"))) if s is not None]
         if start is not None:
-            parts.append(f"start-up {start.time - failed_at:.1f} s")
+            parts.append(f"start-up {start.time - started:.1f} s")
         if start is not None and ready is not None:
             parts.append(f"checkpoint load and set-up {ready.time - start.time:.1f} s")
         if ready is not None and step is not None:
@@ -224,8 +301,9 @@ class Supervisor:
         resumed = f"resumed at step {ready.step}" if ready is not None else "never got ready"
         redone = (f", {max(0, last_step - ready.step)} step(s) redone" if ready is not None and last_step is not None
                   else "")
+        origin = "the failure" if "detection" in phases else "the failed job ended"
         if step is not None:
-            self.say(f"recovered: first new step {step.time - failed_at:.1f} s after the failed job ended "
+            self.say(f"recovered: first new step {step.time - failed_at:.1f} s after {origin} "
                      f"({', '.join(parts)}); {resumed}{redone}")
         else:
             self.say(f"the restarted job ended before its first step ({', '.join(parts) or 'no start-up'}); "

@@ -1,6 +1,7 @@
 """Where ``python -m hpctrain launch`` starts each run: mpirun, or srun inside a SLURM allocation.
 
-A back-end turns "start the job (again)" into a command line and says where it runs:
+A back-end turns "start the job (again)" into a command line and says where it runs, and ends
+a job the launcher's heartbeats found a node or rank of gone (``tear_down``):
 
   ``Mpirun(n, options)``  ``mpirun -n N [options] python -m hpctrain train ...``, every time.
   ``Srun(options)``       inside ``sbatch --no-kill`` (jobs/requeue.sbatch): the first run is
@@ -54,10 +55,44 @@ class Mpirun:
     def progress_dir(self) -> str | None:
         return None  # mpirun's rank 0 runs here (a temporary folder of this machine)
 
-    def start(self, restart: int, command: list[str], say) -> tuple[list[str], str]:
-        """(argv, "N rank(s) on WHERE") for one start of ``command`` (hpctrain's arguments)."""
+    probed = False  # no node probes: the same hosts every time
+
+    def start(self, restart: int, command: list[str], say, lost_nodes=()) -> tuple[list[str], str]:
+        """(argv, "N rank(s) on WHERE") for one start of ``command`` (hpctrain's arguments); the
+        same hosts after a failure, whatever was lost (mpirun's options name them)."""
         argv = [self.program, "-n", str(self.n), *self.options, sys.executable, "-m", "hpctrain", *command]
         return argv, f"{self.n} rank(s) on {hosts_of(self.options)}"
+
+    def tear_down(self, proc, say) -> None:
+        """End the job now: SIGKILL to mpirun and every process under it (a stopped rank too;
+        mpirun alone would wait for it). Ranks on other hosts end when mpirun's daemons lose it."""
+        kill_tree(proc.pid)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it, children first read from /proc."""
+    import signal
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    order, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        order.append(p)
+        todo += children.get(p, [])
+    for p in reversed(order):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def hosts_of(options: list[str]) -> str:
@@ -87,10 +122,13 @@ def tasks_per_node(env) -> int | None:
 class Srun:
     """Every start an srun step inside this allocation; after a failure, on the nodes that still work."""
 
+    probed = False  # whether the last start probed the nodes (restarts do)
+
     def __init__(self, options: list[str], env=None, srun: str = "srun", probe_s: float = PROBE_S):
         self.options, self.program, self.probe_s = options, srun, probe_s
         self.env = os.environ if env is None else env
         self.nodes: list[str] = []
+        self.cancelling: list = []  # scancel processes of torn-down steps, not waited for
 
     def problem(self) -> str | None:
         for tool in (self.program, "scontrol", "sinfo"):
@@ -114,7 +152,9 @@ class Srun:
         """Where the job's rank 0 can write: the submit folder (shared, as sbatch's output is)."""
         return self.env.get("SLURM_SUBMIT_DIR") or os.getcwd()
 
-    def start(self, restart: int, command: list[str], say) -> tuple[list[str], str]:
+    def start(self, restart: int, command: list[str], say, lost_nodes=()) -> tuple[list[str], str]:
+        """(argv, "N rank(s) on WHERE"); a restart runs on the nodes that still work, ``lost_nodes``
+        (the heartbeats' verdict) left out without a probe."""
         # a restart's geometry comes after the user's options: srun takes the last of a repeated
         # option, so an -n or -N in SRUN_ARGS cannot bring a lost node back
         head = [self.program, "--kill-on-bad-exit=1", *self.options]
@@ -122,9 +162,10 @@ class Srun:
         per_node = tasks_per_node(self.env)
         everywhere = f"{self.env.get('SLURM_NTASKS', per_node * len(self.nodes))} rank(s) on " \
                      f"{len(self.nodes)} node(s) {','.join(self.nodes)}"
+        self.probed = restart > 0
         if restart == 0:
             return head + tail, everywhere
-        good = self.usable_nodes(say)
+        good = self.usable_nodes(say, lost_nodes)
         if not good:
             raise NoNodes(f"none of the allocation's nodes ({','.join(self.nodes)}) can run a task any more")
         if good == self.nodes:
@@ -136,13 +177,17 @@ class Srun:
         # a lost node answers only when SLURM declares it down (SlurmdTimeout, minutes later)
         return head + ["--overlap", "-N", str(len(good)), "-n", str(n), "-w", ",".join(good)] + tail, where
 
-    def usable_nodes(self, say) -> list[str]:
-        """The allocation's nodes that SLURM calls usable and that run a one-task srun within probe_s."""
+    def usable_nodes(self, say, lost_nodes=()) -> list[str]:
+        """The allocation's nodes that SLURM calls usable and that run a one-task srun within probe_s,
+        but for ``lost_nodes``: their ranks stopped answering, and a dead node's probe would only
+        wait out probe_s (SLURM calls it usable until SlurmdTimeout)."""
         states = self.states()  # {} when sinfo does not answer: the probes alone decide
         candidates = []
         for node in self.nodes:
             state = states.get(node, "unknown")
-            if not states or state in USABLE_STATES:
+            if node in lost_nodes:
+                say(f"node {node} is not usable: its ranks stopped answering (no heartbeat)")
+            elif not states or state in USABLE_STATES:
                 candidates.append(node)
             else:
                 say(f"node {node} is not usable: SLURM state {state!r}")
@@ -169,6 +214,27 @@ class Srun:
                 last = (err.strip().splitlines() or ["no message"])[-1]
                 say(f"node {node} is not usable: a one-task srun failed ({last})")
         return good
+
+    def tear_down(self, proc, say) -> None:
+        """End the job's step now: ``scancel --signal=KILL`` of this allocation's running steps (the
+        batch script's own excepted), which reaches the ranks on every node that still answers,
+        then SIGKILL to the srun client, which would otherwise wait for the lost node's tasks
+        until SLURM declares it down. scancel is not waited for: with a node gone its answer can
+        take as long as slurmctld's message timeout (10 s measured), and the restart's own step runs
+        with --overlap beside whatever is left. (A probe step never runs at the same time.)"""
+        job = self.env.get("SLURM_JOB_ID", "")
+        try:
+            out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True,
+                                 timeout=5).stdout.split()
+            steps = [s for s in out if re.fullmatch(rf"{re.escape(job)}\.\d+", s)]
+            if steps:
+                self.cancelling.append(subprocess.Popen(["scancel", "--signal=KILL", *steps],
+                                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                        stderr=subprocess.DEVNULL))
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            say(f"could not list the job's steps ({exc}); ending srun alone")
+        proc.kill()
+        self.cancelling = [p for p in self.cancelling if p.poll() is None]  # reap the ones that ended
 
     def states(self) -> dict[str, str]:
         """{node: sinfo's short state} for the allocation's nodes ({} when sinfo fails)."""

@@ -27,8 +27,10 @@ class SlurmJob:
     array_job_id   SLURM_ARRAY_JOB_ID ("" outside an array)
     array_task_id  SLURM_ARRAY_TASK_ID ("" outside an array)
     name           SLURM_JOB_NAME
-    node_list      SLURM_JOB_NODELIST, compressed (``n[1-2]``)
-    n_nodes        SLURM_JOB_NUM_NODES
+    node_list      the nodes this process's srun step runs on (SLURM_STEP_NODELIST), else the
+                   allocation's (SLURM_JOB_NODELIST), compressed (``n[1-2]``): a restart on the
+                   nodes left after a node loss names those
+    n_nodes        their count (SLURM_STEP_NUM_NODES, else SLURM_JOB_NUM_NODES)
     node_name      SLURMD_NODENAME: the node this process runs on ("" outside a job step)
     restart_count  SLURM_RESTART_COUNT: requeues so far (absent before the first one, so 0)
     end_time       SLURM_JOB_END_TIME (epoch seconds; Slurm >= 23.02 sets it), else None
@@ -70,8 +72,10 @@ def current(env=None) -> SlurmJob | None:
                     array_job_id=env.get("SLURM_ARRAY_JOB_ID", ""),
                     array_task_id=env.get("SLURM_ARRAY_TASK_ID", ""),
                     name=env.get("SLURM_JOB_NAME", ""),
-                    node_list=env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""),
-                    n_nodes=_int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")),
+                    node_list=(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                               or env.get("SLURM_NODELIST", "")),
+                    n_nodes=_int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES")
+                                 or env.get("SLURM_NNODES")),
                     node_name=env.get("SLURMD_NODENAME", ""),
                     restart_count=_int(env.get("SLURM_RESTART_COUNT")),
                     end_time=float(end) if end else None)

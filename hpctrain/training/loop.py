@@ -117,6 +117,7 @@ class RunLoop:
                         self.progress.mark("step", state.step)
                         if ckpt.step_due(state.step) or (tc.steps == state.step and cfg.checkpoint.save_final):
                             self._save()
+                            self.metrics.sync()
                         continue
                     stats = self._step_and_judge()
                     if stats is None:  # rolled back
@@ -127,8 +128,9 @@ class RunLoop:
                     state.step += 1
                     self.progress.mark("step", state.step)
                     signalled = stats.signalled
-                    if signalled or stats.time_due or ckpt.step_due(state.step) or (tc.steps == state.step and
-                                                                                     cfg.checkpoint.save_final):
+                    saved = bool(signalled or stats.time_due or ckpt.step_due(state.step)
+                                 or tc.steps == state.step and cfg.checkpoint.save_final)
+                    if saved:
                         with self.timers("checkpoint"):
                             self._save()
                     split = self.timers.pop()
@@ -158,6 +160,8 @@ class RunLoop:
                                        **{f"t_{k}": v for k, v in split.items()},
                                        **op_split,
                                        **({f"val_{k}": v for k, v in scores.items()} if scores else {}))
+                    if saved:  # the records of the steps the checkpoint holds survive a crash
+                        self.metrics.sync()
                     if signalled and state.step < tc.steps:  # at the last step: finished, exit normally
                         stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
                         log.info(f"stopping at step {state.step}: {stopped_by}; checkpoint saved; exit code "

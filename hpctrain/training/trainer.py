@@ -31,6 +31,7 @@ from ..observe.log import Log, Metrics, Timers
 from ..optim import LRSchedule, make_optimizer, peak_lr
 from ..reliability.fail_together import agree
 from ..reliability.faults import Faults
+from ..reliability.heartbeat import Beacon
 from ..reliability.numeric_guard import NumericGuard
 from ..reliability.progress import Progress
 from ..reliability.signals import StopSignal
@@ -61,6 +62,8 @@ class Trainer:
         self.faults = Faults(world.rank)  # the tests' hooks, read from the environment once
         self.progress = Progress(world.is_root)  # for a supervising launcher (HPCTRAIN_LAUNCH_PROGRESS)
         self.progress.mark("start", 0)
+        self.beacon = Beacon(world.rank)  # heartbeats to a supervising launcher (HPCTRAIN_LAUNCH_BEACON)
+        self.beacon.start()
         self.watchdog.start()
         try:
             self._start_up(cfg, world)
@@ -128,7 +131,7 @@ class Trainer:
             self.checkpoints = CheckpointManager(plan, self.log, hooks=self.faults)
         with self.watchdog.watch("checkpoint load", "resume", slack=10):
             self.checkpoints.resume(self.state)  # may restore parameters, optimizer state, step and RNG
-        self.metrics.begin(resumed=self.checkpoints.saved_path is not None)
+        self.metrics.begin(self.step if self.checkpoints.saved_path is not None else None)
         self.progress.mark("ready", self.step)
 
     def _build(self):
@@ -238,7 +241,8 @@ class Trainer:
         return self.loop().run()
 
     def close(self) -> None:
-        """Close the data files (the run is over; the trainer is not used again)."""
+        """Close the data files and stop the heartbeats (the run is over; the trainer is not used again)."""
+        self.beacon.stop()
         self.data.close()
 
 

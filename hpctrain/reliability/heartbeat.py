@@ -1,0 +1,176 @@
+"""Heartbeats outside MPI: a supervising launcher hears every rank each second, and so notices a
+lost node in seconds, without waiting for a collective's timeout or for SLURM.
+
+Rank side (:class:`Beacon`): when ``python -m hpctrain launch`` started the job it sets
+``HPCTRAIN_LAUNCH_BEACON=HOST:PORT:START``; each rank then starts a small beacon process that
+sends one UDP datagram every :data:`PERIOD_S` (``rank node start``; ``node`` is SLURM's name for
+its node, else its host name; ``start`` the launch's start number, so a datagram from a job
+already given up on is ignored) for as long as its rank runs: it falls silent when the rank's
+process is stopped (SIGSTOP, a debugger) or gone, and with it when the node loses power or its
+network. A process of its own, not a thread: a rank holding the GIL for seconds (numba compiling
+its kernels) must not look lost. Stopping it (the run is over) sends a last ``... bye``, after
+which the listener no longer judges that rank, however long its process takes to end.
+
+Launcher side (:class:`Listener`): one UDP socket; :meth:`Listener.poll` drains what arrived and
+:meth:`Listener.silent` names the ranks heard before that have been silent for longer than the
+limit (``HPCTRAIN_DETECT_S``, default :data:`DETECT_S`). A rank never heard (still starting, or
+a job that fails at start-up) is not judged: the launcher's other means cover that time.
+UDP may drop a datagram; the limit spans many beats, so a few lost ones never add up to it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+ENV = "HPCTRAIN_LAUNCH_BEACON"
+PERIOD_S = 1.0     # a beat per rank per second: 100 bytes, nothing next to a training step
+DETECT_S = 10.0    # silence that makes a rank lost: ten beats missed
+
+# The beacon process: beats while its rank (argv[4]) runs and is not stopped; on SIGTERM it says
+# bye three times (UDP may drop one) and ends. Standard library only: it starts in milliseconds.
+BEACON = r"""
+import os, signal, socket, sys, time
+host, port, payload, rank_pid, period = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), int(sys.argv[4]), float(sys.argv[5])
+where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+sock = socket.socket(where[0], where[1], where[2])
+def bye(signum, frame):
+    for _ in range(3):
+        try:
+            sock.sendto(payload + b" bye", where[4])
+        except OSError:
+            pass
+    os._exit(0)
+signal.signal(signal.SIGTERM, bye)
+def state():
+    try:
+        with open(f"/proc/{rank_pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+while True:
+    s = state()
+    if s in ("gone", "Z", "X") or os.getppid() != rank_pid:
+        os._exit(0)                  # the rank died: fall silent for good
+    if s not in ("T", "t"):          # stopped: silent until it runs again
+        try:
+            sock.sendto(payload, where[4])
+        except OSError:
+            pass
+    time.sleep(period)
+"""
+
+
+class Beacon:
+    """This rank's heartbeat to the launcher (nothing without ``HPCTRAIN_LAUNCH_BEACON``)."""
+
+    def __init__(self, rank: int, env=None, period_s: float = PERIOD_S):
+        env = os.environ if env is None else env
+        self.rank, self.period_s = rank, period_s
+        self._target = _parse(env.get(ENV, ""))
+        self._proc = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._target is not None
+
+    def start(self) -> None:
+        if self._target is None or self._proc is not None:
+            return
+        host, port, start = self._target
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-S", "-c", BEACON, host, str(port), f"{self.rank} {node} {start}", str(os.getpid()),
+                 str(self.period_s)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, close_fds=True)
+        except OSError:
+            self._proc = None  # no beacon: the launcher falls back on its other means for this rank
+
+    def stop(self, bye: bool = True) -> None:
+        """Stop beating; ``bye``: tell the launcher this rank is done (False: fall silent, as a
+        dead rank does)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            proc.send_signal(signal.SIGTERM if bye else signal.SIGKILL)
+            proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+
+
+def _parse(text: str):
+    """``HOST:PORT:START`` -> (host, port, start), or None."""
+    host, _, rest = text.rpartition(":")
+    host, _, port = host.rpartition(":")
+    if not host or not port.isdigit() or not rest.isdigit():
+        return None
+    return host, int(port), int(rest)
+
+
+class Listener:
+    """The launcher's ear: who beat when, for the current start."""
+
+    def __init__(self, host: str | None = None):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("", 0))
+        self.sock.setblocking(False)
+        self.host = host or socket.gethostname()
+        self.start_number = 0
+        self.heard: dict[int, tuple[float, str]] = {}   # rank -> (last time, node)
+        self.done: set[int] = set()                      # ranks that said bye: no longer judged
+        self.largest_gap = 0.0                            # between two beats of a rank, this start
+
+    def env_value(self, start_number: int) -> str:
+        """``HPCTRAIN_LAUNCH_BEACON`` for the job's start ``start_number`` (forgets older beats)."""
+        self.start_number, self.heard, self.done, self.largest_gap = start_number, {}, set(), 0.0
+        return f"{self.host}:{self.sock.getsockname()[1]}:{start_number}"
+
+    def poll(self, now: float | None = None) -> None:
+        """Take in every datagram that arrived."""
+        now = time.monotonic() if now is None else now
+        while True:
+            try:
+                data = self.sock.recv(256)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            fields = data.decode(errors="replace").split()
+            if len(fields) in (3, 4) and fields[0].isdigit() and fields[2] == str(self.start_number):
+                rank = int(fields[0])
+                if len(fields) == 4 and fields[3] == "bye":
+                    self.done.add(rank)
+                    self.heard.pop(rank, None)
+                elif rank not in self.done:
+                    if rank in self.heard:
+                        self.largest_gap = max(self.largest_gap, now - self.heard[rank][0])
+                    self.heard[rank] = (now, fields[1])
+
+    def silent(self, limit_s: float, now: float | None = None) -> list[tuple[int, str, float]]:
+        """(rank, node, seconds) of each rank heard in this start but not for longer than ``limit_s``."""
+        now = time.monotonic() if now is None else now
+        return sorted((rank, node, now - t) for rank, (t, node) in self.heard.items() if now - t > limit_s)
+
+    def nodes(self) -> set[str]:
+        return {node for _, node in self.heard.values()}
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def detect_s(env=None) -> float:
+    """The silence that makes a rank lost: ``HPCTRAIN_DETECT_S`` (0 turns the detector off)."""
+    env = os.environ if env is None else env
+    text = env.get("HPCTRAIN_DETECT_S", "")
+    try:
+        return float(text) if text else DETECT_S
+    except ValueError:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"HPCTRAIN_DETECT_S={text!r}: expected a number of seconds (0: no heartbeats)") from None
