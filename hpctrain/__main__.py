@@ -175,14 +175,14 @@ def cmd_train(args) -> int:
         if job:
             print(slurm.describe(job), flush=True)
     trainer = Trainer(cfg, world, stop_signal=stop)
+    code = None  # unknown when the run raises
     try:
         result = trainer.run()
+        code = EXIT_CHECKPOINTED if result["stopped_by"] else 0 if result["targets_met"] else EXIT_TARGET_MISSED
     finally:
-        trainer.close()
+        trainer.close(code)
     stop.ignore_late()  # nothing left to stop: a late SIGUSR1/SIGTERM must not change the exit code
-    if result["stopped_by"]:
-        return EXIT_CHECKPOINTED
-    return 0 if result["targets_met"] else EXIT_TARGET_MISSED
+    return code
 
 
 def _ckpt(name, args) -> int:

@@ -102,6 +102,43 @@ def test_a_rank_that_says_bye_is_no_longer_judged():
         listener.close()
 
 
+def test_a_bye_carries_the_runs_exit_code_and_all_done_waits_for_the_grace():
+    """Two ranks end their runs (exit 3, a target missed): each bye carries the code, and the listener
+    calls the start all done only when every rank heard said bye and the grace since the latest has
+    passed; a bye without a code (the run raised) is kept as unknown."""
+    listener = heartbeat.Listener(host="127.0.0.1")
+    env = {heartbeat.ENV: listener.env_value(0)}
+    beacons = [heartbeat.Beacon(rank, env=env, period_s=0.05) for rank in (0, 1, 2)]
+    try:
+        for b in beacons:
+            b.start()
+        _wait_heard(listener, [0, 1, 2])
+        beacons[0].stop(code=3)
+        beacons[1].stop(code=3)
+        time.sleep(0.2)
+        listener.poll()
+        assert listener.done == {0, 1} and listener.codes == {0: 3, 1: 3}
+        assert not listener.all_done(0.0)          # rank 2 still runs
+        beacons[2].stop()
+        time.sleep(0.2)
+        listener.poll()
+        assert listener.codes == {0: 3, 1: 3, 2: None} and not listener.heard
+        assert listener.all_done(0.0, now=listener.last_bye + 0.5)
+        assert not listener.all_done(1.0, now=listener.last_bye + 0.5)
+    finally:
+        for b in beacons:
+            b.stop()
+        listener.close()
+
+
+def test_the_exit_grace_comes_from_the_environment():
+    assert heartbeat.exit_grace_s({}) == heartbeat.EXIT_GRACE_S
+    assert heartbeat.exit_grace_s({"HPCTRAIN_EXIT_GRACE_S": "2"}) == 2.0
+    for bad in ("later", "-1", "nan"):
+        with pytest.raises(ConfigError, match="HPCTRAIN_EXIT_GRACE_S"):
+            heartbeat.exit_grace_s({"HPCTRAIN_EXIT_GRACE_S": bad})
+
+
 def test_the_listener_keeps_the_largest_gap():
     listener = heartbeat.Listener(host="127.0.0.1")
     listener.env_value(0)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from mpi_jobs import alive, env, finish, rank_pid, wait_for
+from mpi_jobs import alive, env, finish, rank_pid, rank_pids, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -60,7 +60,9 @@ def test_kill_9_of_a_rank_restarts_and_ends_as_a_resume_from_the_same_checkpoint
     ckpt, steps, metrics = str(tmp_path / "ck"), 400, str(tmp_path / "metrics.jsonl")
     args = _train(small_data[0], ckpt, steps, "--set", "checkpoint.every_steps=20", "--set", "checkpoint.keep_last=0",
                   "--set", "checkpoint.save_final=true", "--set", f"train.metrics={metrics}")
-    proc = _launch(args)
+    # paced (the arithmetic unchanged): the 360 steps after the checkpoint of step 40 take seconds,
+    # not the 2 s the whole run takes unpaced, so the kill lands while the run trains
+    proc = _launch(args, HPCTRAIN_STEP_DELAY_S="0.01")
     try:
         wait_for(lambda: os.path.exists(os.path.join(ckpt, "ckpt-00000040.h5")), 120, "the checkpoint of step 40")
         os.kill(rank_pid(ckpt, 0), signal.SIGKILL)
@@ -147,7 +149,9 @@ def test_a_stopped_rank_is_heard_gone_in_seconds_and_the_job_restarts(small_data
     cause is the rank, not the node."""
     ckpt, steps = str(tmp_path / "ck"), 200
     args = _train(small_data[0], ckpt, steps, "--set", "checkpoint.every_steps=20", "--set", "checkpoint.keep_last=0")
-    proc = _launch(args, HPCTRAIN_DETECT_S="3")
+    # paced: the stop lands while the run trains (unpaced, 200 steps take about 1 s: a stop after
+    # the run said it was over is another case, the next test's)
+    proc = _launch(args, HPCTRAIN_DETECT_S="3", HPCTRAIN_STEP_DELAY_S="0.03")
     stopped = None
     try:
         wait_for(lambda: os.path.exists(os.path.join(ckpt, "ckpt-00000040.h5")), 120, "the checkpoint of step 40")
@@ -176,6 +180,26 @@ def test_a_stopped_rank_is_heard_gone_in_seconds_and_the_job_restarts(small_data
     assert total < 30.0 and int(m.group(4)) >= 40, out
     print(f"\nstopped rank: detection {detection:.1f} s, first new step {total:.1f} s after the failure "
           f"(the stop at {t_stop:.1f})")
+
+
+@pytest.mark.exclusive  # an exit grace of 2 s
+def test_a_rank_stuck_in_its_exit_is_ended_with_the_runs_exit_code(small_data, tmp_path):
+    """Rank 1 hangs after its run is over (its last heartbeat said so, with its exit code; rank 0
+    waits for it in MPI_Finalize): 2 s (HPCTRAIN_EXIT_GRACE_S) after the last rank said its run was
+    over the launcher ends the job, exits with the code the ranks said, not the tear-down's, and
+    restarts nothing; no rank is left behind."""
+    ckpt = str(tmp_path / "ck")
+    proc = _launch(_train(small_data[0], ckpt, 20), HPCTRAIN_FAULT="hang:exit:1", HPCTRAIN_EXIT_GRACE_S="2")
+    try:
+        code, out, err = finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, (out[-3000:], err[-3000:])
+    assert ("every rank's run was over (rank(s) 0, 1 said so; exit code 0) but the job had not ended 2 s later"
+            in out), out
+    assert "the job finished" in out and "failure" not in out and "restart" not in out, out
+    wait_for(lambda: rank_pids(ckpt) == [], 10, "every rank to be gone")
 
 
 @pytest.mark.exclusive  # a heartbeat limit of 3 s, on a node kept busy

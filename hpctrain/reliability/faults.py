@@ -6,7 +6,9 @@ per step and two method calls per checkpoint save.
 
 ``HPCTRAIN_FAULT=KIND:STEP[:RANK][,...]``: kinds, each acting on rank RANK (default 0) just
 before global step STEP's forward pass (STEP ``start``: at the start of the
-trainer's start-up, before its first collective; only raise, segv and hang):
+trainer's start-up, before its first collective; only raise, segv and hang; STEP
+``exit``: after the run, once its heartbeats said it is over, before MPI_Finalize;
+only hang: a rank stuck in its exit):
 
   nan    the rank's batch gets a NaN feature (poisoned input data; float inputs only)
   spike  the rank's batch is scaled by 1000 (finite, but the loss jumps; float inputs only)
@@ -43,21 +45,25 @@ from ..errors import ConfigError
 
 KINDS = ("nan", "spike", "raise", "segv", "hang")
 START_UP = -1  # the step number of "start"
+AT_EXIT = -2   # the step number of "exit"
 
 
 def parse(text: str) -> list[tuple[str, int, int]]:
     """``"nan:5:1,raise:9,hang:start:2"`` -> [("nan", 5, 1), ("raise", 9, 0), ("hang", -1, 2)] as
-    (kind, step, rank); step ``start`` is :data:`START_UP`."""
+    (kind, step, rank); step ``start`` is :data:`START_UP`, ``exit`` :data:`AT_EXIT`."""
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
         start = len(fields) > 1 and fields[1] == "start" and fields[0] in ("raise", "segv", "hang")
+        at_exit = len(fields) > 1 and fields[1] == "exit" and fields[0] == "hang"
+        named = start or at_exit
         if (len(fields) not in (2, 3) or fields[0] not in KINDS
-                or not all(f.isdigit() for f in fields[2 if start else 1:])):
+                or not all(f.isdigit() for f in fields[2 if named else 1:])):
             raise ConfigError(f"HPCTRAIN_FAULT={text!r}: expected KIND:STEP[:RANK] items with KIND one of "
-                              f"{', '.join(KINDS)} and STEP a number (or start, for raise, segv, hang), "
-                              f"e.g. nan:5:1")
-        faults.append((fields[0], START_UP if start else int(fields[1]), int(fields[2]) if len(fields) == 3 else 0))
+                              f"{', '.join(KINDS)} and STEP a number (or start, for raise, segv, hang; "
+                              f"exit, for hang), e.g. nan:5:1")
+        step = START_UP if start else AT_EXIT if at_exit else int(fields[1])
+        faults.append((fields[0], step, int(fields[2]) if len(fields) == 3 else 0))
     return faults
 
 
@@ -92,6 +98,10 @@ class Faults:
     def at_start_up(self) -> None:
         """Apply the ``start`` fault, if any (raise, segv or hang)."""
         self.before_step(START_UP, None)
+
+    def at_exit(self) -> None:
+        """Apply the ``exit`` fault, if any (hang)."""
+        self.before_step(AT_EXIT, None)
 
     def before_step(self, step: int, x: np.ndarray) -> np.ndarray:
         """Apply this step's fault, if any; returns the (possibly poisoned copy of the) batch."""

@@ -8,20 +8,24 @@ its node, else its host name; ``start`` the launch's start number, so a datagram
 already given up on is ignored) for as long as its rank runs: it falls silent when the rank's
 process is stopped (SIGSTOP, a debugger) or gone, and with it when the node loses power or its
 network. A process of its own, not a thread: a rank holding the GIL for seconds (numba compiling
-its kernels) must not look lost. Stopping it (the run is over) sends a last ``... bye``, after
-which the listener no longer judges that rank, however long its process takes to end.
+its kernels) must not look lost. Stopping it (the run is over) ends the beacon, and the rank
+sends a last ``... bye CODE`` itself (CODE: the exit code its run ends with), after which the
+listener no longer judges that rank for silence.
 
 Launcher side (:class:`Listener`): one UDP socket; :meth:`Listener.poll` drains what arrived and
 :meth:`Listener.silent` names the ranks heard before that have been silent for longer than the
 limit (``HPCTRAIN_DETECT_S``, default :data:`DETECT_S`). A rank never heard (still starting, or
 a job that fails at start-up) is not judged: the launcher's other means cover that time.
+:meth:`Listener.all_done` says when every rank heard has said bye longer ago than a grace
+(``HPCTRAIN_EXIT_GRACE_S``, default :data:`EXIT_GRACE_S`): a job still running then is stuck in
+its exit (a rank stopped or hung after its run, the others waiting in ``MPI_Finalize``), and the
+launcher ends it with the exit code its ranks said.
 UDP may drop a datagram; the limit spans many beats, so a few lost ones never add up to it.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,22 +34,15 @@ import time
 ENV = "HPCTRAIN_LAUNCH_BEACON"
 PERIOD_S = 1.0     # a beat per rank per second: 100 bytes, nothing next to a training step
 DETECT_S = 10.0    # silence that makes a rank lost: ten beats missed
+EXIT_GRACE_S = 60.0  # after every rank said bye, how long leaving MPI and Python may take
 
-# The beacon process: beats while its rank (argv[4]) runs and is not stopped; on SIGTERM it says
-# bye three times (UDP may drop one) and ends. Standard library only: it starts in milliseconds.
+# The beacon process: beats while its rank (argv[4]) runs and is not stopped, until the rank kills
+# it. Standard library only: it starts in milliseconds.
 BEACON = r"""
-import os, signal, socket, sys, time
+import os, socket, sys, time
 host, port, payload, rank_pid, period = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), int(sys.argv[4]), float(sys.argv[5])
 where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
 sock = socket.socket(where[0], where[1], where[2])
-def bye(signum, frame):
-    for _ in range(3):
-        try:
-            sock.sendto(payload + b" bye", where[4])
-        except OSError:
-            pass
-    os._exit(0)
-signal.signal(signal.SIGTERM, bye)
 def state():
     try:
         with open(f"/proc/{rank_pid}/stat") as fh:
@@ -73,6 +70,7 @@ class Beacon:
         self.rank, self.period_s = rank, period_s
         self._target = _parse(env.get(ENV, ""))
         self._proc = None
+        self._payload = ""
 
     @property
     def enabled(self) -> bool:
@@ -83,25 +81,37 @@ class Beacon:
             return
         host, port, start = self._target
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        self._payload = f"{self.rank} {node} {start}"
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-S", "-c", BEACON, host, str(port), f"{self.rank} {node} {start}", str(os.getpid()),
+                [sys.executable, "-S", "-c", BEACON, host, str(port), self._payload, str(os.getpid()),
                  str(self.period_s)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, close_fds=True)
         except OSError:
             self._proc = None  # no beacon: the launcher falls back on its other means for this rank
 
-    def stop(self, bye: bool = True) -> None:
-        """Stop beating; ``bye``: tell the launcher this rank is done (False: fall silent, as a
-        dead rank does)."""
+    def stop(self, bye: bool = True, code: int | None = None) -> None:
+        """Stop beating; ``bye``: tell the launcher this rank's run is over and, ``code``, the exit
+        code it ends with (None: not known, the run raised); False: fall silent, as a dead rank does."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
         try:
-            proc.send_signal(signal.SIGTERM if bye else signal.SIGKILL)
-            proc.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
             proc.kill()
+            proc.wait(timeout=5)  # gone before the bye: no beat of it arrives after
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        if not bye:
+            return
+        host, port, _ = self._target
+        message = f"{self._payload} bye {'-' if code is None else int(code)}".encode()
+        try:
+            where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(where[0], where[1], where[2]) as sock:
+                for _ in range(3):  # UDP may drop one
+                    sock.sendto(message, where[4])
+        except OSError:
+            pass  # unheard: the launcher takes the rank for silent, as it would a dead one
 
 
 def _parse(text: str):
@@ -124,11 +134,14 @@ class Listener:
         self.start_number = 0
         self.heard: dict[int, tuple[float, str]] = {}   # rank -> (last time, node)
         self.done: set[int] = set()                      # ranks that said bye: no longer judged
+        self.codes: dict[int, int | None] = {}            # the exit code each said (None: unknown)
+        self.last_bye = 0.0                               # when the latest bye came (monotonic)
         self.largest_gap = 0.0                            # between two beats of a rank, this start
 
     def env_value(self, start_number: int) -> str:
         """``HPCTRAIN_LAUNCH_BEACON`` for the job's start ``start_number`` (forgets older beats)."""
         self.start_number, self.heard, self.done, self.largest_gap = start_number, {}, set(), 0.0
+        self.codes, self.last_bye = {}, 0.0
         return f"{self.host}:{self.sock.getsockname()[1]}:{start_number}"
 
     def poll(self, now: float | None = None) -> None:
@@ -142,12 +155,15 @@ class Listener:
             except OSError:
                 return
             fields = data.decode(errors="replace").split()
-            if len(fields) in (3, 4) and fields[0].isdigit() and fields[2] == str(self.start_number):
+            if len(fields) in (3, 5) and fields[0].isdigit() and fields[2] == str(self.start_number):
                 rank = int(fields[0])
-                if len(fields) == 4 and fields[3] == "bye":
-                    self.done.add(rank)
+                if len(fields) == 5 and fields[3] == "bye":
+                    if rank not in self.done:
+                        self.done.add(rank)
+                        self.codes[rank] = int(fields[4]) if fields[4].lstrip("-").isdigit() else None
+                        self.last_bye = now
                     self.heard.pop(rank, None)
-                elif rank not in self.done:
+                elif len(fields) == 3 and rank not in self.done:
                     if rank in self.heard:
                         self.largest_gap = max(self.largest_gap, now - self.heard[rank][0])
                     self.heard[rank] = (now, fields[1])
@@ -156,6 +172,11 @@ class Listener:
         """(rank, node, seconds) of each rank heard in this start but not for longer than ``limit_s``."""
         now = time.monotonic() if now is None else now
         return sorted((rank, node, now - t) for rank, (t, node) in self.heard.items() if now - t > limit_s)
+
+    def all_done(self, grace_s: float, now: float | None = None) -> bool:
+        """Every rank heard in this start said bye, the latest more than ``grace_s`` ago."""
+        now = time.monotonic() if now is None else now
+        return bool(self.done) and not self.heard and now - self.last_bye > grace_s
 
     def nodes(self) -> set[str]:
         return {node for _, node in self.heard.values()}
@@ -166,11 +187,23 @@ class Listener:
 
 def detect_s(env=None) -> float:
     """The silence that makes a rank lost: ``HPCTRAIN_DETECT_S`` (0 turns the detector off)."""
+    return _seconds(env, "HPCTRAIN_DETECT_S", DETECT_S, "0: no heartbeats")
+
+
+def exit_grace_s(env=None) -> float:
+    """How long a job may take to end after every rank said bye: ``HPCTRAIN_EXIT_GRACE_S``."""
+    return _seconds(env, "HPCTRAIN_EXIT_GRACE_S", EXIT_GRACE_S, "after every rank's run is over")
+
+
+def _seconds(env, name: str, default: float, meaning: str) -> float:
     env = os.environ if env is None else env
-    text = env.get("HPCTRAIN_DETECT_S", "")
+    text = env.get(name, "")
     try:
-        return float(text) if text else DETECT_S
+        value = float(text) if text else default
     except ValueError:
+        value = -1.0
+    if not value >= 0:
         from ..errors import ConfigError
 
-        raise ConfigError(f"HPCTRAIN_DETECT_S={text!r}: expected a number of seconds (0: no heartbeats)") from None
+        raise ConfigError(f"{name}={text!r}: expected a number of seconds ({meaning})")
+    return value

@@ -31,7 +31,10 @@ off) the launcher ends the job itself (the back-end's ``tear_down``) instead of 
 collective's timeout (``dist.comm_timeout``) or for SLURM to declare the node down
 (``SlurmdTimeout``, 300 s by default). A node all of whose ranks fell silent is lost: a restart
 under srun leaves it out without probing it. Some ranks silent on a node whose others still beat
-(stopped, hung outside Python): the job restarts on every node.
+(stopped, hung outside Python): the job restarts on every node. A job whose ranks have all said
+their run is over (the heartbeats' last datagram carries the rank's exit code) but which has not
+ended ``HPCTRAIN_EXIT_GRACE_S`` seconds later (default 60: a rank stopped or hung in its exit, the
+others waiting for it in ``MPI_Finalize``) is ended the same way and exits with that code.
 
 Each restart is logged with its cause as observed (the heartbeats' silence, or the job's exit
 status), where it runs, and what it cost, phase by phase: detection and tear-down (heartbeats),
@@ -53,7 +56,7 @@ from . import heartbeat, progress
 from .launch_backends import Mpirun, NoNodes, Srun
 from ..errors import EXIT_CHECKPOINTED, EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_TARGET_MISSED, EXIT_USER_ERROR
 
-FINAL = {0: "finished", EXIT_CHECKPOINTED: "stopped after saving a checkpoint", EXIT_USER_ERROR: "a user error",
+FINAL = {0: "finished", EXIT_CHECKPOINTED: "stopped after saving a checkpoint", EXIT_USER_ERROR: "ended with a user error",
          EXIT_TARGET_MISSED: "finished with its target missed", EXIT_DIVERGED: "diverged"}
 POLL_S = 0.05  # how often the job's progress file is read while it runs
 
@@ -160,6 +163,7 @@ class Supervisor:
         self.proc = None
         self.stop = None  # the signal that asked the job to stop: no restart after it
         self.detect_s = heartbeat.detect_s() if detect_s is None else detect_s
+        self.exit_grace_s = heartbeat.exit_grace_s()
         self.listener = None
 
     def _forward(self, signum, frame):
@@ -212,7 +216,7 @@ class Supervisor:
             self.say(f"{'start' if not failures else f'restart {failures} of at most {self.max_failures}'}: "
                      f"{where}: {' '.join(cmd[:cmd.index(sys.executable)])} ... {' '.join(command)}")
             self.proc = subprocess.Popen(cmd, env=env)
-            reported, lost = failed_at is None, None
+            reported, lost, stuck = failed_at is None, None, None
             while True:
                 try:
                     rc = self.proc.wait(timeout=POLL_S)
@@ -222,9 +226,13 @@ class Supervisor:
                         reported = self._report_recovery(progress_path, failed_at, last, phases, started)
                     if lost is None and self.stop is None:
                         lost = self._heard_lost()
+                    if lost is None and stuck is None:
+                        stuck = self._stuck_in_exit()
                 except KeyboardInterrupt:  # Ctrl-C reached mpirun too (same process group): it ends the job
                     self.stop = "SIGINT"
             ended = time.time()
+            if stuck is not None:  # the run was over on every rank: its own code, not the tear-down's
+                rc = stuck
             marks = progress.read(progress_path)
             if self.listener is not None and lost is None:
                 self.listener.poll()
@@ -239,7 +247,7 @@ class Supervisor:
                 self.say(f"{self.stop} reached the job before it could save (still starting): nothing lost")
                 rc = EXIT_CHECKPOINTED
             if rc in FINAL or self.stop is not None:
-                what = FINAL.get(rc, describe_exit(rc))
+                what = FINAL.get(rc) or f"ended with {describe_exit(rc)}"
                 self.say(f"the job {what}" + (f" (after {failures} restart(s))" if failures else "")
                          + (f"; {self.stop} asked it to stop, so no restart" if self.stop and rc else ""))
                 return rc if rc >= 0 else 128 - rc
@@ -280,6 +288,21 @@ class Supervisor:
         self.say(f"{lost.describe()}: ending the job")
         self.backend.tear_down(self.proc, self.say)
         return lost
+
+    def _stuck_in_exit(self):
+        """The exit code every rank said when all said bye more than the exit grace ago and the job
+        still runs (and the job torn down); None otherwise. Ranks that said different codes, or none
+        (their run raised): 1, a failure."""
+        if self.listener is None or not self.listener.all_done(self.exit_grace_s):
+            return None
+        codes = set(self.listener.codes.values())
+        code = codes.pop() if len(codes) == 1 and None not in codes else 1
+        ranks = ", ".join(map(str, sorted(self.listener.done)))
+        self.say(f"every rank's run was over (rank(s) {ranks} said so; exit code {code}) but the job had not "
+                 f"ended {self.exit_grace_s:g} s later (a rank stuck in its exit, the others in MPI_Finalize): "
+                 f"ending it")
+        self.backend.tear_down(self.proc, self.say)
+        return code
 
     def _report_recovery(self, path, failed_at, last_step, phases, started, final=False) -> bool:
         """Print what the restart cost once its first step is done (or, ``final``, as far as it got),

@@ -240,10 +240,13 @@ class Trainer:
         """Train to ``train.steps`` (or a stop signal); collective. See :mod:`hpctrain.training.loop`."""
         return self.loop().run()
 
-    def close(self) -> None:
-        """Close the data files and stop the heartbeats (the run is over; the trainer is not used again)."""
-        self.beacon.stop()
+    def close(self, code: int | None = None) -> None:
+        """Close the data files and stop the heartbeats, telling a supervising launcher the exit code
+        the run ends with (None: unknown, the run raised). The run is over; the trainer is not used
+        again."""
+        self.beacon.stop(code=code)
         self.data.close()
+        self.faults.at_exit()
 
 
 def check_same_layout(layouts):
