@@ -119,7 +119,9 @@ def measure(case, model, data, args, tmp):
         time.sleep(0.05)
     pid = _rank_pid(ckpt, 1)
     if pid is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        reader.join(timeout=5)  # the job ended by itself (a bad argument, mpirun refusing root): its output
         raise SystemExit(f"recovery.py: {case} {model}: no checkpoint of step {args.kill_at} or no rank 1 "
                          f"(output:\n" + "\n".join(line for _, line in lines[-30:]) + ")")
     t_fail = time.time()
