@@ -11,8 +11,11 @@
 #      then the 2-rank CUDA tests under mpirun (they need pytest-mpi),
 #   2. the kernel benchmark (benchmarks/kernels.py: each kernel validated, then timed
 #      against the copy bandwidth and cuBLAS),
-#   3. MLP and GPT training on cuda at 1 and 2 ranks (2 ranks share the GPU),
-#   4. the GPT against PyTorch on the same GPU (benchmarks/scaling.py, weak scaling, 1 and 2 ranks),
+#   3. a GPT training step against PyTorch eager on the same GPU (benchmarks/gpu_step.py: the
+#      example GPT and GPT-2 small's shape, losses validated first; tokens/s, per-op split,
+#      launches per step, MFU),
+#   4. MLP and GPT training on cuda at 1 and 2 ranks (2 ranks share the GPU),
+#   5. the GPT against PyTorch DDP on the same GPU (benchmarks/scaling.py, weak scaling, 1 and 2 ranks),
 # then writes OUTDIR/gpu-check.md and OUTDIR/gpu-check.json (scripts/gpu_report.py).
 # Exit 0 when every step passed. About 5-8 minutes on one H100.
 # GPU_CHECK_SKIP="gpu-tests kernels" leaves steps out (to rerun the rest after a fix).
@@ -20,7 +23,8 @@
 # step's limit is cut to what is left, and a step with under 10 s left is recorded as 'budget'.
 # --simulate: every step's plumbing on the simulator with tiny sizes and a few steps, the
 # two test steps and the PyTorch comparison left out (the suite runs the CUDA tests on the
-# simulator anyway; the peer needs a GPU to mean anything): about a minute, no GPU.
+# simulator anyway; the peer needs a GPU to mean anything; gpu_step.py --simulate checks a tiny
+# GPT against its float64 CPU twin instead): a few minutes, no GPU.
 set -uo pipefail
 SIM=0
 if [ "${1:-}" = "--simulate" ]; then SIM=1; shift; fi
@@ -68,6 +72,7 @@ if [ $SIM = 1 ]; then
     GPU_CHECK_SKIP="${GPU_CHECK_SKIP:-} gpu-tests gpu-tests-mpi gpt-vs-torch"
     # no warm-up call: the simulator has no JIT to warm, and one call per row is the smoke test
     KERNELS_ARGS=(--small --repeats 1 --warmup 0)
+    GPU_STEP_ARGS=(--simulate)
     # 16 evaluation samples: the final evaluation is one forward (8 rows per rank at 2 ranks);
     # the simulator's softmax costs ~16 barriers per row, 128 rows took longer than training
     N_SYNTH=(512 16)
@@ -81,6 +86,7 @@ if [ $SIM = 1 ]; then
               --set model.n_head=2 --set model.context=8 --set train.eval_tokens=16)
 else
     KERNELS_ARGS=()
+    GPU_STEP_ARGS=()
     N_SYNTH=(65536 8192)
     MLP_SETS=()
     GPT_SETS=(--set train.steps=200 --set train.eval_tokens=65536)
@@ -119,6 +125,7 @@ else
         "${CUDA_TESTS_MPI[@]}"
 fi
 step kernels 180 "$PY" benchmarks/kernels.py "${KERNELS_ARGS[@]}" --json "$OUT/kernels.json"
+step gpu-step 240 "$PY" benchmarks/gpu_step.py "${GPU_STEP_ARGS[@]}" --json "$OUT/gpu_step.json"
 
 # the data: synthetic tables, and the text corpus (the running Python's standard library);
 # simulated, random tokens: a 17-token /val, two windows of 8 + 1, one per rank at 2 ranks (the

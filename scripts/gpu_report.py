@@ -3,8 +3,9 @@
     python scripts/gpu_report.py OUTDIR
 
 Reads steps.tsv (name, exit status, seconds per step), env.txt, the gpu tests' JUnit XML,
-kernels.json (benchmarks/kernels.py), the training runs' metrics (runs/*.jsonl) and the
-GPT-vs-PyTorch benchmark's scaling.md. Exit 0 when every step passed, else 1.
+kernels.json (benchmarks/kernels.py), gpu_step.json and its log's tables (benchmarks/gpu_step.py),
+the training runs' metrics (runs/*.jsonl) and the GPT-vs-PyTorch DDP benchmark's scaling.md.
+Exit 0 when every step passed, else 1.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def run_summary(path):
 def main(out):
     doc = {"env": read(os.path.join(out, "env.txt")).strip().splitlines(), "steps": steps(out),
            "tests": tests(out), "kernels": json.loads(read(os.path.join(out, "kernels.json"), "null")),
-           "runs": {}}
+           "gpu_step": json.loads(read(os.path.join(out, "gpu_step.json"), "null")), "runs": {}}
     runs_dir = os.path.join(out, "runs")
     for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
         if name.endswith(".jsonl"):
@@ -98,6 +99,13 @@ def main(out):
     table = [x for x in kernels_log.splitlines() if x.startswith("|")]
     if table:
         md += ["", "## Kernels (benchmarks/kernels.py)", "", *table]
+    step_log = read(os.path.join(out, "logs", "gpu-step.log")).splitlines()
+    report = [x for x in step_log if x.startswith(("|", "GPT training step", "Per-op split", "Host cost"))]
+    if report:
+        md += ["", "## A GPT step against PyTorch eager (benchmarks/gpu_step.py)", ""]
+        for line in report:  # a blank line before each caption, as the benchmark prints them
+            md += ([""] if not line.startswith("|") and md[-1] != "" else []) + [line] + \
+                  ([""] if not line.startswith("|") else [])
     if doc["runs"]:
         md += ["", "## Training on cuda", "", "| run | steps | final loss | rate (after warm-up) |", "|---|---|---|---|"]
         for name, r in doc["runs"].items():

@@ -29,8 +29,8 @@ def test_gpu_check_dry_run_on_the_simulator(tmp_path):
     doc = json.loads((out / "gpu-check.json").read_text())
     assert doc["passed"] is True
     ran = {s["name"]: s["rc"] for s in doc["steps"]}
-    assert ran == {"gpu-tests": None, "gpu-tests-mpi": None, "kernels": None, "data": 0, "mlp-cuda-1": 0, "gpt-cuda-1": 0, "mlp-cuda-2": 0,
-                   "gpt-cuda-2": 0, "gpt-vs-torch": None}
+    assert ran == {"gpu-tests": None, "gpu-tests-mpi": None, "kernels": None, "gpu-step": 0, "data": 0, "mlp-cuda-1": 0,
+                   "gpt-cuda-1": 0, "mlp-cuda-2": 0, "gpt-cuda-2": 0, "gpt-vs-torch": None}
     assert doc["skipped"] == ["gpu-tests", "gpu-tests-mpi", "kernels", "gpt-vs-torch"]
     assert "numba CUDA simulator" in doc["env"][0]
     runs = doc["runs"]
@@ -38,6 +38,11 @@ def test_gpu_check_dry_run_on_the_simulator(tmp_path):
     assert runs["gpt-1"]["loss"] == pytest.approx(runs["gpt-2"]["loss"], rel=1e-6)   # 2 ranks = 1 rank
     assert runs["mlp-1"]["loss"] == pytest.approx(runs["mlp-2"]["loss"], rel=1e-6)
     assert "**PASSED** (skipped: gpu-tests, gpu-tests-mpi, kernels, gpt-vs-torch)" in report
+    # the GPT step benchmark: a tiny GPT on the simulator, validated against its float64 CPU twin
+    (row,) = doc["gpu_step"]["rows"]
+    assert row["shape"] == "tiny" and row["valid"] is True and row["validated_against"] == "hpctrain float64 CPU"
+    assert row["launches_per_step"] > 0 and row["ops_ms"]["gemm"] > 0 and row["graphs"] == "eager"
+    assert "## A GPT step against PyTorch eager (benchmarks/gpu_step.py)" in report and "| tiny | 16 | yes" in report
 
 
 def test_a_step_the_budget_cannot_start_fails_the_check(tmp_path):
@@ -51,7 +56,7 @@ def test_a_step_the_budget_cannot_start_fails_the_check(tmp_path):
     doc = json.loads((out / "gpu-check.json").read_text())
     assert doc["passed"] is False
     budget = [s["name"] for s in doc["steps"] if s.get("budget")]
-    assert budget == ["kernels", "data", "mlp-cuda-1", "gpt-cuda-1", "mlp-cuda-2", "gpt-cuda-2"]
+    assert budget == ["kernels", "gpu-step", "data", "mlp-cuda-1", "gpt-cuda-1", "mlp-cuda-2", "gpt-cuda-2"]
     report = (out / "gpu-check.md").read_text()
     assert "**FAILED**" in report and "| data | out of budget |" in report
 
@@ -64,7 +69,7 @@ def test_a_real_check_without_pytest_mpi_fails_and_says_why(tmp_path):
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     (shadow / "pytest_mpi.py").write_text("raise ImportError('hidden by the test')\n")
-    others = "gpu-tests kernels data mlp-cuda-1 gpt-cuda-1 mlp-cuda-2 gpt-cuda-2 gpt-vs-torch"
+    others = "gpu-tests kernels gpu-step data mlp-cuda-1 gpt-cuda-1 mlp-cuda-2 gpt-cuda-2 gpt-vs-torch"
     steps = {}
     for name, skip in (("missing", others), ("left-out", others + " gpu-tests-mpi")):
         out = tmp_path / name
