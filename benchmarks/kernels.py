@@ -172,6 +172,12 @@ def validate(dev, small, rng, step_dev=None):
     CPU_OPS.softmax_xent_backward(f64(host(Pg)), labels, 1.0 / Bs, dl)
     ops.softmax_xent_backward(Pg, Lg, 1.0 / Bs, DLg)  # probs * scale (- scale): two roundings at most
     ok["softmax_xent_backward"] = check("softmax_xent_backward", host(DLg), dl, 4 * u * (np.abs(dl) + 1.0 / Bs))
+    # training's fused op, over the logits in place: the device's forward then backward, bit for bit
+    Xg = up(logits)
+    fused_loss, fused_correct = ops.softmax_xent_fused(Xg, Lg, 1.0 / Bs, Xg)
+    ok["softmax_xent_fused"] = all([check("softmax_xent_fused dlogits", host(Xg), host(DLg), 0.0),
+                                    check("softmax_xent_fused loss_sum", fused_loss, got_loss, 0.0),
+                                    check("softmax_xent_fused correct", fused_correct, got_correct, 0)])
     n = 600 if small else 100_003
     p, g, m, v = rnd(n), rnd(n), rnd(n), (0.5 + rng.random(n)).astype(dt)  # v > 0: sqrt(v) well conditioned
     pr, vr, Pg, Vg = f64(p), f64(m), up(p), up(m)
@@ -253,7 +259,11 @@ def cases(dev, small, rng, cp, step_dev=None):
              ("softmax_xent_forward +2-scalar D2H", f"{B}x{C}", "GB/s", xent_bytes,  # the op as layers call it
               lambda: ops.softmax_xent_forward(logits, labels, probs), None, None),
              ("softmax_xent_backward", f"{B}x{C}", "GB/s", xent_bytes,
-              lambda: ops.softmax_xent_backward(probs, labels, 1.0 / B, dlogits), None, BW_TARGET)]
+              lambda: ops.softmax_xent_backward(probs, labels, 1.0 / B, dlogits), None, BW_TARGET),
+             # training's op: forward and backward in one kernel, the gradient written over the logits
+             # (it reads each row three times; its GB/s counts one read and one write, as the rows above)
+             ("softmax_xent_fused +2-scalar D2H", f"{B}x{C}", "GB/s", xent_bytes,
+              lambda: ops.softmax_xent_fused(dlogits, labels, 1.0 / B, dlogits), None, None)]
     P = 32 if small else 100_000_000
     p, g, m = arr(P), arr(P), arr(P)
     v = dev.from_host(rng.random(P, dtype=dev.dtype))  # >= 0, as an Adam second moment is

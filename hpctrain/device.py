@@ -34,7 +34,7 @@ CPU_OPS = SimpleNamespace(
     tied_head_forward=linear.tied_head_forward, tied_head_backward=linear.tied_head_backward,
     bias_act_forward=bias_act.bias_act_forward, bias_act_backward=bias_act.bias_act_backward,
     softmax_xent_forward=softmax_xent.softmax_xent_forward,
-    softmax_xent_backward=softmax_xent.softmax_xent_backward,
+    softmax_xent_backward=softmax_xent.softmax_xent_backward, softmax_xent_fused=softmax_xent.softmax_xent_fused,
     sgd_step=sgd.sgd_step, adamw_step=adamw.adamw_step, scale=scale.scale, all_finite=finite.all_finite,
     # the GPT's ops
     embedding_forward=embedding.embedding_forward, embedding_backward=embedding.embedding_backward,
@@ -113,6 +113,7 @@ class CudaDevice:
             bias_act_backward=p(bias_act_cuda.bias_act_backward_cuda, **s, scratch=self.scratch),
             softmax_xent_forward=p(softmax_xent.softmax_xent_forward_cuda, **s, scratch=self.scratch),
             softmax_xent_backward=p(softmax_xent.softmax_xent_backward_cuda, **s),
+            softmax_xent_fused=p(softmax_xent.softmax_xent_fused_cuda, **s, scratch=self.scratch),
             sgd_step=p(sgd.sgd_step_cuda, **s), adamw_step=p(adamw.adamw_step_cuda, **s),
             scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s),
             # the GPT's ops

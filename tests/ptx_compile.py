@@ -63,6 +63,8 @@ def kernels():
         yield f"softmax_xent rows {dt}", softmax_xent._softmax_xent_rows_kernel, (m, arr(int64, 1), m, f64, f64), False
         yield f"softmax_xent backward {dt}", softmax_xent._softmax_xent_backward_kernel, \
             (m, arr(int64, 1), dt, m), False
+        yield f"softmax_xent fused {dt}", softmax_xent.fused_rows_kernel(dt.name), \
+            (m, arr(int64, 1), dt, m, f64, f64), False
         yield f"sgd {dt}", sgd._sgd_step_kernel, (v, v, v, dt, dt, dt, boolean), False
         yield f"adamw {dt}", adamw._adamw_step_kernel, (v,) * 4 + (dt,) * 8 + (boolean,), False
         yield f"scale {dt}", scale._scale_kernel, (v, dt), False

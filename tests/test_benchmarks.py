@@ -27,7 +27,7 @@ def test_kernel_benchmark_validates_every_kernel_on_the_simulator(tmp_path):
     doc = json.loads(out.read_text())
     text = json.dumps(doc)
     for kernel in ("gemm_nn", "gemm_tn", "gemm_nt", "bias_act_forward", "bias_act_backward",
-                   "softmax_xent_forward", "softmax_xent_backward", "sgd_step", "adamw_step", "scale",
+                   "softmax_xent_forward", "softmax_xent_backward", "softmax_xent_fused", "sgd_step", "adamw_step", "scale",
                    "layernorm_forward", "layernorm_backward", "attention_forward", "attention_backward", "gpt_step"):
         assert kernel in text, kernel
     assert all(doc["validation"].values()), doc["validation"]

@@ -210,6 +210,35 @@ def test_softmax_xent_matches_twin(dev64, shape):
     np.testing.assert_allclose(dev64.to_host(D), d, **TIGHT)
 
 
+@pytest.mark.parametrize("shape", XENT_SHAPES)
+@pytest.mark.parametrize("which", ["dev32", "dev64"])
+def test_softmax_xent_fused_on_device_is_forward_then_backward_bit_for_bit(request, which, shape):
+    """Training's fused op on the device: the loss, the count and the gradient of the device's
+    forward then backward, bit for bit, into a separate buffer and over the logits themselves;
+    within rounding of the CPU twin's fused op."""
+    dev = request.getfixturevalue(which)
+    B, C = shape
+    r = rng_for(6, *shape)
+    logits = (3 * r.standard_normal((B, C))).astype(dev.dtype)
+    labels = r.integers(0, C, size=B).astype(np.int64)
+    scale = 1.0 / B
+    X, L, P, D = up(dev, logits), up(dev, labels), dev.empty((B, C)), dev.empty((B, C))
+    loss_sum, correct = dev.ops.softmax_xent_forward(X, L, P)
+    dev.ops.softmax_xent_backward(P, L, scale, D)
+    want = dev.to_host(D)
+    apart = up(dev, np.full((B, C), np.nan, dev.dtype))
+    assert dev.ops.softmax_xent_fused(X, L, scale, apart) == (loss_sum, correct)
+    assert dev.to_host(apart).tobytes() == want.tobytes()
+    assert dev.ops.softmax_xent_fused(X, L, scale, X) == (loss_sum, correct)
+    assert dev.to_host(X).tobytes() == want.tobytes()
+    twin = logits.copy()
+    ref = softmax_xent.softmax_xent_fused(twin, labels, scale, twin)
+    assert ref[1] == correct
+    u = float(np.finfo(dev.dtype).eps)
+    np.testing.assert_allclose(loss_sum, ref[0], rtol=8 * (B + C) * u)
+    np.testing.assert_allclose(want, twin, rtol=16 * u, atol=16 * u * scale)
+
+
 def test_softmax_xent_rows_of_nan_or_minus_inf_stay_in_bounds(dev64):
     # diverged training: no element beats -inf, so the argmax must fall back to
     # class 0 (as the twin) instead of reading past the row

@@ -15,7 +15,7 @@ import pytest
 from hpctrain.device import CpuDevice
 from hpctrain.kernels.bias_act import bias_act_backward, bias_act_forward
 from hpctrain.kernels.linear import linear_backward, linear_forward
-from hpctrain.kernels.softmax_xent import softmax_xent_backward, softmax_xent_forward
+from hpctrain.kernels.softmax_xent import softmax_xent_backward, softmax_xent_forward, softmax_xent_fused
 from hpctrain.models.mlp import MLP
 from gelu_float32 import assert_gelu_float32
 
@@ -280,6 +280,24 @@ def xent_data(shape, dtype=np.float64, scale=3.0):
     B, C = shape
     r = rng_for(14, *shape)
     return (scale * r.standard_normal((B, C))).astype(dtype), r.integers(0, C, size=B).astype(np.int64)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", XENT_SHAPES + [(9, 300)])
+def test_softmax_xent_fused_is_forward_then_backward_bit_for_bit(shape, dtype):
+    """The fused op (training's) gives the loss, the count and the gradient of forward then
+    backward, bit for bit, into a separate buffer and over the logits themselves."""
+    logits, labels = xent_data(shape, dtype)
+    scale = 0.37
+    probs, want = np.full(shape, np.nan, dtype), np.full(shape, np.nan, dtype)
+    loss_sum, correct = softmax_xent_forward(logits, labels, probs)
+    softmax_xent_backward(probs, labels, scale, want)
+    apart = np.full(shape, np.nan, dtype)
+    assert softmax_xent_fused(logits, labels, scale, apart) == (loss_sum, correct)
+    assert apart.tobytes() == want.tobytes()
+    inplace = logits.copy()
+    assert softmax_xent_fused(inplace, labels, scale, inplace) == (loss_sum, correct)
+    assert inplace.tobytes() == want.tobytes()
 
 
 @pytest.mark.parametrize("shape", XENT_SHAPES)

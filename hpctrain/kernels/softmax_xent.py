@@ -9,12 +9,18 @@ Each row's sum of exponentials accumulates in float64 (C terms; float32 would
 lose log2(C) bits) and normalises in float64, each probability rounded once on
 store; exp and the backward's scaling run in the logits' dtype (float32 stays
 float32: the backward's scale is passed in that dtype).
+
+Training uses the fused op (:func:`softmax_xent_fused`, llm.c's "fused classifier"): the
+forward also writes ``dlogits = scale * (softmax - onehot)``, over the logits themselves when
+given them, so no probabilities are kept and backward has nothing left to do. It computes
+each value by the same steps, rounded the same way, as forward then backward: the same bits,
+in one kernel and one buffer instead of two of each.
 """
 
 import math
 
 import numpy as np
-from numba import cuda, float64, int64, njit
+from numba import cuda, float32, float64, int64, njit
 
 from .cuda_support import THREADS, blocks_for
 
@@ -55,6 +61,45 @@ def _softmax_xent_backward(probs, labels, scale, dlogits):
         for c in range(C):
             dlogits[r, c] = probs[r, c] * scale
         dlogits[r, labels[r]] -= scale
+
+
+@njit(cache=True, nogil=True)
+def _softmax_xent_fused(logits, labels, scale, dlogits):
+    # dlogits may be logits: each row's max, sum and label logit are read before it is written,
+    # and each element is read just before its own slot is written
+    loss_sum = 0.0
+    correct = 0
+    B, C = logits.shape
+    for r in range(B):
+        best = 0
+        m = logits[r, 0]
+        for c in range(1, C):
+            if logits[r, c] > m:
+                m = logits[r, c]
+                best = c
+        s = 0.0
+        for c in range(C):
+            s += math.exp(logits[r, c] - m)
+        y = labels[r]
+        loss_sum += math.log(s) + m - logits[r, y]
+        if best == y:
+            correct += 1
+        inv = 1.0 / s
+        for c in range(C):
+            # three stores, each rounding to the dtype as forward's probs and backward's dlogits did
+            dlogits[r, c] = math.exp(logits[r, c] - m)
+            dlogits[r, c] = dlogits[r, c] * inv
+            dlogits[r, c] = dlogits[r, c] * scale
+        dlogits[r, y] -= scale
+    return loss_sum, correct
+
+
+def softmax_xent_fused(logits, labels, scale, dlogits):
+    """dlogits <- scale * (softmax(logits) - onehot(labels)), ``dlogits`` may be ``logits``;
+    returns (loss_sum, correct) as :func:`softmax_xent_forward`. The same bits as forward then
+    backward with that scale."""
+    loss_sum, correct = _softmax_xent_fused(logits, labels, logits.dtype.type(scale), dlogits)
+    return float(loss_sum), int(correct)
 
 
 def softmax_xent_forward(logits, labels, probs):
@@ -135,6 +180,80 @@ def _softmax_xent_rows_kernel(logits, labels, probs, row_loss, row_correct):
         r += cuda.gridDim.x
 
 
+_FUSED = {}
+
+
+def fused_rows_kernel(dtype: str):
+    """The fused forward + backward per row for ``dtype`` (float32 or float64): the rows kernel's
+    max and float64 sum, then each dlogit by the same roundings as forward's stored probability
+    and backward's product. ``dlogits`` may be ``logits``."""
+    if dtype in _FUSED:
+        return _FUSED[dtype]
+    cast = float32 if dtype == "float32" else float64
+
+    @cuda.jit
+    def kernel(logits, labels, scale, dlogits, row_loss, row_correct):
+        B, C = logits.shape
+        t = cuda.threadIdx.x
+        vmax = cuda.shared.array(ROW_THREADS, float64)
+        imax = cuda.shared.array(ROW_THREADS, int64)
+        vsum = cuda.shared.array(ROW_THREADS, float64)
+        r = cuda.blockIdx.x
+        while r < B:
+            best_v = -math.inf
+            best_i = C
+            c = t
+            while c < C:
+                v = logits[r, c]
+                if v > best_v:
+                    best_v, best_i = v, c
+                c += ROW_THREADS
+            vmax[t], imax[t] = best_v, best_i
+            cuda.syncthreads()
+            half = ROW_THREADS // 2
+            while half > 0:
+                if t < half:
+                    v, i = vmax[t + half], imax[t + half]
+                    if v > vmax[t] or (v == vmax[t] and i < imax[t]):
+                        vmax[t], imax[t] = v, i
+                cuda.syncthreads()
+                half //= 2
+            best = imax[0] if imax[0] < C else 0
+            m = logits[r, best]
+            s = 0.0
+            c = t
+            while c < C:
+                s += math.exp(logits[r, c] - m)
+                c += ROW_THREADS
+            vsum[t] = s
+            cuda.syncthreads()
+            half = ROW_THREADS // 2
+            while half > 0:
+                if t < half:
+                    vsum[t] += vsum[t + half]
+                cuda.syncthreads()
+                half //= 2
+            total = vsum[0]
+            inv = 1.0 / total
+            y = labels[r]
+            if t == 0:
+                row_loss[r] = math.log(total) + m - logits[r, y]
+                row_correct[r] = 1 if best == y else 0
+            cuda.syncthreads()  # the label's logit is read before any thread overwrites the row
+            c = t
+            while c < C:
+                p = cast(cast(math.exp(logits[r, c] - m)) * inv)   # forward's stored probability
+                d = p * scale                                       # backward's product
+                if c == y:
+                    d -= scale
+                dlogits[r, c] = d
+                c += ROW_THREADS
+            cuda.syncthreads()  # shared arrays are reused by the next row
+            r += cuda.gridDim.x
+    _FUSED[dtype] = kernel
+    return kernel
+
+
 @cuda.jit
 def _sum_rows_kernel(row_loss, row_correct, out):
     # one block: each thread sums a strided share, then a fixed-order tree
@@ -194,6 +313,22 @@ def softmax_xent_forward_cuda(logits, labels, probs, *, stream=0, scratch):
     totals = softmax_xent_totals_cuda(logits, labels, probs, stream=stream, scratch=scratch)
     host = totals.copy_to_host(stream=stream)
     stream_sync(stream)  # before reading: the copy is only ordered on the stream
+    return float(host[0]), int(host[1])
+
+
+def softmax_xent_fused_cuda(logits, labels, scale, dlogits, *, stream=0, scratch):
+    """As :func:`softmax_xent_fused` (``dlogits`` may be ``logits``); copies the two totals to the
+    host (a stream sync)."""
+    B, _ = logits.shape
+    row_loss = scratch("xent_row_loss", (B,), np.float64)
+    row_correct = scratch("xent_row_correct", (B,), np.float64)
+    totals = scratch("xent_totals", (2,), np.float64)
+    kernel = fused_rows_kernel(np.dtype(logits.dtype).name)
+    kernel[blocks_for(B, 1), ROW_THREADS, stream](logits, labels, logits.dtype.type(scale), dlogits, row_loss,
+                                                 row_correct)
+    _sum_rows_kernel[1, THREADS, stream](row_loss, row_correct, totals)
+    host = totals.copy_to_host(stream=stream)
+    stream_sync(stream)
     return float(host[0]), int(host[1])
 
 

@@ -85,7 +85,11 @@ class Linear(Layer):
 
 
 class SoftmaxCrossEntropy(Layer):
-    """Mean cross-entropy over this rank's rows; forward returns (loss_sum, correct)."""
+    """Mean cross-entropy over this rank's rows; forward returns (loss_sum, correct).
+
+    Forward computes the gradient too (``softmax_xent_fused``) and writes it over the logits,
+    which nothing reads after the loss (the head's and the last Linear's backward read their
+    input and weights): no probabilities are kept, and backward returns that buffer."""
 
     def __init__(self, device):
         self.device = device
@@ -95,16 +99,14 @@ class SoftmaxCrossEntropy(Layer):
 
     @staticmethod
     def activation_shapes(n, classes) -> list:
-        """The probabilities forward keeps for backward: (n, classes)."""
-        return [(n, classes)]
+        """Nothing of its own: the gradient it keeps for backward is written over the logits."""
+        return []
 
     def forward(self, logits, labels):
-        self.labels = labels
-        self.probs = self._buffer("probs", logits.shape)
-        return self.device.ops.softmax_xent_forward(logits, labels, self.probs)
+        # 1/B: the mean over this rank's rows; the all-reduce averages over ranks
+        scale = 1.0 / logits.shape[0] if self.row_weight is None else self.row_weight
+        self.dlogits = logits
+        return self.device.ops.softmax_xent_fused(logits, labels, scale, logits)
 
     def backward(self):
-        dlogits = self._buffer("dlogits", self.probs.shape)
-        # 1/B: the mean over this rank's rows; the all-reduce averages over ranks
-        scale = 1.0 / self.probs.shape[0] if self.row_weight is None else self.row_weight
-        return self.device.ops.softmax_xent_backward(self.probs, self.labels, scale, dlogits)
+        return self.dlogits
