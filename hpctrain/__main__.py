@@ -175,10 +175,13 @@ def cmd_train(args) -> int:
         if job:
             print(slurm.describe(job), flush=True)
     trainer = Trainer(cfg, world, stop_signal=stop)
-    code = None  # unknown when the run raises
+    code = None  # the exit code the run ends with, told to a supervising launcher by trainer.close
     try:
         result = trainer.run()
         code = EXIT_CHECKPOINTED if result["stopped_by"] else 0 if result["targets_met"] else EXIT_TARGET_MISSED
+    except Exception as exc:  # the code main's error handling will exit with: a user error's, a crash's 1
+        code = getattr(exc, "exit_code", 1)
+        raise
     finally:
         trainer.close(code)
     stop.ignore_late()  # nothing left to stop: a late SIGUSR1/SIGTERM must not change the exit code

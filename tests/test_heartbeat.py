@@ -103,28 +103,31 @@ def test_a_rank_that_says_bye_is_no_longer_judged():
 
 
 def test_a_bye_carries_the_runs_exit_code_and_all_done_waits_for_the_grace():
-    """Two ranks end their runs (exit 3, a target missed): each bye carries the code, and the listener
-    calls the start all done only when every rank heard said bye and the grace since the latest has
-    passed; a bye without a code (the run raised) is kept as unknown."""
+    """Ranks end their runs (exit 3, a target missed): each bye carries the code. The start is all
+    done only when the latest bye is older than the grace and no rank has beaten for as long: a
+    rank still beating keeps it running; a rank silent without a bye (its bye dropped, or dead in
+    its exit) counts as done once silent for the grace. A bye without a code is kept as unknown."""
     listener = heartbeat.Listener(host="127.0.0.1")
     env = {heartbeat.ENV: listener.env_value(0)}
-    beacons = [heartbeat.Beacon(rank, env=env, period_s=0.05) for rank in (0, 1, 2)]
+    beacons = [heartbeat.Beacon(rank, env=env, period_s=0.05) for rank in (0, 1, 2, 3)]
     try:
         for b in beacons:
             b.start()
-        _wait_heard(listener, [0, 1, 2])
+        _wait_heard(listener, [0, 1, 2, 3])
         beacons[0].stop(code=3)
         beacons[1].stop(code=3)
-        time.sleep(0.2)
+        time.sleep(0.3)
         listener.poll()
         assert listener.done == {0, 1} and listener.codes == {0: 3, 1: 3}
-        assert not listener.all_done(0.0)          # rank 2 still runs
-        beacons[2].stop()
+        assert not listener.all_done(0.2)           # the byes are 0.3 s old, but ranks 2 and 3 still beat
+        beacons[2].stop(bye=False)                  # rank 2's bye lost: it falls silent
+        beacons[3].stop()                           # rank 3 raised: a bye without a code
         time.sleep(0.2)
         listener.poll()
-        assert listener.codes == {0: 3, 1: 3, 2: None} and not listener.heard
-        assert listener.all_done(0.0, now=listener.last_bye + 0.5)
-        assert not listener.all_done(1.0, now=listener.last_bye + 0.5)
+        assert listener.codes == {0: 3, 1: 3, 3: None} and set(listener.heard) == {2}
+        last_beat = listener.heard[2][0]
+        assert not listener.all_done(1.0, now=max(listener.last_bye, last_beat) + 0.5)
+        assert listener.all_done(1.0, now=max(listener.last_bye, last_beat) + 1.5)
     finally:
         for b in beacons:
             b.stop()
@@ -134,6 +137,7 @@ def test_a_bye_carries_the_runs_exit_code_and_all_done_waits_for_the_grace():
 def test_the_exit_grace_comes_from_the_environment():
     assert heartbeat.exit_grace_s({}) == heartbeat.EXIT_GRACE_S
     assert heartbeat.exit_grace_s({"HPCTRAIN_EXIT_GRACE_S": "2"}) == 2.0
+    assert heartbeat.exit_grace_s({"HPCTRAIN_EXIT_GRACE_S": "0"}) == 0.0   # never
     for bad in ("later", "-1", "nan"):
         with pytest.raises(ConfigError, match="HPCTRAIN_EXIT_GRACE_S"):
             heartbeat.exit_grace_s({"HPCTRAIN_EXIT_GRACE_S": bad})

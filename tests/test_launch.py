@@ -183,23 +183,44 @@ def test_a_stopped_rank_is_heard_gone_in_seconds_and_the_job_restarts(small_data
 
 
 @pytest.mark.exclusive  # an exit grace of 2 s
-def test_a_rank_stuck_in_its_exit_is_ended_with_the_runs_exit_code(small_data, tmp_path):
+@pytest.mark.parametrize("end", ["diverged", "stopped"])
+def test_a_rank_stuck_in_its_exit_is_ended_with_the_runs_exit_code(small_data, tmp_path, end):
     """Rank 1 hangs after its run is over (its last heartbeat said so, with its exit code; rank 0
     waits for it in MPI_Finalize): 2 s (HPCTRAIN_EXIT_GRACE_S) after the last rank said its run was
-    over the launcher ends the job, exits with the code the ranks said, not the tear-down's, and
-    restarts nothing; no rank is left behind."""
+    over the launcher ends the job and exits with the code the ranks said, not the tear-down's,
+    restarting nothing; no rank is left behind. Two ends: a run that raised on every rank (a NaN
+    at step 5 under guard.nonfinite = abort: exit 5), and a run that saved and stopped after
+    SIGTERM reached the launcher (exit 75; the launcher reads the heartbeats after a stop too)."""
     ckpt = str(tmp_path / "ck")
-    proc = _launch(_train(small_data[0], ckpt, 20), HPCTRAIN_FAULT="hang:exit:1", HPCTRAIN_EXIT_GRACE_S="2")
+    fault = "nan:5:0,hang:exit:1" if end == "diverged" else "hang:exit:1"
+    proc = _launch(_train(small_data[0], ckpt, 20 if end == "diverged" else 10**6, "--set", "checkpoint.every_steps=5"),
+                   HPCTRAIN_FAULT=fault, HPCTRAIN_EXIT_GRACE_S="2")
     try:
+        if end == "stopped":
+            wait_for(lambda: os.path.isdir(ckpt) and any(n.startswith("ckpt-") for n in os.listdir(ckpt)), 120,
+                     "the first checkpoint")
+            os.kill(proc.pid, signal.SIGTERM)
         code, out, err = finish(proc, 120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert code == 0, (out[-3000:], err[-3000:])
-    assert ("every rank's run was over (rank(s) 0, 1 said so; exit code 0) but the job had not ended 2 s later"
-            in out), out
-    assert "the job finished" in out and "failure" not in out and "restart" not in out, out
+    want = 5 if end == "diverged" else EXIT_CHECKPOINTED
+    assert code == want, (out[-3000:], err[-3000:])
+    assert (f"every rank's run was over (rank(s) 0, 1 said so; exit code {want}) but the job had not ended 2 s "
+            f"later" in out), out
+    assert "failure" not in out and "restart" not in out.replace("so no restart", ""), out
     wait_for(lambda: rank_pids(ckpt) == [], 10, "every rank to be gone")
+
+
+def test_a_rank_crashing_in_its_exit_after_its_run_ends_the_job_with_the_runs_code(small_data, tmp_path):
+    """Rank 1 crashes (SIGSEGV) after every rank said its run was over (exit 0): mpirun reports
+    the crash, but nothing is lost and nothing restarts: the launcher exits 0 and says why."""
+    proc = _launch(_train(small_data[0], str(tmp_path / "ck"), 20), HPCTRAIN_FAULT="segv:exit:1")
+    code, out, err = finish(proc, 120)
+    assert code == 0, (out[-3000:], err[-3000:])
+    assert re.search(r"the job ended with exit code 139 \(a rank killed by signal 11, SIGSEGV\) after every "
+                     r"rank's run was over \(exit code 0\): taking 0", out), out
+    assert "the job finished" in out and "failure" not in out and "restart" not in out, out
 
 
 @pytest.mark.exclusive  # a heartbeat limit of 3 s, on a node kept busy

@@ -8,7 +8,7 @@ per step and two method calls per checkpoint save.
 before global step STEP's forward pass (STEP ``start``: at the start of the
 trainer's start-up, before its first collective; only raise, segv and hang; STEP
 ``exit``: after the run, once its heartbeats said it is over, before MPI_Finalize;
-only hang: a rank stuck in its exit):
+only hang and segv: a rank stuck or crashing in its exit):
 
   nan    the rank's batch gets a NaN feature (poisoned input data; float inputs only)
   spike  the rank's batch is scaled by 1000 (finite, but the loss jumps; float inputs only)
@@ -55,13 +55,13 @@ def parse(text: str) -> list[tuple[str, int, int]]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         fields = item.split(":")
         start = len(fields) > 1 and fields[1] == "start" and fields[0] in ("raise", "segv", "hang")
-        at_exit = len(fields) > 1 and fields[1] == "exit" and fields[0] == "hang"
+        at_exit = len(fields) > 1 and fields[1] == "exit" and fields[0] in ("hang", "segv")
         named = start or at_exit
         if (len(fields) not in (2, 3) or fields[0] not in KINDS
                 or not all(f.isdigit() for f in fields[2 if named else 1:])):
             raise ConfigError(f"HPCTRAIN_FAULT={text!r}: expected KIND:STEP[:RANK] items with KIND one of "
                               f"{', '.join(KINDS)} and STEP a number (or start, for raise, segv, hang; "
-                              f"exit, for hang), e.g. nan:5:1")
+                              f"exit, for hang and segv), e.g. nan:5:1")
         step = START_UP if start else AT_EXIT if at_exit else int(fields[1])
         faults.append((fields[0], step, int(fields[2]) if len(fields) == 3 else 0))
     return faults
@@ -100,7 +100,10 @@ class Faults:
         self.before_step(START_UP, None)
 
     def at_exit(self) -> None:
-        """Apply the ``exit`` fault, if any (hang)."""
+        """Apply the ``exit`` fault, if any: hang, or segv a second later (by then every rank has
+        said its run is over, as when a rank crashes in MPI_Finalize)."""
+        if self.by_step.get(AT_EXIT) == "segv":
+            time.sleep(1.0)
         self.before_step(AT_EXIT, None)
 
     def before_step(self, step: int, x: np.ndarray) -> np.ndarray:

@@ -16,9 +16,11 @@ Launcher side (:class:`Listener`): one UDP socket; :meth:`Listener.poll` drains 
 :meth:`Listener.silent` names the ranks heard before that have been silent for longer than the
 limit (``HPCTRAIN_DETECT_S``, default :data:`DETECT_S`). A rank never heard (still starting, or
 a job that fails at start-up) is not judged: the launcher's other means cover that time.
-:meth:`Listener.all_done` says when every rank heard has said bye longer ago than a grace
-(``HPCTRAIN_EXIT_GRACE_S``, default :data:`EXIT_GRACE_S`): a job still running then is stuck in
-its exit (a rank stopped or hung after its run, the others waiting in ``MPI_Finalize``), and the
+Once a rank has said bye the run is ending, and silence no longer means lost: ranks then take
+their time in ``MPI_Finalize``, and a bye may be dropped. :meth:`Listener.all_done` says when
+the latest bye is older than a grace (``HPCTRAIN_EXIT_GRACE_S``, default :data:`EXIT_GRACE_S`;
+0: never) and no rank has beaten for that long: a job still running then is stuck in its exit
+(a rank stopped or hung after its run, the others waiting in ``MPI_Finalize``), and the
 launcher ends it with the exit code its ranks said.
 UDP may drop a datagram; the limit spans many beats, so a few lost ones never add up to it.
 """
@@ -108,7 +110,9 @@ class Beacon:
         try:
             where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
             with socket.socket(where[0], where[1], where[2]) as sock:
-                for _ in range(3):  # UDP may drop one
+                for i in range(3):  # UDP may drop one; spaced, as every rank says bye at once
+                    if i:
+                        time.sleep(0.01)
                     sock.sendto(message, where[4])
         except OSError:
             pass  # unheard: the launcher takes the rank for silent, as it would a dead one
@@ -128,6 +132,10 @@ class Listener:
 
     def __init__(self, host: str | None = None):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:  # every rank's bye arrives at once: room for thousands (the kernel may cap it lower)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        except OSError:
+            pass
         self.sock.bind(("", 0))
         self.sock.setblocking(False)
         self.host = host or socket.gethostname()
@@ -174,9 +182,11 @@ class Listener:
         return sorted((rank, node, now - t) for rank, (t, node) in self.heard.items() if now - t > limit_s)
 
     def all_done(self, grace_s: float, now: float | None = None) -> bool:
-        """Every rank heard in this start said bye, the latest more than ``grace_s`` ago."""
+        """Some rank said bye, the latest more than ``grace_s`` ago, and no rank has beaten for as
+        long (a rank heard but without a bye: its bye was dropped, or it died in its exit)."""
         now = time.monotonic() if now is None else now
-        return bool(self.done) and not self.heard and now - self.last_bye > grace_s
+        return (bool(self.done) and now - self.last_bye > grace_s
+                and all(now - t > grace_s for t, _ in self.heard.values()))
 
     def nodes(self) -> set[str]:
         return {node for _, node in self.heard.values()}
@@ -192,7 +202,7 @@ def detect_s(env=None) -> float:
 
 def exit_grace_s(env=None) -> float:
     """How long a job may take to end after every rank said bye: ``HPCTRAIN_EXIT_GRACE_S``."""
-    return _seconds(env, "HPCTRAIN_EXIT_GRACE_S", EXIT_GRACE_S, "after every rank's run is over")
+    return _seconds(env, "HPCTRAIN_EXIT_GRACE_S", EXIT_GRACE_S, "after the run is over; 0: wait forever")
 
 
 def _seconds(env, name: str, default: float, meaning: str) -> float:

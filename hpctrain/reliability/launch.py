@@ -33,8 +33,11 @@ collective's timeout (``dist.comm_timeout``) or for SLURM to declare the node do
 under srun leaves it out without probing it. Some ranks silent on a node whose others still beat
 (stopped, hung outside Python): the job restarts on every node. A job whose ranks have all said
 their run is over (the heartbeats' last datagram carries the rank's exit code) but which has not
-ended ``HPCTRAIN_EXIT_GRACE_S`` seconds later (default 60: a rank stopped or hung in its exit, the
-others waiting for it in ``MPI_Finalize``) is ended the same way and exits with that code.
+ended ``HPCTRAIN_EXIT_GRACE_S`` seconds later (default 60, 0 = never: a rank stopped or hung in its
+exit, the others waiting for it in ``MPI_Finalize``) is ended the same way and exits with that
+code. Once a rank has said so, silence is judged by that grace, not by ``HPCTRAIN_DETECT_S``; and
+a job that fails after every rank said its run was over (a crash in its exit) ends with the code
+they said, without a restart.
 
 Each restart is logged with its cause as observed (the heartbeats' silence, or the job's exit
 status), where it runs, and what it cost, phase by phase: detection and tear-down (heartbeats),
@@ -54,7 +57,8 @@ import time
 
 from . import heartbeat, progress
 from .launch_backends import Mpirun, NoNodes, Srun
-from ..errors import EXIT_CHECKPOINTED, EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_TARGET_MISSED, EXIT_USER_ERROR
+from ..errors import (EXIT_CHECKPOINTED, EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_TARGET_MISSED, EXIT_USER_ERROR,
+                      ConfigError)
 
 FINAL = {0: "finished", EXIT_CHECKPOINTED: "stopped after saving a checkpoint", EXIT_USER_ERROR: "ended with a user error",
          EXIT_TARGET_MISSED: "finished with its target missed", EXIT_DIVERGED: "diverged"}
@@ -233,6 +237,8 @@ class Supervisor:
             ended = time.time()
             if stuck is not None:  # the run was over on every rank: its own code, not the tear-down's
                 rc = stuck
+            elif rc not in FINAL:
+                rc = self._over_before(rc)
             marks = progress.read(progress_path)
             if self.listener is not None and lost is None:
                 self.listener.poll()
@@ -277,6 +283,8 @@ class Supervisor:
         if self.listener is None:
             return None
         self.listener.poll()
+        if self.listener.done:  # the run is ending: ranks may be quiet in MPI_Finalize (_stuck_in_exit)
+            return None
         silent = self.listener.silent(self.detect_s)
         if not silent:
             return None
@@ -289,18 +297,37 @@ class Supervisor:
         self.backend.tear_down(self.proc, self.say)
         return lost
 
+    def _over_before(self, rc: int) -> int:
+        """``rc``, or the code every rank said when each rank heard had said its run was over
+        before the job failed (a crash in MPI_Finalize or at interpreter exit: nothing is lost,
+        nothing to restart)."""
+        if self.listener is None:
+            return rc
+        self.listener.poll()
+        codes = set(self.listener.codes.values())
+        if not self.listener.done or self.listener.heard or len(codes) != 1 or None in codes:
+            return rc
+        code = codes.pop()
+        self.say(f"the job ended with {describe_exit(rc)} after every rank's run was over (exit code {code}): "
+                 f"taking {code}")
+        return code
+
     def _stuck_in_exit(self):
         """The exit code every rank said when all said bye more than the exit grace ago and the job
         still runs (and the job torn down); None otherwise. Ranks that said different codes, or none
         (their run raised): 1, a failure."""
-        if self.listener is None or not self.listener.all_done(self.exit_grace_s):
+        if self.listener is None or not self.exit_grace_s:
+            return None
+        self.listener.poll()  # here too: after a stop signal _heard_lost no longer reads the beats
+        if not self.listener.all_done(self.exit_grace_s):
             return None
         codes = set(self.listener.codes.values())
         code = codes.pop() if len(codes) == 1 and None not in codes else 1
         ranks = ", ".join(map(str, sorted(self.listener.done)))
-        self.say(f"every rank's run was over (rank(s) {ranks} said so; exit code {code}) but the job had not "
-                 f"ended {self.exit_grace_s:g} s later (a rank stuck in its exit, the others in MPI_Finalize): "
-                 f"ending it")
+        quiet = ", ".join(map(str, sorted(self.listener.heard)))
+        self.say(f"every rank's run was over (rank(s) {ranks} said so" + (f"; rank(s) {quiet} fell silent"
+                 if quiet else "") + f"; exit code {code}) but the job had not ended {self.exit_grace_s:g} s "
+                 f"later (a rank stuck in its exit, the others in MPI_Finalize): ending it")
         self.backend.tear_down(self.proc, self.say)
         return code
 
@@ -346,4 +373,8 @@ def cmd_launch(argv: list[str]) -> int:
         return usage_error(f"{exc}\nusage: python -m hpctrain launch -n N [--max-failures K] [mpirun options] "
                            f"-- train ARGS\n       python -m hpctrain launch --srun [--max-failures K] "
                            f"[srun options] -- train ARGS  (inside a SLURM allocation)")
-    return Supervisor(Srun(options) if srun else Mpirun(n, options), k, command).run()
+    try:
+        supervisor = Supervisor(Srun(options) if srun else Mpirun(n, options), k, command)
+    except ConfigError as exc:  # HPCTRAIN_DETECT_S or HPCTRAIN_EXIT_GRACE_S unreadable
+        return usage_error(str(exc))
+    return supervisor.run()
