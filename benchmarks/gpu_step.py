@@ -27,8 +27,8 @@ on matrices and embeddings only, hpctrain's rule), and:
 4. launches per step: hpctrain's launch calls (numba kernels and cuBLAS GEMM calls, counted in
    Python) over one step, and both sides' CUDA kernels over one step by PyTorch's profiler (which
    sees every kernel in the process; run after the shape's timing); the host's cost of one
-   launch, measured (a one-thread numba kernel, a one-element torch add, 500 launches each, no
-   sync between).
+   launch (benchmarks/launch_cost.py: through the op table, a configured kernel, the compiled
+   launch, a PyTorch op).
 5. MFU: the model's FLOPs per step (``GPT.flops_per_row``, nanoGPT's count) per second, over the
    float32 GEMM peak measured in this run (an 8192^3 cuBLAS SGEMM through CuPy, best of 3), with
    the card's datasheet dense FP32 peak beside it where the card is known.
@@ -51,6 +51,9 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks", "peers"))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import launch_cost  # noqa: E402  (benchmarks/launch_cost.py)
 
 # name: (n_layer, d_model, n_head, context, vocab, windows per step)
 SHAPES = {"example": (4, 128, 4, 128, 256, 32), "gpt2-small": (12, 768, 12, 1024, 50257, 8),
@@ -200,36 +203,7 @@ def torch_kernels(torch, fn) -> int | None:
     return n or None
 
 
-def launch_cost_us(dev, torch, n=500) -> dict:
-    """Host microseconds per launch: a one-thread numba kernel, and (with PyTorch) a one-element add."""
-    from numba import cuda
-
-    @cuda.jit
-    def one(a):
-        a[0] += 1.0
-
-    a = dev.zeros(1)
-    k = one[1, 1, dev.stream]
-    k(a)
-    dev.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        k(a)
-    out = {"numba_us": (time.perf_counter() - t0) / n * 1e6}
-    dev.synchronize()
-    if torch is not None:
-        t = torch.zeros(1, device="cuda")
-        t.add_(1.0)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            t.add_(1.0)
-        out["torch_us"] = (time.perf_counter() - t0) / n * 1e6
-        torch.cuda.synchronize()
-    return out
-
-
-def gemm_peak_flops(n=8192, repeats=3) -> float | None:
+def cublas_peak_flops(n=8192, repeats=3) -> float | None:
     """FLOP/s of an n^3 float32 SGEMM through CuPy's cuBLAS (best of ``repeats``); None without CuPy."""
     try:
         import cupy
@@ -365,8 +339,8 @@ def table(rows, env) -> str:
                     out.append(f"| {who} | " + " | ".join(f"{ops.get(f, 0.0):.2f}" for f in FAMILIES)
                                + f" | {ops['step']:.2f} |")
     cost = env.get("launch_cost_us") or {}
-    out += ["", "Host cost of one launch: numba " + (f"{cost['numba_us']:.1f} us" if "numba_us" in cost else "-")
-            + ", PyTorch " + (f"{cost['torch_us']:.1f} us" if "torch_us" in cost else "-")
+    out += ["", "Host cost of one launch (benchmarks/launch_cost.py): "
+            + ", ".join(f"{name} {us:.1f} us" for name, us in cost.items())
             + "; GEMM peak (cuBLAS SGEMM 8192^3, measured) "
             + (f"{env['peak_tflops']:.1f} TFLOP/s" if env.get("peak_tflops") else "-")
             + ", datasheet FP32 " + (f"{env['card_peak_tflops']:.0f} TFLOP/s" if env.get("card_peak_tflops") else "-")]
@@ -418,8 +392,8 @@ def main(argv=None) -> int:
     name = "numba CUDA simulator" if args.simulate else gpu_name(0)
     env = {"device": name, "host": platform.node(), "versions": versions, "gemm": dev.gemm,
            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "simulated": args.simulate, "validate_steps": args.validate,
-           "launch_cost_us": launch_cost_us(dev, torch, 20 if args.simulate else 500),
-           "peak_tflops": None if args.simulate else (gemm_peak_flops() or 0) / 1e12 or None,
+           "launch_cost_us": launch_cost.measure(dev, 2 if args.simulate else 3000),
+           "peak_tflops": None if args.simulate else (cublas_peak_flops() or 0) / 1e12 or None,
            "card_peak_tflops": card_peak_tflops(name)}
     rows = []
     for shape in shapes:

@@ -60,10 +60,11 @@ def kernels():
             yield f"bias_act forward {act} {dt}", fwd, (m, v, m), False
             yield f"bias_act backward {act} {dt}", bwd, (m, m, m, arr(float64, 2)), False
         f64 = arr(float64, 1)
-        yield f"softmax_xent rows {dt}", softmax_xent._softmax_xent_rows_kernel, (m, arr(int64, 1), m, f64, f64), False
+        yield f"softmax_xent rows {dt}", softmax_xent.rows_kernel(dt.name, False), \
+            (m, arr(int64, 1), dt, m, f64, f64), False
         yield f"softmax_xent backward {dt}", softmax_xent._softmax_xent_backward_kernel, \
             (m, arr(int64, 1), dt, m), False
-        yield f"softmax_xent fused {dt}", softmax_xent.fused_rows_kernel(dt.name), \
+        yield f"softmax_xent fused {dt}", softmax_xent.rows_kernel(dt.name, True), \
             (m, arr(int64, 1), dt, m, f64, f64), False
         yield f"sgd {dt}", sgd._sgd_step_kernel, (v, v, v, dt, dt, dt, boolean), False
         yield f"adamw {dt}", adamw._adamw_step_kernel, (v,) * 4 + (dt,) * 8 + (boolean,), False

@@ -27,7 +27,10 @@ from .cuda_support import THREADS, blocks_for
 
 # ---- CPU twin (numba) --------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _softmax_xent_forward(logits, labels, probs):
+def _softmax_xent_rows(logits, labels, scale, out, fused):
+    # fused=False: out <- softmax(logits) (forward's probs; scale unused);
+    # fused=True: out <- scale * (softmax - onehot), and out may be logits: each row's max, sum and
+    # label logit are read before it is written, each element just before its own slot is
     loss_sum = 0.0
     correct = 0
     B, C = logits.shape
@@ -42,15 +45,23 @@ def _softmax_xent_forward(logits, labels, probs):
         s = 0.0
         for c in range(C):
             e = math.exp(logits[r, c] - m)
-            probs[r, c] = e
+            if not fused:
+                out[r, c] = e
             s += e
-        inv = 1.0 / s
-        for c in range(C):
-            probs[r, c] *= inv
         y = labels[r]
         loss_sum += math.log(s) + m - logits[r, y]
         if best == y:
             correct += 1
+        inv = 1.0 / s
+        for c in range(C):
+            if fused:  # three stores, each rounding to the dtype as forward's probs and backward's product did
+                out[r, c] = math.exp(logits[r, c] - m)
+                out[r, c] = out[r, c] * inv
+                out[r, c] = out[r, c] * scale
+            else:
+                out[r, c] *= inv
+        if fused:
+            out[r, y] -= scale
     return loss_sum, correct
 
 
@@ -63,48 +74,17 @@ def _softmax_xent_backward(probs, labels, scale, dlogits):
         dlogits[r, labels[r]] -= scale
 
 
-@njit(cache=True, nogil=True)
-def _softmax_xent_fused(logits, labels, scale, dlogits):
-    # dlogits may be logits: each row's max, sum and label logit are read before it is written,
-    # and each element is read just before its own slot is written
-    loss_sum = 0.0
-    correct = 0
-    B, C = logits.shape
-    for r in range(B):
-        best = 0
-        m = logits[r, 0]
-        for c in range(1, C):
-            if logits[r, c] > m:
-                m = logits[r, c]
-                best = c
-        s = 0.0
-        for c in range(C):
-            s += math.exp(logits[r, c] - m)
-        y = labels[r]
-        loss_sum += math.log(s) + m - logits[r, y]
-        if best == y:
-            correct += 1
-        inv = 1.0 / s
-        for c in range(C):
-            # three stores, each rounding to the dtype as forward's probs and backward's dlogits did
-            dlogits[r, c] = math.exp(logits[r, c] - m)
-            dlogits[r, c] = dlogits[r, c] * inv
-            dlogits[r, c] = dlogits[r, c] * scale
-        dlogits[r, y] -= scale
-    return loss_sum, correct
-
-
 def softmax_xent_fused(logits, labels, scale, dlogits):
     """dlogits <- scale * (softmax(logits) - onehot(labels)), ``dlogits`` may be ``logits``;
     returns (loss_sum, correct) as :func:`softmax_xent_forward`. The same bits as forward then
     backward with that scale."""
-    loss_sum, correct = _softmax_xent_fused(logits, labels, logits.dtype.type(scale), dlogits)
+    loss_sum, correct = _softmax_xent_rows(logits, labels, logits.dtype.type(scale), dlogits, True)
     return float(loss_sum), int(correct)
 
 
 def softmax_xent_forward(logits, labels, probs):
     """probs <- softmax(logits); returns (loss_sum: float, correct: int) over the B rows."""
-    loss_sum, correct = _softmax_xent_forward(logits, labels, probs)
+    loss_sum, correct = _softmax_xent_rows(logits, labels, logits.dtype.type(1.0), probs, False)
     return float(loss_sum), int(correct)
 
 
@@ -118,81 +98,22 @@ def softmax_xent_backward(probs, labels, scale, dlogits):
 ROW_THREADS = 128  # one block per row; threads stride over the classes
 
 
-@cuda.jit
-def _softmax_xent_rows_kernel(logits, labels, probs, row_loss, row_correct):
-    B, C = logits.shape
-    t = cuda.threadIdx.x
-    vmax = cuda.shared.array(ROW_THREADS, float64)
-    imax = cuda.shared.array(ROW_THREADS, int64)
-    vsum = cuda.shared.array(ROW_THREADS, float64)
-    r = cuda.blockIdx.x
-    while r < B:
-        # row max and its first index (ties -> lowest class, like the twin)
-        best_v = -math.inf
-        best_i = C
-        c = t
-        while c < C:
-            v = logits[r, c]
-            if v > best_v:
-                best_v, best_i = v, c
-            c += ROW_THREADS
-        vmax[t], imax[t] = best_v, best_i
-        cuda.syncthreads()
-        half = ROW_THREADS // 2
-        while half > 0:
-            if t < half:
-                v, i = vmax[t + half], imax[t + half]
-                if v > vmax[t] or (v == vmax[t] and i < imax[t]):
-                    vmax[t], imax[t] = v, i
-            cuda.syncthreads()
-            half //= 2
-        # no element beat -inf (a row of NaN or -inf, i.e. diverged training):
-        # take class 0, as the twin does, instead of reading past the row
-        best = imax[0] if imax[0] < C else 0
-        m = logits[r, best]  # exact max in the input dtype
-        # exp(x - max) cannot overflow; the sum accumulates in float64
-        s = 0.0
-        c = t
-        while c < C:
-            e = math.exp(logits[r, c] - m)
-            probs[r, c] = e
-            s += e
-            c += ROW_THREADS
-        vsum[t] = s
-        cuda.syncthreads()
-        half = ROW_THREADS // 2
-        while half > 0:
-            if t < half:
-                vsum[t] += vsum[t + half]
-            cuda.syncthreads()
-            half //= 2
-        total = vsum[0]
-        inv = 1.0 / total
-        c = t
-        while c < C:
-            probs[r, c] *= inv
-            c += ROW_THREADS
-        if t == 0:
-            y = labels[r]
-            row_loss[r] = math.log(total) + m - logits[r, y]
-            row_correct[r] = 1 if best == y else 0
-        cuda.syncthreads()  # shared arrays are reused by the next row
-        r += cuda.gridDim.x
+_ROWS = {}
 
 
-_FUSED = {}
-
-
-def fused_rows_kernel(dtype: str):
-    """The fused forward + backward per row for ``dtype`` (float32 or float64): the rows kernel's
-    max and float64 sum, then each dlogit by the same roundings as forward's stored probability
-    and backward's product. ``dlogits`` may be ``logits``."""
-    if dtype in _FUSED:
-        return _FUSED[dtype]
+def rows_kernel(dtype: str, fused: bool):
+    """One block per row (grid-stride over rows) for ``dtype`` (float32 or float64): the row's max
+    with its first index, the sum of exps in float64, each row's loss and correct flag; then
+    ``fused=False``: ``out`` <- the probabilities (``scale`` unused); ``fused=True``: ``out`` <-
+    ``scale * (softmax - onehot)``, each value by the roundings of the stored probability and
+    backward's product, so the same bits; ``out`` may then be ``logits``."""
+    key = (dtype, fused)
+    if key in _ROWS:
+        return _ROWS[key]
     cast = float32 if dtype == "float32" else float64
 
     @cuda.jit
-    def kernel(logits, labels, scale, dlogits, row_loss, row_correct):
+    def kernel(logits, labels, scale, out, row_loss, row_correct):
         B, C = logits.shape
         t = cuda.threadIdx.x
         vmax = cuda.shared.array(ROW_THREADS, float64)
@@ -200,6 +121,7 @@ def fused_rows_kernel(dtype: str):
         vsum = cuda.shared.array(ROW_THREADS, float64)
         r = cuda.blockIdx.x
         while r < B:
+            # row max and its first index (ties -> lowest class, like the twin)
             best_v = -math.inf
             best_i = C
             c = t
@@ -218,12 +140,18 @@ def fused_rows_kernel(dtype: str):
                         vmax[t], imax[t] = v, i
                 cuda.syncthreads()
                 half //= 2
+            # no element beat -inf (a row of NaN or -inf, i.e. diverged training):
+            # take class 0, as the twin does, instead of reading past the row
             best = imax[0] if imax[0] < C else 0
-            m = logits[r, best]
+            m = logits[r, best]  # exact max in the input dtype
+            # exp(x - max) cannot overflow; the sum accumulates in float64
             s = 0.0
             c = t
             while c < C:
-                s += math.exp(logits[r, c] - m)
+                e = math.exp(logits[r, c] - m)
+                if not fused:
+                    out[r, c] = e
+                s += e
                 c += ROW_THREADS
             vsum[t] = s
             cuda.syncthreads()
@@ -242,15 +170,18 @@ def fused_rows_kernel(dtype: str):
             cuda.syncthreads()  # the label's logit is read before any thread overwrites the row
             c = t
             while c < C:
-                p = cast(cast(math.exp(logits[r, c] - m)) * inv)   # forward's stored probability
-                d = p * scale                                       # backward's product
-                if c == y:
-                    d -= scale
-                dlogits[r, c] = d
+                if fused:
+                    p = cast(cast(math.exp(logits[r, c] - m)) * inv)   # forward's stored probability
+                    d = p * scale                                       # backward's product
+                    if c == y:
+                        d -= scale
+                    out[r, c] = d
+                else:
+                    out[r, c] *= inv
                 c += ROW_THREADS
             cuda.syncthreads()  # shared arrays are reused by the next row
             r += cuda.gridDim.x
-    _FUSED[dtype] = kernel
+    _ROWS[key] = kernel
     return kernel
 
 
@@ -294,8 +225,9 @@ def _softmax_xent_backward_kernel(probs, labels, scale, dlogits):
 
 
 # ---- launchers ---------------------------------------------------------------------
-def softmax_xent_totals_cuda(logits, labels, probs, *, stream=0, scratch):
-    """probs <- softmax(logits); returns a float64 device array [loss_sum, correct].
+def softmax_xent_totals_cuda(logits, labels, probs, *, stream=0, scratch, scale=1.0, fused=False):
+    """probs <- softmax(logits) (``fused``: ``probs`` <- the gradient at ``scale``, see
+    :func:`rows_kernel`); returns a float64 device array [loss_sum, correct].
 
     Queued on ``stream``, nothing copied to the host (the benchmark times this).
     """
@@ -303,33 +235,29 @@ def softmax_xent_totals_cuda(logits, labels, probs, *, stream=0, scratch):
     row_loss = scratch("xent_row_loss", (B,), np.float64)
     row_correct = scratch("xent_row_correct", (B,), np.float64)
     totals = scratch("xent_totals", (2,), np.float64)
-    _softmax_xent_rows_kernel[blocks_for(B, 1), ROW_THREADS, stream](logits, labels, probs, row_loss, row_correct)
+    kernel = rows_kernel(np.dtype(logits.dtype).name, fused)
+    kernel[blocks_for(B, 1), ROW_THREADS, stream](logits, labels, logits.dtype.type(scale), probs, row_loss,
+                                                 row_correct)
     _sum_rows_kernel[1, THREADS, stream](row_loss, row_correct, totals)
     return totals
 
 
-def softmax_xent_forward_cuda(logits, labels, probs, *, stream=0, scratch):
-    """As :func:`softmax_xent_forward`; copies the two totals to the host (a stream sync)."""
-    totals = softmax_xent_totals_cuda(logits, labels, probs, stream=stream, scratch=scratch)
+def _to_host(totals, stream):
     host = totals.copy_to_host(stream=stream)
     stream_sync(stream)  # before reading: the copy is only ordered on the stream
     return float(host[0]), int(host[1])
 
 
+def softmax_xent_forward_cuda(logits, labels, probs, *, stream=0, scratch):
+    """As :func:`softmax_xent_forward`; copies the two totals to the host (a stream sync)."""
+    return _to_host(softmax_xent_totals_cuda(logits, labels, probs, stream=stream, scratch=scratch), stream)
+
+
 def softmax_xent_fused_cuda(logits, labels, scale, dlogits, *, stream=0, scratch):
     """As :func:`softmax_xent_fused` (``dlogits`` may be ``logits``); copies the two totals to the
     host (a stream sync)."""
-    B, _ = logits.shape
-    row_loss = scratch("xent_row_loss", (B,), np.float64)
-    row_correct = scratch("xent_row_correct", (B,), np.float64)
-    totals = scratch("xent_totals", (2,), np.float64)
-    kernel = fused_rows_kernel(np.dtype(logits.dtype).name)
-    kernel[blocks_for(B, 1), ROW_THREADS, stream](logits, labels, logits.dtype.type(scale), dlogits, row_loss,
-                                                 row_correct)
-    _sum_rows_kernel[1, THREADS, stream](row_loss, row_correct, totals)
-    host = totals.copy_to_host(stream=stream)
-    stream_sync(stream)
-    return float(host[0]), int(host[1])
+    return _to_host(softmax_xent_totals_cuda(logits, labels, dlogits, stream=stream, scratch=scratch, scale=scale,
+                                             fused=True), stream)
 
 
 def softmax_xent_backward_cuda(probs, labels, scale, dlogits, *, stream=0):

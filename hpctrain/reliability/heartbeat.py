@@ -181,6 +181,11 @@ class Listener:
         now = time.monotonic() if now is None else now
         return sorted((rank, node, now - t) for rank, (t, node) in self.heard.items() if now - t > limit_s)
 
+    def agreed_code(self) -> int | None:
+        """The exit code every rank that said bye said; None when they differ or one gave none."""
+        codes = set(self.codes.values())
+        return codes.pop() if len(codes) == 1 and None not in codes else None
+
     def all_done(self, grace_s: float, now: float | None = None) -> bool:
         """Some rank said bye, the latest more than ``grace_s`` ago, and no rank has beaten for as
         long (a rank heard but without a bye: its bye was dropped, or it died in its exit)."""

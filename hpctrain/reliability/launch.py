@@ -304,25 +304,24 @@ class Supervisor:
         if self.listener is None:
             return rc
         self.listener.poll()
-        codes = set(self.listener.codes.values())
-        if not self.listener.done or self.listener.heard or len(codes) != 1 or None in codes:
+        code = self.listener.agreed_code()
+        if not self.listener.done or self.listener.heard or code is None:
             return rc
-        code = codes.pop()
         self.say(f"the job ended with {describe_exit(rc)} after every rank's run was over (exit code {code}): "
                  f"taking {code}")
         return code
 
     def _stuck_in_exit(self):
         """The exit code every rank said when all said bye more than the exit grace ago and the job
-        still runs (and the job torn down); None otherwise. Ranks that said different codes, or none
-        (their run raised): 1, a failure."""
+        still runs (and the job torn down); None otherwise. Ranks that said different codes, or a bye
+        without one: 1, a failure."""
         if self.listener is None or not self.exit_grace_s:
             return None
         self.listener.poll()  # here too: after a stop signal _heard_lost no longer reads the beats
         if not self.listener.all_done(self.exit_grace_s):
             return None
-        codes = set(self.listener.codes.values())
-        code = codes.pop() if len(codes) == 1 and None not in codes else 1
+        code = self.listener.agreed_code()
+        code = 1 if code is None else code
         ranks = ", ".join(map(str, sorted(self.listener.done)))
         quiet = ", ".join(map(str, sorted(self.listener.heard)))
         self.say(f"every rank's run was over (rank(s) {ranks} said so" + (f"; rank(s) {quiet} fell silent"
