@@ -8,7 +8,7 @@ Cases (each once per model, on 2 ranks unless --ranks says otherwise):
   rank   SIGKILL of rank 1 under ``launch -n`` (mpirun): mpirun sees the rank die and ends the
          job; the launcher restarts it.
   stop   SIGSTOP of rank 1 under ``launch -n``: nothing ends the job (dist.comm_timeout is 300 s);
-         the launcher hears the rank's heartbeats stop (HPCTRAIN_DETECT_S, default 10 s), ends
+         the launcher hears the rank's heartbeats stop (HPCTRAIN_DETECT_S, default 5 s), ends
          the job itself and restarts it.
   node   a whole node crashes on the local SLURM cluster (scripts/slurm-cluster.sh: two nodes
          on this machine, SLURM's default timeouts; needs root and SLURM, as the tests do):

@@ -161,7 +161,8 @@ def test_the_listener_keeps_the_largest_gap():
 
 def test_the_beacon_falls_silent_while_its_rank_is_stopped_and_ends_with_it():
     """The beacon beats for its rank's process (here a child standing in for a rank): silent while
-    that process is stopped (SIGSTOP), beating again when it continues, gone when it dies."""
+    that process is stopped (SIGSTOP), beating again when it continues; when it dies the beacon
+    says so (its node lives: not a silence to judge) and ends."""
     import signal
     import subprocess
     import sys
@@ -190,6 +191,41 @@ def test_the_beacon_falls_silent_while_its_rank_is_stopped_and_ends_with_it():
         while time.monotonic() < deadline and os.path.exists(f"/proc/{beacon_pid}"):
             time.sleep(0.05)
         assert not os.path.exists(f"/proc/{beacon_pid}") or open(f"/proc/{beacon_pid}/stat").read().split()[2] == "Z"
+        time.sleep(0.1)
+        listener.poll()
+        assert listener.gone == {7: socket.gethostname()} and 7 not in listener.heard and listener.silent(0.0) == []
     finally:
         rank.kill()
         listener.close()
+
+
+def test_the_ranks_of_a_crashed_node_are_lost_together_though_they_beat_out_of_phase():
+    """n2's two ranks last beat 0.8 s apart (their beacons started at different moments): when the
+    first passes the limit, the other has missed beats too, so the node is lost, not one rank of
+    a node that still beats (which would be probed: 10 s or more on a dead node). n1's ranks,
+    heard a moment ago, are not."""
+    from hpctrain.reliability.launch import Supervisor
+
+    class Backend:
+        torn = 0
+
+        def tear_down(self, proc, say):
+            Backend.torn += 1
+
+    said = []
+    sup = Supervisor(Backend(), 3, ["train"], say=said.append, detect_s=5.0)
+    sup.listener = heartbeat.Listener(host="127.0.0.1")
+    try:
+        now = time.monotonic()
+        sup.listener.heard = {0: (now - 0.3, "n1"), 1: (now - 0.9, "n1"), 2: (now - 5.2, "n2"), 3: (now - 4.4, "n2")}
+        lost = sup._heard_lost()
+        assert lost is not None and lost.nodes == ["n2"] and lost.ranks == [2, 3], said
+        assert Backend.torn == 1 and said[0].startswith("node(s) n2 stopped answering (rank(s) 2, 3 silent for 4.4")
+        sup.listener.heard = {0: (now - 0.3, "n1"), 1: (now - 0.9, "n1"), 2: (now - 4.0, "n2")}
+        assert sup._heard_lost() is None and Backend.torn == 1   # nobody over the limit yet
+        # rank 3's process died and its beacon said so: the job's end is mpirun's or srun's to report,
+        # and the silence of the others (torn down with it) is no verdict
+        sup.listener.heard, sup.listener.gone = {0: (now - 5.3, "n1"), 2: (now - 5.2, "n2")}, {3: "n2"}
+        assert sup._heard_lost() is None and Backend.torn == 1
+    finally:
+        sup.listener.close()

@@ -6,8 +6,9 @@ Rank side (:class:`Beacon`): when ``python -m hpctrain launch`` started the job 
 sends one UDP datagram every :data:`PERIOD_S` (``rank node start``; ``node`` is SLURM's name for
 its node, else its host name; ``start`` the launch's start number, so a datagram from a job
 already given up on is ignored) for as long as its rank runs: it falls silent when the rank's
-process is stopped (SIGSTOP, a debugger) or gone, and with it when the node loses power or its
-network. A process of its own, not a thread: a rank holding the GIL for seconds (numba compiling
+process is stopped (SIGSTOP, a debugger), and with it when the node loses power or its network;
+when the rank's process dies on a node that lives, it says ``... gone`` and ends (the death is
+mpirun's or srun's to report; silence would make the node look lost). A process of its own, not a thread: a rank holding the GIL for seconds (numba compiling
 its kernels) must not look lost. Stopping it (the run is over) ends the beacon, and the rank
 sends a last ``... bye CODE`` itself (CODE: the exit code its run ends with), after which the
 listener no longer judges that rank for silence.
@@ -35,7 +36,7 @@ import time
 
 ENV = "HPCTRAIN_LAUNCH_BEACON"
 PERIOD_S = 1.0     # a beat per rank per second: 100 bytes, nothing next to a training step
-DETECT_S = 10.0    # silence that makes a rank lost: ten beats missed
+DETECT_S = 5.0     # silence that makes a rank lost: five beats missed (the busiest 2-core node: 1.1 s at most)
 EXIT_GRACE_S = 60.0  # after every rank said bye, how long leaving MPI and Python may take
 
 # The beacon process: beats while its rank (argv[4]) runs and is not stopped, until the rank kills
@@ -54,7 +55,12 @@ def state():
 while True:
     s = state()
     if s in ("gone", "Z", "X") or os.getppid() != rank_pid:
-        os._exit(0)                  # the rank died: fall silent for good
+        for _ in range(3):           # the rank died, its node lives: say so (UDP may drop one), end
+            try:
+                sock.sendto(payload + b" gone", where[4])
+            except OSError:
+                pass
+        os._exit(0)
     if s not in ("T", "t"):          # stopped: silent until it runs again
         try:
             sock.sendto(payload, where[4])
@@ -88,7 +94,11 @@ class Beacon:
             self._proc = subprocess.Popen(
                 [sys.executable, "-S", "-c", BEACON, host, str(port), self._payload, str(os.getpid()),
                  str(self.period_s)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, close_fds=True)
+                stderr=subprocess.DEVNULL, close_fds=True,
+                # its own session: a job torn down by process group (srun's proctrack/pgid, mpirun)
+                # after a rank died must not take the beacon before it says so; it ends by itself
+                # within a beat of its rank
+                start_new_session=True)
         except OSError:
             self._proc = None  # no beacon: the launcher falls back on its other means for this rank
 
@@ -143,13 +153,14 @@ class Listener:
         self.heard: dict[int, tuple[float, str]] = {}   # rank -> (last time, node)
         self.done: set[int] = set()                      # ranks that said bye: no longer judged
         self.codes: dict[int, int | None] = {}            # the exit code each said (None: unknown)
+        self.gone: dict[int, str] = {}                    # rank -> node, of ranks whose process died
         self.last_bye = 0.0                               # when the latest bye came (monotonic)
         self.largest_gap = 0.0                            # between two beats of a rank, this start
 
     def env_value(self, start_number: int) -> str:
         """``HPCTRAIN_LAUNCH_BEACON`` for the job's start ``start_number`` (forgets older beats)."""
         self.start_number, self.heard, self.done, self.largest_gap = start_number, {}, set(), 0.0
-        self.codes, self.last_bye = {}, 0.0
+        self.codes, self.last_bye, self.gone = {}, 0.0, {}
         return f"{self.host}:{self.sock.getsockname()[1]}:{start_number}"
 
     def poll(self, now: float | None = None) -> None:
@@ -163,15 +174,20 @@ class Listener:
             except OSError:
                 return
             fields = data.decode(errors="replace").split()
-            if len(fields) in (3, 5) and fields[0].isdigit() and fields[2] == str(self.start_number):
+            if len(fields) in (3, 4, 5) and fields[0].isdigit() and fields[2] == str(self.start_number):
                 rank = int(fields[0])
+                if len(fields) == 4 and fields[3] == "gone":
+                    if rank not in self.done:
+                        self.gone[rank] = fields[1]
+                    self.heard.pop(rank, None)
+                    continue
                 if len(fields) == 5 and fields[3] == "bye":
                     if rank not in self.done:
                         self.done.add(rank)
                         self.codes[rank] = int(fields[4]) if fields[4].lstrip("-").isdigit() else None
                         self.last_bye = now
                     self.heard.pop(rank, None)
-                elif len(fields) == 3 and rank not in self.done:
+                elif len(fields) == 3 and rank not in self.done and rank not in self.gone:
                     if rank in self.heard:
                         self.largest_gap = max(self.largest_gap, now - self.heard[rank][0])
                     self.heard[rank] = (now, fields[1])

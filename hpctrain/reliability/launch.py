@@ -26,7 +26,7 @@ own SIGTERM handling kills the ranks without a save): they save, exit 75, and
 nothing restarts.
 
 A lost node is noticed by heartbeats (:mod:`.heartbeat`): every rank beats once a second, and
-when ranks heard before stay silent for ``HPCTRAIN_DETECT_S`` seconds (default 10; 0 turns it
+when ranks heard before stay silent for ``HPCTRAIN_DETECT_S`` seconds (default 5; 0 turns it
 off) the launcher ends the job itself (the back-end's ``tear_down``) instead of waiting for a
 collective's timeout (``dist.comm_timeout``) or for SLURM to declare the node down
 (``SlurmdTimeout``, 300 s by default). A node all of whose ranks fell silent is lost: a restart
@@ -285,9 +285,14 @@ class Supervisor:
         self.listener.poll()
         if self.listener.done:  # the run is ending: ranks may be quiet in MPI_Finalize (_stuck_in_exit)
             return None
-        silent = self.listener.silent(self.detect_s)
-        if not silent:
+        if self.listener.gone:  # a rank died on a live node: mpirun or srun ends the job and says so,
+            return None         # and the silence of its tear-down is not a lost node
+        if not self.listener.silent(self.detect_s):
             return None
+        # the first rank over the limit says when; every rank that has missed beats by then (silent
+        # for two periods) is lost with it: the ranks of one crashed node beat out of phase, up to a
+        # period apart, and judged one by one the node would look alive and be probed (10 s or more)
+        silent = self.listener.silent(min(self.detect_s, 2 * heartbeat.PERIOD_S))
         by_node = {}
         for rank, (_, node) in self.listener.heard.items():
             by_node.setdefault(node, []).append(rank)
@@ -305,7 +310,7 @@ class Supervisor:
             return rc
         self.listener.poll()
         code = self.listener.agreed_code()
-        if not self.listener.done or self.listener.heard or code is None:
+        if not self.listener.done or self.listener.heard or self.listener.gone or code is None:
             return rc
         self.say(f"the job ended with {describe_exit(rc)} after every rank's run was over (exit code {code}): "
                  f"taking {code}")
