@@ -154,7 +154,7 @@ def timed(step, data, warmup, steps, sync):
 def count_launches(fn) -> int | None:
     """numba kernel launches (device functions not counted) plus cuBLAS GEMM calls while ``fn`` runs."""
     from hpctrain.device import simulated
-    from hpctrain.kernels import cublas
+    from hpctrain.kernels import batched_gemm, cublas
 
     count = [0]
     if simulated():
@@ -168,23 +168,32 @@ def count_launches(fn) -> int | None:
     if cls is None or not hasattr(cls, name):
         return None
     original, gemm = getattr(cls, name), cublas.CublasLinear.gemm
+    batched = {c: c.__call__ for c in (batched_gemm.CublasBatchedGemm, batched_gemm.HostBatchedGemm)}
 
     def counted(self, *args, **kwargs):
         if not getattr(self, "_device", False):
             count[0] += 1
         return original(self, *args, **kwargs)
-
-    def counted_gemm(self, *args, **kwargs):
-        count[0] += 1
-        return gemm(self, *args, **kwargs)
     setattr(cls, name, counted)
-    cublas.CublasLinear.gemm = counted_gemm
+    cublas.CublasLinear.gemm = _counting(gemm, count)
+    for c, call in batched.items():   # attention's strided-batched GEMMs (model.attention = gemm)
+        c.__call__ = _counting(call, count)
     try:
         fn()
     finally:
         setattr(cls, name, original)
         cublas.CublasLinear.gemm = gemm
+        for c, call in batched.items():
+            c.__call__ = call
     return count[0]
+
+
+def _counting(call, count):
+    """``call`` that first adds one to count[0]."""
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return call(self, *args, **kwargs)
+    return counted
 
 
 def torch_kernels(torch, fn) -> int | None:
@@ -238,7 +247,8 @@ def measure(shape_name, args, dev, torch):
     up = [(dev.from_host(x, np.int64), dev.from_host(y, np.int64)) for x, y in data]
     row = {"shape": shape_name, "n_layer": layers, "d_model": d, "n_head": heads, "context": context,
            "vocab": vocab, "windows": rows, "tokens_per_step": rows * context, "dtype": "float32",
-           "gemm": dev.gemm, "graphs": "eager", "parameters": int(ours.model.flat.size)}
+           "gemm": dev.gemm, "attention": dev.ops.attention_forward.__self__.which(context, d // heads),
+           "graphs": "eager", "parameters": int(ours.model.flat.size)}
     if torch is not None:
         peer = Torch(torch, shape, ours.weights(), ours.model.no_decay)
         tup = [(torch.as_tensor(x, device="cuda"), torch.as_tensor(y, device="cuda")) for x, y in data]
@@ -315,12 +325,12 @@ def table(rows, env) -> str:
     out = [f"GPT training step, float32, one GPU ({env['device']}; {env['versions']})", "",
            f"| shape | tokens/step | validated (max rel. loss diff, {env['validate_steps']} steps) | "
            "hpctrain ms/step | tokens/s | PyTorch ms/step | tokens/s | hpctrain / PyTorch | "
-           "launch calls/step (hpctrain) | kernels/step (hpctrain, PyTorch) | MFU | graphs |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+           "launch calls/step (hpctrain) | kernels/step (hpctrain, PyTorch) | MFU | attention | graphs |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for r in rows:
         valid = f"{'yes' if r['valid'] else 'NO'} vs {r['validated_against']} ({r['loss_rel_diff']:.1e})"
         if not r["valid"]:
-            out.append(f"| {r['shape']} | {r['tokens_per_step']:,} | {valid} | - | - | - | - | - | - | - | - | - |")
+            out.append(f"| {r['shape']} | {r['tokens_per_step']:,} | {valid} | - | - | - | - | - | - | - | - | - | - |")
             continue
         t = lambda k, f: f.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
@@ -328,7 +338,7 @@ def table(rows, env) -> str:
                    f"{r['tokens_per_s']:,.0f} | {t('torch_ms_per_step', '{:.2f}')} | "
                    f"{t('torch_tokens_per_s', '{:,.0f}')} | {t('speed_vs_torch', '{:.2f}x')} | "
                    f"{t('launches_per_step', '{}')} | {t('kernels_per_step', '{}')}, "
-                   f"{t('torch_kernels_per_step', '{}')} | {mfu} | {r['graphs']} |")
+                   f"{t('torch_kernels_per_step', '{}')} | {mfu} | {r['attention']} | {r['graphs']} |")
     for r in rows:
         if r.get("ops_ms"):
             theirs = r.get("torch_ops_ms", {})
@@ -358,6 +368,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before timing (5)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (20)")
     p.add_argument("--op-steps", type=int, default=3, help="steps of the per-op split (3)")
+    p.add_argument("--attention", default="auto", choices=("auto", "flash", "gemm"),
+                   help="hpctrain's model.attention (auto: what a run gets by default)")
     p.add_argument("--json", default=os.path.join(REPO, "runs", "bench", "gpu_step.json"))
     args = p.parse_args(argv)
     from hpctrain.device import CudaDevice, gpu_name, simulated
@@ -379,7 +391,7 @@ def main(argv=None) -> int:
             return 77
         torch.backends.cuda.matmul.allow_tf32 = False  # the default, said explicitly: float32 on both sides
         torch.backends.cudnn.allow_tf32 = False
-    dev = CudaDevice("float32", gemm="auto")
+    dev = CudaDevice("float32", gemm="auto", attention=args.attention)
     import numba
 
     versions = f"numba {numba.__version__}" + (f", torch {torch.__version__}" if torch is not None else "")
@@ -391,6 +403,7 @@ def main(argv=None) -> int:
         pass
     name = "numba CUDA simulator" if args.simulate else gpu_name(0)
     env = {"device": name, "host": platform.node(), "versions": versions, "gemm": dev.gemm,
+           "attention": args.attention,
            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "simulated": args.simulate, "validate_steps": args.validate,
            "launch_cost_us": launch_cost.measure(dev, 2 if args.simulate else 3000),
            "peak_tflops": None if args.simulate else (cublas_peak_flops() or 0) / 1e12 or None,

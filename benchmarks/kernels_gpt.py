@@ -4,7 +4,8 @@ GPT step, each validated against the CPU twin before it is timed.
 Yardsticks measured in the same run, on the same device stream:
   - layernorm: copy bandwidth (bytes of x, out, mean, rstd; dout, x, dx and the
     parameter gradients backward), target >= 0.8x;
-  - attention: PyTorch's ``scaled_dot_product_attention(is_causal=True)`` on the same
+  - attention, the flash kernels and (where cuBLAS runs) the GEMM path (model.attention = gemm),
+    each against PyTorch's ``scaled_dot_product_attention(is_causal=True)`` on the same
     q, k, v (torch tensors over the same numbers, on the device's stream), target for
     forward >= 0.5x at T = 1024; work counted as 4 B NH T^2 hs FLOPs forward (QK^T and
     PV, the causal half not subtracted) and 2.5x that backward, as FlashAttention counts;
@@ -64,20 +65,35 @@ def validate(dev, small, rng, check, step_dev):
     y, probs = np.empty((B, T, NH * hs)), np.empty((B, NH, T, T))
     CPU_OPS.attention_forward(_f64(qkv), NH, y, probs)
     saved, work = ops.attention_state_shapes(B, NH, T)
-    Y, S = dev.empty((B, T, NH * hs)), dev.empty(saved)
-    ops.attention_forward(up(qkv), NH, Y, S)
-    # each output is a P-weighted mean of T values, each score a length-hs dot product
-    bound = 8 * (T + hs) * u * np.abs(qkv).max() * (1 + np.abs(qkv).max() ** 2 * hs)
-    ok["attention_forward"] = check("attention_forward out", host(Y), y, bound)
     dy = rng.standard_normal((B, T, NH * hs)).astype(dt)
     dqkv = np.empty((B, T, 3 * NH * hs))
     CPU_OPS.attention_backward(_f64(dy), _f64(qkv), y, probs, NH, dqkv)
-    DQKV = dev.empty((B, T, 3 * NH * hs))
-    ops.attention_backward(up(dy), up(qkv), Y, S, NH, DQKV, dev.empty(work))
-    ok["attention_backward"] = check("attention_backward dqkv", host(DQKV), dqkv,
-                                     bound * np.abs(dy).max() * 4 * np.sqrt(T))
+    # each output is a P-weighted mean of T values, each score a length-hs dot product
+    bound = 8 * (T + hs) * u * np.abs(qkv).max() * (1 + np.abs(qkv).max() ** 2 * hs)
+    for suffix, attn in attention_paths(dev, step_dev):
+        Y, S, DQKV = dev.empty((B, T, NH * hs)), dev.empty(saved), dev.empty((B, T, 3 * NH * hs))
+        attn.forward(up(qkv), NH, Y, S)
+        ok["attention_forward" + suffix] = check("attention_forward" + suffix + " out", host(Y), y, bound)
+        attn.backward(up(dy), up(qkv), Y, S, NH, DQKV, dev.empty(work))
+        ok["attention_backward" + suffix] = check("attention_backward" + suffix + " dqkv", host(DQKV), dqkv,
+                                                  bound * np.abs(dy).max() * 4 * np.sqrt(T))
     ok["gpt_step"] = _validate_step(step_dev, rng, check, small)
     return ok
+
+
+def attention_paths(dev, step_dev):
+    """[(row suffix, attention ops)]: the flash kernels, and the GEMM path (model.attention = gemm) where
+    its GEMMs can run: cuBLAS when ``step_dev``'s GEMMs are cuBLAS's, NumPy on the simulator."""
+    from hpctrain.device import simulated
+    from hpctrain.kernels.attention_gemm import ChosenAttention
+    from hpctrain.kernels.batched_gemm import CublasBatchedGemm, HostBatchedGemm
+
+    paths = [("", ChosenAttention("flash", dev.stream, dev.scratch))]
+    gemms = (CublasBatchedGemm(dev.stream, dev.gpu) if step_dev.gemm == "cublas" else
+             HostBatchedGemm() if simulated() else None)
+    if gemms is not None:
+        paths.append((" (gemm)", ChosenAttention("gemm", dev.stream, dev.scratch, gemms)))
+    return paths
 
 
 def _step_model(dev, vocab, context, layers, heads, d):
@@ -155,12 +171,13 @@ def cases(dev, small, rng, step_dev):
             with on_stream():
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
         sdpa_fwd, sdpa_bwd = (fwd, "PyTorch SDPA"), (bwd, "PyTorch SDPA fwd+bwd")
-    rows += [("attention_forward", f"B{B} NH{NH} T{T} hs{hs}", "GFLOP/s", flops,
-              lambda: ops.attention_forward(qkv, NH, y, lse), sdpa_fwd, ATTN_TARGET),
-             # timed as forward + backward against SDPA's forward + backward (autograd needs the forward)
-             ("attention_backward (+forward)", f"B{B} NH{NH} T{T} hs{hs}", "GFLOP/s", 3.5 * flops,
-              lambda: (ops.attention_forward(qkv, NH, y, lse),
-                       ops.attention_backward(dy, qkv, y, lse, NH, dqkv, wk)), sdpa_bwd, None)]
+    for suffix, attn in attention_paths(dev, step_dev):
+        rows += [("attention_forward" + suffix, f"B{B} NH{NH} T{T} hs{hs}", "GFLOP/s", flops,
+                  lambda a=attn: a.forward(qkv, NH, y, lse), sdpa_fwd, ATTN_TARGET),
+                 # timed as forward + backward against SDPA's forward + backward (autograd needs the forward)
+                 ("attention_backward (+forward)" + suffix, f"B{B} NH{NH} T{T} hs{hs}", "GFLOP/s", 3.5 * flops,
+                  lambda a=attn: (a.forward(qkv, NH, y, lse), a.backward(dy, qkv, y, lse, NH, dqkv, wk)),
+                  sdpa_bwd, None)]
     rows.append(_step_row(step_dev, small, rng, torch, on_stream))
     return rows
 

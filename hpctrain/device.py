@@ -14,6 +14,9 @@ and allocate through ``device.empty``/``device.zeros``. Both devices offer:
   describe()                 one line for logs
   gemm_note                  the warning to log once at start-up when train.gemm = auto fell back to
                              the numba GEMMs on a GPU (CuPy missing or unusable), else None
+
+``model.attention`` (auto | flash | gemm) picks the CUDA attention (:mod:`.kernels.attention_gemm`);
+the CPU twin is always NumPy's BLAS GEMMs around a numba softmax, whatever it says.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class CudaDevice:
 
     name = "cuda"
 
-    def __init__(self, dtype="float32", gpu: int = 0, gemm: str = "numba"):
+    def __init__(self, dtype="float32", gpu: int = 0, gemm: str = "numba", attention: str = "flash"):
         from numba import cuda
 
         from .kernels.cuda_support import make_simulator_thread_safe
@@ -121,13 +124,11 @@ class CudaDevice:
             embedding_backward=p(embedding.embedding_backward_cuda, **s, scratch=self.scratch),
             layernorm_forward=p(layernorm_cuda.layernorm_forward_cuda, **s),
             layernorm_backward=p(layernorm_cuda.layernorm_backward_cuda, **s, scratch=self.scratch),
-            attention_forward=p(attention_cuda.attention_forward_cuda, **s),
-            attention_backward=p(attention_cuda.attention_backward_cuda, **s),
             attention_state_shapes=attention_cuda.attention_state_shapes,
-            attention_max_head_size=attention_cuda.HS_SIZES[-1],
             residual_forward=p(residual.residual_forward_cuda, **s),
             residual_backward=p(residual.residual_backward_cuda, **s),
         )
+        self.attention = attention
         self._install_gemms()
 
     GEMM_OPS = ("linear_forward", "linear_backward", "tied_head_forward", "tied_head_backward")
@@ -143,6 +144,29 @@ class CudaDevice:
         else:
             for op in self.GEMM_OPS:
                 setattr(self.ops, op, functools.partial(getattr(linear, f"{op}_cuda"), stream=self.stream))
+        self._install_attention()
+
+    def _install_attention(self):
+        """The attention ops of ``self.attention`` (model.attention): flash kernels, batched GEMMs
+        (cuBLAS; NumPy on the simulator), or per shape. The GEMM path needs cuBLAS on a GPU."""
+        from .errors import ConfigError
+        from .kernels import attention_gemm, batched_gemm
+
+        if self.gemm == "cublas":
+            gemms = batched_gemm.CublasBatchedGemm(self.stream, self.gpu)
+        elif simulated():
+            gemms = batched_gemm.HostBatchedGemm()
+        elif self.attention == "gemm":
+            raise ConfigError("model.attention='gemm' runs its GEMMs on cuBLAS, but this run's GEMMs are numba's "
+                              f"(train.gemm = {self.gemm}): use train.gemm='auto' or 'cublas' with CuPy, or "
+                              "model.attention='flash'")
+        else:
+            gemms = None
+        chosen = attention_gemm.ChosenAttention(self.attention, self.stream, self.scratch,
+                                                None if self.attention == "flash" else gemms)
+        self.ops.attention_forward, self.ops.attention_backward = chosen.forward, chosen.backward
+        # the flash kernels' head-size limit binds only where they are the only path
+        self.ops.attention_max_head_size = attention_cuda.HS_SIZES[-1] if chosen.gemm is None else None
 
     def with_gemm(self, choice: str) -> "CudaDevice":
         """This device (same GPU, stream, scratch and uploads) with ``train.gemm = choice``'s
@@ -214,7 +238,8 @@ class CudaDevice:
         return buf
 
     def describe(self) -> str:
-        return f"cuda:{self.gpu} ({gpu_name(self.gpu)}, {self.dtype.name}, GEMM {self.gemm})"
+        return (f"cuda:{self.gpu} ({gpu_name(self.gpu)}, {self.dtype.name}, GEMM {self.gemm}, "
+                f"attention {self.attention})")
 
 
 # ---- choosing a device -------------------------------------------------------------
@@ -286,7 +311,7 @@ def gpu_name(index: int) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def make_device(name: str, dtype: str, world=None, gemm: str = "auto"):
+def make_device(name: str, dtype: str, world=None, gemm: str = "auto", attention: str = "auto"):
     """The device a rank computes on.
 
     ``auto`` is cuda when a real GPU is visible (never the simulator: it is a
@@ -308,4 +333,4 @@ def make_device(name: str, dtype: str, world=None, gemm: str = "auto"):
         raise ConfigError(f"train.device='cuda' but no GPU is usable{hint}: {why}; "
                           f"use train.device='auto' or 'cpu', or run on a GPU node")
     local_rank = world.local_rank if world is not None else 0
-    return CudaDevice(dtype, gpu_for_rank(local_rank, n_gpus), gemm)
+    return CudaDevice(dtype, gpu_for_rank(local_rank, n_gpus), gemm, attention)

@@ -28,7 +28,8 @@ def test_kernel_benchmark_validates_every_kernel_on_the_simulator(tmp_path):
     text = json.dumps(doc)
     for kernel in ("gemm_nn", "gemm_tn", "gemm_nt", "bias_act_forward", "bias_act_backward",
                    "softmax_xent_forward", "softmax_xent_backward", "softmax_xent_fused", "sgd_step", "adamw_step", "scale",
-                   "layernorm_forward", "layernorm_backward", "attention_forward", "attention_backward", "gpt_step"):
+                   "layernorm_forward", "layernorm_backward", "attention_forward", "attention_backward",
+                   "attention_forward (gemm)", "attention_backward (+forward) (gemm)", "gpt_step"):
         assert kernel in text, kernel
     assert all(doc["validation"].values()), doc["validation"]
     assert doc["repeats"] == 1 and all("median_ms" in r for r in doc["rows"]), doc["rows"]  # every row timed

@@ -42,5 +42,6 @@ def test_every_kernel_compiles_to_ptx_for_sm90(tmp_path):
     # + 22 compression kernels (2 dtypes x 8, cast f64->f32, lowrank_residual, sparse_take, pack_ef,
     # sample_abs, compact)
     # + 61 attention variants (tests/ptx_attention.py: each dtype, head-size capacity and fitting tile)
+    # + 6 kernels of the GEMM attention (2 dtypes x softmax rows, probs, grad rows)
     # + 25 embedding / layernorm / residual kernels (tests/ptx_gpt_ops.py)
-    assert stdout.count("\nok ") == 2 * 22 + 1 + 22 + 61 + 25, stdout
+    assert stdout.count("\nok ") == 2 * 22 + 1 + 22 + 61 + 6 + 25, stdout

@@ -51,7 +51,8 @@ def test_cuda_device_is_chosen_by_name_and_describes_itself():
     dev = make_device("cuda", "float64")
     assert isinstance(dev, CudaDevice) and dev.dtype == np.float64
     # auto GEMM: cuBLAS where CuPy runs, never on the simulator
-    assert dev.describe().startswith("cuda:0 (") and dev.describe().endswith(f"float64, GEMM {dev.gemm})")
+    assert dev.describe().startswith("cuda:0 (") and dev.describe().endswith(
+        f"float64, GEMM {dev.gemm}, attention {dev.attention})")
     assert dev.gemm == "numba" if device_mod.simulated() else dev.gemm in ("numba", "cublas")
 
 

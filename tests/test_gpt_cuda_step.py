@@ -52,22 +52,35 @@ def _gemms():
     from hpctrain.kernels.cublas import cupy_status
 
     real = not simulated() and cupy_status()[0]
-    return ["numba", pytest.param("cublas", marks=pytest.mark.skipif(not real, reason="CuPy on a real GPU only"))]
+    return [pytest.param("numba"),
+            pytest.param("cublas", marks=pytest.mark.skipif(not real, reason="CuPy on a real GPU only"))]
 
 
-@pytest.mark.parametrize("gemm", _gemms())
-def test_gpt_step_on_cuda_equals_cpu_step(gemm):
+@pytest.mark.parametrize("gemm, attention", [pytest.param(*p.values, "flash", marks=p.marks) for p in _gemms()]
+                         + [("auto", "gemm")])
+def test_gpt_step_on_cuda_equals_cpu_step(gemm, attention):
+    # attention = gemm: its GEMMs on cuBLAS on a GPU (a GPU without CuPy refuses it: skipped), NumPy on
+    # the simulator
     r = np.random.default_rng(17)
     tokens = r.integers(0, VOCAB, (3, T))
     tokens[1] = 4   # one window of a single repeated token: the embedding gradient's worst case
     targets = r.integers(0, VOCAB, (3, T))
     (l0, c0, g0, p0), (l1, c1, g1, p1) = (_step(d, tokens, targets) for d in (CpuDevice("float64"),
-                                                                               CudaDevice("float64", gemm=gemm)))
+                                                                               _cuda(gemm, attention)))
     np.testing.assert_allclose(l1, l0, rtol=1e-12)
     assert c1 == c0
     assert_close(g1, g0)
     assert_close(p1, p0)
     assert np.abs(g0).max() > 1e-3   # a real gradient, not zeros on both sides
+
+
+def _cuda(gemm, attention):
+    from hpctrain.errors import ConfigError
+
+    try:
+        return CudaDevice("float64", gemm=gemm, attention=attention)
+    except ConfigError as exc:
+        pytest.skip(str(exc))
 
 
 def _config(text, device, steps=2):

@@ -171,9 +171,11 @@ def test_bad_gpt_input_is_one_clear_error(case, text_data, small_data, tmp_path,
     elif case == "table-for-gpt":
         argv = gpt_args(small_data[0])
         fragments = [small_data[0], "model.kind"]
-    else:  # the simulator (a GPU in the GPU pass) stands in: one head of 256 is above the CUDA attention's limit
+    else:  # the simulator (a GPU in the GPU pass) stands in: one head of 256 is above the flash kernels' limit
+        # (model.attention = auto would take the GEMM path for it)
         argv = ["--config", "examples/gpt.toml", *TINY, "--set", f"data.train={text_data}", "--set",
-                "train.device=cuda", "--set", "model.n_head=1", "--set", "model.d_model=256"]
+                "train.device=cuda", "--set", "model.n_head=1", "--set", "model.d_model=256", "--set",
+                "model.attention=flash"]
         fragments = ["head size above the CUDA attention kernels' limit of 128", "model.n_head >= 2"]
     _one_error_in_process(capsys, _train_setup(*argv), *fragments)
 

@@ -229,8 +229,9 @@ def test_info_plans_the_bytes_the_trainer_allocates(world, mpi_text_data, stage)
 
 
 def test_info_refuses_the_head_size_a_cuda_run_refuses(world, mpi_text_data):
-    """info --config with train.device = cuda (no GPU needed): a head above the CUDA attention
-    kernels' limit is the error a run on cuda gives, not a plan; the CPU's plan takes any head."""
+    """info --config with train.device = cuda (no GPU needed): a head above the flash attention
+    kernels' limit is the error a run on cuda with model.attention = flash gives, not a plan; the
+    CPU's plan, and cuda's with the GEMM attention (auto, gemm), take any head."""
     from hpctrain.errors import ConfigError
     from hpctrain.training.plan import planned_memory
 
@@ -238,6 +239,8 @@ def test_info_refuses_the_head_size_a_cuda_run_refuses(world, mpi_text_data):
     cfg.model.n_head, cfg.model.d_model = 1, 256
     assert planned_memory(cfg, world)["params"] > 256 * 256
     cfg.train.device = "cuda"
+    assert planned_memory(cfg, world)["params"] > 256 * 256   # model.attention = auto
+    cfg.model.attention = "flash"
     with pytest.raises(ConfigError, match="head size above the CUDA attention kernels' limit of 128"):
         planned_memory(cfg, world)
 

@@ -81,8 +81,9 @@ def choose_tile(kind, dtype, hs, T):
 
 
 # ---- launchers ---------------------------------------------------------------------
-def _check(op, qkv, n_head, arrays):
-    """Shapes and dtypes the kernels rely on; ``arrays`` lists (name, array, expected shape). Returns hs."""
+def _check(op, qkv, n_head, arrays, any_head_size=False):
+    """Shapes and dtypes the kernels rely on; ``arrays`` lists (name, array, expected shape). Returns hs.
+    ``any_head_size``: no compiled head-size limit (the GEMM path, :mod:`.attention_gemm`)."""
     B, T, C3 = qkv.shape
     if n_head < 1 or C3 % 3 or C3 == 0 or (C3 // 3) % n_head:
         raise ValueError(f"{op}: qkv's last axis {C3} must be 3*C with C a positive multiple of n_head={n_head}")
@@ -94,7 +95,8 @@ def _check(op, qkv, n_head, arrays):
         if a.dtype != qkv.dtype:
             raise ValueError(f"{op}: {name} is {a.dtype} but qkv is {qkv.dtype}; use one float dtype")
     hs = C3 // 3 // n_head
-    hs_capacity(hs)  # raises above the limit
+    if not any_head_size:
+        hs_capacity(hs)  # raises above the limit
     return hs
 
 

@@ -116,7 +116,8 @@ def build(cfg, device, data: TrainingData, tensor=None) -> "GPT":
     if limit and m.n_head and m.d_model % m.n_head == 0 and m.d_model // m.n_head > limit:
         raise ConfigError(f"model.d_model / model.n_head = {m.d_model // m.n_head} is a head size above the "
                           f"{device.name.upper()} attention kernels' limit of {limit}; use more heads "
-                          f"(model.n_head >= {-(-m.d_model // limit)}) or train.device=cpu")
+                          f"(model.n_head >= {-(-m.d_model // limit)}), model.attention='auto' or 'gemm' (cuBLAS "
+                          f"through CuPy) or train.device=cpu")
     return GPT(device, data.info["vocab_size"], m.context, m.n_layer, m.n_head, m.d_model, m.recompute, tensor)
 
 

@@ -23,16 +23,18 @@ from ..device import CPU_OPS, CpuDevice
 class Unallocated(CpuDevice):
     """A device whose arrays have the right shapes and take no memory (one zero, broadcast), for
     counting bytes; with ``like="cuda"`` it has the CUDA device's name, and its attention keeps what
-    the CUDA kernels keep and refuses the head sizes they refuse (as a run on cuda would)."""
+    the CUDA kernels keep and, under ``model.attention = flash``, refuses the head sizes the flash
+    kernels refuse (as a run on cuda would; the GEMM path takes any)."""
 
-    def __init__(self, dtype="float32", like: str = "cpu"):
+    def __init__(self, dtype="float32", like: str = "cpu", attention: str = "auto"):
         super().__init__(dtype)
         if like == "cuda":
             from ..kernels.attention_cuda import HS_SIZES, attention_state_shapes
 
             self.name = "cuda"
             self.ops = types.SimpleNamespace(**{**vars(CPU_OPS), "attention_state_shapes": attention_state_shapes,
-                                                "attention_max_head_size": HS_SIZES[-1]})
+                                                "attention_max_head_size":
+                                                    HS_SIZES[-1] if attention == "flash" else None})
 
     def empty(self, shape, dtype=None):
         return np.broadcast_to(np.zeros((), dtype or self.dtype), shape)

@@ -35,6 +35,10 @@ class ModelConfig:
     d_model: int = _f(128, "gpt: channels of the residual stream (the MLP is 4 x wider)")
     context: int = _f(128, "gpt: tokens per training window (and the largest position); the vocabulary "
                       "comes from the data file")
+    attention: str = _f("auto", "gpt on cuda: flash (tiled kernels, no T x T array) | gemm (cuBLAS batched GEMMs "
+                        "around a softmax kernel; T x T scores per chunk of heads, at most 256 MiB) | auto (gemm "
+                        "where cuBLAS runs and T >= 256 or a head is wider than 128, else flash); the CPU "
+                        "always computes attention with BLAS GEMMs", choices=("auto", "flash", "gemm"))
     recompute: str = _f("none", "gpt: none | blocks (a block keeps only its input in forward and recomputes "
                         "its activations in backward: less memory, one more forward per block)",
                         choices=("none", "blocks"))

@@ -117,7 +117,7 @@ def place(cfg, world, device=None) -> Plan:
     from ..nn.tensor_parallel import TensorGroup
 
     grid = make_grid(world, cfg.dist.tensor_parallel)
-    device = device or make_device(cfg.train.device, cfg.train.dtype, world, cfg.train.gemm)
+    device = device or make_device(cfg.train.device, cfg.train.dtype, world, cfg.train.gemm, cfg.model.attention)
     tensor = None
     if grid.tensor is not None:
         tensor = TensorGroup(grid.tensor, device, Staging(device, cfg.dist.cuda_aware_mpi))
@@ -137,7 +137,7 @@ def on_paper(cfg, world) -> Plan:
     check_divides(world.size, t)
     data = dataclasses.replace(world, comm=None, rank=world.rank // t, size=world.size // t)
     tensor = types.SimpleNamespace(size=t, rank=world.rank % t) if t > 1 else None
-    return Plan(cfg, world, Grid(t, tensor, data), memory.Unallocated(cfg.train.dtype, like=like), None, tensor)
+    return Plan(cfg, world, Grid(t, tensor, data), memory.Unallocated(cfg.train.dtype, like=like, attention=cfg.model.attention), None, tensor)
 
 
 def planned_memory(cfg, world) -> dict:

@@ -1,0 +1,297 @@
+"""Causal attention on CUDA as batched GEMMs around a scale-mask-softmax kernel (``model.attention = gemm``).
+
+The contract is :mod:`.attention_cuda`'s (qkv (B, T, 3C), out (B, T, C), lse (B, NH, T) kept
+between forward and backward, one float dtype), so a model switches between this and the
+flash kernels per shape with nothing else changed. Here the T x T scores are materialised,
+per chunk of G heads at a time, in two scratch buffers of (G, T, T) (S/P and dP/dS):
+2 G T^2 itemsize bytes, at most SCORES_BUDGET (256 MiB) unless one head alone needs more
+(G = 1); GPT-2 small's T = 1024 in float32 takes 8 MiB a head. Per chunk:
+
+forward   S = Q K^T (GEMM); P = softmax(scale S, causal), lse (rows kernel); Y = P V (GEMM)
+backward  S = Q K^T again (GEMM; the lse makes P without a second reduction:
+          P = exp(scale S - lse), masked 0); dV = P^T dY, dP = dY V^T (GEMMs);
+          dS = scale P (dP - rowsum(P dP)) (rows kernel); dQ = dS K, dK = dS^T Q (GEMMs)
+
+Each GEMM is one strided-batched call (:mod:`.batched_gemm`): a chunk is G heads of one
+batch row (the heads sit hs apart in qkv) or one head of G batch rows (T 3C apart), whichever
+needs fewer calls. The GEMMs compute the masked upper triangle too (half their flops), which
+the softmax zeroes. cuBLAS runs them on a GPU; on the numba simulator NumPy does, on the
+same buffers, so the tests take this whole path but the cuBLAS call.
+
+``auto`` (:func:`choose`) takes these GEMMs where cuBLAS is in use and T >= AUTO_GEMM_MIN_T,
+and for head sizes the flash kernels do not compile (hs > 128); the flash kernels otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, float64
+
+from .attention_cuda import HS_SIZES, _check
+from .batched_gemm import GemmBatch
+from .cuda_support import blocks_for, simulated
+
+SCORES_BUDGET = 256 * 2 ** 20   # bytes of the two (G, T, T) score buffers together
+# The flash kernels' per-tile loops cost per row ~T hs operations from shared memory (2.5
+# TFLOP/s measured at T = 1024), the GEMM path ~T^2 memory traffic and three extra launches per
+# chunk; from T = 256 the GEMMs' arithmetic is expected to win. An estimate from those two
+# costs, not a measurement: benchmarks/kernels.py times both (attention flash vs gemm) on a GPU.
+AUTO_GEMM_MIN_T = 256
+MODES = ("auto", "flash", "gemm")
+
+
+def choose(mode: str, T: int, hs: int, cublas: bool) -> str:
+    """"flash" or "gemm" for ``model.attention = mode`` at sequence length T and head size hs;
+    ``cublas``: whether the GEMMs run on cuBLAS (else the numba GEMM kernel or the simulator)."""
+    if mode not in MODES:
+        raise ValueError(f"model.attention={mode!r}: choose one of {', '.join(MODES)}")
+    if mode != "auto":
+        return mode
+    if hs > HS_SIZES[-1]:
+        return "gemm"
+    return "gemm" if cublas and T >= AUTO_GEMM_MIN_T else "flash"
+
+
+def chunk_plan(B: int, NH: int, T: int, itemsize: int, budget: int = SCORES_BUDGET) -> tuple[str, int]:
+    """("heads", G): batch G heads of one batch row per call, or ("rows", G): G batch rows of one
+    head; G as large as ``budget`` allows, the axis the one needing fewer calls."""
+    cap = max(1, budget // (2 * T * T * itemsize))
+    g_heads, g_rows = min(NH, cap), min(B, cap)
+    if B * -(-NH // g_heads) <= NH * -(-B // g_rows):
+        return "heads", g_heads
+    return "rows", g_rows
+
+
+def _chunks(B, NH, along, G):
+    """(b, h, n): n heads from h of row b ("heads"), or n rows from b of head h ("rows")."""
+    if along == "heads":
+        for b in range(B):
+            for h in range(0, NH, G):
+                yield b, h, min(G, NH - h)
+    else:
+        for h in range(NH):
+            for b in range(0, B, G):
+                yield b, h, min(G, B - b)
+
+
+# ---- kernels -------------------------------------------------------------------------
+# One block per score row (grid-stride over the chunk's n T rows); threads stride over the
+# row's columns and reduce in shared memory by a fixed-order tree (the same bits every run).
+# The row's lse is lse[b, h + g, t] (a chunk along heads) or lse[b + g, h, t] (along rows).
+@lru_cache(maxsize=None)
+def row_kernels(dtype_name: str, threads: int):
+    """(softmax_rows, probs, grad_rows) for one dtype and block size (a power of two)."""
+    nb = {"float32": float32, "float64": float64}[dtype_name]
+    ZERO, NEG_INF = np.dtype(dtype_name).type(0), np.dtype(dtype_name).type(-np.inf)
+
+    @cuda.jit(device=True)
+    def tree(red, tid, is_max):
+        # red[0] <- max or sum of red[0 .. threads); every thread waits for it
+        cuda.syncthreads()
+        half = threads // 2
+        while half > 0:
+            if tid < half:
+                red[tid] = max(red[tid], red[tid + half]) if is_max else red[tid] + red[tid + half]
+            cuda.syncthreads()
+            half //= 2
+        return red[0]
+
+    @cuda.jit
+    def softmax_rows(s, scale, lse, b, h, along_heads, n):
+        # s (G, T, T) holds q k^T; row t becomes P: exp(scale (s - max)) / sum over u <= t, 0 above;
+        # lse <- scale max + log(sum)
+        T = s.shape[1]
+        tid = cuda.threadIdx.x
+        red = cuda.shared.array(threads, float64)
+        r = cuda.blockIdx.x
+        while r < n * T:
+            g, t = r // T, r % T
+            m = NEG_INF
+            u = tid
+            while u <= t:
+                m = max(m, s[g, t, u])
+                u += threads
+            red[tid] = m
+            m = nb(tree(red, tid, True))
+            cuda.syncthreads()  # red[0] is read by every thread before it is reused
+            acc = 0.0
+            u = tid
+            while u <= t:
+                e = math.exp((s[g, t, u] - m) * scale)
+                s[g, t, u] = e
+                acc += e
+                u += threads
+            red[tid] = acc
+            total = tree(red, tid, False)
+            inv = 1.0 / total
+            u = tid
+            while u < T:
+                s[g, t, u] = s[g, t, u] * inv if u <= t else ZERO
+                u += threads
+            if tid == 0:
+                v = m * scale + math.log(total)
+                if along_heads:
+                    lse[b, h + g, t] = v
+                else:
+                    lse[b + g, h, t] = v
+            cuda.syncthreads()
+            r += cuda.gridDim.x
+
+    @cuda.jit
+    def probs(s, scale, lse, b, h, along_heads, n):
+        # s (G, T, T) holds q k^T; it becomes P = exp(scale s - lse) for u <= t, 0 above
+        T = s.shape[1]
+        i = cuda.grid(1)
+        while i < n * T * T:
+            g, t, u = i // (T * T), i // T % T, i % T
+            L = lse[b, h + g, t] if along_heads else lse[b + g, h, t]
+            s[g, t, u] = math.exp(s[g, t, u] * scale - L) if u <= t else ZERO
+            i += cuda.gridsize(1)
+
+    @cuda.jit
+    def grad_rows(p, dp, scale, n):
+        # dp (G, T, T) holds dY V^T; it becomes dS = scale P (dP - rowsum(P dP)), 0 above the diagonal
+        T = p.shape[1]
+        tid = cuda.threadIdx.x
+        red = cuda.shared.array(threads, float64)
+        r = cuda.blockIdx.x
+        while r < n * T:
+            g, t = r // T, r % T
+            acc = 0.0
+            u = tid
+            while u <= t:
+                acc += float64(p[g, t, u]) * dp[g, t, u]
+                u += threads
+            red[tid] = acc
+            d = tree(red, tid, False)
+            u = tid
+            while u < T:
+                dp[g, t, u] = scale * p[g, t, u] * (dp[g, t, u] - d) if u <= t else ZERO
+                u += threads
+            cuda.syncthreads()
+            r += cuda.gridDim.x
+
+    return softmax_rows, probs, grad_rows
+
+
+def row_threads() -> int:
+    """Threads per row block: 128 on a GPU (T up to thousands of columns); 32 on the simulator,
+    where each thread is a Python thread."""
+    return 32 if simulated() else 128
+
+
+# ---- launchers ---------------------------------------------------------------------
+class _Plan:
+    """One call's shapes, chunking, offsets and scratch (shared by forward and backward)."""
+
+    def __init__(self, op, qkv, n_head, arrays, scratch, budget, need_dscores):
+        B, T, C3 = qkv.shape
+        self.hs = _check(op, qkv, n_head, arrays, any_head_size=True)
+        self.B, self.T, self.C3, self.C, self.NH = B, T, C3, C3 // 3, n_head
+        dt = np.dtype(qkv.dtype)
+        self.dtype, self.scale = dt, dt.type(1.0 / math.sqrt(self.hs))
+        self.along, self.G = chunk_plan(B, n_head, T, dt.itemsize, budget)
+        self.S = scratch("attention_scores", (self.G, T, T), dt)
+        self.W = scratch("attention_dscores", (self.G, T, T), dt) if need_dscores else None
+        self.kernels = row_kernels(dt.name, row_threads())
+
+    def chunks(self):
+        """(b, h, n, q offset, out offset, qkv stride, out stride) per chunk."""
+        T, C3, C, hs = self.T, self.C3, self.C, self.hs
+        heads = self.along == "heads"
+        sq, so = (hs, hs) if heads else (T * C3, T * C)
+        for b, h, n in _chunks(self.B, self.NH, self.along, self.G):
+            yield b, h, n, b * T * C3 + h * hs, b * T * C + h * hs, sq, so
+
+    def scores(self, off_q, sq, n):
+        """S[g] = Q[g] K[g]^T (T x T)."""
+        T, C3 = self.T, self.C3
+        return GemmBatch(T, T, self.hs, False, True, C3, C3, T, off_q, off_q + self.C, 0, sq, sq, T * T, n)
+
+
+def attention_forward_gemm(qkv, n_head, out, lse, *, stream=0, scratch, gemm, budget=SCORES_BUDGET):
+    """As :func:`.attention_cuda.attention_forward_cuda` (the same out and lse), by GEMMs.
+    ``scratch`` is the device's (key, shape, dtype) -> reused array; ``gemm`` a
+    :mod:`.batched_gemm` executor on the same stream."""
+    B, T, C3 = qkv.shape
+    p = _Plan("attention_forward_gemm", qkv, n_head, [("out", out, (B, T, C3 // 3)), ("lse", lse, (B, n_head, T))],
+              scratch, budget, False)
+    if B == 0 or T == 0:
+        return out
+    softmax_rows = p.kernels[0]
+    threads = row_threads()
+    for b, h, n, oq, oo, sq, so in p.chunks():
+        gemm(p.scores(oq, sq, n), qkv, qkv, p.S)
+        softmax_rows[blocks_for(n * T, 1), threads, stream](p.S, p.scale, lse, b, h, p.along == "heads", n)
+        gemm(GemmBatch(T, p.hs, T, False, False, T, C3, p.C, 0, oq + 2 * p.C, oo, T * T, sq, so, n), p.S, qkv, out)
+    return out
+
+
+def attention_backward_gemm(dout, qkv, out, lse, n_head, dqkv, work, *, stream=0, scratch, gemm,
+                            budget=SCORES_BUDGET):
+    """As :func:`.attention_cuda.attention_backward_cuda` (dqkv overwritten), by GEMMs. ``out`` and
+    ``work`` are unused (the row term is reduced from P and dP); they keep the flash signature."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    p = _Plan("attention_backward_gemm", qkv, n_head,
+              [("dout", dout, (B, T, C)), ("lse", lse, (B, n_head, T)), ("dqkv", dqkv, qkv.shape)],
+              scratch, budget, True)
+    if B == 0 or T == 0:
+        return dqkv
+    _, probs, grad_rows = p.kernels
+    threads, hs, S, W = row_threads(), p.hs, p.S, p.W
+    for b, h, n, oq, oo, sq, so in p.chunks():
+        gemm(p.scores(oq, sq, n), qkv, qkv, S)
+        probs[blocks_for(n * T * T), 256, stream](S, p.scale, lse, b, h, p.along == "heads", n)
+        # dV = P^T dY; dP = dY V^T
+        gemm(GemmBatch(T, hs, T, True, False, T, C, C3, 0, oo, oq + 2 * C, T * T, so, sq, n), S, dout, dqkv)
+        gemm(GemmBatch(T, T, hs, False, True, C, C3, T, oo, oq + 2 * C, 0, so, sq, T * T, n), dout, qkv, W)
+        grad_rows[blocks_for(n * T, 1), threads, stream](S, W, p.scale, n)
+        # dQ = dS K; dK = dS^T Q (dS carries the scale)
+        gemm(GemmBatch(T, hs, T, False, False, T, C3, C3, 0, oq + C, oq, T * T, sq, sq, n), W, qkv, dqkv)
+        gemm(GemmBatch(T, hs, T, True, False, T, C3, C3, 0, oq, oq + C, T * T, sq, sq, n), W, qkv, dqkv)
+    return dqkv
+
+
+def scores_bytes(B: int, NH: int, T: int, itemsize: int, budget: int = SCORES_BUDGET) -> int:
+    """Bytes of the two score buffers a call at this shape uses (stated in the docs and memory plan)."""
+    _, G = chunk_plan(B, NH, T, itemsize, budget)
+    return 2 * G * T * T * itemsize
+
+
+class ChosenAttention:
+    """The device's attention ops for ``model.attention = mode``: per call, :func:`choose` picks
+    the flash kernels or the GEMM path by the call's T and head size (both keep the same lse,
+    so a model may take either at any shape). ``gemm``: the batched-GEMM executor, None where
+    there is none (then only flash runs; the model's head-size check keeps hs within it)."""
+
+    def __init__(self, mode: str, stream, scratch, gemm=None):
+        from .attention_cuda import attention_backward_cuda, attention_forward_cuda
+
+        choose(mode, 1, 1, False)  # a bad mode fails here, at start-up
+        self.mode, self.stream, self.scratch, self.gemm = mode, stream, scratch, gemm
+        self._flash = attention_forward_cuda, attention_backward_cuda
+
+    def which(self, T: int, hs: int) -> str:
+        """"flash" or "gemm" at sequence length T and head size hs."""
+        if self.gemm is None:
+            return "flash"
+        return choose(self.mode, T, hs, self.gemm.name == "cublas")
+
+    def _gemm(self, qkv, n_head) -> bool:
+        return self.which(qkv.shape[1], qkv.shape[2] // 3 // max(1, n_head)) == "gemm"
+
+    def forward(self, qkv, n_head, out, lse):
+        if self._gemm(qkv, n_head):
+            return attention_forward_gemm(qkv, n_head, out, lse, stream=self.stream, scratch=self.scratch,
+                                          gemm=self.gemm)
+        return self._flash[0](qkv, n_head, out, lse, stream=self.stream)
+
+    def backward(self, dout, qkv, out, lse, n_head, dqkv, work):
+        if self._gemm(qkv, n_head):
+            return attention_backward_gemm(dout, qkv, out, lse, n_head, dqkv, work, stream=self.stream,
+                                           scratch=self.scratch, gemm=self.gemm)
+        return self._flash[1](dout, qkv, out, lse, n_head, dqkv, work, stream=self.stream)
