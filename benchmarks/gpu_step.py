@@ -33,8 +33,10 @@ on matrices and embeddings only, hpctrain's rule), and:
    float32 GEMM peak measured in this run (an 8192^3 cuBLAS SGEMM through CuPy, best of 3), with
    the card's datasheet dense FP32 peak beside it where the card is known.
 
-CUDA graphs are not built yet: every row says ``eager``. TF32 is off on both sides (PyTorch's
-default for matmuls, CuPy's default). Prints a Markdown table; writes JSON.
+hpctrain's step replays forward and backward as a CUDA graph where the device can capture
+(``--graphs auto``, as ``train.cuda_graphs``; the graphs column says which, and why not); the
+per-op split runs eagerly. TF32 is off on both sides (PyTorch's default for matmuls, CuPy's
+default). Prints a Markdown table; writes JSON.
 """
 
 from __future__ import annotations
@@ -71,25 +73,40 @@ def optim_config():
 
 
 class Hpctrain:
-    """hpctrain's GPT and AdamW on ``dev``: ``step(x, y)`` -> the step's mean loss (a float)."""
+    """hpctrain's GPT and AdamW on ``dev``, a training step as the trainer's: the batch copied into
+    the step's input buffers, forward and backward (a CUDA graph's replay with ``graphs``, as
+    ``train.cuda_graphs``), AdamW, and the loss statistics kept on the device and read once.
+    ``step(x, y)`` -> the step's mean loss (a float)."""
 
-    def __init__(self, dev, shape, seed=1):
+    def __init__(self, dev, shape, seed=1, graphs=False):
         from hpctrain.models.gpt import GPT
         from hpctrain.optim import make_optimizer
+        from hpctrain.training.cuda_graphs import GraphedMicroBatches
 
-        layers, d, heads, context, vocab, _ = shape
+        layers, d, heads, context, vocab, rows = shape
         self.dev = dev
         self.model = GPT(dev, vocab, context, layers, heads, d)
         self.model.init(seed)
         self.opt = make_optimizer(dev, self.model.flat, optim_config(), self.model.no_decay)
         self.t = 0
+        self.x, self.y = dev.empty((rows, context), np.int64), dev.empty((rows, context), np.int64)
+        self.totals = dev.zeros((2,), np.float64)
+        self.graphs = GraphedMicroBatches(dev, self.model) if graphs else None
 
     def step(self, x, y):
-        loss_sum, _ = self.model.forward(x, y)
-        self.model.backward()
+        if hasattr(self.dev, "stream"):  # device to device, on the stream (the trainer uploads from the host)
+            self.x.copy_to_device(x, stream=self.dev.stream)
+            self.y.copy_to_device(y, stream=self.dev.stream)
+        else:
+            self.x[...], self.y[...] = x, y
+        if self.graphs is not None:
+            self.graphs.run(self.x, self.y, self.totals, False, False)
+        else:
+            self.model.forward(self.x, self.y, totals=self.totals)
+            self.model.backward()
         self.opt.step(LR, self.t)
         self.t += 1
-        return float(loss_sum) / y.size
+        return float(self.dev.to_host(self.totals)[0]) / y.size
 
     def weights(self) -> dict:
         """name -> host array (hpctrain's layout: Linear weights (in, out))."""
@@ -152,8 +169,9 @@ def timed(step, data, warmup, steps, sync):
 
 
 def count_launches(fn) -> int | None:
-    """numba kernel launches (device functions not counted) plus cuBLAS GEMM calls while ``fn`` runs."""
-    from hpctrain.device import simulated
+    """numba kernel launches (device functions not counted), cuBLAS GEMM calls and CUDA graph replays
+    while ``fn`` runs."""
+    from hpctrain.device import CudaDevice, simulated
     from hpctrain.kernels import batched_gemm, cublas
 
     count = [0]
@@ -169,6 +187,7 @@ def count_launches(fn) -> int | None:
         return None
     original, gemm = getattr(cls, name), cublas.CublasLinear.gemm
     batched = {c: c.__call__ for c in (batched_gemm.CublasBatchedGemm, batched_gemm.HostBatchedGemm)}
+    replay = CudaDevice.replay
 
     def counted(self, *args, **kwargs):
         if not getattr(self, "_device", False):
@@ -178,6 +197,7 @@ def count_launches(fn) -> int | None:
     cublas.CublasLinear.gemm = _counting(gemm, count)
     for c, call in batched.items():   # attention's strided-batched GEMMs (model.attention = gemm)
         c.__call__ = _counting(call, count)
+    CudaDevice.replay = _counting(replay, count)
     try:
         fn()
     finally:
@@ -185,6 +205,7 @@ def count_launches(fn) -> int | None:
         cublas.CublasLinear.gemm = gemm
         for c, call in batched.items():
             c.__call__ = call
+        CudaDevice.replay = replay
     return count[0]
 
 
@@ -243,7 +264,7 @@ def measure(shape_name, args, dev, torch):
     shape = SHAPES[shape_name]
     layers, d, heads, context, vocab, rows = shape
     data = batches(shape, max(args.validate, 4))
-    ours = Hpctrain(dev, shape)
+    ours = Hpctrain(dev, shape, graphs=args.graphs_on)
     up = [(dev.from_host(x, np.int64), dev.from_host(y, np.int64)) for x, y in data]
     row = {"shape": shape_name, "n_layer": layers, "d_model": d, "n_head": heads, "context": context,
            "vocab": vocab, "windows": rows, "tokens_per_step": rows * context, "dtype": "float32",
@@ -260,6 +281,10 @@ def measure(shape_name, args, dev, torch):
     rel = [abs(a - b) / abs(b) for a, b in zip(got, reference)]
     row.update(validated_against=against, losses=got, reference_losses=reference, loss_rel_diff=max(rel),
                valid=max(rel) <= args.loss_rtol)
+    if ours.graphs is not None:   # replayed from the second step on, unless the capture failed
+        row["graphs"] = f"eager (capture failed: {ours.graphs.failed})" if ours.graphs.failed else "graphs"
+    elif args.graphs_why:
+        row["graphs"] = f"eager ({args.graphs_why})"
     if not row["valid"]:
         return row
     s = timed(ours.step, up, args.warmup, args.steps, dev.synchronize)
@@ -281,11 +306,13 @@ def measure(shape_name, args, dev, torch):
 
 
 def op_split(ours, up, steps, dev) -> dict:
-    """ms per step by op family, and the step ("step": every op synchronised, so slower than timed)."""
+    """ms per step by op family, and the step ("step": every op synchronised, so slower than timed;
+    eager, since a graph's replay calls no op)."""
     from hpctrain.observe.op_times import OpTimes
 
-    plain = dev.ops
+    plain, graphs = dev.ops, ours.graphs
     clock = OpTimes(dev)  # wraps dev.ops in place; put back below
+    ours.graphs = None
     try:
         ours.step(*up[0])
         clock.pop()
@@ -298,7 +325,7 @@ def op_split(ours, up, steps, dev) -> dict:
                 totals[k[5:]] = totals.get(k[5:], 0.0) + v
         return {k: v / steps * 1e3 for k, v in sorted(totals.items())}
     finally:
-        dev.ops = plain
+        dev.ops, ours.graphs = plain, graphs
 
 
 def torch_op_split(peer, tup, steps) -> dict:
@@ -370,6 +397,9 @@ def main(argv=None) -> int:
     p.add_argument("--op-steps", type=int, default=3, help="steps of the per-op split (3)")
     p.add_argument("--attention", default="auto", choices=("auto", "flash", "gemm"),
                    help="hpctrain's model.attention (auto: what a run gets by default)")
+    p.add_argument("--graphs", default="auto", choices=("auto", "off"),
+                   help="hpctrain's forward and backward as a replayed CUDA graph (train.cuda_graphs): auto "
+                   "(where the device can capture) | off")
     p.add_argument("--json", default=os.path.join(REPO, "runs", "bench", "gpu_step.json"))
     args = p.parse_args(argv)
     from hpctrain.device import CudaDevice, gpu_name, simulated
@@ -392,6 +422,9 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False  # the default, said explicitly: float32 on both sides
         torch.backends.cudnn.allow_tf32 = False
     dev = CudaDevice("float32", gemm="auto", attention=args.attention)
+    can, why = dev.can_capture()
+    args.graphs_on = args.graphs == "auto" and can
+    args.graphs_why = "--graphs off" if args.graphs == "off" else why
     import numba
 
     versions = f"numba {numba.__version__}" + (f", torch {torch.__version__}" if torch is not None else "")

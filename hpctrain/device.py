@@ -14,6 +14,8 @@ and allocate through ``device.empty``/``device.zeros``. Both devices offer:
   describe()                 one line for logs
   gemm_note                  the warning to log once at start-up when train.gemm = auto fell back to
                              the numba GEMMs on a GPU (CuPy missing or unusable), else None
+  attention_note             (cuda) likewise when model.attention = auto left the cuBLAS attention,
+                             which failed its start-up check
 
 ``model.attention`` (auto | flash | gemm) picks the CUDA attention (:mod:`.kernels.attention_gemm`);
 the CPU twin is always NumPy's BLAS GEMMs around a numba softmax, whatever it says.
@@ -38,10 +40,12 @@ CPU_OPS = SimpleNamespace(
     bias_act_forward=bias_act.bias_act_forward, bias_act_backward=bias_act.bias_act_backward,
     softmax_xent_forward=softmax_xent.softmax_xent_forward,
     softmax_xent_backward=softmax_xent.softmax_xent_backward, softmax_xent_fused=softmax_xent.softmax_xent_fused,
+    softmax_xent_fused_add=softmax_xent.softmax_xent_fused_add,
     sgd_step=sgd.sgd_step, adamw_step=adamw.adamw_step, scale=scale.scale, all_finite=finite.all_finite,
     # the GPT's ops
     embedding_forward=embedding.embedding_forward, embedding_backward=embedding.embedding_backward,
     layernorm_forward=layernorm.layernorm_forward, layernorm_backward=layernorm.layernorm_backward,
+    residual_layernorm_forward=layernorm.residual_layernorm_forward,
     attention_forward=attention.attention_forward, attention_backward=attention.attention_backward,
     attention_state_shapes=attention.attention_state_shapes,
     attention_max_head_size=None,   # the twin takes any head size
@@ -117,12 +121,14 @@ class CudaDevice:
             softmax_xent_forward=p(softmax_xent.softmax_xent_forward_cuda, **s, scratch=self.scratch),
             softmax_xent_backward=p(softmax_xent.softmax_xent_backward_cuda, **s),
             softmax_xent_fused=p(softmax_xent.softmax_xent_fused_cuda, **s, scratch=self.scratch),
+            softmax_xent_fused_add=p(softmax_xent.softmax_xent_fused_add_cuda, **s, scratch=self.scratch),
             sgd_step=p(sgd.sgd_step_cuda, **s), adamw_step=p(adamw.adamw_step_cuda, **s),
             scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s),
             # the GPT's ops
             embedding_forward=p(embedding.embedding_forward_cuda, **s),
             embedding_backward=p(embedding.embedding_backward_cuda, **s, scratch=self.scratch),
             layernorm_forward=p(layernorm_cuda.layernorm_forward_cuda, **s),
+            residual_layernorm_forward=p(layernorm_cuda.residual_layernorm_forward_cuda, **s),
             layernorm_backward=p(layernorm_cuda.layernorm_backward_cuda, **s, scratch=self.scratch),
             attention_state_shapes=attention_cuda.attention_state_shapes,
             residual_forward=p(residual.residual_forward_cuda, **s),
@@ -152,8 +158,15 @@ class CudaDevice:
         from .errors import ConfigError
         from .kernels import attention_gemm, batched_gemm
 
+        self.attention_note = None
         if self.gemm == "cublas":
             gemms = batched_gemm.CublasBatchedGemm(self.stream, self.gpu)
+            why = "" if self.attention == "flash" else attention_gemm.self_check(gemms, self.stream, self.scratch,
+                                                                                 self.dtype)
+            if why and self.attention == "gemm":
+                raise ConfigError(f"model.attention='gemm': {why}; use model.attention='flash'")
+            if why:  # auto: the flash kernels only, said once at start-up
+                gemms, self.attention_note = None, f"model.attention = auto uses the flash kernels only: {why}"
         elif simulated():
             gemms = batched_gemm.HostBatchedGemm()
         elif self.attention == "gemm":
@@ -236,6 +249,40 @@ class CudaDevice:
         if buf is None:
             buf = self._scratch[k] = self._cuda.device_array(shape, dtype=dtype, stream=self.stream)
         return buf
+
+    def can_capture(self) -> tuple[bool, str]:
+        """(whether :meth:`capture` can record CUDA graphs here, why not): CuPy's stream capture on a
+        real GPU."""
+        if simulated():
+            return False, "numba's CUDA simulator has no graphs"
+        from .kernels.cublas import cupy_found
+
+        version, why = cupy_found()
+        return (True, "") if version else (False, why)
+
+    def capture(self, fn):
+        """A CUDA graph of the work ``fn`` queues on this device's stream (recorded, not run; CuPy's
+        stream capture in relaxed mode: numba's launches and cuBLAS's calls on the stream are
+        recorded). On an error the capture is ended and discarded, and the error raised."""
+        import cupy
+
+        stream = cupy.cuda.ExternalStream(int(self.stream))
+        stream.begin_capture()
+        try:
+            fn()
+        except BaseException:
+            try:
+                stream.end_capture()
+            except Exception:  # noqa: BLE001 - an invalidated capture also says so here; fn's error is the one
+                pass
+            raise
+        return stream.end_capture()
+
+    def replay(self, graph) -> None:
+        """Queue a graph from :meth:`capture` on this device's stream."""
+        import cupy
+
+        graph.launch(stream=cupy.cuda.ExternalStream(int(self.stream)))
 
     def describe(self) -> str:
         return (f"cuda:{self.gpu} ({gpu_name(self.gpu)}, {self.dtype.name}, GEMM {self.gemm}, "

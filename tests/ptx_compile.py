@@ -71,7 +71,7 @@ def kernels():
         yield f"scale {dt}", scale._scale_kernel, (v, dt), False
         yield f"all_finite {dt}", finite._nonfinite_kernel, (v, arr(int32, 1)), False
         yield f"bias partial sums -> {dt}", bias_act_cuda._sum_partials, (arr(float64, 2), v, boolean), False
-    yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3, False
+    yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3 + (boolean,), False
     yield from compression_kernels()
     yield from ptx_attention.kernels()
     yield from ptx_gpt_ops.kernels()

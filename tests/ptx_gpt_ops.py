@@ -27,7 +27,10 @@ def kernels():
         yield f"embedding forward {dt}", embedding._embedding_forward_kernel, (tokens, m, m, t3), False
         yield f"embedding dwpe {dt}", embedding._dwpe_kernel, (t3, m, boolean), False
         yield f"embedding dwte {dt}", embedding._dwte_kernel, (m, i32, i32, m), False  # dout as (B T, C)
-        yield f"layernorm forward {dt}", layernorm_cuda._layernorm_forward_kernel, (m, v, v, m, v, v, float64), False
+        yield f"layernorm forward {dt}", layernorm_cuda._layernorm_forward_kernel, (m, m, m, v, v, m, v, v, float64), \
+            False
+        yield f"layernorm forward with the residual add {dt}", layernorm_cuda._residual_layernorm_forward_kernel, \
+            (m, m, m, v, v, m, v, v, float64), False
         yield f"layernorm param partials {dt}", layernorm_cuda._layernorm_param_partials_kernel, \
             (m, m, v, v, f64m, f64m), False
         yield f"layernorm param sums -> {dt}", layernorm_cuda._layernorm_param_sums_kernel, \

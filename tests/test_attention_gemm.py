@@ -159,6 +159,24 @@ def test_gemm_attention_without_cublas_on_a_gpu_is_a_config_error(monkeypatch):
     assert auto.ops.attention_max_head_size == attention_cuda.HS_SIZES[-1]
 
 
+def test_the_start_up_check_passes_the_gemm_path_and_catches_a_wrong_argument(gdev32):
+    """Run when a GPU device is made with cuBLAS's GEMMs (a CuPy whose binding reads arguments
+    otherwise would train on wrong attention); here with NumPy's products, and with products
+    whose scalar alpha is misread (as a value taken for a pointer would be)."""
+    from dataclasses import replace
+
+    from hpctrain.kernels.batched_gemm import HostBatchedGemm
+
+    class MisreadAlpha(HostBatchedGemm):
+        def __call__(self, g, a, b, c):
+            return super().__call__(replace(g, alpha=0.5) if not (g.trans_a or g.trans_b) else g, a, b, c)
+
+    small = (1, 2, 5, 2)
+    assert attention_gemm.self_check(HostBatchedGemm(), gdev32.stream, gdev32.scratch, np.float32, small) == ""
+    why = attention_gemm.self_check(MisreadAlpha(), gdev32.stream, gdev32.scratch, np.float32, small)
+    assert "the cuBLAS attention's out differs from the flash kernels' by 5.0e-01" in why, why
+
+
 def test_bad_shapes_raise(gdev64):
     B, T, NH, hs = 2, 5, 2, 3
     C = NH * hs

@@ -43,5 +43,5 @@ def test_every_kernel_compiles_to_ptx_for_sm90(tmp_path):
     # sample_abs, compact)
     # + 61 attention variants (tests/ptx_attention.py: each dtype, head-size capacity and fitting tile)
     # + 6 kernels of the GEMM attention (2 dtypes x softmax rows, probs, grad rows)
-    # + 25 embedding / layernorm / residual kernels (tests/ptx_gpt_ops.py)
-    assert stdout.count("\nok ") == 2 * 22 + 1 + 22 + 61 + 6 + 25, stdout
+    # + 27 embedding / layernorm (with the fused residual add) / residual kernels (tests/ptx_gpt_ops.py)
+    assert stdout.count("\nok ") == 2 * 22 + 1 + 22 + 61 + 6 + 27, stdout

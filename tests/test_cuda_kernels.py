@@ -239,6 +239,30 @@ def test_softmax_xent_fused_on_device_is_forward_then_backward_bit_for_bit(reque
     np.testing.assert_allclose(want, twin, rtol=16 * u, atol=16 * u * scale)
 
 
+@pytest.mark.parametrize("which", ["dev32", "dev64"])
+def test_softmax_xent_totals_stay_on_the_device_written_then_added(request, which):
+    """The training step's form of the fused op: the statistics go into a float64 device array,
+    the first micro-batch's written over whatever it held (a NaN of a diverged step), the next
+    added, with the same gradient bits as the host-returning op."""
+    dev = request.getfixturevalue(which)
+    B, C = XENT_SHAPES[1]
+    r = rng_for(7, B, C)
+    parts = [((3 * r.standard_normal((B, C))).astype(dev.dtype), r.integers(0, C, size=B).astype(np.int64))
+             for _ in range(2)]
+    want = []
+    for logits, labels in parts:
+        X = up(dev, logits)
+        want.append((dev.ops.softmax_xent_fused(X, up(dev, labels), 0.5, X), dev.to_host(X)))
+    totals = up(dev, np.array([np.nan, np.nan]))
+    for i, (logits, labels) in enumerate(parts):
+        X = up(dev, logits)
+        dev.ops.softmax_xent_fused_add(X, up(dev, labels), 0.5, X, totals, i > 0)
+        assert dev.to_host(X).tobytes() == want[i][1].tobytes()
+        if i == 0:
+            assert dev.to_host(totals).tolist() == [want[0][0][0], want[0][0][1]]
+    assert dev.to_host(totals).tolist() == [want[0][0][0] + want[1][0][0], want[0][0][1] + want[1][0][1]]
+
+
 def test_softmax_xent_rows_of_nan_or_minus_inf_stay_in_bounds(dev64):
     # diverged training: no element beats -inf, so the argmax must fall back to
     # class 0 (as the twin) instead of reading past the row

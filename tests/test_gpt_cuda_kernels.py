@@ -202,6 +202,33 @@ def test_layernorm_forward_matches_twin(dev, shape):
     assert down(dev, OUT).tobytes() == got[0].tobytes()  # a fixed order: the same bits every run
 
 
+@pytest.mark.parametrize("shape", [(17, 33), (40, 130)])
+def test_residual_layernorm_forward_is_the_add_then_layernorm_bit_for_bit(dev, shape):
+    """The fused op (a block's residual add into the next LayerNorm) against the device's own two
+    kernels: the same sum and the same normalised rows, bit for bit; 130 channels reach the
+    lanes' four-channel steps, 17 rows a ragged row group; the sum may be written over an input."""
+    x, weight, bias, dout, *_ = ln_case(dev.dtype, shape)
+    W, B_ = up(dev, weight), up(dev, bias)
+    N, C = shape
+    want = []
+    S, OUT, MEAN, RSTD = dev.empty((N, C)), dev.empty((N, C)), dev.empty(N), dev.empty(N)
+    dev.ops.residual_forward(up(dev, x), up(dev, dout), S)
+    dev.ops.layernorm_forward(S, W, B_, OUT, MEAN, RSTD)
+    want = [down(dev, a).tobytes() for a in (S, OUT, MEAN, RSTD)]
+    for inplace in (False, True):
+        A = up(dev, x)
+        S, OUT, MEAN, RSTD = ((A if inplace else up(dev, np.full((N, C), np.nan, dev.dtype))),
+                              *(up(dev, np.full(s, np.nan, dev.dtype)) for s in ((N, C), (N,), (N,))))
+        dev.ops.residual_layernorm_forward(A, up(dev, dout), S, W, B_, OUT, MEAN, RSTD)
+        assert [down(dev, a).tobytes() for a in (S, OUT, MEAN, RSTD)] == want, inplace
+    s, out, mean, rstd = np.empty((N, C), dev.dtype), np.empty((N, C), dev.dtype), np.empty(N, dev.dtype), \
+        np.empty(N, dev.dtype)
+    layernorm.residual_layernorm_forward(x, dout, s, weight, bias, out, mean, rstd)   # the twin
+    assert s.tobytes() == want[0]
+    with pytest.raises(ValueError, match="residual_layernorm_forward: b is"):
+        dev.ops.residual_layernorm_forward(up(dev, x), up(dev, dout[:1]), S, W, B_, OUT, MEAN, RSTD)
+
+
 # every (accumulate, add_dx) pair once on the ragged 17 x 33; the other shapes once each
 LN_BACKWARD_CASES = [((17, 33), False, False), ((17, 33), True, True), ((17, 33), False, True),
                      ((17, 33), True, False), ((1, 5), False, False), ((12, 70), True, True),

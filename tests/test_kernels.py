@@ -15,6 +15,7 @@ import pytest
 from hpctrain.device import CpuDevice
 from hpctrain.kernels.bias_act import bias_act_backward, bias_act_forward
 from hpctrain.kernels.linear import linear_backward, linear_forward
+from hpctrain.kernels import softmax_xent
 from hpctrain.kernels.softmax_xent import softmax_xent_backward, softmax_xent_forward, softmax_xent_fused
 from hpctrain.models.mlp import MLP
 from gelu_float32 import assert_gelu_float32
@@ -298,6 +299,20 @@ def test_softmax_xent_fused_is_forward_then_backward_bit_for_bit(shape, dtype):
     inplace = logits.copy()
     assert softmax_xent_fused(inplace, labels, scale, inplace) == (loss_sum, correct)
     assert inplace.tobytes() == want.tobytes()
+
+
+def test_softmax_xent_totals_are_written_then_added_with_the_fused_ops_values():
+    (l0, y0), (l1, y1) = xent_data((5, 7)), xent_data((6, 7), scale=2.0)
+    want = [softmax_xent_fused(a.copy(), y, 0.5, a.copy()) for a, y in ((l0, y0), (l1, y1))]
+    totals = np.array([np.nan, np.nan])   # a diverged step's: the first micro-batch overwrites it
+    g = l0.copy()
+    softmax_xent.softmax_xent_fused_add(g, y0, 0.5, g, totals)
+    assert totals.tolist() == [want[0][0], want[0][1]]
+    ref = l0.copy()
+    softmax_xent_fused(ref, y0, 0.5, ref)
+    assert g.tobytes() == ref.tobytes()
+    softmax_xent.softmax_xent_fused_add(l1.copy(), y1, 0.5, l1.copy(), totals, accumulate=True)
+    assert totals.tolist() == [want[0][0] + want[1][0], want[0][1] + want[1][1]]
 
 
 @pytest.mark.parametrize("shape", XENT_SHAPES)

@@ -123,6 +123,7 @@ class BucketedAllreduce:
         self.comm_s = self.exposed_s = 0.0
         self.bytes = sum(v.nbytes for v in self._views)
         self.tracer, self.trace_args = None, {}  # set by the trainer when tracing (hpctrain.observe.trace)
+        self.ranges = None  # NVTX ranges (hpctrain.observe.nvtx), set by the trainer with train.nvtx
 
     claim = None         # ZeRO-2's hook before backward writes gradients (hpctrain.comm.zero_grads)
     every_micro = False  # True: backward feeds the buckets in every micro-batch, each writing afresh
@@ -181,6 +182,8 @@ class BucketedAllreduce:
 
     def _reduce(self, i: int) -> None:
         t0 = time.perf_counter()
+        if self.ranges is not None:
+            self.ranges.push(f"comm bucket {i}")
         view = self._views[i]
         if self.shards is not None:
             self.strategy.reduce_scatter(view)
@@ -194,6 +197,8 @@ class BucketedAllreduce:
             finite = sum_scaled(self.strategy, view, self.scale, self.device, self.check_finite)
         if not finite:
             self.nonfinite = True
+        if self.ranges is not None:
+            self.ranges.pop()
         self.comm_s += time.perf_counter() - t0
         if self.tracer is not None:
             self.tracer.complete(f"comm bucket {i}", t0, "comm", dict(self.trace_args, bucket=i, bytes=view.nbytes))

@@ -208,6 +208,8 @@ class ShardedGradients(BucketedAllreduce):
     def _reduce_item(self, item) -> None:
         i, micro = item
         t0 = time.perf_counter()
+        if self.ranges is not None:
+            self.ranges.push(f"comm bucket {i}")
         view = self._views[i]
         self.strategy.reduce_scatter(view)
         lo, hi, at = self.shards.pieces[i]
@@ -220,6 +222,8 @@ class ShardedGradients(BucketedAllreduce):
                 self.nonfinite = True
         # backward writes into this slot next, from the main thread: the copy must be done
         self.device.synchronize()
+        if self.ranges is not None:
+            self.ranges.pop()
         self.comm_s += time.perf_counter() - t0
         if self.tracer is not None:
             self.tracer.complete(f"comm bucket {i}", t0, "comm",

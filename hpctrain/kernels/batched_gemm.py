@@ -135,6 +135,7 @@ class CublasBatchedGemm:
         self.cp, self.cublas = cupy, cublas
         self.stream = cupy.cuda.ExternalStream(int(stream))
         self.handle = cupy.cuda.device.get_cublas_handle()
+        cublas.setPointerMode(self.handle, getattr(cublas, "CUBLAS_POINTER_MODE_HOST", 0))  # alpha, beta: host scalars
         self._scalars = {}
 
     def _scalar(self, value, dtype):

@@ -112,6 +112,14 @@ def layernorm_forward(x, weight, bias, out, mean, rstd, eps=1e-5):
     return out
 
 
+def residual_layernorm_forward(a, b, x, weight, bias, out, mean, rstd, eps=1e-5):
+    """x (N, C) <- a + b (a pre-LN block's residual add), then :func:`layernorm_forward` of x.
+    Returns out. The same bits as ``residual_forward(a, b, x)`` then ``layernorm_forward(x, ...)``:
+    on the GPU one kernel does both (the sum written and normalised in one pass over a and b)."""
+    np.add(a, b, out=x)
+    return layernorm_forward(x, weight, bias, out, mean, rstd, eps)
+
+
 def layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, accumulate=False, add_dx=False):
     """dx (N, C) <- (dx +) dL/dx; dweight, dbias (C,) <- (their +) dL/dweight, dL/dbias. Returns dx.
 

@@ -83,48 +83,82 @@ def _put_dx(dx, i, c, g, xc, mi, ri, g_mean, gx_mean, add_dx):
         dx[i, c] = v
 
 
-@cuda.jit
-def _layernorm_forward_kernel(x, weight, bias, out, mean, rstd, eps):
-    # Memory-bound: the row is read three times (twice from L1) and its sums
-    # run in float64 at no cost in time. Blocks step over groups of ROWS rows;
-    # the loop bound is block-uniform, so every thread reaches every barrier.
-    N, C = x.shape
-    lane, row = cuda.threadIdx.x, cuda.threadIdx.y
-    acc = cuda.shared.array((ROWS, LANES), float64)  # the lanes' shares
-    res = cuda.shared.array((ROWS, 2), float64)      # mean, rstd: lane 0 -> all lanes
-    base = cuda.blockIdx.x * ROWS
-    while base < N:
-        i = base + row
-        width = C if i < N else 0  # a row past N: no channels, but every barrier
-        s = _lane_sum(x, i, lane, width)  # the mean
-        acc[row, lane] = s
-        cuda.syncthreads()
-        if lane == 0:
-            res[row, 0] = _row_sum(acc, row) / C
-        cuda.syncthreads()
-        m = res[row, 0]
-        s = _lane_centred_squares(x, i, m, lane, width)  # no E[x^2] - E[x]^2 cancellation
-        acc[row, lane] = s  # lane 0 read the first shares before the last barrier
-        cuda.syncthreads()
-        if lane == 0:
-            res[row, 1] = 1.0 / math.sqrt(_row_sum(acc, row) / C + eps)
-        cuda.syncthreads()
-        r = res[row, 1]
-        c = lane
-        while c + 3 * LANES < width:  # four loaded before any is stored (cuda_support.UNROLL)
-            x0, x1, x2, x3 = x[i, c], x[i, c + LANES], x[i, c + 2 * LANES], x[i, c + 3 * LANES]
-            out[i, c] = (x0 - m) * r * weight[c] + bias[c]
-            out[i, c + LANES] = (x1 - m) * r * weight[c + LANES] + bias[c + LANES]
-            out[i, c + 2 * LANES] = (x2 - m) * r * weight[c + 2 * LANES] + bias[c + 2 * LANES]
-            out[i, c + 3 * LANES] = (x3 - m) * r * weight[c + 3 * LANES] + bias[c + 3 * LANES]
-            c += 4 * LANES
-        while c < width:
-            out[i, c] = (x[i, c] - m) * r * weight[c] + bias[c]
-            c += LANES
-        if i < N and lane == 0:
-            mean[i] = m
-            rstd[i] = r
-        base += cuda.gridDim.x * ROWS
+@cuda.jit(device=True)
+def _lane_sum_of_sum(a, b, x, i, lane, width):
+    """:func:`_lane_sum` of x = a + b, each x[i, c] stored as it is formed (the residual add,
+    rounded to the dtype as residual_forward's kernel rounds it)."""
+    s = float64(0.0)
+    c = lane
+    while c + 3 * LANES < width:
+        a0, a1, a2, a3 = a[i, c], a[i, c + LANES], a[i, c + 2 * LANES], a[i, c + 3 * LANES]
+        b0, b1, b2, b3 = b[i, c], b[i, c + LANES], b[i, c + 2 * LANES], b[i, c + 3 * LANES]
+        x0, x1, x2, x3 = a0 + b0, a1 + b1, a2 + b2, a3 + b3   # in the dtype: the residual kernel's rounding
+        x[i, c], x[i, c + LANES], x[i, c + 2 * LANES], x[i, c + 3 * LANES] = x0, x1, x2, x3
+        s += x0
+        s += x1
+        s += x2
+        s += x3
+        c += 4 * LANES
+    while c < width:
+        x0 = a[i, c] + b[i, c]
+        x[i, c] = x0
+        s += x0
+        c += LANES
+    return s
+
+
+def _forward_kernel(residual: bool):
+    """The forward kernel; ``residual``: it first forms x = a + b (and stores it), else a and b
+    are unused. One body, so the fused op normalises exactly as the plain one."""
+
+    @cuda.jit
+    def kernel(a, b, x, weight, bias, out, mean, rstd, eps):
+        # Memory-bound: the row is read three times (twice from L1) and its sums
+        # run in float64 at no cost in time. Blocks step over groups of ROWS rows;
+        # the loop bound is block-uniform, so every thread reaches every barrier.
+        N, C = x.shape
+        lane, row = cuda.threadIdx.x, cuda.threadIdx.y
+        acc = cuda.shared.array((ROWS, LANES), float64)  # the lanes' shares
+        res = cuda.shared.array((ROWS, 2), float64)      # mean, rstd: lane 0 -> all lanes
+        base = cuda.blockIdx.x * ROWS
+        while base < N:
+            i = base + row
+            width = C if i < N else 0  # a row past N: no channels, but every barrier
+            # the mean (a lane reads back only the x[i, c] it stored itself)
+            s = _lane_sum_of_sum(a, b, x, i, lane, width) if residual else _lane_sum(x, i, lane, width)
+            acc[row, lane] = s
+            cuda.syncthreads()
+            if lane == 0:
+                res[row, 0] = _row_sum(acc, row) / C
+            cuda.syncthreads()
+            m = res[row, 0]
+            s = _lane_centred_squares(x, i, m, lane, width)  # no E[x^2] - E[x]^2 cancellation
+            acc[row, lane] = s  # lane 0 read the first shares before the last barrier
+            cuda.syncthreads()
+            if lane == 0:
+                res[row, 1] = 1.0 / math.sqrt(_row_sum(acc, row) / C + eps)
+            cuda.syncthreads()
+            r = res[row, 1]
+            c = lane
+            while c + 3 * LANES < width:  # four loaded before any is stored (cuda_support.UNROLL)
+                x0, x1, x2, x3 = x[i, c], x[i, c + LANES], x[i, c + 2 * LANES], x[i, c + 3 * LANES]
+                out[i, c] = (x0 - m) * r * weight[c] + bias[c]
+                out[i, c + LANES] = (x1 - m) * r * weight[c + LANES] + bias[c + LANES]
+                out[i, c + 2 * LANES] = (x2 - m) * r * weight[c + 2 * LANES] + bias[c + 2 * LANES]
+                out[i, c + 3 * LANES] = (x3 - m) * r * weight[c + 3 * LANES] + bias[c + 3 * LANES]
+                c += 4 * LANES
+            while c < width:
+                out[i, c] = (x[i, c] - m) * r * weight[c] + bias[c]
+                c += LANES
+            if i < N and lane == 0:
+                mean[i] = m
+                rstd[i] = r
+            base += cuda.gridDim.x * ROWS
+    return kernel
+
+
+_layernorm_forward_kernel = _forward_kernel(False)
+_residual_layernorm_forward_kernel = _forward_kernel(True)
 
 
 @cuda.jit
@@ -259,7 +293,19 @@ def layernorm_forward_cuda(x, weight, bias, out, mean, rstd, eps=1e-5, *, stream
     """As :func:`layernorm_forward`, on ``stream``. Returns out."""
     N, _ = x.shape
     _layernorm_forward_kernel[blocks_for(N, ROWS), (LANES, ROWS), stream](
-        x, weight, bias, out, mean, rstd, np.float64(eps))
+        x, x, x, weight, bias, out, mean, rstd, np.float64(eps))
+    return out
+
+
+def residual_layernorm_forward_cuda(a, b, x, weight, bias, out, mean, rstd, eps=1e-5, *, stream=0):
+    """As :func:`residual_layernorm_forward`: x <- a + b and its layernorm, one kernel. Returns out."""
+    N, _ = x.shape
+    for name, arr in (("a", a), ("b", b)):
+        if tuple(arr.shape) != tuple(x.shape) or arr.dtype != x.dtype:
+            raise ValueError(f"residual_layernorm_forward: {name} is {arr.dtype} {tuple(arr.shape)}, x is "
+                             f"{x.dtype} {tuple(x.shape)}")
+    _residual_layernorm_forward_kernel[blocks_for(N, ROWS), (LANES, ROWS), stream](
+        a, b, x, weight, bias, out, mean, rstd, np.float64(eps))
     return out
 
 

@@ -82,6 +82,19 @@ def softmax_xent_fused(logits, labels, scale, dlogits):
     return float(loss_sum), int(correct)
 
 
+def softmax_xent_fused_add(logits, labels, scale, dlogits, totals, accumulate=False):
+    """As :func:`softmax_xent_fused`, the two statistics written into ``totals`` (a float64 array
+    [loss_sum, correct]), or added to it with ``accumulate``: the CUDA op keeps them on the device
+    (a step reads them once), and this twin keeps the same contract."""
+    loss_sum, correct = softmax_xent_fused(logits, labels, scale, dlogits)
+    if accumulate:
+        totals[0] += loss_sum
+        totals[1] += correct
+    else:
+        totals[0], totals[1] = loss_sum, correct
+    return totals
+
+
 def softmax_xent_forward(logits, labels, probs):
     """probs <- softmax(logits); returns (loss_sum: float, correct: int) over the B rows."""
     loss_sum, correct = _softmax_xent_rows(logits, labels, logits.dtype.type(1.0), probs, False)
@@ -186,8 +199,8 @@ def rows_kernel(dtype: str, fused: bool):
 
 
 @cuda.jit
-def _sum_rows_kernel(row_loss, row_correct, out):
-    # one block: each thread sums a strided share, then a fixed-order tree
+def _sum_rows_kernel(row_loss, row_correct, out, accumulate):
+    # one block: each thread sums a strided share, then a fixed-order tree; out <- (or +=) the sums
     t = cuda.threadIdx.x
     sl = cuda.shared.array(THREADS, float64)
     sc = cuda.shared.array(THREADS, float64)
@@ -208,7 +221,11 @@ def _sum_rows_kernel(row_loss, row_correct, out):
         cuda.syncthreads()
         half //= 2
     if t == 0:
-        out[0], out[1] = sl[0], sc[0]
+        if accumulate:
+            out[0] += sl[0]
+            out[1] += sc[0]
+        else:
+            out[0], out[1] = sl[0], sc[0]
 
 
 @cuda.jit
@@ -225,20 +242,23 @@ def _softmax_xent_backward_kernel(probs, labels, scale, dlogits):
 
 
 # ---- launchers ---------------------------------------------------------------------
-def softmax_xent_totals_cuda(logits, labels, probs, *, stream=0, scratch, scale=1.0, fused=False):
+def softmax_xent_totals_cuda(logits, labels, probs, *, stream=0, scratch, scale=1.0, fused=False, totals=None,
+                             accumulate=False):
     """probs <- softmax(logits) (``fused``: ``probs`` <- the gradient at ``scale``, see
-    :func:`rows_kernel`); returns a float64 device array [loss_sum, correct].
+    :func:`rows_kernel`); returns a float64 device array [loss_sum, correct]: ``totals``, the sums
+    written into it or, with ``accumulate``, added to it; None: a scratch array of the launcher's.
 
     Queued on ``stream``, nothing copied to the host (the benchmark times this).
     """
     B, _ = logits.shape
     row_loss = scratch("xent_row_loss", (B,), np.float64)
     row_correct = scratch("xent_row_correct", (B,), np.float64)
-    totals = scratch("xent_totals", (2,), np.float64)
+    if totals is None:
+        totals = scratch("xent_totals", (2,), np.float64)
     kernel = rows_kernel(np.dtype(logits.dtype).name, fused)
     kernel[blocks_for(B, 1), ROW_THREADS, stream](logits, labels, logits.dtype.type(scale), probs, row_loss,
                                                  row_correct)
-    _sum_rows_kernel[1, THREADS, stream](row_loss, row_correct, totals)
+    _sum_rows_kernel[1, THREADS, stream](row_loss, row_correct, totals, accumulate)
     return totals
 
 
@@ -258,6 +278,12 @@ def softmax_xent_fused_cuda(logits, labels, scale, dlogits, *, stream=0, scratch
     host (a stream sync)."""
     return _to_host(softmax_xent_totals_cuda(logits, labels, dlogits, stream=stream, scratch=scratch, scale=scale,
                                              fused=True), stream)
+
+
+def softmax_xent_fused_add_cuda(logits, labels, scale, dlogits, totals, accumulate=False, *, stream=0, scratch):
+    """As :func:`softmax_xent_fused_add`: the statistics stay on the device, in ``totals``; no sync."""
+    return softmax_xent_totals_cuda(logits, labels, dlogits, stream=stream, scratch=scratch, scale=scale, fused=True,
+                                    totals=totals, accumulate=accumulate)
 
 
 def softmax_xent_backward_cuda(probs, labels, scale, dlogits, *, stream=0):

@@ -31,6 +31,7 @@ and its model offers (the trainer, checkpoints and optimizer use nothing else):
   activation_bytes(rows)   bytes of the activations a micro-batch of ``rows`` rows keeps for backward
   checkpoint_hint(shapes)  the fix to print when a checkpoint's parameter shapes do not fit
   tracer               an hpctrain.observe.trace.Tracer or None (spans per layer)
+  ranges               an hpctrain.observe.nvtx.NvtxRanges or None (NVTX ranges per layer or block)
   tensor_layout        a TensorLayout (split parameters and their logical arrays) or None: optional
 """
 

@@ -161,6 +161,8 @@ class GPT:
         shared = {} if recompute == "blocks" else None  # one block's arrays for all blocks, rebuilt in backward
         self.blocks = [Block(device, f"h.{i}", d_model, n_head, workspace, shared, tensor) for i in range(n_layer)]
         self.ln_f = LayerNorm(device, "ln_f", d_model)
+        for block, after in zip(self.blocks, [*(b.ln_1 for b in self.blocks[1:]), self.ln_f]):
+            block.next_norm = after  # each block's output add fused into the LayerNorm that reads it
         self.head = TiedHead(device, self.embedding)
         self.loss = SoftmaxCrossEntropy(device)
         specs = list(self.embedding.params)
@@ -177,6 +179,7 @@ class GPT:
             s.name: split for s in self.flat.slots if (split := _tensor_split(s.name))})
         self._bind()
         self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per block in forward and backward
+        self.ranges = None  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
         self._dres = {}
 
     def _bind(self):
@@ -251,19 +254,24 @@ class GPT:
         B, T = tokens.shape
         if T > self.context:
             raise ValueError(f"{T} positions, more than the model's context {self.context}")
-        tr = self.tracer
+        tr, rg = self.tracer, self.ranges
         x = self.embedding.forward(tokens)
         for block in self.blocks:
             t0 = tr and time.perf_counter()
+            if rg is not None:
+                rg.push(f"forward {block.name}")
             x = block.forward(x, B, T)
+            if rg is not None:
+                rg.pop()
             if tr is not None:
                 tr.complete(f"forward {block.name}", t0, "layer", sync=True)
         return self.head.forward(self.ln_f.forward(x))
 
-    def forward(self, tokens, targets):
-        """(loss_sum, correct) over the B*T next-token predictions of ``tokens`` (B, T)."""
+    def forward(self, tokens, targets, totals=None, accumulate=False):
+        """(loss_sum, correct) over the B*T next-token predictions of ``tokens`` (B, T); with
+        ``totals``, kept on the device as :meth:`~hpctrain.nn.layers.SoftmaxCrossEntropy.forward` says."""
         logits = self.logits(tokens)
-        return self.loss.forward(logits, targets.reshape(-1))
+        return self.loss.forward(logits, targets.reshape(-1), totals, accumulate)
 
     def backward(self, accumulate=False, ready=None, claim=None):
         """d(mean loss)/d(params) into ``flat.grad`` (added with ``accumulate``); ``ready(name)``
@@ -280,10 +288,15 @@ class GPT:
         self._claim(claim, self.ln_f.params)
         self.ln_f.backward(dxf, dres, accumulate, add_dx=False)
         self._ready(ready, self.ln_f.params)
+        rg = self.ranges
         for block in reversed(self.blocks):
             t0 = tr and time.perf_counter()
             self._claim(claim, block.params)
+            if rg is not None:
+                rg.push(f"backward {block.name}")
             block.backward(dres, accumulate)
+            if rg is not None:
+                rg.pop()
             if tr is not None:
                 tr.complete(f"backward {block.name}", t0, "layer", sync=True)
             self._ready(ready, block.params)

@@ -80,6 +80,7 @@ class MLP:
         for layer in self.layers:
             layer.bind(self.flat)
         self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per layer in forward and backward
+        self.ranges = None  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
 
     def activation_bytes(self, rows: int) -> int:
         """Bytes of the activation arrays a micro-batch of ``rows`` rows keeps from forward to
@@ -112,15 +113,19 @@ class MLP:
         host = np.concatenate([a.reshape(-1) for layer in self.layers for a in layer.init_host(rng)])
         self.device.copy_from_host(self.flat.data, host)
 
-    def forward(self, x, y):
-        tr = self.tracer
+    def forward(self, x, y, totals=None, accumulate=False):
+        tr, rg = self.tracer, self.ranges
         for layer in self.layers:
             t0 = tr and time.perf_counter()
+            if rg is not None:
+                rg.push(f"forward {layer.name}")
             x = layer.forward(x)
+            if rg is not None:
+                rg.pop()
             if tr is not None:
                 tr.complete(f"forward {layer.name}", t0, "layer", sync=True)
         t0 = tr and time.perf_counter()
-        out = self.loss.forward(x, y)
+        out = self.loss.forward(x, y, totals, accumulate)
         if tr is not None:
             tr.complete("forward loss", t0, "layer", sync=True)
         return out
@@ -134,7 +139,7 @@ class MLP:
         """Gradients into ``flat.grad``; ``claim(names)`` before a layer writes its parameters'
         gradients, ``ready(name)`` for each parameter as soon as its gradient is final (the
         bucketed all-reduce starts on it)."""
-        tr = self.tracer
+        tr, rg = self.tracer, self.ranges
         t0 = tr and time.perf_counter()
         dout = self.loss.backward()
         if tr is not None:
@@ -143,7 +148,11 @@ class MLP:
             t0 = tr and time.perf_counter()
             if claim is not None:
                 claim([name for name, _ in layer.params])
+            if rg is not None:
+                rg.push(f"backward {layer.name}")
             dout = layer.backward(dout, accumulate)
+            if rg is not None:
+                rg.pop()
             if tr is not None:
                 tr.complete(f"backward {layer.name}", t0, "layer", sync=True)
             if ready is not None:

@@ -102,10 +102,15 @@ class SoftmaxCrossEntropy(Layer):
         """Nothing of its own: the gradient it keeps for backward is written over the logits."""
         return []
 
-    def forward(self, logits, labels):
+    def forward(self, logits, labels, totals=None, accumulate=False):
+        """(loss_sum, correct) on the host; or, given ``totals`` (a float64 device array of 2), the
+        two written into it (added with ``accumulate``) on the device, without waiting for it:
+        a step reads them once (training), an evaluation per batch."""
         # 1/B: the mean over this rank's rows; the all-reduce averages over ranks
         scale = 1.0 / logits.shape[0] if self.row_weight is None else self.row_weight
         self.dlogits = logits
+        if totals is not None:
+            return self.device.ops.softmax_xent_fused_add(logits, labels, scale, logits, totals, accumulate)
         return self.device.ops.softmax_xent_fused(logits, labels, scale, logits)
 
     def backward(self):

@@ -53,6 +53,7 @@ class LayerNorm(Layer):
     def __init__(self, device, name: str, channels: int, eps: float = 1e-5):
         self.device, self.name, self.channels, self.eps = device, name, channels, eps
         self.params = ((f"{name}.weight", (channels,)), (f"{name}.bias", (channels,)))
+        self._done_for = None  # the input whose output :meth:`forward_sum` has already computed
 
     def bind(self, flat):
         self.w, self.b = (flat.view(flat.data, n) for n, _ in self.params)
@@ -62,11 +63,27 @@ class LayerNorm(Layer):
         return [(n,), (n,), (n, self.channels)]    # mean, rstd, the output
 
     def forward(self, x):                           # x (N, C) -> (N, C)
+        if self._done_for is x:  # the block before computed it, fused into its residual add
+            self._done_for = None
+            return self._buffer("out", x.shape)
         n = x.shape[0]
         self.x = x
         self.mean, self.rstd = self._buffer("mean", (n,)), self._buffer("rstd", (n,))
         out = self._buffer("out", x.shape)
         return self.device.ops.layernorm_forward(x, self.w, self.b, out, self.mean, self.rstd, self.eps)
+
+    def forward_sum(self, a, b, x, ahead=False):   # x (N, C) <- a + b, then forward(x), in one op
+        """A pre-LN block's residual add fused into the LayerNorm after it (one kernel on a GPU, the
+        same bits as the add then :meth:`forward`); x is the sum, kept as this layer's input.
+        ``ahead``: computed by the block before this layer's own (a block's output add with the next
+        block's ln_1, or ln_f): the next :meth:`forward` of that same x returns it as it is."""
+        n = x.shape[0]
+        self.x = x
+        self.mean, self.rstd = self._buffer("mean", (n,)), self._buffer("rstd", (n,))
+        out = self._buffer("out", x.shape)
+        self._done_for = x if ahead else None
+        return self.device.ops.residual_layernorm_forward(a, b, x, self.w, self.b, out, self.mean, self.rstd,
+                                                          self.eps)
 
     def backward(self, dout, dx, accumulate=False, add_dx=False):
         """dx (N, C) <- (or, with add_dx, +=) the input gradient: a pre-LN block adds its branch's
@@ -167,6 +184,9 @@ class Block(Layer):
         self.c_fc = Linear(device, f"{name}.mlp.c_fc", C, hidden, activation="gelu")
         self.c_proj = (Linear(device, f"{name}.mlp.c_proj", hidden, C) if tensor is None else
                        RowParallelLinear(device, f"{name}.mlp.c_proj", hidden, C, tensor))
+        # the LayerNorm after this block (the next block's ln_1, or ln_f; set by the model): the
+        # block's output add is fused into it, so the output is normalised as it is formed
+        self.next_norm = None
         parts = (self.ln_1, self.attn, self.ln_2, self.c_fc, self.c_proj)
         self.params = tuple(p for part in parts for p in part.params)
         self._parts = parts
@@ -202,14 +222,17 @@ class Block(Layer):
         out = self._outputs.get(x.shape)
         if out is None:
             out = self._outputs[x.shape] = self.device.empty(x.shape)
-        return self.device.ops.residual_forward(mid, self.c_proj.forward(h), out)
+        if self.next_norm is None:
+            return self.device.ops.residual_forward(mid, self.c_proj.forward(h), out)
+        self.next_norm.forward_sum(mid, self.c_proj.forward(h), out, ahead=True)
+        return out
 
     def _to_hidden(self, x, B, T):
         """The forward up to the MLP's hidden activation: mid = x + attn(ln_1(x)) (N, C), the
         second LayerNorm's input, and h = gelu(c_fc(ln_2(mid))) (N, 4C)."""
         mid = self._buffer("mid", x.shape)
-        self.device.ops.residual_forward(x, self.attn.forward(self.ln_1.forward(x), B, T), mid)
-        return mid, self.c_fc.forward(self.ln_2.forward(mid))
+        normed = self.ln_2.forward_sum(x, self.attn.forward(self.ln_1.forward(x), B, T), mid)
+        return mid, self.c_fc.forward(normed)
 
     def backward(self, dres, accumulate=False):
         """``dres`` (N, C): d loss / d (this block's output) in, d loss / d (its input) out, in place:

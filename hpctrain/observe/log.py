@@ -139,21 +139,26 @@ class Timers:
     ``with timers("forward"): ...`` adds to the phase; :meth:`pop` returns and
     clears the totals, so a caller can take per-step or per-window splits.
     ``sync`` (the device's synchronize) runs at the end of each phase so that
-    asynchronous GPU work is charged to the phase that queued it.
+    asynchronous GPU work is charged to the phase that queued it. ``ranges`` (an
+    :class:`~hpctrain.observe.nvtx.NvtxRanges`, ``train.nvtx``): each phase is also an NVTX range.
     """
 
-    def __init__(self, sync=None):
+    def __init__(self, sync=None, ranges=None):
         self.totals = defaultdict(float)
-        self.sync = sync
+        self.sync, self.ranges = sync, ranges
 
     @contextmanager
     def __call__(self, phase: str):
         t0 = time.perf_counter()
+        if self.ranges is not None:
+            self.ranges.push(phase)
         try:
             yield
             if self.sync is not None:
                 self.sync()
         finally:
+            if self.ranges is not None:
+                self.ranges.pop()
             self.totals[phase] += time.perf_counter() - t0
 
     def pop(self) -> dict[str, float]:

@@ -17,7 +17,9 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 FAMILIES = {"linear": "gemm", "tied_head": "gemm", "attention": "attention", "layernorm": "layernorm",
-            "embedding": "embedding", "softmax_xent": "loss", "bias_act": "elementwise", "residual": "elementwise",
+            "residual_layernorm": "layernorm",
+            "embedding": "embedding", "softmax_xent": "loss", "softmax_xent_fused": "loss",  # ..._fused_add
+            "bias_act": "elementwise", "residual": "elementwise",
             "sgd": "optimizer", "adamw": "optimizer"}
 
 

@@ -130,8 +130,8 @@ class TracedTimers(Timers):
     """:class:`~hpctrain.observe.log.Timers` that also records each phase as a span (the trainer's
     timers when tracing is on; the plain class otherwise, so tracing off costs nothing)."""
 
-    def __init__(self, tracer: Tracer, sync=None):
-        super().__init__(sync=sync)
+    def __init__(self, tracer: Tracer, sync=None, ranges=None):
+        super().__init__(sync=sync, ranges=ranges)
         self.tracer = tracer
 
     @contextmanager

@@ -106,6 +106,12 @@ class TrainConfig:
                         "elementwise, optimizer) into the metrics as t_op_*; on a GPU it synchronises per op")
     trace: str = _f("", "write a Chrome trace per rank into this directory (also --trace; merge with "
                     "python -m hpctrain trace merge DIR); empty = off, no cost")
+    cuda_graphs: str = _f("auto", "cuda: replay each micro-batch's forward and backward as a CUDA graph (one "
+                           "launch instead of hundreds; the all-reduce then follows backward instead of "
+                           "overlapping it) | auto (where graphs can run and one data-parallel rank) | on "
+                           "(also across data-parallel ranks) | off", choices=("auto", "on", "off"))
+    nvtx: bool = _f(False, "NVTX ranges per step, phase, layer and bucket for Nsight Systems (nsys profile -t "
+                    "cuda,nvtx,mpi ...), through CuPy; nothing waits for the GPU; off = no cost")
 
     def validate(self):
         if self.seed < 0:

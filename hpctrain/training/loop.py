@@ -45,12 +45,14 @@ class RunLoop:
     when the caller installed it already (the CLI does, before anything else)."""
 
     def __init__(self, plan, state, stepper, data, checkpoints, guard, *, log, metrics, timers, watchdog, progress,
-                 stop_signal, own_signal=False, faults=None, tracer=None, op_times=None, peak_flops=None):
+                 stop_signal, own_signal=False, faults=None, tracer=None, op_times=None, peak_flops=None,
+                 ranges=None):
         self.plan, self.state, self.stepper, self.data = plan, state, stepper, data
         self.checkpoints, self.guard = checkpoints, guard
         self.log, self.metrics, self.timers, self.watchdog = log, metrics, timers, watchdog
         self.progress, self.stop_signal, self.own_signal, self.faults = progress, stop_signal, own_signal, faults
         self.tracer, self.op_times, self.peak_flops = tracer, op_times, peak_flops
+        self.ranges = ranges  # NVTX (train.nvtx): a range per step
 
     def run(self) -> dict:
         """Train to ``train.steps`` or a stop signal; the result: steps, seconds, throughput,
@@ -119,7 +121,11 @@ class RunLoop:
                             self._save()
                             self.metrics.sync()
                         continue
+                    if self.ranges is not None:
+                        self.ranges.push(f"step {state.step + 1}")
                     stats = self._step_and_judge()
+                    if self.ranges is not None:
+                        self.ranges.pop()
                     if stats is None:  # rolled back
                         continue
                     bad = stats.bad

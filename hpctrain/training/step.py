@@ -22,6 +22,7 @@ import numpy as np
 from ..comm.zero import traffic_halves
 from ..comm.zero_grads import make_reducer
 from ..data.sampler import shard_range
+from .cuda_graphs import GraphedMicroBatches, why_not
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Step:
     plan's buckets; collective calls happen only inside :meth:`run` and :meth:`apply_update`.
     """
 
-    def __init__(self, plan, state, schedule, timers, watchdog=None):
+    def __init__(self, plan, state, schedule, timers, watchdog=None, log=None):
         cfg = plan.cfg
         self.plan, self.state, self.schedule, self.timers = plan, state, schedule, timers
         self.watchdog = watchdog or _Unwatched()
@@ -61,6 +62,11 @@ class Step:
                                     plan.grad_slots, plan.micro_batches, overlap=cfg.dist.overlap,
                                     compression=state.compression, check_finite=cfg.guard.check_grads)
         self._bucket_names = plan.bucket_names()
+        # [loss_sum, correct] of a step, summed on the device over its micro-batches and read once
+        self._totals = plan.device.zeros((2,), np.float64)
+        # train.cuda_graphs: forward and backward replayed as graphs, or "" and why not
+        self.graphs_off = why_not(cfg, plan.device, plan)
+        self.graphs = None if self.graphs_off else GraphedMicroBatches(plan.device, state.model, log)
 
     def run(self, step: int, x_all, y_all, update: bool = True) -> StepStats:
         """Forward, backward and all-reduce of global step ``step`` on this rank's rows ``x_all``,
@@ -76,20 +82,27 @@ class Step:
         plan, model, t, wd = self.plan, self.state.model, self.timers, self.watchdog
         k, device, reducer = plan.micro_batches, plan.device, self.reducer
         reducer.start(scale=1.0 / (plan.dp.size * k), step=step)
-        loss_sum, correct = 0.0, 0
+        totals, graphs = self._totals, self.graphs
         for micro in range(k):
             last = micro == k - 1
             with t("data"):
                 part = slice(*shard_range(len(y_all), micro, k))  # k equal parts, or differing by one row
                 x = device.upload(x_all[part], "x", model.input_dtype)
                 y = device.upload(y_all[part], "y", np.int64)
-            with t("forward"):
-                ls, c = model.forward(x, y)
-                loss_sum, correct = loss_sum + ls, correct + c
-            with t("backward"):  # ZeRO-2 reduces every micro-batch (reducer.every_micro): it overwrites
-                fresh = micro == 0 or reducer.every_micro
+            fresh = micro == 0 or reducer.every_micro  # ZeRO-2 reduces every micro-batch: it overwrites
+            if graphs is not None:  # forward and backward in one graph (a replay, once captured)
+                with t("forward"):
+                    graphs.run(x, y, totals, micro > 0, not fresh)
+                continue
+            with t("forward"):  # the loss statistics stay on the device: no wait for the GPU here
+                model.forward(x, y, totals=totals, accumulate=micro > 0)
+            with t("backward"):
                 model.backward(accumulate=not fresh, ready=reducer.mark_ready if last or reducer.every_micro
                                else None, claim=reducer.claim)
+        if graphs is not None:
+            with t("backward"):  # the buckets, in backward's order, once the replay is queued
+                for name in graphs.ready_order:
+                    reducer.mark_ready(name)
         # the optimizer waits for each bucket in turn and updates just its slice
         # ("allreduce" is the exposed wait; the overlapped part hides in backward)
         if update:
@@ -100,7 +113,8 @@ class Step:
                 reducer.wait(bucket)
             if update:
                 self._update(step, bucket, name, lr)
-        return StepStats(loss_sum, correct, not math.isfinite(loss_sum), reducer.nonfinite)
+        loss_sum, correct = device.to_host(totals)   # the step's one read of its statistics
+        return StepStats(float(loss_sum), int(correct), not math.isfinite(loss_sum), reducer.nonfinite)
 
     def apply_update(self, step: int) -> None:
         """The optimizer step of judged step ``step`` whose buckets are all reduced (the numeric

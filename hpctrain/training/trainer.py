@@ -28,6 +28,7 @@ from ..comm.zero_grads import place_gradients
 from ..errors import ConfigError, DataError
 from ..models import family
 from ..observe.log import Log, Metrics, Timers
+from ..observe.nvtx import make_ranges
 from ..optim import LRSchedule, make_optimizer, peak_lr
 from ..reliability.fail_together import agree
 from ..reliability.faults import Faults
@@ -84,6 +85,8 @@ class Trainer:
             plan = self.plan
             if plan.device.gemm_note:  # train.gemm = auto on a GPU without a usable CuPy: slow GEMMs, say why once
                 self.log.warn(plan.device.gemm_note)
+            if getattr(plan.device, "attention_note", None):  # the cuBLAS attention failed its start-up check
+                self.log.warn(plan.device.attention_note)
             # Ranks reading different files (node-local copies that differ) would
             # train on garbage or mismatch in Bcast; compare what each rank sees.
             agree(world, _check_same_data, world.comm.allgather(self.data.signature), cfg.data.train)
@@ -107,8 +110,14 @@ class Trainer:
                     keep_undo=cfg.guard.nonfinite == "skip", matrix_parts=getattr(self.model, "matrix_parts", None))
         self.guard = NumericGuard(cfg.guard, self.log)
         # waiting at each phase end serialises the GPU: only when asked (or tracing, below)
-        self.timers = Timers(sync=plan.device.synchronize if cfg.train.sync_phases else None)
-        self.stepper = Step(plan, self.state, self.schedule, self.timers, self.watchdog)
+        self.ranges = make_ranges(cfg.train.nvtx)  # NVTX ranges per step, phase, layer and bucket, or None
+        self.timers = Timers(sync=plan.device.synchronize if cfg.train.sync_phases else None, ranges=self.ranges)
+        self.stepper = Step(plan, self.state, self.schedule, self.timers, self.watchdog, self.log)
+        if plan.device.name == "cuda" and cfg.train.cuda_graphs != "off" and self.stepper.graphs_off:
+            # a GPU run that keeps its launches eager: say why once
+            (self.log.warn if cfg.train.cuda_graphs == "on" else self.log.info)(
+                f"train.cuda_graphs = {cfg.train.cuda_graphs}: the steps run eagerly: {self.stepper.graphs_off}")
+        self.model.ranges = self.stepper.reducer.ranges = self.ranges
         with wd.watch("start-up", "broadcast of the initial weights", slack=10):
             # data parallelism starts from identical weights: its rank 0's (under tensor parallelism
             # each data group holds one tensor rank's pieces)
@@ -125,7 +134,8 @@ class Trainer:
                 from ..observe.trace import TracedTimers, Tracer
 
                 self.tracer = Tracer(cfg.train.trace, world, sync=plan.device.synchronize)
-                self.timers = self.stepper.timers = TracedTimers(self.tracer, sync=plan.device.synchronize)
+                self.timers = self.stepper.timers = TracedTimers(self.tracer, sync=plan.device.synchronize,
+                                                                 ranges=self.ranges)
                 self.model.tracer = self.stepper.reducer.tracer = self.tracer
                 self.stepper.reducer.trace_args = {"strategy": cfg.dist.allreduce, "compress": cfg.dist.compress}
             self.checkpoints = CheckpointManager(plan, self.log, hooks=self.faults)
@@ -218,7 +228,7 @@ class Trainer:
         return RunLoop(self.plan, self.state, self.stepper, self.data, self.checkpoints, self.guard, log=self.log,
                        metrics=self.metrics, timers=self.timers, watchdog=self.watchdog, progress=self.progress,
                        stop_signal=self.stop_signal, own_signal=self._own_signal, faults=self.faults,
-                       tracer=self.tracer, op_times=self.op_times, peak_flops=self.peak_flops)
+                       tracer=self.tracer, op_times=self.op_times, peak_flops=self.peak_flops, ranges=self.ranges)
 
     def train_step(self) -> tuple[float, int]:
         """Run global step ``step`` whole (update included, no verdict; the fault hooks as in the

@@ -1,0 +1,135 @@
+"""CUDA graphs for a micro-batch's forward and backward (``train.cuda_graphs = auto | on | off``).
+
+A GPT step on a GPU issues hundreds of kernel launches, each costing the host tens of
+microseconds in Python and numba; at the example GPT's size the GPU waits on the host. A
+graph records a micro-batch's forward and backward once and replays them with one launch.
+
+How: the first micro-batch of each key (the batch's shapes and the two accumulate flags) runs
+eagerly, which compiles every kernel and allocates every buffer and scratch array; the second
+is captured on the device's stream (:meth:`~hpctrain.device.CudaDevice.capture`: CuPy's
+stream capture, which records numba's launches and cuBLAS's calls on that stream) and then
+replayed, as is every later one (the first replay of a micro-batch that writes the gradient
+rather than adding to it is checked against the same micro-batch run eagerly: the loss
+statistics and the gradient must agree within 1e-3 of their scale, else the run goes on
+eagerly and says so). Replays read the same device buffers, so the batch is
+uploaded into them before each replay (outside the graph), the loss statistics go to the
+step's device array, and every kernel argument is the same on each replay (the shapes, the
+loss's row weight, the flags in the key): nothing in forward or backward changes per step.
+
+Kept out of the graph: uploads, the communication (the reducer starts on every bucket after
+backward, when the replay is queued, so backward and the all-reduce do not overlap) and the
+optimizer (its learning rate and bias corrections change every step).
+
+Where graphs cannot run, the step is eager and the reason is said once (rank 0's log):
+not a GPU (the CPU, numba's simulator) or no CuPy; tracing, per-op timing or synchronised
+phases (each waits for the GPU inside forward and backward); tensor parallelism (its
+all-reduces run inside forward and backward); ZeRO-2 (it reduces every micro-batch as backward
+claims the slots); a capture that raised (the error is said and the step runs eagerly from
+then on). ``auto`` also leaves a data-parallel run of several ranks eager, where backward's
+overlap with the all-reduce is worth more than the launches (not yet measured); ``on`` takes
+graphs there too.
+"""
+
+from __future__ import annotations
+
+MODES = ("auto", "on", "off")
+
+
+def why_not(cfg, device, plan) -> str:
+    """Why ``cfg``'s run keeps its steps eager ("" where graphs may run)."""
+    mode = cfg.train.cuda_graphs
+    if mode == "off":
+        return "train.cuda_graphs = off"
+    if device.name != "cuda" or not getattr(device, "can_capture", lambda: (False, "no capture"))()[0]:
+        why = device.can_capture()[1] if device.name == "cuda" else f"the device is {device.name}"
+        return f"graphs need CUDA with CuPy: {why}"
+    for on, what in ((cfg.train.trace, "tracing (train.trace)"), (cfg.train.op_times, "train.op_times"),
+                     (cfg.train.sync_phases, "train.sync_phases"),
+                     (plan.tensor is not None, "tensor parallelism (its all-reduces run inside forward and backward)"),
+                     (cfg.dist.zero == 2, "ZeRO-2 (it reduces every micro-batch inside backward)")):
+        if on:
+            return f"{what} waits or communicates inside the step"
+    if mode == "auto" and plan.dp.size > 1:
+        return (f"train.cuda_graphs = auto keeps {plan.dp.size} data-parallel ranks eager (graphs give up "
+                f"backward's overlap with the all-reduce); train.cuda_graphs = on takes them")
+    return ""
+
+
+class GraphedMicroBatches:
+    """Forward and backward of one micro-batch, as a replayed CUDA graph per key.
+
+    ``device``: a :class:`~hpctrain.device.CudaDevice` (its ``capture`` and ``replay``);
+    ``model``: the model; ``log``: where a failed capture is said once.
+    """
+
+    def __init__(self, device, model, log=None):
+        self.device, self.model, self.log = device, model, log
+        self.graphs: dict = {}
+        self._seen: set = set()
+        self.ready_order: list = []  # parameter names in the order backward finishes them (seen eagerly)
+        self.failed = ""     # why capture stopped being tried, once it failed
+        self.replays = self.captures = 0
+
+    def run(self, x, y, totals, accumulate_loss: bool, accumulate_grads: bool) -> None:
+        """The micro-batch's forward into ``totals`` and backward into the gradient, on the device's
+        stream: eagerly, captured, or replayed. ``x`` and ``y`` are the device's upload buffers."""
+        key = (tuple(x.shape), tuple(y.shape), accumulate_loss, accumulate_grads)
+        graph = self.graphs.get(key)
+        if graph is None and not self.failed and key in self._seen:
+            graph = self._capture(key, x, y, totals, accumulate_loss, accumulate_grads)
+            if graph is not None and not (accumulate_loss or accumulate_grads):
+                if self._replays_as_eager(graph, x, y, totals):
+                    return   # the check's replay computed this micro-batch
+                graph = None
+        if graph is None:
+            self._seen.add(key)
+            self._body(x, y, totals, accumulate_loss, accumulate_grads)
+            return
+        self.device.replay(graph)
+        self.replays += 1
+
+    def _body(self, x, y, totals, accumulate_loss, accumulate_grads):
+        self.model.forward(x, y, totals=totals, accumulate=accumulate_loss)
+        order = [] if not self.ready_order else None
+        self.model.backward(accumulate=accumulate_grads, ready=None if order is None else order.append)
+        if order:
+            self.ready_order = order
+
+    def _replays_as_eager(self, graph, x, y, totals) -> bool:
+        """A first replay checked against the eager step (a micro-batch that writes, not adds, so both
+        can run): the loss statistics and the gradient agree, else graphs stop, said once. Within
+        1e-3 of each array's scale, not bit for bit: under capture cuBLAS may pick other kernels
+        (no workspace of its own there), which round differently; a capture that missed or froze
+        work gives differences of the arrays' own size."""
+        import numpy as np
+
+        dev, grad = self.device, self.model.flat.grad
+        self._body(x, y, totals, False, False)
+        want = [np.array(dev.to_host(a), np.float64) for a in (totals, grad)]
+        dev.replay(graph)
+        self.replays += 1
+        got = [np.array(dev.to_host(a), np.float64) for a in (totals, grad)]
+        for name, g, w in zip(("loss statistics", "gradient"), got, want):
+            scale = max(float(np.abs(w).max()), 1e-30)
+            err = float(np.abs(g - w).max()) / scale
+            if not err <= 1e-3:
+                self.failed = f"the first replay's {name} differ from the eager step's by {err:.1e} of their scale"
+                if self.log is not None:
+                    self.log.warn(f"train.cuda_graphs: {self.failed}; the steps run eagerly from here on")
+                del self.graphs[next(k for k, v in self.graphs.items() if v is graph)]
+                self._body(x, y, totals, False, False)   # the eager results, again
+                return False
+        return True
+
+    def _capture(self, key, x, y, totals, accumulate_loss, accumulate_grads):
+        try:
+            graph = self.device.capture(lambda: self._body(x, y, totals, accumulate_loss, accumulate_grads))
+        except Exception as exc:  # noqa: BLE001 - any failure: eager from now on, said once
+            self.failed = f"{type(exc).__name__}: {exc}"
+            if self.log is not None:
+                self.log.warn(f"train.cuda_graphs: capturing a micro-batch failed ({self.failed}); the steps run "
+                              f"eagerly from here on")
+            return None
+        self.graphs[key] = graph
+        self.captures += 1
+        return graph

@@ -1,0 +1,236 @@
+"""CUDA graphs of a micro-batch's forward and backward (train.cuda_graphs, hpctrain/training/cuda_graphs.py).
+
+numba's simulator has no graphs, so here the device's ``capture`` and ``replay`` are stood in
+for by a recorder with a graph's semantics: while the step's work is captured, every kernel
+launch (and every batched GEMM of the attention) is recorded with its configuration and its
+arguments and nothing runs; a replay runs the records in order with those same arguments.
+While capturing, a host read of the device, a wait for it or an allocation raises, as they
+would break or escape a real capture. So a step that changed any kernel argument between
+steps, read a result on the host mid-step, or allocated after its warm-up would train
+differently here from the eager run, or fail. On a GPU, CuPy's stream capture is the real
+thing (scripts/cuda-tests.txt runs test_gpu_graphs_replay_the_eager_step_bit_for_bit there).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpctrain.device import CudaDevice, cuda_status, simulated
+from hpctrain.training.cuda_graphs import GraphedMicroBatches, why_not
+
+pytestmark = [pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}"),
+              pytest.mark.timeout(600)]
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+class SimulatedGraphs:
+    """capture / replay / can_capture for CudaDevice on the simulator (see the module docstring)."""
+
+    def __init__(self, monkeypatch):
+        from numba.cuda.simulator import api, kernel as sim
+        from numba.cuda.simulator.cudadrv import devicearray
+
+        from hpctrain.kernels import batched_gemm
+
+        self.recording, self.captures, self.replays = None, 0, 0
+        launch, gemm = sim.FakeCUDAKernel.__call__, batched_gemm.HostBatchedGemm.__call__
+        self._launch, self._gemm = launch, gemm
+        graphs = self
+
+        def kernel_call(k, *args):
+            if graphs.recording is None or k._device:
+                return launch(k, *args)
+            graphs.recording.append(("kernel", k, (k.grid_dim, k.block_dim, k.dynshared_size), args))
+            return None
+
+        def gemm_call(executor, *args):
+            if graphs.recording is None:
+                return gemm(executor, *args)
+            graphs.recording.append(("gemm", executor, None, args))
+            return None
+
+        def refuse(what, original):
+            def guarded(*args, **kwargs):
+                if graphs.recording is not None:
+                    raise CaptureError(f"{what} while capturing")
+                return original(*args, **kwargs)
+            return guarded
+
+        monkeypatch.setattr(sim.FakeCUDAKernel, "__call__", kernel_call)
+        monkeypatch.setattr(batched_gemm.HostBatchedGemm, "__call__", gemm_call)
+        monkeypatch.setattr(api.stream, "synchronize", refuse("a stream synchronize", api.stream.synchronize))
+        monkeypatch.setattr(devicearray.FakeCUDAArray, "copy_to_host",
+                            refuse("a copy to the host", devicearray.FakeCUDAArray.copy_to_host))
+        monkeypatch.setattr(CudaDevice, "empty", refuse("an allocation", CudaDevice.empty))
+        monkeypatch.setattr(CudaDevice, "can_capture", lambda dev: (True, ""))
+        monkeypatch.setattr(CudaDevice, "capture", lambda dev, fn: self.capture(fn))
+        monkeypatch.setattr(CudaDevice, "replay", lambda dev, graph: self.replay(graph))
+
+    def capture(self, fn):
+        self.recording = []
+        try:
+            fn()
+        finally:
+            graph, self.recording = self.recording, None
+        self.captures += 1
+        return graph
+
+    def replay(self, graph):
+        self.replays += 1
+        for kind, obj, config, args in graph:
+            if kind == "kernel":
+                obj.grid_dim, obj.block_dim, obj.dynshared_size = config
+                self._launch(obj, *args)
+            else:
+                self._gemm(obj, *args)
+
+
+def _train(text, steps, graphs, attention="flash", accumulate=2):
+    """(per-step (loss, correct), final parameters, the step's GraphedMicroBatches) of a tiny GPT on
+    the simulated CUDA device in this process."""
+    from mpi4py import MPI
+
+    from hpctrain.observe.log import Log
+    from hpctrain.runtime import init_world
+    from hpctrain.training.trainer import Trainer
+    from test_gpt_cuda_step import _config
+
+    cfg = _config(text, "cuda", steps=steps)
+    cfg.train.grad_accum_steps, cfg.train.cuda_graphs, cfg.model.attention = accumulate, graphs, attention
+    trainer = Trainer(cfg, init_world(MPI.COMM_SELF), Log(False))
+    try:
+        losses = [trainer.train_step() for _ in range(steps)]
+        return losses, trainer.device.to_host(trainer.model.flat.data).copy(), trainer.stepper.graphs
+    finally:
+        trainer.close()
+
+
+STEPS = 3   # two micro-batches each: step 1 runs both keys eagerly, step 2 captures and replays them, step 3 replays
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    """A token file of 13 symbols: the tied head's simulated GEMMs over 256 byte symbols took
+    most of a step's 10 s on the simulator."""
+    from test_gpt_train import _token_file
+
+    return _token_file(tmp_path_factory.mktemp("graphs") / "v13.h5", 13)
+
+
+@pytest.fixture(scope="module")
+def eager(tokens):
+    losses, params, graphs = _train(tokens, STEPS, "off")
+    assert graphs is None
+    return losses, params
+
+
+def test_graphed_steps_train_bit_for_bit_as_eager_ones(tokens, eager, monkeypatch):
+    """The two keys are the first micro-batch's (the loss written, the gradient written) and the
+    second's (both added). Losses, counts and parameters equal the eager run's bit for bit."""
+    sim = SimulatedGraphs(monkeypatch)
+    graphed, params, graphs = _train(tokens, STEPS, "on")
+    assert graphs is not None and not graphs.failed
+    assert sim.captures == graphs.captures == 2 and sim.replays == graphs.replays == 4
+    assert graphed == eager[0]
+    assert params.tobytes() == eager[1].tobytes()
+
+
+def test_a_capture_that_fails_leaves_the_steps_eager_and_says_why_once(tokens, eager, monkeypatch):
+    SimulatedGraphs(monkeypatch)
+    said = []
+    monkeypatch.setattr(CudaDevice, "capture", lambda dev, fn: (_ for _ in ()).throw(RuntimeError("no graphs here")))
+    from hpctrain.observe.log import Log
+
+    monkeypatch.setattr(Log, "warn", lambda self, msg: said.append(msg))
+    graphed, _, graphs = _train(tokens, 2, "on")   # step 2's captures fail: both keys, said once
+    assert graphs.failed == "RuntimeError: no graphs here" and not graphs.graphs
+    assert len([m for m in said if "capturing a micro-batch failed" in m]) == 1, said
+    assert graphed == eager[0][:2]
+
+
+def test_where_graphs_cannot_run_the_reason_is_named():
+    from types import SimpleNamespace as NS
+
+    from hpctrain.training.config import Config
+
+    cfg = Config()
+    dev = NS(name="cuda", can_capture=lambda: (True, ""))
+    plan = NS(tensor=None, dp=NS(size=1))
+    assert why_not(cfg, dev, plan) == ""
+    cfg.train.cuda_graphs = "off"
+    assert why_not(cfg, dev, plan) == "train.cuda_graphs = off"
+    cfg.train.cuda_graphs = "auto"
+    assert "the device is cpu" in why_not(cfg, NS(name="cpu"), plan)
+    assert "CuPy is not installed" in why_not(cfg, NS(name="cuda", can_capture=lambda: (False, "CuPy is not installed")),
+                                              plan)
+    for key, value, words in (("trace", "/tmp/t", "train.trace"), ("op_times", True, "train.op_times"),
+                              ("sync_phases", True, "train.sync_phases")):
+        setattr(cfg.train, key, value)
+        assert words in why_not(cfg, dev, plan)
+        setattr(cfg.train, key, Config().train.__dict__[key])
+    assert "tensor parallelism" in why_not(cfg, dev, NS(tensor=object(), dp=NS(size=1)))
+    cfg.dist.zero = 2
+    assert "ZeRO-2" in why_not(cfg, dev, plan)
+    cfg.dist.zero = 0
+    assert "keeps 4 data-parallel ranks eager" in why_not(cfg, dev, NS(tensor=None, dp=NS(size=4)))
+    cfg.train.cuda_graphs = "on"
+    assert why_not(cfg, dev, NS(tensor=None, dp=NS(size=4))) == ""
+    if simulated():
+        assert CudaDevice("float64").can_capture() == (False, "numba's CUDA simulator has no graphs")
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_replay_the_eager_step_bit_for_bit(tokens):
+    """On a GPU with CuPy: the same comparison through CuPy's real stream capture."""
+    ok, why = CudaDevice("float64").can_capture()
+    if not ok:
+        pytest.skip(why)
+    for attention in ("flash", "gemm"):   # gemm: cuBLAS's strided-batched calls in the graph too
+        eager, p_eager, _ = _train(tokens, STEPS, "off", attention)
+        graphed, p_graphed, graphs = _train(tokens, STEPS, "on", attention)
+        assert not graphs.failed and graphs.captures == 2 and graphs.replays == 4, graphs.failed
+        assert graphed == eager and p_graphed.tobytes() == p_eager.tobytes()
+
+
+def test_graphed_micro_batches_key_by_shape_and_flags():
+    from types import SimpleNamespace as NS
+
+    calls = []
+    model = NS(forward=lambda x, y, totals=None, accumulate=False: calls.append(("f", accumulate)),
+               backward=lambda accumulate=False, ready=None: (calls.append(("b", accumulate)), ready and ready("w")),
+               flat=NS(grad=np.zeros(3)))
+    device = NS(capture=lambda fn: (fn(), "graph")[1], replay=lambda g: calls.append(("replay", g)),
+                to_host=lambda a: a)
+    g = GraphedMicroBatches(device, model)
+    x, y = np.zeros((2, 3)), np.zeros((2, 3))
+    for _ in range(3):
+        g.run(x, y, np.zeros(2), False, False)
+    # eager; captured (the body runs under capture), checked (eager again, then the first replay); replayed
+    assert calls == [("f", False), ("b", False)] * 3 + [("replay", "graph")] * 2 and g.ready_order == ["w"]
+    assert g.captures == 1 and g.replays == 2 and not g.failed
+    g.run(np.zeros((1, 3)), np.zeros((1, 3)), np.zeros(2), False, True)   # a new key: eager first
+    assert calls[-2:] == [("f", False), ("b", True)]
+
+
+def test_a_replay_that_differs_from_the_eager_step_ends_the_graphs():
+    from types import SimpleNamespace as NS
+
+    grad = np.zeros(3)
+
+    def backward(accumulate=False, ready=None):
+        grad[:] = 1.0   # the eager step's gradient; the replay below writes 2.0
+
+    said = []
+    model = NS(forward=lambda x, y, totals=None, accumulate=False: None, backward=backward, flat=NS(grad=grad))
+    device = NS(capture=lambda fn: (fn(), "graph")[1], replay=lambda g: grad.__setitem__(slice(None), 2.0),
+                to_host=lambda a: a)
+    g = GraphedMicroBatches(device, model, NS(warn=said.append))
+    x = np.zeros((2, 3))
+    for _ in range(3):
+        g.run(x, x, np.zeros(2), False, False)
+    assert g.failed == "the first replay's gradient differ from the eager step's by 1.0e+00 of their scale"
+    assert not g.graphs and len(said) == 1 and np.all(grad == 1.0)   # the eager results stand
