@@ -123,7 +123,7 @@ class CudaDevice:
             softmax_xent_fused=p(softmax_xent.softmax_xent_fused_cuda, **s, scratch=self.scratch),
             softmax_xent_fused_add=p(softmax_xent.softmax_xent_fused_add_cuda, **s, scratch=self.scratch),
             sgd_step=p(sgd.sgd_step_cuda, **s), adamw_step=p(adamw.adamw_step_cuda, **s),
-            scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s),
+            scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s, scratch=self.scratch),
             # the GPT's ops
             embedding_forward=p(embedding.embedding_forward_cuda, **s),
             embedding_backward=p(embedding.embedding_backward_cuda, **s, scratch=self.scratch),
@@ -239,15 +239,17 @@ class CudaDevice:
         """Makes this GPU current in the calling thread (the communication thread needs it)."""
         return self._cuda.gpus[self.gpu]
 
-    def scratch(self, key, shape, dtype):
-        """A device array lent to a launcher, reused by every call with the same key and shape.
+    def scratch(self, key, shape, dtype, zero=False):
+        """A device array lent to a launcher, reused by every call with the same key and shape;
+        ``zero``: zeroed when it is made (a kernel that must find it zero leaves it so).
 
         Safe because all work is ordered on this device's one stream.
         """
         k = (key, tuple(shape), np.dtype(dtype).str)
         buf = self._scratch.get(k)
         if buf is None:
-            buf = self._scratch[k] = self._cuda.device_array(shape, dtype=dtype, stream=self.stream)
+            buf = self._scratch[k] = (self._cuda.to_device(np.zeros(shape, dtype), stream=self.stream) if zero else
+                                      self._cuda.device_array(shape, dtype=dtype, stream=self.stream))
         return buf
 
     def can_capture(self) -> tuple[bool, str]:

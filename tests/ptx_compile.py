@@ -58,7 +58,7 @@ def kernels():
         for act in ("identity", "relu", "gelu"):
             fwd, bwd = bias_act_cuda.cuda_kernels(act, dt.name)
             yield f"bias_act forward {act} {dt}", fwd, (m, v, m), False
-            yield f"bias_act backward {act} {dt}", bwd, (m, m, m, arr(float64, 2)), False
+            yield f"bias_act backward {act} {dt}", bwd, (m, m, m, arr(float64, 2), arr(int32, 1), v, boolean), False
         f64 = arr(float64, 1)
         yield f"softmax_xent rows {dt}", softmax_xent.rows_kernel(dt.name, False), \
             (m, arr(int64, 1), dt, m, f64, f64), False
@@ -70,7 +70,6 @@ def kernels():
         yield f"adamw {dt}", adamw._adamw_step_kernel, (v,) * 4 + (dt,) * 8 + (boolean,), False
         yield f"scale {dt}", scale._scale_kernel, (v, dt), False
         yield f"all_finite {dt}", finite._nonfinite_kernel, (v, arr(int32, 1)), False
-        yield f"bias partial sums -> {dt}", bias_act_cuda._sum_partials, (arr(float64, 2), v, boolean), False
     yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3 + (boolean,), False
     yield from compression_kernels()
     yield from ptx_attention.kernels()

@@ -31,10 +31,8 @@ def kernels():
             False
         yield f"layernorm forward with the residual add {dt}", layernorm_cuda._residual_layernorm_forward_kernel, \
             (m, m, m, v, v, m, v, v, float64), False
-        yield f"layernorm param partials {dt}", layernorm_cuda._layernorm_param_partials_kernel, \
-            (m, m, v, v, f64m, f64m), False
-        yield f"layernorm param sums -> {dt}", layernorm_cuda._layernorm_param_sums_kernel, \
-            (f64m, f64m, v, v, boolean), False
+        yield f"layernorm param grads {dt}", layernorm_cuda._layernorm_param_grads_kernel, \
+            (m, m, v, v, f64m, f64m, i32, v, v, boolean), False
         yield f"layernorm dx {dt}", layernorm_cuda._layernorm_dx_kernel, (m, m, v, v, v, m, boolean), False
         yield f"residual forward {dt}", residual._residual_forward_kernel, (v, v, v), False
         yield f"residual copy_or_add {dt}", residual._copy_or_add_kernel, (v, v, boolean), False

@@ -3,8 +3,9 @@ on one stream, compiling the same activation functions (``activations``) per dty
 
 forward: threads across the columns, block rows over the rows (no index division per
 element), four rows loaded before any is stored (cuda_support.UNROLL). backward: a block
-of 32 columns x 8 row lanes sums up to 128 rows of dz into a float64 partial per column,
-then one thread per column adds the partials in order: no atomics, the same bits every run.
+of 32 columns x 8 row lanes sums up to 128 rows of dz into a float64 partial per column;
+the last block of a column tile to finish (an integer ticket per tile) then adds the
+partials in chunk order, in the same launch: no float atomics, the same bits every run.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float64
+from numba import cuda, float64, int32
 
 from .bias_act import activations
-from .cuda_support import row_grid
+from .cuda_support import last_block_of_column, row_grid, sum_column_partials
 
 COLS = 32          # backward block: 32 columns (one warp, coalesced rows) ...
 LANES = 8          # ... x 8 row lanes
@@ -55,7 +56,7 @@ def _make_cuda(act, grad):
             r += s
 
     @cuda.jit
-    def backward_partial(dout, z, dz, partial):
+    def backward(dout, z, dz, partial, counters, db, accumulate):
         # block (COLS, LANES) owns columns c0..c0+31 of rows [r0, r0 + ROWS_PER_BLOCK); a
         # lane's rows go four at a time, loaded before any dz is stored (cuda_support.UNROLL)
         # and added to s in row order, as one at a time would
@@ -64,6 +65,7 @@ def _make_cuda(act, grad):
         c = cuda.blockIdx.x * COLS + tx
         r0 = cuda.blockIdx.y * ROWS_PER_BLOCK
         acc = cuda.shared.array((LANES, COLS), float64)
+        last = cuda.shared.array(1, int32)
         s = 0.0
         if c < O:
             end = min(B, r0 + ROWS_PER_BLOCK)
@@ -99,35 +101,17 @@ def _make_cuda(act, grad):
             half //= 2
         if ty == 0 and c < O:
             partial[cuda.blockIdx.y, c] = acc[0, tx]
+        if last_block_of_column(counters, last, tx + ty):
+            if ty == 0 and c < O:
+                s = sum_column_partials(partial, c)
+                db[c] = db[c] + s if accumulate else s
 
-    return forward, backward_partial
-
-
-@cuda.jit
-def _sum_partials(partial, db, accumulate):
-    # one thread per column sums the row-chunk partials in order (no atomics), four
-    # loaded ahead of their adds (cuda_support.UNROLL)
-    c = cuda.grid(1)
-    if c < db.shape[0]:
-        n = partial.shape[0]
-        s = 0.0
-        g = 0
-        while g + 3 < n:
-            p0, p1, p2, p3 = partial[g, c], partial[g + 1, c], partial[g + 2, c], partial[g + 3, c]
-            s += p0
-            s += p1
-            s += p2
-            s += p3
-            g += 4
-        while g < n:
-            s += partial[g, c]
-            g += 1
-        db[c] = db[c] + s if accumulate else s
+    return forward, backward
 
 
 @lru_cache(maxsize=None)
 def cuda_kernels(act: str, dtype_name: str):
-    """(forward, backward_partial) kernels of ``act`` for one float dtype."""
+    """(forward, backward) kernels of ``act`` for one float dtype."""
     f, df = activations(dtype_name)[act]
     return _make_cuda(cuda.jit(device=True)(f), cuda.jit(device=True)(df))
 
@@ -152,13 +136,16 @@ def partial_shape(B, O):
 
 
 def bias_act_backward_cuda(dout, z, dz, db, act, accumulate=False, *, stream=0, scratch):
-    """As :func:`bias_act_backward`; ``scratch(key, shape, dtype)`` lends a reusable device array."""
+    """As :func:`bias_act_backward`; ``scratch(key, shape, dtype, zero=False)`` lends reusable device
+    arrays: the float64 partial sums, and one int32 ticket counter per column tile (zero on loan,
+    and left zero by the kernel)."""
     B, O = z.shape
     _check_act(act)
     partial = scratch("bias_partial", partial_shape(B, O), np.float64)
     if partial.shape[0] > 65535:  # gridDim.y limit
         raise ValueError(f"bias_act_backward with B={B} rows exceeds {65535 * ROWS_PER_BLOCK}; split the batch")
     grid = (-(-O // COLS), partial.shape[0])
-    cuda_kernels(act, z.dtype.name)[1][grid, (COLS, LANES), stream](dout, z, dz, partial)
-    _sum_partials[-(-O // 256), 256, stream](partial, db, bool(accumulate))
+    counters = scratch("bias_tickets", (grid[0],), np.int32, zero=True)
+    cuda_kernels(act, z.dtype.name)[1][grid, (COLS, LANES), stream](dout, z, dz, partial, counters, db,
+                                                                    bool(accumulate))
     return dz

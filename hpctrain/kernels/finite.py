@@ -6,6 +6,7 @@ all-reduce, so it must cost about one read of the bucket.
 """
 
 import math
+import threading
 
 import numpy as np
 from numba import cuda
@@ -42,10 +43,20 @@ def _nonfinite_kernel(buf, flag):
 
 
 # ---- launcher ----------------------------------------------------------------------
-def all_finite_cuda(buf, *, stream=0) -> bool:
-    """The same on a device buffer; waits for the stream (the caller needs the answer on the host)."""
+_ZERO = np.zeros(1, np.int32)
+
+
+def all_finite_cuda(buf, *, stream=0, scratch=None) -> bool:
+    """The same on a device buffer; waits for the stream (the caller needs the answer on the host).
+    ``scratch``: the device's lender of the flag (one per calling thread: the communication thread
+    tests buckets while the main thread may test the loss), so a step allocates nothing; None: a
+    new flag per call."""
     flat = buf.reshape(buf.size)
-    flag = cuda.to_device(np.zeros(1, np.int32), stream=stream)
+    if scratch is None:
+        flag = cuda.to_device(_ZERO, stream=stream)
+    else:
+        flag = scratch(("finite_flag", threading.get_ident()), (1,), np.int32)
+        flag.copy_to_device(_ZERO, stream=stream)
     _nonfinite_kernel[blocks_for(buf.size), THREADS, stream](flat, flag)
     host = flag.copy_to_host(stream=stream)
     stream.synchronize() if stream else cuda.synchronize()

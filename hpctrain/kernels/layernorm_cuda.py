@@ -4,8 +4,9 @@ layernorm.py's twin (its docstring), on one stream.
 32 lanes (a warp) per row, 8 rows per block; lane 0 adds the lanes' shares left
 to right - two barriers per sum, not a tree's six (the simulator pays ~40 ms a
 barrier). The order is fixed: the same bits on every run, though not the twin's.
-dweight and dbias: float64 partial column sums per chunk of up to 128 rows, then
-one ordered sum per column (no atomics). Each lane reads its channels four at a
+dweight and dbias: float64 partial column sums per chunk of up to 128 rows, then one
+ordered sum per column by the last block of its column tile to finish, in the same
+launch (no float atomics). Each lane reads its channels four at a
 time before it adds or stores any (cuda_support.UNROLL), in the same order as
 one at a time.
 """
@@ -15,9 +16,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float64
+from numba import cuda, float64, int32
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import blocks_for, last_block_of_column, sum_column_partials
 
 LANES = 32        # threads over one row's channels: a warp, coalesced loads
 ROWS = 8          # rows per block (one warp each)
@@ -162,9 +163,10 @@ _residual_layernorm_forward_kernel = _forward_kernel(True)
 
 
 @cuda.jit
-def _layernorm_param_partials_kernel(dout, x, mean, rstd, pw, pb):
+def _layernorm_param_grads_kernel(dout, x, mean, rstd, pw, pb, counters, dweight, dbias, accumulate):
     # block (GRAD_COLS, GRAD_LANES) owns columns c0..c0+31 of row chunk blockIdx.y
-    # (the launcher picks the number of chunks: gridDim.y)
+    # (the launcher picks the number of chunks: gridDim.y); the last block of a column tile
+    # to finish adds the chunks' partials in chunk order (cuda_support.last_block_of_column)
     N, C = x.shape
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
     c = cuda.blockIdx.x * GRAD_COLS + tx
@@ -172,6 +174,7 @@ def _layernorm_param_partials_kernel(dout, x, mean, rstd, pw, pb):
     r0 = cuda.blockIdx.y * rows
     aw = cuda.shared.array((GRAD_LANES, GRAD_COLS), float64)
     ab = cuda.shared.array((GRAD_LANES, GRAD_COLS), float64)
+    last = cuda.shared.array(1, int32)
     sw = sb = float64(0.0)
     if c < C:
         end = min(N, r0 + rows)
@@ -209,20 +212,11 @@ def _layernorm_param_partials_kernel(dout, x, mean, rstd, pw, pb):
             sb += ab[k, tx]
         pw[cuda.blockIdx.y, c] = sw
         pb[cuda.blockIdx.y, c] = sb
-
-
-@cuda.jit
-def _layernorm_param_sums_kernel(pw, pb, dweight, dbias, accumulate):
-    # one thread per column sums the row-chunk partials in order (no atomics)
-    c = cuda.grid(1)
-    while c < dweight.size:
-        sw = sb = float64(0.0)
-        for g in range(pw.shape[0]):
-            sw += pw[g, c]
-            sb += pb[g, c]
-        dweight[c] = dweight[c] + sw if accumulate else sw
-        dbias[c] = dbias[c] + sb if accumulate else sb
-        c += cuda.gridsize(1)
+    if last_block_of_column(counters, last, tx + ty):
+        if ty == 0 and c < C:
+            sw, sb = sum_column_partials(pw, c), sum_column_partials(pb, c)
+            dweight[c] = dweight[c] + sw if accumulate else sw
+            dbias[c] = dbias[c] + sb if accumulate else sb
 
 
 @cuda.jit
@@ -322,10 +316,10 @@ def layernorm_backward_cuda(dout, x, weight, mean, rstd, dx, dweight, dbias, acc
         raise ValueError(f"layernorm_backward with N={N} rows exceeds {65535 * GRAD_ROWS}; split the batch")
     pw = scratch("ln_dweight_partial", (chunks, C), np.float64)
     pb = scratch("ln_dbias_partial", (chunks, C), np.float64)
+    counters = scratch("ln_tickets", (-(-C // GRAD_COLS),), np.int32, zero=True)
     # the parameter gradients first: they read all of dout, which the dx kernel may overwrite
-    _layernorm_param_partials_kernel[(-(-C // GRAD_COLS), chunks), (GRAD_COLS, GRAD_LANES), stream](
-        dout, x, mean, rstd, pw, pb)
-    _layernorm_param_sums_kernel[blocks_for(C), THREADS, stream](pw, pb, dweight, dbias, bool(accumulate))
+    _layernorm_param_grads_kernel[(len(counters), chunks), (GRAD_COLS, GRAD_LANES), stream](
+        dout, x, mean, rstd, pw, pb, counters, dweight, dbias, bool(accumulate))
     _layernorm_dx_kernel[blocks_for(N, ROWS), (LANES, ROWS), stream](
         dout, x, weight, mean, rstd, dx, bool(add_dx))
     return dx
