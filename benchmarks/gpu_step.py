@@ -281,7 +281,7 @@ def measure(shape_name, args, dev, torch):
     rel = [abs(a - b) / abs(b) for a, b in zip(got, reference)]
     row.update(validated_against=against, losses=got, reference_losses=reference, loss_rel_diff=max(rel),
                valid=max(rel) <= args.loss_rtol)
-    if ours.graphs is not None:   # replayed from the second step on, unless the capture failed
+    if ours.graphs is not None:   # captured at step 2, replayed and checked at 3, replayed after (or failed)
         row["graphs"] = f"eager (capture failed: {ours.graphs.failed})" if ours.graphs.failed else "graphs"
     elif args.graphs_why:
         row["graphs"] = f"eager ({args.graphs_why})"

@@ -160,9 +160,13 @@ class CudaDevice:
 
         self.attention_note = None
         if self.gemm == "cublas":
-            gemms = batched_gemm.CublasBatchedGemm(self.stream, self.gpu)
-            why = "" if self.attention == "flash" else attention_gemm.self_check(gemms, self.stream, self.scratch,
-                                                                                 self.dtype)
+            gemms, why = None, ""
+            if self.attention != "flash":
+                try:
+                    gemms = batched_gemm.CublasBatchedGemm(self.stream, self.gpu)
+                    why = attention_gemm.self_check(gemms, self.stream, self.scratch, self.dtype)
+                except Exception as exc:  # noqa: BLE001 - a cuBLAS or CuPy failure: flash only, or the error
+                    why = f"the cuBLAS attention failed its start-up check ({type(exc).__name__}: {exc})"
             if why and self.attention == "gemm":
                 raise ConfigError(f"model.attention='gemm': {why}; use model.attention='flash'")
             if why:  # auto: the flash kernels only, said once at start-up
@@ -271,7 +275,8 @@ class CudaDevice:
         stream = cupy.cuda.ExternalStream(int(self.stream))
         stream.begin_capture()
         try:
-            fn()
+            with self._cuda.defer_cleanup():  # no cuMemFree of a dropped array while capturing
+                fn()
         except BaseException:
             try:
                 stream.end_capture()

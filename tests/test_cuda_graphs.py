@@ -109,7 +109,10 @@ def _train(text, steps, graphs, attention="flash", accumulate=2):
         trainer.close()
 
 
-STEPS = 3   # two micro-batches each: step 1 runs both keys eagerly, step 2 captures and replays them, step 3 replays
+# two micro-batches a step: step 1 runs both keys eagerly; step 2 captures them (and runs them
+# eagerly: a capture runs nothing); step 3 replays each and checks it against the eager step;
+# step 4 replays
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
@@ -139,17 +142,35 @@ def test_graphed_steps_train_bit_for_bit_as_eager_ones(tokens, eager, monkeypatc
     assert params.tobytes() == eager[1].tobytes()
 
 
-def test_a_capture_that_fails_leaves_the_steps_eager_and_says_why_once(tokens, eager, monkeypatch):
-    SimulatedGraphs(monkeypatch)
-    said = []
-    monkeypatch.setattr(CudaDevice, "capture", lambda dev, fn: (_ for _ in ()).throw(RuntimeError("no graphs here")))
+def _said(monkeypatch):
     from hpctrain.observe.log import Log
 
+    said = []
     monkeypatch.setattr(Log, "warn", lambda self, msg: said.append(msg))
+    return said
+
+
+def test_a_capture_that_fails_leaves_the_steps_eager_and_says_why_once(tokens, eager, monkeypatch):
+    SimulatedGraphs(monkeypatch)
+    said = _said(monkeypatch)
+    monkeypatch.setattr(CudaDevice, "capture", lambda dev, fn: (_ for _ in ()).throw(RuntimeError("no graphs here")))
     graphed, _, graphs = _train(tokens, 2, "on")   # step 2's captures fail: both keys, said once
-    assert graphs.failed == "RuntimeError: no graphs here" and not graphs.graphs
+    assert graphs.failed == "capturing a micro-batch failed (RuntimeError: no graphs here)" and not graphs.graphs
     assert len([m for m in said if "capturing a micro-batch failed" in m]) == 1, said
     assert graphed == eager[0][:2]
+
+
+def test_a_graph_that_missed_work_is_caught_by_its_checked_replay(tokens, eager, monkeypatch):
+    """A capture whose work escaped it (run for real, nothing recorded: an empty graph). Its first
+    replay, on step 3's batches, leaves step 2's gradient: the check finds it, graphs stop (said
+    once) and every step keeps the eager results."""
+    sim = SimulatedGraphs(monkeypatch)
+    said = _said(monkeypatch)
+    monkeypatch.setattr(CudaDevice, "capture", lambda dev, fn: (fn(), [])[1])
+    graphed, _, graphs = _train(tokens, 3, "on")
+    assert graphs.failed.startswith("the first replay's ") and "differs from the eager step's" in graphs.failed
+    assert not graphs.graphs and sim.replays == 1 and len(said) == 1, (graphs.failed, said)
+    assert graphed == eager[0][:3]
 
 
 def test_where_graphs_cannot_run_the_reason_is_named():
@@ -196,21 +217,33 @@ def test_gpu_graphs_replay_the_eager_step_bit_for_bit(tokens):
         assert graphed == eager and p_graphed.tobytes() == p_eager.tobytes()
 
 
-def test_graphed_micro_batches_key_by_shape_and_flags():
+def _fakes(grad, replay, slots=None):
+    """A model and device for GraphedMicroBatches alone: forward and backward record their calls."""
     from types import SimpleNamespace as NS
 
     calls = []
+
+    def backward(accumulate=False, ready=None):
+        calls.append(("b", accumulate))
+        grad[:] = 1.0
+        if ready:
+            ready("w")
     model = NS(forward=lambda x, y, totals=None, accumulate=False: calls.append(("f", accumulate)),
-               backward=lambda accumulate=False, ready=None: (calls.append(("b", accumulate)), ready and ready("w")),
-               flat=NS(grad=np.zeros(3)))
-    device = NS(capture=lambda fn: (fn(), "graph")[1], replay=lambda g: calls.append(("replay", g)),
-                to_host=lambda a: a)
+               backward=backward, flat=NS(grad=grad, slots=slots or [NS(name="w", offset=0, size=grad.size)]))
+    device = NS(capture=lambda fn: (fn(), "graph")[1], replay=lambda g: (calls.append(("replay", g)), replay(grad)),
+                to_host=lambda a: a, copy_from_host=lambda dst, src: dst.__setitem__(slice(None), src))
+    return model, device, calls
+
+
+def test_graphed_micro_batches_key_by_shape_and_flags():
+    model, device, calls = _fakes(np.zeros(3), lambda grad: grad.__setitem__(slice(None), 1.0))
     g = GraphedMicroBatches(device, model)
     x, y = np.zeros((2, 3)), np.zeros((2, 3))
-    for _ in range(3):
+    for _ in range(4):
         g.run(x, y, np.zeros(2), False, False)
-    # eager; captured (the body runs under capture), checked (eager again, then the first replay); replayed
-    assert calls == [("f", False), ("b", False)] * 3 + [("replay", "graph")] * 2 and g.ready_order == ["w"]
+    # eager; captured (the body runs under capture), then eager; replayed and checked (then eager); replayed
+    assert calls == [("f", False), ("b", False)] * 3 + [("replay", "graph"), ("f", False), ("b", False),
+                                                        ("replay", "graph")] and g.ready_order == ["w"]
     assert g.captures == 1 and g.replays == 2 and not g.failed
     g.run(np.zeros((1, 3)), np.zeros((1, 3)), np.zeros(2), False, True)   # a new key: eager first
     assert calls[-2:] == [("f", False), ("b", True)]
@@ -220,17 +253,11 @@ def test_a_replay_that_differs_from_the_eager_step_ends_the_graphs():
     from types import SimpleNamespace as NS
 
     grad = np.zeros(3)
-
-    def backward(accumulate=False, ready=None):
-        grad[:] = 1.0   # the eager step's gradient; the replay below writes 2.0
-
+    model, device, calls = _fakes(grad, lambda grad: grad.__setitem__(slice(None), 2.0))   # eager writes 1.0
     said = []
-    model = NS(forward=lambda x, y, totals=None, accumulate=False: None, backward=backward, flat=NS(grad=grad))
-    device = NS(capture=lambda fn: (fn(), "graph")[1], replay=lambda g: grad.__setitem__(slice(None), 2.0),
-                to_host=lambda a: a)
     g = GraphedMicroBatches(device, model, NS(warn=said.append))
     x = np.zeros((2, 3))
-    for _ in range(3):
+    for _ in range(4):
         g.run(x, x, np.zeros(2), False, False)
-    assert g.failed == "the first replay's gradient differ from the eager step's by 1.0e+00 of their scale"
-    assert not g.graphs and len(said) == 1 and np.all(grad == 1.0)   # the eager results stand
+    assert g.failed == "the first replay's gradient of w differs from the eager step's by 1.0e+00 of its scale"
+    assert not g.graphs and len(said) == 1 and np.all(grad == 1.0) and g.replays == 1   # the eager results stand

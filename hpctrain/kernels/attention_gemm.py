@@ -256,18 +256,22 @@ def attention_backward_gemm(dout, qkv, out, lse, n_head, dqkv, work, *, stream=0
     return dqkv
 
 
-def scores_bytes(B: int, NH: int, T: int, itemsize: int, budget: int = SCORES_BUDGET) -> int:
-    """Bytes of the two score buffers a call at this shape uses (stated in the docs and memory plan)."""
-    _, G = chunk_plan(B, NH, T, itemsize, budget)
-    return 2 * G * T * T * itemsize
-
-
 def self_check(gemm, stream, scratch, dtype, shape=(2, 3, 37, 8)) -> str:
-    """"" when the GEMM path computes what the flash kernels do on a small case (``shape`` = B,
-    NH, T, hs: by default ragged tiles, chunks along heads and one head a call), else what
-    differed. Run once when a
-    device is made with cuBLAS's GEMMs, so that a CuPy whose cuBLAS binding reads its arguments
-    differently is found at start-up instead of training on wrong attention."""
+    """"" when the GEMM path computes what the flash kernels do on small cases, else what
+    differed. ``shape`` = (B, NH, T, hs), by default with ragged tiles; it runs with G heads of
+    a row a call, with one head a call, and (B and NH swapped) with G rows of one head a call.
+    Run once when a device is made with cuBLAS's GEMMs, so that a CuPy whose cuBLAS binding reads
+    its arguments differently is found at start-up instead of training on wrong attention."""
+    B, NH, T, hs = shape
+    for case, budget in (((B, NH, T, hs), SCORES_BUDGET), ((B, NH, T, hs), 1), ((NH, B, T, hs), SCORES_BUDGET)):
+        why = _check_case(gemm, stream, scratch, dtype, case, budget)
+        if why:
+            return why
+    return ""
+
+
+def _check_case(gemm, stream, scratch, dtype, shape, budget) -> str:
+    """:func:`self_check` of one shape and chunk budget."""
     from numba import cuda
 
     from .attention_cuda import attention_backward_cuda, attention_forward_cuda
@@ -278,29 +282,26 @@ def self_check(gemm, stream, scratch, dtype, shape=(2, 3, 37, 8)) -> str:
     qkv_h, dy_h = rng.standard_normal((B, T, 3 * NH * hs)).astype(dt), rng.standard_normal((B, T, NH * hs)).astype(dt)
     qkv, dy = cuda.to_device(qkv_h, stream=stream), cuda.to_device(dy_h, stream=stream)
     got = []
-    for along_budget in (SCORES_BUDGET, 1):   # G heads of a row at a time, then one head a call
-        for path in ("flash", "gemm"):
-            out, lse = cuda.device_array((B, T, NH * hs), dt, stream=stream), cuda.device_array((B, NH, T), dt,
-                                                                                              stream=stream)
-            dq, work = cuda.device_array(qkv.shape, dt, stream=stream), cuda.device_array((B, NH, T), dt,
+    for path in ("flash", "gemm"):
+        out, lse = cuda.device_array((B, T, NH * hs), dt, stream=stream), cuda.device_array((B, NH, T), dt,
                                                                                           stream=stream)
-            if path == "flash":
-                attention_forward_cuda(qkv, NH, out, lse, stream=stream)
-                attention_backward_cuda(dy, qkv, out, lse, NH, dq, work, stream=stream)
-            else:
-                kw = dict(stream=stream, scratch=scratch, gemm=gemm, budget=along_budget)
-                attention_forward_gemm(qkv, NH, out, lse, **kw)
-                attention_backward_gemm(dy, qkv, out, lse, NH, dq, work, **kw)
-            got.append([a.copy_to_host(stream=stream) for a in (out, lse, dq)])
+        dq, work = cuda.device_array(qkv.shape, dt, stream=stream), cuda.device_array((B, NH, T), dt, stream=stream)
+        if path == "flash":
+            attention_forward_cuda(qkv, NH, out, lse, stream=stream)
+            attention_backward_cuda(dy, qkv, out, lse, NH, dq, work, stream=stream)
+        else:
+            kw = dict(stream=stream, scratch=scratch, gemm=gemm, budget=budget)
+            attention_forward_gemm(qkv, NH, out, lse, **kw)
+            attention_backward_gemm(dy, qkv, out, lse, NH, dq, work, **kw)
+        got.append([a.copy_to_host(stream=stream) for a in (out, lse, dq)])
     stream.synchronize()
     u = float(np.finfo(dt).eps)
-    for i in (0, 2):
-        for name, flash, mine in zip(("out", "lse", "dqkv"), got[i], got[i + 1]):
-            scale = max(float(np.abs(flash).max()), 1e-30)
-            err = float(np.abs(mine.astype(np.float64) - flash).max()) / scale
-            if not np.isfinite(err) or err > 64 * (T + hs) * u:
-                return (f"the cuBLAS attention's {name} differs from the flash kernels' by {err:.1e} of its "
-                        f"scale on a test case")
+    for name, flash, mine in zip(("out", "lse", "dqkv"), *got):
+        scale = max(float(np.abs(flash).max()), 1e-30)
+        err = float(np.abs(mine.astype(np.float64) - flash).max()) / scale
+        if not np.isfinite(err) or err > 64 * (T + hs) * u:
+            return (f"the cuBLAS attention's {name} differs from the flash kernels' by {err:.1e} of its scale on a "
+                    f"test case (B {B}, NH {NH}, T {T}, hs {hs})")
     return ""
 
 

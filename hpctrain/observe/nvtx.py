@@ -27,6 +27,9 @@ def _bindings():
         raise ConfigError(f"train.nvtx = true needs CuPy's NVTX bindings (cupy.cuda.nvtx), which do not import "
                           f"({type(exc).__name__}: {exc}): install CuPy (bash scripts/setup.sh on a GPU node) "
                           f"or set train.nvtx = false") from None
+    if not getattr(nvtx, "available", True):   # CuPy built without NVTX
+        raise ConfigError("train.nvtx = true, but this CuPy was built without NVTX (cupy.cuda.nvtx.available is "
+                          "False): install a CuPy wheel with NVTX, or set train.nvtx = false")
     return nvtx.RangePush, nvtx.RangePop
 
 

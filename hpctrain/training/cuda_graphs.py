@@ -8,10 +8,10 @@ How: the first micro-batch of each key (the batch's shapes and the two accumulat
 eagerly, which compiles every kernel and allocates every buffer and scratch array; the second
 is captured on the device's stream (:meth:`~hpctrain.device.CudaDevice.capture`: CuPy's
 stream capture, which records numba's launches and cuBLAS's calls on that stream) and then
-replayed, as is every later one (the first replay of a micro-batch that writes the gradient
-rather than adding to it is checked against the same micro-batch run eagerly: the loss
-statistics and the gradient must agree within 1e-3 of their scale, else the run goes on
-eagerly and says so). Replays read the same device buffers, so the batch is
+run eagerly (a capture runs nothing); the third is replayed and checked against the same
+micro-batch run eagerly from the same state (the loss statistics and each parameter's
+gradient within 1e-3 of their scale, else the run goes on eagerly and says so), and every
+later one is replayed. Replays read the same device buffers, so the batch is
 uploaded into them before each replay (outside the graph), the loss statistics go to the
 step's device array, and every kernel argument is the same on each replay (the shapes, the
 loss's row weight, the flags in the key): nothing in forward or backward changes per step.
@@ -66,27 +66,33 @@ class GraphedMicroBatches:
         self.device, self.model, self.log = device, model, log
         self.graphs: dict = {}
         self._seen: set = set()
+        self._unchecked: set = set()   # keys captured whose first replay is still to be checked
         self.ready_order: list = []  # parameter names in the order backward finishes them (seen eagerly)
-        self.failed = ""     # why capture stopped being tried, once it failed
+        self.failed = ""     # why graphs stopped, once they did
         self.replays = self.captures = 0
 
     def run(self, x, y, totals, accumulate_loss: bool, accumulate_grads: bool) -> None:
         """The micro-batch's forward into ``totals`` and backward into the gradient, on the device's
-        stream: eagerly, captured, or replayed. ``x`` and ``y`` are the device's upload buffers."""
+        stream: eagerly, captured, or replayed. ``x`` and ``y`` are the device's upload buffers.
+
+        Per key: the first micro-batch runs eagerly; the second is captured, then run eagerly (a
+        capture runs nothing); the third is replayed and checked (:meth:`_replays_as_eager`); the
+        rest are replayed."""
         key = (tuple(x.shape), tuple(y.shape), accumulate_loss, accumulate_grads)
-        graph = self.graphs.get(key)
-        if graph is None and not self.failed and key in self._seen:
-            graph = self._capture(key, x, y, totals, accumulate_loss, accumulate_grads)
-            if graph is not None and not (accumulate_loss or accumulate_grads):
-                if self._replays_as_eager(graph, x, y, totals):
-                    return   # the check's replay computed this micro-batch
-                graph = None
-        if graph is None:
+        args = (x, y, totals, accumulate_loss, accumulate_grads)
+        graph = None if self.failed else self.graphs.get(key)
+        if graph is not None and key in self._unchecked:
+            self._unchecked.discard(key)
+            if not self._replays_as_eager(graph, *args):
+                return   # graphs stopped; the eager results stand
+        elif graph is not None:
+            self.device.replay(graph)
+            self.replays += 1
+        else:
+            if not self.failed and key in self._seen and self._capture(key, *args):
+                self._unchecked.add(key)
             self._seen.add(key)
-            self._body(x, y, totals, accumulate_loss, accumulate_grads)
-            return
-        self.device.replay(graph)
-        self.replays += 1
+            self._body(*args)
 
     def _body(self, x, y, totals, accumulate_loss, accumulate_grads):
         self.model.forward(x, y, totals=totals, accumulate=accumulate_loss)
@@ -95,41 +101,65 @@ class GraphedMicroBatches:
         if order:
             self.ready_order = order
 
-    def _replays_as_eager(self, graph, x, y, totals) -> bool:
-        """A first replay checked against the eager step (a micro-batch that writes, not adds, so both
-        can run): the loss statistics and the gradient agree, else graphs stop, said once. Within
-        1e-3 of each array's scale, not bit for bit: under capture cuBLAS may pick other kernels
-        (no workspace of its own there), which round differently; a capture that missed or froze
-        work gives differences of the arrays' own size."""
+    def _replays_as_eager(self, graph, x, y, totals, accumulate_loss, accumulate_grads) -> bool:
+        """The graph's first replay, on a batch it was not captured with, checked against the same
+        micro-batch run eagerly from the same state: the loss statistics and each parameter's
+        gradient agree within 1e-3 of their own scale, else graphs stop for the run, said once,
+        and the eager results stand. A capture that missed work, or froze something that changes
+        between micro-batches, leaves results of the batch it was captured with: differences of
+        the arrays' own size. (The tests hold replays to the eager step's bits; this guard of a
+        running job allows rounding, should cuBLAS pick other kernels under capture.)"""
         import numpy as np
 
-        dev, grad = self.device, self.model.flat.grad
-        self._body(x, y, totals, False, False)
-        want = [np.array(dev.to_host(a), np.float64) for a in (totals, grad)]
+        dev, flat = self.device, self.model.flat
+        before = self._state(totals)   # what an adding key adds to
         dev.replay(graph)
         self.replays += 1
-        got = [np.array(dev.to_host(a), np.float64) for a in (totals, grad)]
-        for name, g, w in zip(("loss statistics", "gradient"), got, want):
+        got = [np.array(dev.to_host(a), np.float64) for a in (totals, flat.grad)]
+        self._restore(totals, before)
+        self._body(x, y, totals, accumulate_loss, accumulate_grads)
+        want = [np.array(dev.to_host(a), np.float64) for a in (totals, flat.grad)]
+        parts = [("loss statistics", got[0], want[0])]
+        parts += [(f"gradient of {s.name}", got[1][s.offset:s.offset + s.size],
+                   want[1][s.offset:s.offset + s.size]) for s in flat.slots]
+        for name, g, w in parts:
             scale = max(float(np.abs(w).max()), 1e-30)
             err = float(np.abs(g - w).max()) / scale
             if not err <= 1e-3:
-                self.failed = f"the first replay's {name} differ from the eager step's by {err:.1e} of their scale"
-                if self.log is not None:
-                    self.log.warn(f"train.cuda_graphs: {self.failed}; the steps run eagerly from here on")
-                del self.graphs[next(k for k, v in self.graphs.items() if v is graph)]
-                self._body(x, y, totals, False, False)   # the eager results, again
-                return False
+                return self._stop(f"the first replay's {name} differs from the eager step's by {err:.1e} of its "
+                                  f"scale")
         return True
 
-    def _capture(self, key, x, y, totals, accumulate_loss, accumulate_grads):
+    def _state(self, totals) -> list:
+        """Host copies of what a micro-batch writes or adds to: the loss statistics and the gradient."""
+        import numpy as np
+
+        return [np.array(self.device.to_host(a)) for a in (totals, self.model.flat.grad)]
+
+    def _restore(self, totals, state) -> None:
+        for a, host in zip((totals, self.model.flat.grad), state):
+            self.device.copy_from_host(a, host)
+
+    def _capture(self, key, x, y, totals, accumulate_loss, accumulate_grads) -> bool:
+        """Capture the micro-batch's work; the state is put back afterwards, so work that ran
+        instead of being recorded (it would have escaped the capture) cannot count twice when the
+        caller then runs the micro-batch eagerly."""
+        before = self._state(totals)
         try:
             graph = self.device.capture(lambda: self._body(x, y, totals, accumulate_loss, accumulate_grads))
         except Exception as exc:  # noqa: BLE001 - any failure: eager from now on, said once
-            self.failed = f"{type(exc).__name__}: {exc}"
-            if self.log is not None:
-                self.log.warn(f"train.cuda_graphs: capturing a micro-batch failed ({self.failed}); the steps run "
-                              f"eagerly from here on")
-            return None
+            self._restore(totals, before)
+            return self._stop(f"capturing a micro-batch failed ({type(exc).__name__}: {exc})")
+        self._restore(totals, before)
         self.graphs[key] = graph
         self.captures += 1
-        return graph
+        return True
+
+    def _stop(self, why: str) -> bool:
+        """Graphs off for the rest of the run (every key), said once. Returns False."""
+        self.failed = why
+        self.graphs.clear()
+        self._unchecked.clear()
+        if self.log is not None:
+            self.log.warn(f"train.cuda_graphs: {why}; the steps run eagerly from here on")
+        return False
