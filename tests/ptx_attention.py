@@ -7,7 +7,7 @@ too). The accumulators of the three tiled kernels must stay in registers.
 
 from numba.types import Array, boolean, float32, float64, int64
 
-from hpctrain.kernels import attention_cuda, attention_cuda_kernels, attention_gemm
+from hpctrain.kernels import attention_cuda, attention_cuda_kernels, attention_gemm_kernels
 
 
 def kernels():
@@ -24,7 +24,7 @@ def kernels():
                         yield f"attention {kind} tile={tile} hs<={hs_max} {dt}", kernel, sig, True
         yield f"attention dsum {dt}", attention_cuda_kernels.dsum_kernel(dt.name), (a3, a3, int64, a3), False
         # the GEMM path's softmax kernels (model.attention = gemm), at the GPU's block size
-        rows, probs, grad = attention_gemm.row_kernels(dt.name, 128)
+        rows, probs, grad = attention_gemm_kernels.row_kernels(dt.name, 128)
         scores = (a3, dt, a3, int64, int64, boolean, int64)
         yield f"attention gemm softmax_rows {dt}", rows, scores, False
         yield f"attention gemm probs {dt}", probs, scores, False
