@@ -210,3 +210,20 @@ def test_simulator_shared_arrays_are_one_array_per_call_site_for_every_thread():
         sys.setswitchinterval(interval)
     assert len(outs) == 1
     np.testing.assert_allclose(np.frombuffer(outs.pop()).reshape(1, 16), a @ b, rtol=1e-13)
+
+
+# ---- the op table ----------------------------------------------------------------------
+# ops that run no model compute (shapes and limits, the gradient's scale and finite test on the
+# communication side): train.op_times leaves them out of its families
+UNTIMED = {"attention_state_shapes", "attention_max_head_size", "scale", "all_finite"}
+
+
+@needs_cuda
+def test_both_devices_offer_the_same_ops_and_op_times_files_each_compute_op_in_a_family():
+    """A new op (a fused one, say) must land in both tables and in a train.op_times family, or its
+    time would vanish from the per-op split."""
+    from hpctrain.observe.op_times import family_of
+
+    cpu, cuda = set(vars(CpuDevice("float64").ops)), set(vars(CudaDevice("float64").ops))
+    assert cpu == cuda, (cpu ^ cuda)
+    assert {op for op in cpu if family_of(op) is None} == UNTIMED

@@ -121,11 +121,11 @@ class RunLoop:
                             self._save()
                             self.metrics.sync()
                         continue
-                    if self.ranges is not None:
-                        self.ranges.push(f"step {state.step + 1}")
-                    stats = self._step_and_judge()
-                    if self.ranges is not None:
-                        self.ranges.pop()
+                    if self.ranges is None:
+                        stats = self._step_and_judge()
+                    else:
+                        with self.ranges(f"step {state.step + 1}"):
+                            stats = self._step_and_judge()
                     if stats is None:  # rolled back
                         continue
                     bad = stats.bad
