@@ -154,7 +154,9 @@ def test_a_capture_that_fails_leaves_the_steps_eager_and_says_why_once(tokens, e
     SimulatedGraphs(monkeypatch)
     said = _said(monkeypatch)
     monkeypatch.setattr(CudaDevice, "capture", lambda dev, fn: (_ for _ in ()).throw(RuntimeError("no graphs here")))
-    graphed, _, graphs = _train(tokens, 2, "on")   # step 2's captures fail: both keys, said once
+    # step 2's captures fail: both keys, said once. Two steps compare with the four-step run's first
+    # two: step 2's loss follows one update at the schedule's first lr, the same for any run length
+    graphed, _, graphs = _train(tokens, 2, "on")
     assert graphs.failed == "capturing a micro-batch failed (RuntimeError: no graphs here)" and not graphs.graphs
     assert len([m for m in said if "capturing a micro-batch failed" in m]) == 1, said
     assert graphed == eager[0][:2]
@@ -167,10 +169,10 @@ def test_a_graph_that_missed_work_is_caught_by_its_checked_replay(tokens, eager,
     sim = SimulatedGraphs(monkeypatch)
     said = _said(monkeypatch)
     monkeypatch.setattr(CudaDevice, "capture", lambda dev, fn: (fn(), [])[1])
-    graphed, _, graphs = _train(tokens, 3, "on")
+    graphed, params, graphs = _train(tokens, STEPS, "on")   # the eager run's length: its lr schedule
     assert graphs.failed.startswith("the first replay's ") and "differs from the eager step's" in graphs.failed
     assert not graphs.graphs and sim.replays == 1 and len(said) == 1, (graphs.failed, said)
-    assert graphed == eager[0][:3]
+    assert graphed == eager[0] and params.tobytes() == eager[1].tobytes()
 
 
 def test_where_graphs_cannot_run_the_reason_is_named():
