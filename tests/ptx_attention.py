@@ -5,7 +5,7 @@ tile from 4 up to the largest whose shared memory fits (a forced tile must fit
 too). The accumulators of the three tiled kernels must stay in registers.
 """
 
-from numba.types import Array, boolean, float32, float64, int64
+from numba.types import Array, float32, float64, int64
 
 from hpctrain.kernels import attention_cuda, attention_cuda_kernels, attention_gemm_kernels
 
@@ -25,7 +25,7 @@ def kernels():
         yield f"attention dsum {dt}", attention_cuda_kernels.dsum_kernel(dt.name), (a3, a3, int64, a3), False
         # the GEMM path's softmax kernels (model.attention = gemm), at the GPU's block size
         rows, probs, grad = attention_gemm_kernels.row_kernels(dt.name, 128)
-        scores = (a3, dt, a3, int64, int64, boolean, int64)
+        scores = (a3, dt, Array(dt, 2, "A"), int64)   # the lse: a chunk's strided (n, T) view
         yield f"attention gemm softmax_rows {dt}", rows, scores, False
         yield f"attention gemm probs {dt}", probs, scores, False
         yield f"attention gemm grad_rows {dt}", grad, (a3, a3, dt, int64), False

@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from .attention_cuda import HS_SIZES, _check
+from .attention_cuda import HS_SIZES, _check, attention_backward_cuda, attention_forward_cuda
 from .attention_gemm_kernels import row_kernels, row_threads
 from .batched_gemm import GemmBatch
 from .cuda_support import blocks_for
@@ -99,6 +99,10 @@ class _Plan:
         for b, h, n in _chunks(self.B, self.NH, self.along, self.G):
             yield b, h, n, b * T * C3 + h * hs, b * T * C + h * hs, sq, so
 
+    def lse_rows(self, lse, b, h, n):
+        """The chunk's (n, T) rows of the (B, NH, T) lse: n heads of row b, or head h of n rows."""
+        return lse[b, h:h + n] if self.along == "heads" else lse[b:b + n, h]
+
     def scores(self, off_q, sq, n):
         """S[g] = Q[g] K[g]^T (T x T)."""
         T, C3 = self.T, self.C3
@@ -118,7 +122,7 @@ def attention_forward_gemm(qkv, n_head, out, lse, *, stream=0, scratch, gemm, bu
     threads = row_threads()
     for b, h, n, oq, oo, sq, so in p.chunks():
         gemm(p.scores(oq, sq, n), qkv, qkv, p.S)
-        softmax_rows[blocks_for(n * T, 1), threads, stream](p.S, p.scale, lse, b, h, p.along == "heads", n)
+        softmax_rows[blocks_for(n * T, 1), threads, stream](p.S, p.scale, p.lse_rows(lse, b, h, n), n)
         gemm(GemmBatch(T, p.hs, T, False, False, T, C3, p.C, 0, oq + 2 * p.C, oo, T * T, sq, so, n), p.S, qkv, out)
     return out
 
@@ -138,7 +142,7 @@ def attention_backward_gemm(dout, qkv, out, lse, n_head, dqkv, work, *, stream=0
     threads, hs, S, W = row_threads(), p.hs, p.S, p.W
     for b, h, n, oq, oo, sq, so in p.chunks():
         gemm(p.scores(oq, sq, n), qkv, qkv, S)
-        probs[blocks_for(n * T * T), 256, stream](S, p.scale, lse, b, h, p.along == "heads", n)
+        probs[blocks_for(n * T * T), 256, stream](S, p.scale, p.lse_rows(lse, b, h, n), n)
         # dV = P^T dY; dP = dY V^T
         gemm(GemmBatch(T, hs, T, True, False, T, C, C3, 0, oo, oq + 2 * C, T * T, so, sq, n), S, dout, dqkv)
         gemm(GemmBatch(T, T, hs, False, True, C, C3, T, oo, oq + 2 * C, 0, so, sq, T * T, n), dout, qkv, W)
@@ -166,8 +170,6 @@ def self_check(gemm, stream, scratch, dtype, shape=(2, 3, 37, 8)) -> str:
 def _check_case(gemm, stream, scratch, dtype, shape, budget) -> str:
     """:func:`self_check` of one shape and chunk budget."""
     from numba import cuda
-
-    from .attention_cuda import attention_backward_cuda, attention_forward_cuda
 
     B, NH, T, hs = shape
     dt = np.dtype(dtype)
@@ -205,11 +207,8 @@ class ChosenAttention:
     there is none (then only flash runs; the model's head-size check keeps hs within it)."""
 
     def __init__(self, mode: str, stream, scratch, gemm=None):
-        from .attention_cuda import attention_backward_cuda, attention_forward_cuda
-
         choose(mode, 1, 1, False)  # a bad mode fails here, at start-up
         self.mode, self.stream, self.scratch, self.gemm = mode, stream, scratch, gemm
-        self._flash = attention_forward_cuda, attention_backward_cuda
 
     def which(self, T: int, hs: int) -> str:
         """"flash" or "gemm" at sequence length T and head size hs."""
@@ -224,10 +223,10 @@ class ChosenAttention:
         if self._gemm(qkv, n_head):
             return attention_forward_gemm(qkv, n_head, out, lse, stream=self.stream, scratch=self.scratch,
                                           gemm=self.gemm)
-        return self._flash[0](qkv, n_head, out, lse, stream=self.stream)
+        return attention_forward_cuda(qkv, n_head, out, lse, stream=self.stream)
 
     def backward(self, dout, qkv, out, lse, n_head, dqkv, work):
         if self._gemm(qkv, n_head):
             return attention_backward_gemm(dout, qkv, out, lse, n_head, dqkv, work, stream=self.stream,
                                            scratch=self.scratch, gemm=self.gemm)
-        return self._flash[1](dout, qkv, out, lse, n_head, dqkv, work, stream=self.stream)
+        return attention_backward_cuda(dout, qkv, out, lse, n_head, dqkv, work, stream=self.stream)

@@ -17,7 +17,7 @@ from numba import cuda, float32, float64
 
 from .cuda_support import simulated
 
-# The row's lse is lse[b, h + g, t] (a chunk along heads) or lse[b + g, h, t] (along rows).
+# lse is the chunk's (n, T) view of the (B, NH, T) array: lse[b, h:h + n] along heads, lse[b:b + n, h] along rows.
 @lru_cache(maxsize=None)
 def row_kernels(dtype_name: str, threads: int):
     """(softmax_rows, probs, grad_rows) for one dtype and block size (a power of two)."""
@@ -37,9 +37,9 @@ def row_kernels(dtype_name: str, threads: int):
         return red[0]
 
     @cuda.jit
-    def softmax_rows(s, scale, lse, b, h, along_heads, n):
+    def softmax_rows(s, scale, lse, n):
         # s (G, T, T) holds q k^T; row t becomes P: exp(scale (s - max)) / sum over u <= t, 0 above;
-        # lse <- scale max + log(sum)
+        # lse (n, T) <- scale max + log(sum)
         T = s.shape[1]
         tid = cuda.threadIdx.x
         red = cuda.shared.array(threads, float64)
@@ -69,23 +69,18 @@ def row_kernels(dtype_name: str, threads: int):
                 s[g, t, u] = s[g, t, u] * inv if u <= t else ZERO
                 u += threads
             if tid == 0:
-                v = m * scale + math.log(total)
-                if along_heads:
-                    lse[b, h + g, t] = v
-                else:
-                    lse[b + g, h, t] = v
+                lse[g, t] = m * scale + math.log(total)
             cuda.syncthreads()
             r += cuda.gridDim.x
 
     @cuda.jit
-    def probs(s, scale, lse, b, h, along_heads, n):
+    def probs(s, scale, lse, n):
         # s (G, T, T) holds q k^T; it becomes P = exp(scale s - lse) for u <= t, 0 above
         T = s.shape[1]
         i = cuda.grid(1)
         while i < n * T * T:
             g, t, u = i // (T * T), i // T % T, i % T
-            L = lse[b, h + g, t] if along_heads else lse[b + g, h, t]
-            s[g, t, u] = math.exp(s[g, t, u] * scale - L) if u <= t else ZERO
+            s[g, t, u] = math.exp(s[g, t, u] * scale - lse[g, t]) if u <= t else ZERO
             i += cuda.gridsize(1)
 
     @cuda.jit

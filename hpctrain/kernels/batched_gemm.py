@@ -151,7 +151,9 @@ class CublasBatchedGemm:
         if not (a.dtype == b.dtype == dtype) or dtype not in (np.float32, np.float64):
             raise ValueError(f"batched gemm: float32 or float64 operands of one dtype, not "
                              f"{a.dtype}, {b.dtype}, {c.dtype}")
-        _check_span(g, _Span(a), _Span(b), _Span(c))
+        if not all(x.is_c_contiguous() for x in (a, b, c)):
+            raise ValueError("batched gemm: the buffers must be C-contiguous")
+        _check_span(g, a, b, c)
         ptr = {name: x.__cuda_array_interface__["data"][0] for name, x in (("a", a), ("b", b), ("c", c))}
         args = cublas_arguments(g)
         call = self.cublas.sgemmStridedBatched if dtype == np.float32 else self.cublas.dgemmStridedBatched
@@ -163,12 +165,3 @@ class CublasBatchedGemm:
                  ptr[args["B"][0]] + args["B"][1] * size, args["ldb"], args["strideB"],
                  self._scalar(g.beta, dtype),
                  ptr[args["C"][0]] + args["C"][1] * size, args["ldc"], args["strideC"], args["batchCount"])
-
-
-class _Span:
-    """What :func:`_check_span` reads of a device array: its element count."""
-
-    def __init__(self, array):
-        if not array.is_c_contiguous():
-            raise ValueError("batched gemm: the buffers must be C-contiguous")
-        self.size = array.size
