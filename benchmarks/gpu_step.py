@@ -33,7 +33,7 @@ on matrices and embeddings only, hpctrain's rule), and:
    float32 GEMM peak measured in this run (an 8192^3 cuBLAS SGEMM through CuPy, best of 3), with
    the card's datasheet dense FP32 peak beside it where the card is known.
 
-hpctrain's step replays forward and backward as a CUDA graph where the device can capture
+hpctrain's step replays forward and backward, and AdamW's update, as CUDA graphs where the device can capture
 (``--graphs auto``, as ``train.cuda_graphs``; the graphs column says which, and why not); the
 per-op split runs eagerly. TF32 is off on both sides (PyTorch's default for matmuls, CuPy's
 default). Prints a Markdown table; writes JSON.
@@ -81,7 +81,7 @@ class Hpctrain:
     def __init__(self, dev, shape, seed=1, graphs=False):
         from hpctrain.models.gpt import GPT
         from hpctrain.optim import make_optimizer
-        from hpctrain.training.cuda_graphs import GraphedMicroBatches
+        from hpctrain.training.cuda_graphs import StepGraphs
 
         layers, d, heads, context, vocab, rows = shape
         self.dev = dev
@@ -91,7 +91,7 @@ class Hpctrain:
         self.t = 0
         self.x, self.y = dev.empty((rows, context), np.int64), dev.empty((rows, context), np.int64)
         self.totals = dev.zeros((2,), np.float64)
-        self.graphs = GraphedMicroBatches(dev, self.model) if graphs else None
+        self.graphs = StepGraphs(dev, self.model) if graphs else None
 
     def step(self, x, y):
         if hasattr(self.dev, "stream"):  # device to device, on the stream (the trainer uploads from the host)
@@ -99,12 +99,14 @@ class Hpctrain:
             self.y.copy_to_device(y, stream=self.dev.stream)
         else:
             self.x[...], self.y[...] = x, y
-        if self.graphs is not None:
+        if self.graphs is not None:   # forward and backward, then AdamW: two replays
             self.graphs.run(self.x, self.y, self.totals, False, False)
+            self.opt.begin_step(self.t, LR)
+            self.graphs.update(self.opt, 0, self.model.flat.size)
         else:
             self.model.forward(self.x, self.y, totals=self.totals)
             self.model.backward()
-        self.opt.step(LR, self.t)
+            self.opt.step(LR, self.t)
         self.t += 1
         return float(self.dev.to_host(self.totals)[0]) / y.size
 

@@ -37,6 +37,7 @@ sys.path.insert(0, REPO)
 from numba import cuda  # noqa: E402  (creates no CUDA context)
 
 from hpctrain.device import CPU_OPS, CudaDevice, cuda_status, gpu_name, simulated  # noqa: E402
+from hpctrain.kernels import adamw, sgd  # noqa: E402
 from hpctrain.kernels import softmax_xent as sx  # noqa: E402
 from hpctrain.kernels.cuda_support import THREADS, blocks_for  # noqa: E402
 from hpctrain.kernels.linear import gemm_cuda  # noqa: E402
@@ -181,12 +182,12 @@ def validate(dev, small, rng, step_dev=None):
     n = 600 if small else 100_003
     p, g, m, v = rnd(n), rnd(n), rnd(n), (0.5 + rng.random(n)).astype(dt)  # v > 0: sqrt(v) well conditioned
     pr, vr, Pg, Vg = f64(p), f64(m), up(p), up(m)
-    CPU_OPS.sgd_step(pr, f64(g), vr, 0.1, 0.9, 1e-2, True)
-    ops.sgd_step(Pg, up(g), Vg, 0.1, 0.9, 1e-2, True)
+    CPU_OPS.sgd_update(pr, f64(g), vr, sgd.hyperparameters(np.float64, 0.1, 0.9, 1e-2), True)
+    ops.sgd_update(Pg, up(g), Vg, up(sgd.hyperparameters(dt, 0.1, 0.9, 1e-2)), True)
     ok["sgd_step"] = all([check("sgd_step p", host(Pg), pr, norm(pr)), check("sgd_step v", host(Vg), vr, norm(vr))])
     pr, mr, vr, Pg, Mg, Vg = f64(p), f64(m), f64(v), up(p), up(m), up(v)
-    CPU_OPS.adamw_step(pr, f64(g), mr, vr, 3, 1e-2, 0.9, 0.999, 1e-8, 1e-2)
-    ops.adamw_step(Pg, up(g), Mg, Vg, 3, 1e-2, 0.9, 0.999, 1e-8, 1e-2)
+    CPU_OPS.adamw_update(pr, f64(g), mr, vr, adamw.hyperparameters(np.float64, 3, 1e-2, 0.9, 0.999, 1e-8, 1e-2))
+    ops.adamw_update(Pg, up(g), Mg, Vg, up(adamw.hyperparameters(dt, 3, 1e-2, 0.9, 0.999, 1e-8, 1e-2)))
     ok["adamw_step"] = all([check(f"adamw_step {k}", host(got), ref, norm(ref))
                             for k, got, ref in (("p", Pg, pr), ("m", Mg, mr), ("v", Vg, vr))])
     Sg = up(p)
@@ -267,10 +268,12 @@ def cases(dev, small, rng, cp, step_dev=None):
     P = 32 if small else 100_000_000
     p, g, m = arr(P), arr(P), arr(P)
     v = dev.from_host(rng.random(P, dtype=dev.dtype))  # >= 0, as an Adam second moment is
+    sgd_hyper = dev.from_host(sgd.hyperparameters(dev.dtype, 1e-3, 0.9, 1e-4))
+    adamw_hyper = dev.from_host(adamw.hyperparameters(dev.dtype, 10, 1e-3, 0.9, 0.999, 1e-8, 1e-2))
     rows += [("sgd_step (momentum, nesterov)", f"P={P:,}", "GB/s", 5 * P * s,  # p g v in, p v out
-              lambda: ops.sgd_step(p, g, m, 1e-3, 0.9, 1e-4, True), None, BW_TARGET),
+              lambda: ops.sgd_update(p, g, m, sgd_hyper, True), None, BW_TARGET),
              ("adamw_step", f"P={P:,}", "GB/s", 7 * P * s,  # p g m v in, p m v out
-              lambda: ops.adamw_step(p, g, m, v, 10, 1e-3, 0.9, 0.999, 1e-8, 1e-2), None, BW_TARGET),
+              lambda: ops.adamw_update(p, g, m, v, adamw_hyper), None, BW_TARGET),
              ("scale", f"P={P:,}", "GB/s", 2 * P * s, lambda: ops.scale(g, 1.0), None, BW_TARGET)]  # buf in, out
     return rows + kernels_gpt.cases(dev, small, rng, step_dev or dev)
 

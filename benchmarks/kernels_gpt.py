@@ -23,6 +23,7 @@ import sys
 import numpy as np
 
 from hpctrain.device import CPU_OPS, CpuDevice
+from hpctrain.kernels import adamw
 from hpctrain.models.gpt import GPT
 
 ATTN_TARGET, STEP_TARGET = 0.5, 0.5
@@ -188,11 +189,12 @@ def _step_row(dev, small, rng, torch, on_stream):
     tokens = dev.from_host(rng.integers(0, vocab, (batch, context)), np.int64)
     targets = dev.from_host(rng.integers(0, vocab, (batch, context)), np.int64)
     m, v = dev.zeros(model.flat.size), dev.zeros(model.flat.size)
+    hyper = dev.from_host(adamw.hyperparameters(dev.dtype, 1, 1e-4, 0.9, 0.95, 1e-8, 0.1))
 
     def step():
         model.forward(tokens, targets)   # copies the loss to the host, as a training step does
         model.backward()
-        dev.ops.adamw_step(model.flat.data, model.flat.grad, m, v, 1, 1e-4, 0.9, 0.95, 1e-8, 0.1)
+        dev.ops.adamw_update(model.flat.data, model.flat.grad, m, v, hyper)
     ref = None
     if torch is not None:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))

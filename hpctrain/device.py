@@ -6,10 +6,13 @@ and allocate through ``device.empty``/``device.zeros``. Both devices offer:
   name, dtype, ops           the kernel table (same op names and signatures)
   empty/zeros(shape)         arrays in the device's memory
   from_host(array)           a new device array holding a host array
-  upload(array, slot)        the same into a buffer reused per slot (no allocation per step)
+  upload(array, slot)        the same into a buffer reused per slot (no allocation per step; on a GPU
+                             an asynchronous copy from pinned memory, so the host does not wait)
   copy_from_host(dst, src)   fill an existing device array
   to_host(array)             a host NumPy array (waits for the device)
   synchronize()              wait until every queued kernel has finished
+  fence                      orders the communication thread's copies against the device's queue
+                             (hpctrain.transfers.StreamFence; HostFence on the CPU: no queue)
   thread_context()           (cuda only) a context manager making the device current in a new thread
   describe()                 one line for logs
   gemm_note                  the warning to log once at start-up when train.gemm = auto fell back to
@@ -31,6 +34,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .transfers import HostFence, PinnedUpload, StreamFence
 from .kernels import (adamw, attention, attention_cuda, bias_act, bias_act_cuda, embedding, finite, layernorm,
                       layernorm_cuda, linear, residual, scale, sgd, softmax_xent)
 
@@ -41,7 +45,7 @@ CPU_OPS = SimpleNamespace(
     softmax_xent_forward=softmax_xent.softmax_xent_forward,
     softmax_xent_backward=softmax_xent.softmax_xent_backward, softmax_xent_fused=softmax_xent.softmax_xent_fused,
     softmax_xent_fused_add=softmax_xent.softmax_xent_fused_add,
-    sgd_step=sgd.sgd_step, adamw_step=adamw.adamw_step, scale=scale.scale, all_finite=finite.all_finite,
+    sgd_update=sgd.sgd_update, adamw_update=adamw.adamw_update, scale=scale.scale, all_finite=finite.all_finite,
     # the GPT's ops
     embedding_forward=embedding.embedding_forward, embedding_backward=embedding.embedding_backward,
     layernorm_forward=layernorm.layernorm_forward, layernorm_backward=layernorm.layernorm_backward,
@@ -85,6 +89,8 @@ class CpuDevice:
     def synchronize(self):
         """Nothing queued on the CPU."""
 
+    fence = HostFence()
+
     def describe(self) -> str:
         return f"cpu ({self.dtype.name})"
 
@@ -109,6 +115,7 @@ class CudaDevice:
         self.gpu = gpu
         cuda.select_device(gpu)
         self.stream = cuda.stream()
+        self.fence = StreamFence(cuda, self.stream)
         self._scratch: dict = {}
         self._uploads: dict = {}
         self.gemm, why = gemm_backend(gemm, gpu)
@@ -122,7 +129,7 @@ class CudaDevice:
             softmax_xent_backward=p(softmax_xent.softmax_xent_backward_cuda, **s),
             softmax_xent_fused=p(softmax_xent.softmax_xent_fused_cuda, **s, scratch=self.scratch),
             softmax_xent_fused_add=p(softmax_xent.softmax_xent_fused_add_cuda, **s, scratch=self.scratch),
-            sgd_step=p(sgd.sgd_step_cuda, **s), adamw_step=p(adamw.adamw_step_cuda, **s),
+            sgd_update=p(sgd.sgd_update_cuda, **s), adamw_update=p(adamw.adamw_update_cuda, **s),
             scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s, scratch=self.scratch),
             # the GPT's ops
             embedding_forward=p(embedding.embedding_forward_cuda, **s),
@@ -205,14 +212,16 @@ class CudaDevice:
         return self._cuda.to_device(np.ascontiguousarray(array, dtype=dtype or self.dtype), stream=self.stream)
 
     def upload(self, array, slot, dtype=None):
-        """``array`` copied into a device buffer kept for (slot, shape, dtype) and reused."""
-        host = np.ascontiguousarray(array, dtype=dtype or self.dtype)
+        """``array`` copied into a device buffer kept for (slot, shape, dtype) and reused: the same
+        buffer every time (a CUDA graph may read it), filled by an asynchronous copy on the
+        stream from one of two pinned host buffers taken in turn. The host waits only when the
+        pinned buffer it takes is still being read by its copy of two uploads ago."""
+        host = np.asarray(array, dtype=dtype or self.dtype)
         key = (slot, host.shape, host.dtype.str)
-        buf = self._uploads.get(key)
-        if buf is None:
-            buf = self._uploads[key] = self.empty(host.shape, host.dtype)
-        buf.copy_to_device(host, stream=self.stream)
-        return buf
+        entry = self._uploads.get(key)
+        if entry is None:
+            entry = self._uploads[key] = PinnedUpload(self._cuda, self.empty(host.shape, host.dtype))
+        return entry.send(host, self.stream)
 
     def copy_from_host(self, dst, src):
         dst.copy_to_device(np.ascontiguousarray(src, dtype=dst.dtype), stream=self.stream)

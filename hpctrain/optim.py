@@ -1,11 +1,18 @@
 """Optimizers over the flat parameter buffer, and the learning-rate schedule.
 
 Each optimizer owns flat state buffers of P elements (momentum; Adam moments)
-and runs one device kernel per step, or one per gradient bucket: ``begin_step(step)``
-then ``update(lr, lo, hi)`` for element ranges as their buckets are reduced
+and runs one device kernel per step, or one per gradient bucket: ``begin_step(step, lr)``
+then ``update(lo, hi)`` for element ranges as their buckets are reduced
 (the update is elementwise, so slices give the same result as the whole).
 ``step(lr)`` does both for the whole buffer. State is exposed by ``state()``
 as named flat arrays so checkpoints can save and restore it.
+
+What changes per step (the learning rate, Adam's step count and bias corrections) reaches the
+kernels in device memory: ``begin_step`` computes the step's scalars on the host in float64 and
+uploads them, rounded to the parameters' dtype, into one device array (:attr:`hyper`, a row per
+decay: no decay, decay), and every ``update`` launch reads them there. So the launches of an
+update are the same at every step, which lets a CUDA graph replay them (training/cuda_graphs.py);
+``graph_key()`` names what would still change them.
 
 Weight decay applies to the parameters the model does not list in
 ``no_decay`` (a GPT's biases and LayerNorm parameters): the flat buffer is
@@ -17,6 +24,10 @@ its vectors, so a block is two runs).
 from __future__ import annotations
 
 import math
+
+import numpy as np
+
+from .kernels import adamw, sgd
 
 
 def peak_lr(cfg_optim, global_batch: int) -> float:
@@ -63,8 +74,9 @@ def decay_runs(flat, no_decay) -> list[tuple[int, int, bool]]:
 
 
 class _Optimizer:
-    """The update split into runs of equal decay, shared by both optimizers: ``_kernel(s, lr, weight_decay)``
-    runs the optimizer's kernel on the flat slice ``s``.
+    """The update split into runs of equal decay, shared by both optimizers: ``_kernel(s, hyper)`` runs
+    the optimizer's kernel on the flat slice ``s`` with the scalars ``hyper`` (a row of :attr:`hyper`),
+    ``_hyper(lr, weight_decay)`` makes such a row on the host.
 
     ``shards`` (a :class:`~hpctrain.comm.zero.ZeroShards`, ``dist.zero >= 1``): the state holds only this
     rank's chunks, packed (``state_size`` elements), and updates run only on ranges inside them.
@@ -76,6 +88,7 @@ class _Optimizer:
         self.device, self.flat, self.cfg, self.shards, self.grads = device, flat, cfg_optim, shards, grads
         self.runs = decay_runs(flat, no_decay)
         self.state_size = flat.size if shards is None else shards.owned
+        self.hyper = None  # the step's scalars on the device, (2, n): rows for no decay and decay
 
     def _state(self, s: slice) -> slice:
         """The state's slice for the flat slice ``s``."""
@@ -85,16 +98,31 @@ class _Optimizer:
         """The averaged gradient of the flat slice ``s``."""
         return self.flat.grad[s] if self.grads is None else self.grads[self._state(s)]
 
-    def update(self, lr: float, lo: int = 0, hi: int | None = None):
+    def begin_step(self, step: int | None, lr: float):
+        """Once per update, however many slices get updated: ``step`` is the global step (0-based),
+        ``lr`` its learning rate. Uploads the step's scalars (:attr:`hyper`)."""
+        self._advance(step)
+        rows = [self._hyper(lr, weight_decay) for weight_decay in (0.0, self.cfg.weight_decay)]
+        self.hyper = self.device.upload(np.stack(rows), "optimizer scalars")
+
+    def _advance(self, step):
+        """The optimizer's own per-step state, before the scalars are made (none for SGD)."""
+
+    def graph_key(self) -> tuple:
+        """What else the update's launches depend on this step (their arguments besides the arrays)."""
+        return ()
+
+    def update(self, lo: int = 0, hi: int | None = None):
+        """The update of the flat range [lo, hi) (default: all), with :meth:`begin_step`'s scalars."""
         hi = self.flat.size if hi is None else hi
         for a, b, decays in self.runs:
             a, b = max(a, lo), min(b, hi)
             if a < b:
-                self._kernel(slice(a, b), lr, self.cfg.weight_decay if decays else 0.0)
+                self._kernel(slice(a, b), self.hyper[int(decays)])
 
     def step(self, lr: float, global_step: int | None = None):
-        self.begin_step(global_step)
-        self.update(lr)
+        self.begin_step(global_step, lr)
+        self.update()
 
 
 class SGD(_Optimizer):
@@ -104,13 +132,12 @@ class SGD(_Optimizer):
         super().__init__(device, flat, cfg_optim, no_decay, shards, grads)
         self.momentum_buf = device.zeros(self.state_size)
 
-    def begin_step(self, step: int | None = None):
-        """Nothing per step for SGD."""
+    def _hyper(self, lr, weight_decay):
+        return sgd.hyperparameters(self.flat.data.dtype, lr, self.cfg.momentum, weight_decay)
 
-    def _kernel(self, s, lr, weight_decay):
-        c, f = self.cfg, self.flat
-        self.device.ops.sgd_step(f.data[s], self._grad(s), self.momentum_buf[self._state(s)], lr, c.momentum, weight_decay,
-                                 c.nesterov)
+    def _kernel(self, s, hyper):
+        self.device.ops.sgd_update(self.flat.data[s], self._grad(s), self.momentum_buf[self._state(s)], hyper,
+                                   self.cfg.nesterov)
 
     def state(self) -> dict:
         return {"momentum": self.momentum_buf}
@@ -136,18 +163,24 @@ class AdamW(_Optimizer):
         self.frozen_at = 0
         self.velocity_from, self.velocity = velocity_from, False
 
-    def begin_step(self, step: int | None = None):
-        """Once per update, however many slices get updated; ``step``: the global step (0-based)."""
+    def _advance(self, step):
         self.t += 1
         f = self.cfg.freeze_step
         self.frozen_at = f if f and step is not None and step >= f else 0
         self.velocity = bool(self.velocity_from) and step is not None and step >= self.velocity_from
 
-    def _kernel(self, s, lr, weight_decay):
-        c, f = self.cfg, self.flat
+    def graph_key(self) -> tuple:
+        return (self.velocity,)
+
+    def _hyper(self, lr, weight_decay):
+        c = self.cfg
+        return adamw.hyperparameters(self.flat.data.dtype, self.t, lr, c.beta1, c.beta2, c.eps, weight_decay,
+                                     self.frozen_at)
+
+    def _kernel(self, s, hyper):
         st = self._state(s)
-        self.device.ops.adamw_step(f.data[s], self._grad(s), self.exp_avg[st], self.exp_avg_sq[st],
-                                   self.t, lr, c.beta1, c.beta2, c.eps, weight_decay, self.frozen_at, self.velocity)
+        self.device.ops.adamw_update(self.flat.data[s], self._grad(s), self.exp_avg[st], self.exp_avg_sq[st], hyper,
+                                     self.velocity)
 
     def state(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

@@ -66,8 +66,8 @@ def kernels():
             (m, arr(int64, 1), dt, m), False
         yield f"softmax_xent fused {dt}", softmax_xent.rows_kernel(dt.name, True), \
             (m, arr(int64, 1), dt, m, f64, f64), False
-        yield f"sgd {dt}", sgd._sgd_step_kernel, (v, v, v, dt, dt, dt, boolean), False
-        yield f"adamw {dt}", adamw._adamw_step_kernel, (v,) * 4 + (dt,) * 8 + (boolean,), False
+        yield f"sgd {dt}", sgd._sgd_update_kernel, (v,) * 4 + (boolean,), False
+        yield f"adamw {dt}", adamw._adamw_update_kernel, (v,) * 5 + (boolean,), False
         yield f"scale {dt}", scale._scale_kernel, (v, dt), False
         yield f"all_finite {dt}", finite._nonfinite_kernel, (v, arr(int32, 1)), False
     yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3 + (boolean,), False

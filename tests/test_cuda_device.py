@@ -130,6 +130,42 @@ def test_pinned_staging_leaves_the_device_buffer_alone_when_mpi_fails():
     np.testing.assert_array_equal(dev.to_host(buf), np.arange(3.0))
 
 
+@needs_cuda
+def test_fenced_staging_in_a_thread_reads_the_fenced_writes_and_the_stream_sees_the_copy_back():
+    """The communication thread's path (hpctrain/transfers.py) on real streams: a buffer written
+    before the fence's event is copied out inside fenced(event) on the thread's stream, changed on
+    the host (as an MPI receive would) and copied back; a kernel the device's stream runs next sees
+    the change. On a GPU, with 100 passes over 1 GiB queued behind the event, the thread's copies
+    also finish before that work does: it did not wait for the whole stream."""
+    import threading
+
+    from hpctrain.device import simulated
+
+    dev = CudaDevice("float32")
+    staging = Staging(dev, "off")
+    a = dev.from_host(np.ones(1 << 16, np.float32))
+    dev.ops.scale(a, 3.0)                                     # written before the event
+    ready = dev.fence.record(dev.fence.new_event())
+    later = dev.zeros(1 if simulated() else 1 << 28)           # 1 GiB of later work on a GPU
+    for _ in range(1 if simulated() else 100):   # ~45 ms on an H100
+        dev.ops.scale(later, 1.0)
+    behind = dev.fence.record(dev.fence.new_event())
+    seen = []
+
+    def communication_thread():
+        with dev.thread_context(), dev.fence.fenced(ready):
+            with staging.mpi_view(a, slot="fenced") as host:
+                seen.append(bool(np.all(host == 3.0)))
+                host += 1.0
+            seen.append(simulated() or not behind.query())   # later work still running: not waited for
+    thread = threading.Thread(target=communication_thread)
+    thread.start()
+    thread.join(60)
+    dev.ops.scale(a, 2.0)                                     # on the device's stream, after the copy back
+    np.testing.assert_array_equal(dev.to_host(a), 8.0)
+    assert seen == [True, True]
+
+
 # ---- a training step -------------------------------------------------------------------
 def _config(train_path, device):
     cfg = Config()

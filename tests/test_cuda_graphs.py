@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hpctrain.device import CudaDevice, cuda_status, simulated
-from hpctrain.training.cuda_graphs import GraphedMicroBatches, why_not
+from hpctrain.training.cuda_graphs import StepGraphs, why_not
 
 pytestmark = [pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}"),
               pytest.mark.timeout(600)]
@@ -90,7 +90,7 @@ class SimulatedGraphs:
 
 
 def _train(text, steps, graphs, attention="flash", accumulate=2):
-    """(per-step (loss, correct), final parameters, the step's GraphedMicroBatches) of a tiny GPT on
+    """(per-step (loss, correct), final parameters, the step's StepGraphs) of a tiny GPT on
     the simulated CUDA device in this process."""
     from mpi4py import MPI
 
@@ -132,12 +132,15 @@ def eager(tokens):
 
 
 def test_graphed_steps_train_bit_for_bit_as_eager_ones(tokens, eager, monkeypatch):
-    """The two keys are the first micro-batch's (the loss written, the gradient written) and the
-    second's (both added). Losses, counts and parameters equal the eager run's bit for bit."""
+    """The three keys are the first micro-batch's (the loss written, the gradient written), the
+    second's (both added) and AdamW's update of the one bucket, whose learning rate and bias
+    corrections change every step in device memory. Losses, counts and parameters equal the eager
+    run's bit for bit."""
     sim = SimulatedGraphs(monkeypatch)
     graphed, params, graphs = _train(tokens, STEPS, "on")
     assert graphs is not None and not graphs.failed
-    assert sim.captures == graphs.captures == 2 and sim.replays == graphs.replays == 4
+    assert sorted(key[0] for key in graphs.graphs) == ["micro-batch", "micro-batch", "update"]
+    assert sim.captures == graphs.captures == 3 and sim.replays == graphs.replays == 6
     assert graphed == eager[0]
     assert params.tobytes() == eager[1].tobytes()
 
@@ -157,8 +160,8 @@ def test_a_capture_that_fails_leaves_the_steps_eager_and_says_why_once(tokens, e
     # step 2's captures fail: both keys, said once. Two steps compare with the four-step run's first
     # two: step 2's loss follows one update at the schedule's first lr, the same for any run length
     graphed, _, graphs = _train(tokens, 2, "on")
-    assert graphs.failed == "capturing a micro-batch failed (RuntimeError: no graphs here)" and not graphs.graphs
-    assert len([m for m in said if "capturing a micro-batch failed" in m]) == 1, said
+    assert graphs.failed == "capturing micro-batch work failed (RuntimeError: no graphs here)" and not graphs.graphs
+    assert len([m for m in said if "capturing micro-batch work failed" in m]) == 1, said
     assert graphed == eager[0][:2]
 
 
@@ -220,7 +223,7 @@ def test_gpu_graphs_replay_the_eager_step_bit_for_bit(tokens):
 
 
 def _fakes(grad, replay, slots=None):
-    """A model and device for GraphedMicroBatches alone: forward and backward record their calls."""
+    """A model and device for StepGraphs alone: forward and backward record their calls."""
     from types import SimpleNamespace as NS
 
     calls = []
@@ -239,7 +242,7 @@ def _fakes(grad, replay, slots=None):
 
 def test_graphed_micro_batches_key_by_shape_and_flags():
     model, device, calls = _fakes(np.zeros(3), lambda grad: grad.__setitem__(slice(None), 1.0))
-    g = GraphedMicroBatches(device, model)
+    g = StepGraphs(device, model)
     x, y = np.zeros((2, 3)), np.zeros((2, 3))
     for _ in range(4):
         g.run(x, y, np.zeros(2), False, False)
@@ -257,9 +260,35 @@ def test_a_replay_that_differs_from_the_eager_step_ends_the_graphs():
     grad = np.zeros(3)
     model, device, calls = _fakes(grad, lambda grad: grad.__setitem__(slice(None), 2.0))   # eager writes 1.0
     said = []
-    g = GraphedMicroBatches(device, model, NS(warn=said.append))
+    g = StepGraphs(device, model, NS(warn=said.append))
     x = np.zeros((2, 3))
     for _ in range(4):
         g.run(x, x, np.zeros(2), False, False)
     assert g.failed == "the first replay's gradient of w differs from the eager step's by 1.0e+00 of its scale"
     assert not g.graphs and len(said) == 1 and np.all(grad == 1.0) and g.replays == 1   # the eager results stand
+
+
+def test_an_update_graph_that_froze_its_learning_rate_is_caught():
+    """The update's check compares what the replay changed with what the eager update changed, so a
+    graph that kept the capture's learning rate (a scalar passed by value, not read from device
+    memory) is caught even where the parameters hardly move against their own size: here the lr
+    goes from 1.0e-3 to 1.1e-3 on parameters of 1, a difference of 1e-4 of the parameters but
+    0.09 of the change."""
+    from types import SimpleNamespace as NS
+
+    data, hyper = np.ones(4), np.zeros(1)
+    flat = NS(data=data, slots=[NS(name="w", offset=0, size=4)])
+    optimizer = NS(state=lambda: {}, graph_key=lambda: (), update=lambda lo, hi: data.__isub__(hyper[0]))
+
+    def capture(fn):
+        frozen = float(hyper[0])
+        return lambda: data.__isub__(frozen)
+    device = NS(capture=capture, replay=lambda graph: graph(), to_host=lambda a: a,
+                copy_from_host=lambda dst, src: dst.__setitem__(slice(None), src))
+    said = []
+    g = StepGraphs(device, NS(flat=flat), NS(warn=said.append))
+    for lr in (1.0e-3, 1.0e-3, 1.1e-3):   # eager; captured at 1.0e-3; replayed and checked at 1.1e-3
+        hyper[0] = lr
+        g.update(optimizer, 0, 4)
+    assert g.failed.startswith("the first replay's update of w differs from the eager step's by 9.1e-02"), g.failed
+    assert len(said) == 1 and np.allclose(data, 1.0 - 3.1e-3, rtol=0, atol=1e-12)   # the eager updates stand

@@ -302,7 +302,7 @@ def test_sgd_step_matches_twin(dev64, n, nesterov):
     P, G, V = up(dev64, p), up(dev64, g), up(dev64, v)
     for lr in (0.1, 0.05):  # two steps: the momentum state carries over
         sgd.sgd_step(p, g, v, lr, 0.9, 1e-2, nesterov)
-        dev64.ops.sgd_step(P, G, V, lr, 0.9, 1e-2, nesterov)
+        dev64.ops.sgd_update(P, G, V, up(dev64, sgd.hyperparameters(np.float64, lr, 0.9, 1e-2)), nesterov)
     np.testing.assert_allclose(dev64.to_host(P), p, **TIGHT)
     np.testing.assert_allclose(dev64.to_host(V), v, **TIGHT)
 
@@ -318,7 +318,8 @@ def test_adamw_step_matches_twin(dev64, n, freeze, velocity):
         frozen_at = 2 if freeze and step == 3 else 0  # the second moment frozen after two updates
         vel = velocity and step == 3  # and g taken as a summed velocity (dist.compress_momentum)
         adamw.adamw_step(p, g, m, v, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, frozen_at, vel)
-        dev64.ops.adamw_step(P, G, M, V, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, frozen_at, vel)
+        hyper = adamw.hyperparameters(np.float64, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, frozen_at)
+        dev64.ops.adamw_update(P, G, M, V, up(dev64, hyper), vel)
     for got, ref in ((P, p), (M, m), (V, v)):
         np.testing.assert_allclose(dev64.to_host(got), ref, **TIGHT)
 
@@ -359,7 +360,8 @@ def test_mlp_step_on_cuda_equals_cpu_step(dev64):
         loss, correct = model.forward(dev.from_host(x), dev.from_host(y, np.int64))
         model.backward()
         grad = dev.to_host(model.flat.grad).copy()
-        dev.ops.sgd_step(model.flat.data, model.flat.grad, dev.zeros(model.flat.size), 0.1, 0.9, 0.0, False)
+        dev.ops.sgd_update(model.flat.data, model.flat.grad, dev.zeros(model.flat.size),
+                           dev.from_host(sgd.hyperparameters(dev.dtype, 0.1, 0.9, 0.0)), False)
         results.append((loss, correct, grad, dev.to_host(model.flat.data).copy()))
     (l0, c0, g0, p0), (l1, c1, g1, p1) = results
     np.testing.assert_allclose(l1, l0, rtol=1e-12)

@@ -21,6 +21,7 @@ import pytest
 
 from hpctrain.training.config import Config
 from hpctrain.device import CpuDevice, CudaDevice, cuda_status
+from hpctrain.kernels import adamw
 from hpctrain.models.gpt import GPT
 
 pytestmark = [pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}"),
@@ -42,7 +43,8 @@ def _step(dev, tokens, targets):
         model.backward(accumulate=i > 0)
     grad = dev.to_host(model.flat.grad).copy()
     state = [dev.zeros(model.flat.size) for _ in range(2)]
-    dev.ops.adamw_step(model.flat.data, model.flat.grad, *state, 1, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    dev.ops.adamw_update(model.flat.data, model.flat.grad, *state,
+                         dev.from_host(adamw.hyperparameters(dev.dtype, 1, 1e-2, 0.9, 0.95, 1e-8, 0.1)))
     return loss, correct, grad, dev.to_host(model.flat.data).copy()
 
 

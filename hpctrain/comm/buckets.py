@@ -11,6 +11,11 @@ arrives, the bucket is queued, and the communication thread all-reduces
 it (any strategy) while the main thread computes the layers below. Open MPI
 grants MPI_THREAD_MULTIPLE, and a thread is needed: a nonblocking
 Iallreduce barely progresses unless some thread keeps calling into MPI.
+On a GPU the thread waits for the bucket's own gradients, not for everything
+queued: mark_ready records an event on the device's stream when a bucket's last
+gradient is queued, and the thread reduces the bucket fenced by it
+(:class:`~hpctrain.transfers.StreamFence`), its copies on a stream of its own, so
+they run while backward's later kernels do.
 The optimizer then waits for each bucket in turn and updates that slice, so it
 waits only for what it needs. The last bucket is ready only when backward
 ends; if by then the thread has finished every earlier bucket, the main thread
@@ -114,6 +119,10 @@ class BucketedAllreduce:
         self._slot_bucket = {name: b.index for b in buckets for name in b.slots}
         self._views = self._bucket_views(grad)
         self._done = [threading.Event() for _ in buckets]
+        fence = getattr(device, "fence", None)
+        self._fence = fence if overlap and fence is not None else None
+        # per bucket: recorded on the device's stream when its last gradient is queued (None on the CPU)
+        self._ready_events = [None if self._fence is None else self._fence.new_event() for _ in buckets]
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error = None
         self._thread = None
@@ -154,6 +163,8 @@ class BucketedAllreduce:
         if self._remaining[i] == 0 and self.tracer is not None:
             self.tracer.instant("bucket ready", "comm", {"bucket": i, "bytes": self._views[i].nbytes})
         if self._remaining[i] == 0 and self.overlap:
+            if self._fence is not None:
+                self._fence.record(self._ready_events[i])
             if (i == len(self.buckets) - 1 and self._may_inline and self._error is None
                     and all(e.is_set() for e in self._done[:i])):
                 # the thread is idle and backward is over: the main thread reduces it in wait(),
@@ -218,7 +229,9 @@ class BucketedAllreduce:
 
     # what the communication thread does with a queued item (ZeRO-2's items are (bucket, micro-batch))
     def _reduce_item(self, i) -> None:
-        self._reduce(i)
+        fence = self._fence
+        with fence.fenced(self._ready_events[i]) if fence is not None else contextlib.nullcontext():
+            self._reduce(i)
 
     def _item_done(self, i) -> None:
         self._done[i].set()

@@ -9,8 +9,11 @@ Three modes, chosen once per device by :func:`staging_mode`:
           buffer (allocated once per buffer and reused), MPI works on that,
           and the result is copied back.
 
-In every mode the device's stream is synchronised before the MPI call, so MPI
-never reads a buffer a kernel is still writing.
+In every mode MPI never reads a buffer a kernel is still writing: each view first waits for the
+device's writes (``device.fence.wait_for_writes()``: the whole stream, or, on the communication
+thread inside ``device.fence.fenced(event)``, only the event recorded when the bucket was ready),
+and the pinned copies go on ``device.fence.transfer_stream()`` (that thread's own stream, so a
+bucket's copies do not queue behind backward's later kernels; hpctrain.transfers).
 
 Strategies that reduce on the host (ring, rhd) need host memory even where MPI
 is CUDA-aware: :meth:`Staging.host_view` yields the buffer itself on the CPU
@@ -95,7 +98,7 @@ class Staging:
         (slot, shape, dtype): it is scratch, filled on entry. Buffers staged at
         the same time (e.g. buckets in flight together) need different slots.
         """
-        self.device.synchronize()  # every kernel that wrote buf has finished
+        self.device.fence.wait_for_writes()  # every kernel that wrote buf has finished
         if self.mode == "pinned":
             return _PinnedCopy(self.device, self._pinned_for(buf, slot), buf)
         return _Direct(buf)
@@ -107,7 +110,7 @@ class Staging:
         pinned host buffer for (slot, shape, dtype) - the one mpi_view uses in
         pinned mode - whatever the mode, and copied back on a clean exit.
         """
-        self.device.synchronize()  # every kernel that wrote buf has finished
+        self.device.fence.wait_for_writes()  # every kernel that wrote buf has finished
         if self.mode == "host":
             return _Direct(buf)
         return _PinnedCopy(self.device, self._pinned_for(buf, slot), buf)
@@ -137,17 +140,20 @@ class _Direct:
 
 
 class _PinnedCopy:
-    """Device -> pinned host on entry; pinned host -> device on a clean exit."""
+    """Device -> pinned host on entry; pinned host -> device on a clean exit, both on the fence's
+    transfer stream (the device's stream waits for the copy back before its next kernel)."""
 
     def __init__(self, device, host, buf):
         self.device, self.host, self.buf = device, host, buf
+        self.stream = device.fence.transfer_stream()
 
     def __enter__(self):
-        self.buf.copy_to_host(self.host, stream=self.device.stream)
-        self.device.synchronize()  # the host copy is complete before MPI reads it
+        self.buf.copy_to_host(self.host, stream=self.stream)
+        self.stream.synchronize()  # the host copy is complete before MPI reads it
         return self.host
 
     def __exit__(self, exc_type, *exc):
         if exc_type is None:
-            self.buf.copy_to_device(self.host, stream=self.device.stream)
+            self.buf.copy_to_device(self.host, stream=self.stream)
+            self.device.fence.transfer_done(self.stream)
         return False

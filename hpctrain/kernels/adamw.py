@@ -11,12 +11,17 @@ what remains of the first moment from before) and the update uses m + g, which i
 moment again, with its usual bias correction.
 The per-element update is one plain function compiled for both targets; the
 bias corrections, 1 - lr wd, 1 - b1 and 1 - b2 are computed once per step on the
-host in float64 and passed in the parameters' dtype, so float32 buffers are
-updated in float32 arithmetic (no float64 literal or scalar promotes it).
+host in float64 and rounded once to the parameters' dtype (:func:`hyperparameters`), so float32
+buffers are updated in float32 arithmetic (no float64 literal or scalar promotes it).
+
+The op (``adamw_update``) reads those eight numbers from an array (``hyper``), not from its
+arguments: on a GPU it lives in device memory, refilled once per step by an upload, so a step's
+launches are the same every step and a CUDA graph can replay them (training/cuda_graphs.py).
 """
 
 import math
 
+import numpy as np
 from numba import cuda, njit
 
 from .cuda_support import THREADS, blocks_for
@@ -40,8 +45,12 @@ _update_cpu = njit(_update)
 _update_gpu = cuda.jit(device=True)(_update)
 
 
-def _scalars(dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0, velocity=False):
-    """The update's nine scalars, computed in float64 and rounded once to ``dtype`` (``velocity`` as is).
+HYPER = 8  # the length of ``hyper``: decay, beta1, 1 - beta1, beta2, 1 - beta2, eps, step size, 1/sqrt(bc2)
+
+
+def hyperparameters(dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0):
+    """The update's eight scalars for step ``step`` (from 1), computed in float64 and rounded once to
+    ``dtype``: a (HYPER,) array, the ``hyper`` of :func:`adamw_update`.
 
     ``frozen_at`` > 0 freezes the second moment: v = 1 * v + 0 * g^2 leaves it as it was (bit
     for bit, for finite g) and its bias correction is that of step ``frozen_at``.
@@ -49,9 +58,8 @@ def _scalars(dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0, velo
     bias_correction1 = 1.0 - beta1 ** step
     bias_correction2 = 1.0 - beta2 ** (frozen_at or step)
     b2 = 1.0 if frozen_at else beta2
-    t = dtype.type
-    return (t(1.0 - lr * weight_decay), t(beta1), t(1.0 - beta1), t(b2), t(1.0 - b2), t(eps),
-            t(lr / bias_correction1), t(1.0 / math.sqrt(bias_correction2)), bool(velocity))
+    return np.array([1.0 - lr * weight_decay, beta1, 1.0 - beta1, b2, 1.0 - b2, eps, lr / bias_correction1,
+                     1.0 / math.sqrt(bias_correction2)]).astype(dtype)
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
@@ -63,19 +71,25 @@ def _adamw_step(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta
                                        one_minus_beta2, eps, step_size, inv_sqrt_bc2, velocity)
 
 
+def adamw_update(params, grads, exp_avg, exp_avg_sq, hyper, velocity=False):
+    """One AdamW update of the flat ``params`` (P,) with the scalars ``hyper`` (:func:`hyperparameters`);
+    with ``velocity`` ``grads`` are summed velocities (module doc)."""
+    _adamw_step(params, grads, exp_avg, exp_avg_sq, *hyper, bool(velocity))
+
+
 def adamw_step(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0,
                velocity=False):
-    """One AdamW update of the flat ``params`` (P,); ``step`` counts from 1; with ``frozen_at`` > 0
-    ``exp_avg_sq`` stays as it is and is bias-corrected as of step ``frozen_at``; with ``velocity``
-    ``grads`` are summed velocities (module doc)."""
-    _adamw_step(params, grads, exp_avg, exp_avg_sq,
-                *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at, velocity))
+    """:func:`adamw_update` at step ``step`` (from 1), learning rate ``lr`` and the rest as
+    :func:`hyperparameters` takes them."""
+    adamw_update(params, grads, exp_avg, exp_avg_sq,
+                 hyperparameters(params.dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at), velocity)
 
 
 # ---- CUDA kernel -------------------------------------------------------------------
 @cuda.jit
-def _adamw_step_kernel(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
-                       inv_sqrt_bc2, velocity):
+def _adamw_update_kernel(p, g, m, v, hyper, velocity):
+    decay, beta1, one_minus_beta1, beta2 = hyper[0], hyper[1], hyper[2], hyper[3]
+    one_minus_beta2, eps, step_size, inv_sqrt_bc2 = hyper[4], hyper[5], hyper[6], hyper[7]
     i = cuda.grid(1)
     while i < p.size:
         p[i], m[i], v[i] = _update_gpu(p[i], g[i], m[i], v[i], decay, beta1, one_minus_beta1, beta2,
@@ -84,8 +98,7 @@ def _adamw_step_kernel(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_min
 
 
 # ---- launcher ----------------------------------------------------------------------
-def adamw_step_cuda(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0,
-                    velocity=False, *, stream=0):
-    _adamw_step_kernel[blocks_for(params.size), THREADS, stream](
-        params, grads, exp_avg, exp_avg_sq,
-        *_scalars(params.dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at, velocity))
+def adamw_update_cuda(params, grads, exp_avg, exp_avg_sq, hyper, velocity=False, *, stream=0):
+    """:func:`adamw_update` on the GPU; ``hyper`` is a device array."""
+    _adamw_update_kernel[blocks_for(params.size), THREADS, stream](params, grads, exp_avg, exp_avg_sq, hyper,
+                                                                   bool(velocity))

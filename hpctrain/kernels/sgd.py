@@ -5,8 +5,13 @@ With mu = 0 the momentum buffer is untouched and the step is p -= lr * d.
 The per-element update is one plain function compiled for both targets. Its
 scalars arrive in the parameters' dtype, so float32 buffers are updated in
 float32 arithmetic (a float64 scalar would promote every product to float64).
+
+The op (``sgd_update``) reads lr, mu and wd from an array (``hyper``, :func:`hyperparameters`): on
+a GPU it lives in device memory, refilled once per step by an upload, so a step's launches are
+the same every step and a CUDA graph can replay them (training/cuda_graphs.py).
 """
 
+import numpy as np
 from numba import cuda, njit
 
 from .cuda_support import THREADS, blocks_for
@@ -32,15 +37,25 @@ def _sgd_step(p, g, v, lr, momentum, weight_decay, nesterov):
         p[i], v[i] = _update_cpu(p[i], g[i], v[i], lr, momentum, weight_decay, nesterov)
 
 
-def sgd_step(params, grads, momentum_buf, lr, momentum, weight_decay, nesterov):
+def hyperparameters(dtype, lr, momentum, weight_decay):
+    """(lr, momentum, weight_decay) as a (3,) array of ``dtype``: the ``hyper`` of :func:`sgd_update`."""
+    return np.array([lr, momentum, weight_decay]).astype(dtype)
+
+
+def sgd_update(params, grads, momentum_buf, hyper, nesterov):
     """Update the flat ``params`` (P,) in place from ``grads`` (P,); ``momentum_buf`` (P,) is state."""
-    t = params.dtype.type
-    _sgd_step(params, grads, momentum_buf, t(lr), t(momentum), t(weight_decay), bool(nesterov))
+    _sgd_step(params, grads, momentum_buf, hyper[0], hyper[1], hyper[2], bool(nesterov))
+
+
+def sgd_step(params, grads, momentum_buf, lr, momentum, weight_decay, nesterov):
+    """:func:`sgd_update` with the three scalars given one by one."""
+    sgd_update(params, grads, momentum_buf, hyperparameters(params.dtype, lr, momentum, weight_decay), nesterov)
 
 
 # ---- CUDA kernel -------------------------------------------------------------------
 @cuda.jit
-def _sgd_step_kernel(p, g, v, lr, momentum, weight_decay, nesterov):
+def _sgd_update_kernel(p, g, v, hyper, nesterov):
+    lr, momentum, weight_decay = hyper[0], hyper[1], hyper[2]
     i = cuda.grid(1)
     while i < p.size:
         p[i], v[i] = _update_gpu(p[i], g[i], v[i], lr, momentum, weight_decay, nesterov)
@@ -48,7 +63,6 @@ def _sgd_step_kernel(p, g, v, lr, momentum, weight_decay, nesterov):
 
 
 # ---- launcher ----------------------------------------------------------------------
-def sgd_step_cuda(params, grads, momentum_buf, lr, momentum, weight_decay, nesterov, *, stream=0):
-    t = params.dtype.type
-    _sgd_step_kernel[blocks_for(params.size), THREADS, stream](
-        params, grads, momentum_buf, t(lr), t(momentum), t(weight_decay), bool(nesterov))
+def sgd_update_cuda(params, grads, momentum_buf, hyper, nesterov, *, stream=0):
+    """:func:`sgd_update` on the GPU; ``hyper`` is a device array."""
+    _sgd_update_kernel[blocks_for(params.size), THREADS, stream](params, grads, momentum_buf, hyper, bool(nesterov))

@@ -1,24 +1,27 @@
-"""CUDA graphs for a micro-batch's forward and backward (``train.cuda_graphs = auto | on | off``).
+"""CUDA graphs of a step's work (``train.cuda_graphs = auto | on | off``): a micro-batch's forward
+and backward, and the optimizer's update of each bucket's range.
 
 A GPT step on a GPU issues hundreds of kernel launches, each costing the host tens of
 microseconds in Python and numba; at the example GPT's size the GPU waits on the host. A
-graph records a micro-batch's forward and backward once and replays them with one launch.
+graph records the launches once and replays them with one call, so the host's calls per step
+no longer grow with the layers: one replay per micro-batch and one per bucket, plus the uploads
+and the buckets' communication.
 
-How: the first micro-batch of each key (the batch's shapes and the two accumulate flags) runs
-eagerly, which compiles every kernel and allocates every buffer and scratch array; the second
-is captured on the device's stream (:meth:`~hpctrain.device.CudaDevice.capture`: CuPy's
-stream capture, which records numba's launches and cuBLAS's calls on that stream) and then
-run eagerly (a capture runs nothing); the third is replayed and checked against the same
-micro-batch run eagerly from the same state (the loss statistics and each parameter's
-gradient within 1e-3 of their scale, else the run goes on eagerly and says so), and every
-later one is replayed. Replays read the same device buffers, so the batch is
-uploaded into them before each replay (outside the graph), the loss statistics go to the
-step's device array, and every kernel argument is the same on each replay (the shapes, the
-loss's row weight, the flags in the key): nothing in forward or backward changes per step.
+How: the first call of each key runs eagerly, which compiles every kernel and allocates every
+buffer and scratch array; the second is captured on the device's stream
+(:meth:`~hpctrain.device.CudaDevice.capture`: CuPy's stream capture, which records numba's
+launches and cuBLAS's calls on that stream) and then run eagerly (a capture runs nothing); the
+third is replayed and checked against the same work run eagerly from the same state (what each
+array changed by, within 1e-3 of the eager change; else the run goes on eagerly and says so),
+and every later one is replayed. A micro-batch's key is the batch's shapes and the two
+accumulate flags; an update's is its range and what else its launches take by value (AdamW's
+velocity mode). Replays read the same device buffers, so everything that changes per step
+reaches them in device memory, uploaded before the replay (outside the graph): the batch, and
+the optimizer's learning rate, step count and bias corrections (``hpctrain.optim``). The loss
+statistics go to the step's device array; every kernel argument is the same on each replay.
 
-Kept out of the graph: uploads, the communication (the reducer starts on every bucket after
-backward, when the replay is queued, so backward and the all-reduce do not overlap) and the
-optimizer (its learning rate and bias corrections change every step).
+Kept out of the graphs: the uploads and the communication (the reducer starts on every bucket
+after backward, when the replay is queued, so backward and the all-reduce do not overlap).
 
 Where graphs cannot run, the step is eager and the reason is said once (rank 0's log):
 not a GPU (the CPU, numba's simulator) or no CuPy; tracing, per-op timing or synchronised
@@ -55,11 +58,16 @@ def why_not(cfg, device, plan) -> str:
     return ""
 
 
-class GraphedMicroBatches:
-    """Forward and backward of one micro-batch, as a replayed CUDA graph per key.
+class StepGraphs:
+    """A micro-batch's forward and backward (:meth:`run`) and the optimizer's update of a range
+    (:meth:`update`), each as a CUDA graph per key, replayed.
 
     ``device``: a :class:`~hpctrain.device.CudaDevice` (its ``capture`` and ``replay``);
     ``model``: the model; ``log``: where a failed capture is said once.
+
+    Per key: the first call runs eagerly (compiling and allocating); the second is captured, then
+    run eagerly (a capture runs nothing); the third is replayed and checked (:meth:`_replays_as_eager`);
+    the rest are replayed.
     """
 
     def __init__(self, device, model, log=None):
@@ -73,84 +81,93 @@ class GraphedMicroBatches:
 
     def run(self, x, y, totals, accumulate_loss: bool, accumulate_grads: bool) -> None:
         """The micro-batch's forward into ``totals`` and backward into the gradient, on the device's
-        stream: eagerly, captured, or replayed. ``x`` and ``y`` are the device's upload buffers.
+        stream. ``x`` and ``y`` are the device's upload buffers. Key: the shapes and the two flags."""
+        key = ("micro-batch", tuple(x.shape), tuple(y.shape), accumulate_loss, accumulate_grads)
+        flat = self.model.flat
+        self._run(key, lambda: self._micro_batch(x, y, totals, accumulate_loss, accumulate_grads),
+                  [("loss statistics", totals, None), ("gradient", flat.grad, flat.slots)])
 
-        Per key: the first micro-batch runs eagerly; the second is captured, then run eagerly (a
-        capture runs nothing); the third is replayed and checked (:meth:`_replays_as_eager`); the
-        rest are replayed."""
-        key = (tuple(x.shape), tuple(y.shape), accumulate_loss, accumulate_grads)
-        args = (x, y, totals, accumulate_loss, accumulate_grads)
+    def update(self, optimizer, lo: int, hi: int) -> None:
+        """``optimizer.update(lo, hi)`` (its scalars already uploaded by ``begin_step``). Key: the
+        range and ``optimizer.graph_key()``."""
+        flat = self.model.flat
+        watched = [("update", flat.data, flat.slots)] + [(name, a, None) for name, a in optimizer.state().items()]
+        self._run(("update", lo, hi, *optimizer.graph_key()), lambda: optimizer.update(lo, hi), watched)
+
+    def _run(self, key, body, watched) -> None:
+        """``body`` (queues the key's work) eagerly, captured, or replayed; ``watched``: what it
+        writes, as (name, device array, slots to compare one by one or None)."""
         graph = None if self.failed else self.graphs.get(key)
         if graph is not None and key in self._unchecked:
             self._unchecked.discard(key)
-            if not self._replays_as_eager(graph, *args):
-                return   # graphs stopped; the eager results stand
+            self._replays_as_eager(graph, body, watched)   # on a mismatch graphs stop; the eager results stand
         elif graph is not None:
             self.device.replay(graph)
             self.replays += 1
         else:
-            if not self.failed and key in self._seen and self._capture(key, *args):
+            if not self.failed and key in self._seen and self._capture(key, body, watched):
                 self._unchecked.add(key)
             self._seen.add(key)
-            self._body(*args)
+            body()
 
-    def _body(self, x, y, totals, accumulate_loss, accumulate_grads):
+    def _micro_batch(self, x, y, totals, accumulate_loss, accumulate_grads):
         self.model.forward(x, y, totals=totals, accumulate=accumulate_loss)
         order = [] if not self.ready_order else None
         self.model.backward(accumulate=accumulate_grads, ready=None if order is None else order.append)
         if order:
             self.ready_order = order
 
-    def _replays_as_eager(self, graph, x, y, totals, accumulate_loss, accumulate_grads) -> bool:
-        """The graph's first replay, on a batch it was not captured with, checked against the same
-        micro-batch run eagerly from the same state: the loss statistics and each parameter's
-        gradient agree within 1e-3 of their own scale, else graphs stop for the run, said once,
-        and the eager results stand. A capture that missed work, or froze something that changes
-        between micro-batches, leaves results of the batch it was captured with: differences of
-        the arrays' own size. (The tests hold replays to the eager step's bits; this guard of a
-        running job allows rounding, should cuBLAS pick other kernels under capture.)"""
+    def _replays_as_eager(self, graph, body, watched) -> bool:
+        """The graph's first replay, on other inputs than it was captured with, checked against the
+        same work run eagerly from the same state: what each watched array (or slot) changed by
+        agrees within 1e-3 of the eager change's size (of its values where it made none), else
+        graphs stop for the run, said once, and the eager results stand. A capture that missed
+        work, or froze something that changes between calls (a batch, a learning rate), leaves
+        results of the call it was captured with: differences of the change's own size. (The
+        tests hold replays to the eager step's bits; this guard of a running job allows rounding,
+        should cuBLAS pick other kernels under capture.)"""
         import numpy as np
 
-        dev, flat = self.device, self.model.flat
-        before = self._state(totals)   # what an adding key adds to
-        dev.replay(graph)
+        before = self._state(watched)
+        self.device.replay(graph)
         self.replays += 1
-        got = [np.array(dev.to_host(a), np.float64) for a in (totals, flat.grad)]
-        self._restore(totals, before)
-        self._body(x, y, totals, accumulate_loss, accumulate_grads)
-        want = [np.array(dev.to_host(a), np.float64) for a in (totals, flat.grad)]
-        parts = [("loss statistics", got[0], want[0])]
-        parts += [(f"gradient of {s.name}", got[1][s.offset:s.offset + s.size],
-                   want[1][s.offset:s.offset + s.size]) for s in flat.slots]
-        for name, g, w in parts:
-            scale = max(float(np.abs(w).max()), 1e-30)
-            err = float(np.abs(g - w).max()) / scale
-            if not err <= 1e-3:
-                return self._stop(f"the first replay's {name} differs from the eager step's by {err:.1e} of its "
-                                  f"scale")
+        got = self._state(watched)
+        self._restore(watched, before)
+        body()
+        want = self._state(watched)
+        for (name, _, slots), b, g, w in zip(watched, before, got, want):
+            pieces = [(name, slice(None))] if slots is None else [
+                (f"{name} of {s.name}", slice(s.offset, s.offset + s.size)) for s in slots]
+            for label, part in pieces:
+                change = np.abs(w[part] - b[part]).max(initial=0.0)
+                scale = max(change if change > 0 else np.abs(w[part]).max(initial=0.0), 1e-30)
+                err = float(np.abs(g[part] - w[part]).max(initial=0.0)) / scale
+                if not err <= 1e-3:
+                    return self._stop(f"the first replay's {label} differs from the eager step's by {err:.1e} of "
+                                      f"its scale")
         return True
 
-    def _state(self, totals) -> list:
-        """Host copies of what a micro-batch writes or adds to: the loss statistics and the gradient."""
+    def _state(self, watched) -> list:
+        """Host float64 copies of the watched arrays."""
         import numpy as np
 
-        return [np.array(self.device.to_host(a)) for a in (totals, self.model.flat.grad)]
+        return [np.array(self.device.to_host(a), np.float64) for _, a, _ in watched]
 
-    def _restore(self, totals, state) -> None:
-        for a, host in zip((totals, self.model.flat.grad), state):
+    def _restore(self, watched, state) -> None:
+        for (_, a, _), host in zip(watched, state):
             self.device.copy_from_host(a, host)
 
-    def _capture(self, key, x, y, totals, accumulate_loss, accumulate_grads) -> bool:
-        """Capture the micro-batch's work; the state is put back afterwards, so work that ran
-        instead of being recorded (it would have escaped the capture) cannot count twice when the
-        caller then runs the micro-batch eagerly."""
-        before = self._state(totals)
+    def _capture(self, key, body, watched) -> bool:
+        """Capture ``body``'s work; the state is put back afterwards, so work that ran instead of
+        being recorded (it would have escaped the capture) cannot count twice when the caller then
+        runs it eagerly."""
+        before = self._state(watched)
         try:
-            graph = self.device.capture(lambda: self._body(x, y, totals, accumulate_loss, accumulate_grads))
+            graph = self.device.capture(body)
         except Exception as exc:  # noqa: BLE001 - any failure: eager from now on, said once
-            self._restore(totals, before)
-            return self._stop(f"capturing a micro-batch failed ({type(exc).__name__}: {exc})")
-        self._restore(totals, before)
+            self._restore(watched, before)
+            return self._stop(f"capturing {key[0]} work failed ({type(exc).__name__}: {exc})")
+        self._restore(watched, before)
         self.graphs[key] = graph
         self.captures += 1
         return True

@@ -22,7 +22,7 @@ import numpy as np
 from ..comm.zero import traffic_halves
 from ..comm.zero_grads import make_reducer
 from ..data.sampler import shard_range
-from .cuda_graphs import GraphedMicroBatches, why_not
+from .cuda_graphs import StepGraphs, why_not
 
 
 @dataclass
@@ -66,7 +66,7 @@ class Step:
         self._totals = plan.device.zeros((2,), np.float64)
         # train.cuda_graphs: forward and backward replayed as graphs, or "" and why not
         self.graphs_off = why_not(cfg, plan.device, plan)
-        self.graphs = None if self.graphs_off else GraphedMicroBatches(plan.device, state.model, log)
+        self.graphs = None if self.graphs_off else StepGraphs(plan.device, state.model, log)
 
     def run(self, step: int, x_all, y_all, update: bool = True) -> StepStats:
         """Forward, backward and all-reduce of global step ``step`` on this rank's rows ``x_all``,
@@ -106,35 +106,34 @@ class Step:
         # the optimizer waits for each bucket in turn and updates just its slice
         # ("allreduce" is the exposed wait; the overlapped part hides in backward)
         if update:
-            self.state.optimizer.begin_step(step)
-        lr = self.schedule.lr(step)
+            self.state.optimizer.begin_step(step, self.schedule.lr(step))
         for bucket, name in zip(plan.buckets, self._bucket_names):
             with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {step}", step):
                 reducer.wait(bucket)
             if update:
-                self._update(step, bucket, name, lr)
+                self._update(step, bucket, name)
         loss_sum, correct = device.to_host(totals)   # the step's one read of its statistics
         return StepStats(float(loss_sum), int(correct), not math.isfinite(loss_sum), reducer.nonfinite)
 
     def apply_update(self, step: int) -> None:
         """The optimizer step of judged step ``step`` whose buckets are all reduced (the numeric
         guard's deferred policies)."""
-        self.state.optimizer.begin_step(step)
-        lr = self.schedule.lr(step)
+        self.state.optimizer.begin_step(step, self.schedule.lr(step))
         for bucket, name in zip(self.plan.buckets, self._bucket_names):
-            self._update(step, bucket, name, lr)
+            self._update(step, bucket, name)
 
-    def _update(self, step, bucket, name, lr) -> None:
+    def _update(self, step, bucket, name) -> None:
         """The optimizer on ``bucket`` (ZeRO-1: on this rank's chunk, then the bucket's parameters
         all-gathered, while the communication thread reduce-scatters the next buckets)."""
         plan, optimizer = self.plan, self.state.optimizer
-        if plan.shards is None:
-            with self.timers("optimizer"):
-                optimizer.update(lr, bucket.lo, bucket.hi)
-            return
-        lo, hi, _ = plan.shards.pieces[bucket.index]
+        lo, hi = (bucket.lo, bucket.hi) if plan.shards is None else plan.shards.pieces[bucket.index][:2]
         with self.timers("optimizer"):
-            optimizer.update(lr, lo, hi)
+            if self.graphs is None:
+                optimizer.update(lo, hi)
+            else:   # the same launches every step: replayed as a graph per range
+                self.graphs.update(optimizer, lo, hi)
+        if plan.shards is None:
+            return
         with self.timers("allgather"), self.watchdog.watch("parameter all-gather", f"{name}, step {step}", step):
             plan.param_gather.allgather(self.state.model.flat.data[bucket.lo:bucket.hi])
 
