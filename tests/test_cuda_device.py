@@ -166,6 +166,38 @@ def test_fenced_staging_in_a_thread_reads_the_fenced_writes_and_the_stream_sees_
     assert seen == [True, True]
 
 
+def test_a_launch_geometry_is_configured_once_per_thread(monkeypatch):
+    """kernels/cuda_support.configured: numba's kernel[grid, block, stream] is made once per thread,
+    kernel, geometry and stream, then reused (a stand-in kernel counts the configurations; the
+    simulator's own configure rewrites the kernel, so there it is made every time)."""
+    import threading
+
+    from hpctrain.kernels import cuda_support
+
+    made = []
+
+    class Kernel:
+        def __getitem__(self, config):
+            made.append(config)
+            return ("configured", config, threading.get_ident())
+    monkeypatch.setattr(cuda_support, "simulated", lambda: False)
+    k, other = Kernel(), Kernel()
+    first = cuda_support.configured(k, 4, 256, 0)
+    assert cuda_support.configured(k, 4, 256, 0) is first and len(made) == 1
+    cuda_support.configured(k, 8, 256, 0)        # another grid
+    cuda_support.configured(other, 4, 256, 0)    # another kernel
+    cuda_support.configured(k, 4, 256, 7)        # another stream (by its handle)
+    assert len(made) == 4
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(cuda_support.configured(k, 4, 256, 0)))
+    thread.start()
+    thread.join(10)
+    assert len(made) == 5 and elsewhere[0] is not first   # a thread of its own gets its own
+    monkeypatch.setattr(cuda_support, "simulated", lambda: True)
+    cuda_support.configured(k, 4, 256, 0)
+    assert len(made) == 6
+
+
 # ---- a training step -------------------------------------------------------------------
 def _config(train_path, device):
     cfg = Config()

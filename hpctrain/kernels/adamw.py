@@ -24,7 +24,7 @@ import math
 import numpy as np
 from numba import cuda, njit
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 
 def _update(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2,
@@ -100,5 +100,5 @@ def _adamw_update_kernel(p, g, m, v, hyper, velocity):
 # ---- launcher ----------------------------------------------------------------------
 def adamw_update_cuda(params, grads, exp_avg, exp_avg_sq, hyper, velocity=False, *, stream=0):
     """:func:`adamw_update` on the GPU; ``hyper`` is a device array."""
-    _adamw_update_kernel[blocks_for(params.size), THREADS, stream](params, grads, exp_avg, exp_avg_sq, hyper,
-                                                                   bool(velocity))
+    launch = configured(_adamw_update_kernel, blocks_for(params.size), THREADS, stream)
+    launch(params, grads, exp_avg, exp_avg_sq, hyper, bool(velocity))

@@ -41,7 +41,7 @@ import math
 import numpy as np
 
 from .attention_cuda_kernels import attention_kernels, dsum_kernel
-from .cuda_support import blocks_for
+from .cuda_support import blocks_for, configured
 
 HS_SIZES = (32, 64, 128)   # compiled head-size capacities; hs above the last is refused
 TILES = (32, 16, 8, 4)     # query/key rows per tile, largest first; blocks are TILE x TILE threads
@@ -125,7 +125,7 @@ def attention_forward_cuda(qkv, n_head, out, lse, *, stream=0, tile=None):
     if B == 0 or T == 0:
         return out
     forward, grid, block = _configured("attention_forward_cuda", "forward", qkv.dtype, B, n_head, hs, T, tile)
-    forward[grid, block, stream](qkv, int(n_head), qkv.dtype.type(1.0 / math.sqrt(hs)), out, lse)
+    configured(forward, grid, block, stream)(qkv, int(n_head), qkv.dtype.type(1.0 / math.sqrt(hs)), out, lse)
     return out
 
 
@@ -143,8 +143,9 @@ def attention_backward_cuda(dout, qkv, out, lse, n_head, dqkv, work, *, stream=0
     if B == 0 or T == 0:
         return dqkv
     scale = qkv.dtype.type(1.0 / math.sqrt(hs))  # a float32 scalar for float32 kernels (see attention_kernels)
-    dsum_kernel(np.dtype(qkv.dtype).name)[blocks_for(B * T * n_head), 256, stream](dout, out, int(n_head), work)
+    dsum = configured(dsum_kernel(np.dtype(qkv.dtype).name), blocks_for(B * T * n_head), 256, stream)
+    dsum(dout, out, int(n_head), work)
     for kind in ("backward_dkv", "backward_dq"):  # D is complete before either reads it (one stream)
         kernel, grid, block = _configured("attention_backward_cuda", kind, qkv.dtype, B, n_head, hs, T, tile)
-        kernel[grid, block, stream](dout, qkv, lse, work, int(n_head), scale, dqkv)
+        configured(kernel, grid, block, stream)(dout, qkv, lse, work, int(n_head), scale, dqkv)
     return dqkv

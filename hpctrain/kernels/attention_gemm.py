@@ -31,7 +31,7 @@ import numpy as np
 from .attention_cuda import HS_SIZES, _check, attention_backward_cuda, attention_forward_cuda
 from .attention_gemm_kernels import row_kernels, row_threads
 from .batched_gemm import GemmBatch
-from .cuda_support import blocks_for
+from .cuda_support import blocks_for, configured
 
 SCORES_BUDGET = 256 * 2 ** 20   # bytes of the two (G, T, T) score buffers together
 # The flash kernels' per-tile loops cost per row ~T hs operations from shared memory (2.5
@@ -122,7 +122,7 @@ def attention_forward_gemm(qkv, n_head, out, lse, *, stream=0, scratch, gemm, bu
     threads = row_threads()
     for b, h, n, oq, oo, sq, so in p.chunks():
         gemm(p.scores(oq, sq, n), qkv, qkv, p.S)
-        softmax_rows[blocks_for(n * T, 1), threads, stream](p.S, p.scale, p.lse_rows(lse, b, h, n), n)
+        configured(softmax_rows, blocks_for(n * T, 1), threads, stream)(p.S, p.scale, p.lse_rows(lse, b, h, n), n)
         gemm(GemmBatch(T, p.hs, T, False, False, T, C3, p.C, 0, oq + 2 * p.C, oo, T * T, sq, so, n), p.S, qkv, out)
     return out
 
@@ -142,11 +142,11 @@ def attention_backward_gemm(dout, qkv, out, lse, n_head, dqkv, work, *, stream=0
     threads, hs, S, W = row_threads(), p.hs, p.S, p.W
     for b, h, n, oq, oo, sq, so in p.chunks():
         gemm(p.scores(oq, sq, n), qkv, qkv, S)
-        probs[blocks_for(n * T * T), 256, stream](S, p.scale, p.lse_rows(lse, b, h, n), n)
+        configured(probs, blocks_for(n * T * T), 256, stream)(S, p.scale, p.lse_rows(lse, b, h, n), n)
         # dV = P^T dY; dP = dY V^T
         gemm(GemmBatch(T, hs, T, True, False, T, C, C3, 0, oo, oq + 2 * C, T * T, so, sq, n), S, dout, dqkv)
         gemm(GemmBatch(T, T, hs, False, True, C, C3, T, oo, oq + 2 * C, 0, so, sq, T * T, n), dout, qkv, W)
-        grad_rows[blocks_for(n * T, 1), threads, stream](S, W, p.scale, n)
+        configured(grad_rows, blocks_for(n * T, 1), threads, stream)(S, W, p.scale, n)
         # dQ = dS K; dK = dS^T Q (dS carries the scale)
         gemm(GemmBatch(T, hs, T, False, False, T, C3, C3, 0, oq + C, oq, T * T, sq, sq, n), W, qkv, dqkv)
         gemm(GemmBatch(T, hs, T, True, False, T, C3, C3, 0, oq, oq + C, T * T, sq, sq, n), W, qkv, dqkv)

@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda, float64, int32
 
 from .bias_act import activations
-from .cuda_support import last_block_of_column, row_grid, sum_column_partials
+from .cuda_support import configured, last_block_of_column, row_grid, sum_column_partials
 
 COLS = 32          # backward block: 32 columns (one warp, coalesced rows) ...
 LANES = 8          # ... x 8 row lanes
@@ -126,7 +126,7 @@ def bias_act_forward_cuda(z, b, out, act, *, stream=0):
     B, O = z.shape
     _check_act(act)
     grid, threads = row_grid(B, O)
-    cuda_kernels(act, z.dtype.name)[0][grid, threads, stream](z, b, out)
+    configured(cuda_kernels(act, z.dtype.name)[0], grid, threads, stream)(z, b, out)
     return out
 
 
@@ -146,6 +146,6 @@ def bias_act_backward_cuda(dout, z, dz, db, act, accumulate=False, *, stream=0, 
         raise ValueError(f"bias_act_backward with B={B} rows exceeds {65535 * ROWS_PER_BLOCK}; split the batch")
     grid = (-(-O // COLS), partial.shape[0])
     counters = scratch("bias_tickets", (grid[0],), np.int32, zero=True)
-    cuda_kernels(act, z.dtype.name)[1][grid, (COLS, LANES), stream](dout, z, dz, partial, counters, db,
-                                                                    bool(accumulate))
+    launch = configured(cuda_kernels(act, z.dtype.name)[1], grid, (COLS, LANES), stream)
+    launch(dout, z, dz, partial, counters, db, bool(accumulate))
     return dz

@@ -1,4 +1,4 @@
-"""What every CUDA launcher shares: launch geometry and the simulator switch.
+"""What every CUDA launcher shares: launch geometry, configured launches and the simulator switch.
 
 Importing ``numba.cuda`` creates no CUDA context (kernels compile on first
 launch), so op files import it at module level. Whether numba runs kernels on a
@@ -39,6 +39,32 @@ def blocks_for(n: int, threads: int = THREADS) -> int:
     """Blocks for a grid-stride loop over ``n`` items (at least one)."""
     cap = SIM_MAX_BLOCKS if simulated() else MAX_BLOCKS
     return max(1, min(cap, math.ceil(n / threads)))
+
+
+_configured = threading.local()   # per thread: {(kernel, grid, block, stream, shared): configured kernel}
+
+
+def configured(kernel, grid, block, stream=0, shared=0):
+    """``kernel[grid, block, stream, shared]``, made once per thread and launch geometry and reused.
+
+    Configuring costs the host more than the launch that follows (numba normalises the
+    dimensions and wraps the stream anew each time: 57 us per op-table launch against 23 us
+    for a kernel configured once, on an H100, benchmarks/launch_cost.py), and a step configures
+    the same few hundred geometries every time. Per thread, because a configured kernel holds
+    its call's arguments while it dispatches. numba still picks the compiled overload by the
+    arguments' types on each call. The simulator's configure rewrites the kernel object itself,
+    so there nothing is kept.
+    """
+    if simulated():
+        return kernel[grid, block, stream, shared]
+    cache = getattr(_configured, "kernels", None)
+    if cache is None:
+        cache = _configured.kernels = {}
+    key = (kernel, grid, block, int(stream) if stream else 0, shared)   # a stream by its handle
+    launch = cache.get(key)
+    if launch is None:
+        launch = cache[key] = kernel[grid, block, stream, shared]
+    return launch
 
 
 # Memory-bound kernels load UNROLL elements per trip of their loop before they

@@ -15,7 +15,7 @@ with a contiguous layout and flatten them (views, no copies).
 import numpy as np
 from numba import cuda
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twins (NumPy) -------------------------------------------------------------
@@ -78,20 +78,20 @@ def _flat(a):
 
 
 def ef_correct_cuda(x, r, *, stream=0):
-    _ef_correct_kernel[blocks_for(r.size), THREADS, stream](_flat(x), _flat(r))
+    configured(_ef_correct_kernel, blocks_for(r.size), THREADS, stream)(_flat(x), _flat(r))
     return r
 
 
 def lowrank_residual_cuda(m, a, size, *, stream=0):
-    _lowrank_residual_kernel[blocks_for(m.size), THREADS, stream](_flat(m), _flat(a), np.float32(size))
+    configured(_lowrank_residual_kernel, blocks_for(m.size), THREADS, stream)(_flat(m), _flat(a), np.float32(size))
     return m
 
 
 def cast_copy_cuda(src, dst, *, stream=0):
-    _cast_copy_kernel[blocks_for(dst.size), THREADS, stream](_flat(src), _flat(dst))
+    configured(_cast_copy_kernel, blocks_for(dst.size), THREADS, stream)(_flat(src), _flat(dst))
     return dst
 
 
 def fill_cuda(dst, value, *, stream=0):
-    _fill_kernel[blocks_for(dst.size), THREADS, stream](_flat(dst), np.dtype(dst.dtype).type(value))
+    configured(_fill_kernel, blocks_for(dst.size), THREADS, stream)(_flat(dst), np.dtype(dst.dtype).type(value))
     return dst

@@ -32,7 +32,7 @@ import math
 import numpy as np
 from numba import cuda, float64, int32, njit
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
@@ -295,10 +295,11 @@ def embedding_backward_cuda(dout, tokens, dwte, dwpe, accumulate=False, *, strea
     offsets = scratch("embed_offsets", (V + 1,), np.int32)
     placed = scratch("embed_placed", (max(N, 1),), np.int32)
     order = scratch("embed_order", (max(N, 1),), np.int32)
-    _zero_counts_kernel[blocks_for(V), THREADS, stream](counts)
-    _count_tokens_kernel[blocks_for(N), THREADS, stream](tokens, counts)
-    _bucket_offsets_kernel[1, THREADS, stream](counts, offsets)
-    _place_positions_kernel[blocks_for(N), THREADS, stream](tokens, offsets, counts, placed)
-    _sort_buckets_kernel[blocks_for(N), THREADS, stream](tokens, offsets, placed, order)
+    configured(_zero_counts_kernel, blocks_for(V), THREADS, stream)(counts)
+    configured(_count_tokens_kernel, blocks_for(N), THREADS, stream)(tokens, counts)
+    configured(_bucket_offsets_kernel, 1, THREADS, stream)(counts, offsets)
+    configured(_place_positions_kernel, blocks_for(N), THREADS, stream)(tokens, offsets, counts, placed)
+    configured(_sort_buckets_kernel, blocks_for(N), THREADS, stream)(tokens, offsets, placed, order)
     grid = (blocks_for(V, 1), -(-C // TOKEN_THREADS))
-    _dwte_kernel[grid, TOKEN_THREADS, stream](dout.reshape(N, C), offsets, order, dwte)  # contiguous: a view
+    # dout is contiguous: its reshape is a view
+    configured(_dwte_kernel, grid, TOKEN_THREADS, stream)(dout.reshape(N, C), offsets, order, dwte)

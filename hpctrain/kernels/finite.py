@@ -11,7 +11,7 @@ import threading
 import numpy as np
 from numba import cuda
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twin (NumPy) --------------------------------------------------------------
@@ -57,7 +57,7 @@ def all_finite_cuda(buf, *, stream=0, scratch=None) -> bool:
     else:
         flag = scratch(("finite_flag", threading.get_ident()), (1,), np.int32)
         flag.copy_to_device(_ZERO, stream=stream)
-    _nonfinite_kernel[blocks_for(buf.size), THREADS, stream](flat, flag)
+    configured(_nonfinite_kernel, blocks_for(buf.size), THREADS, stream)(flat, flag)
     host = flag.copy_to_host(stream=stream)
     stream.synchronize() if stream else cuda.synchronize()
     return not bool(host[0])

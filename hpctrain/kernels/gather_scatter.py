@@ -15,7 +15,7 @@ is one), so the sparse forms here give the same bits.
 
 from numba import cuda
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twins (NumPy) -------------------------------------------------------------
@@ -58,10 +58,10 @@ def _sparse_scatter_kernel(out, idx, values, accumulate):
 
 # ---- launchers ---------------------------------------------------------------------
 def sparse_take_cuda(r, idx, values, *, stream=0):
-    _sparse_take_kernel[blocks_for(idx.size), THREADS, stream](r, idx, values)
+    configured(_sparse_take_kernel, blocks_for(idx.size), THREADS, stream)(r, idx, values)
     return values
 
 
 def sparse_scatter_cuda(out, idx, values, accumulate=False, *, stream=0):
-    _sparse_scatter_kernel[blocks_for(idx.size), THREADS, stream](out, idx, values, bool(accumulate))
+    configured(_sparse_scatter_kernel, blocks_for(idx.size), THREADS, stream)(out, idx, values, bool(accumulate))
     return out

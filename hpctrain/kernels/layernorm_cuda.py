@@ -18,7 +18,7 @@ import math
 import numpy as np
 from numba import cuda, float64, int32
 
-from .cuda_support import blocks_for, last_block_of_column, sum_column_partials
+from .cuda_support import blocks_for, configured, last_block_of_column, sum_column_partials
 
 LANES = 32        # threads over one row's channels: a warp, coalesced loads
 ROWS = 8          # rows per block (one warp each)
@@ -286,7 +286,7 @@ def _layernorm_dx_kernel(dout, x, weight, mean, rstd, dx, add_dx):
 def layernorm_forward_cuda(x, weight, bias, out, mean, rstd, eps=1e-5, *, stream=0):
     """As :func:`layernorm_forward`, on ``stream``. Returns out."""
     N, _ = x.shape
-    _layernorm_forward_kernel[blocks_for(N, ROWS), (LANES, ROWS), stream](
+    configured(_layernorm_forward_kernel, blocks_for(N, ROWS), (LANES, ROWS), stream)(
         x, x, x, weight, bias, out, mean, rstd, np.float64(eps))
     return out
 
@@ -298,7 +298,7 @@ def residual_layernorm_forward_cuda(a, b, x, weight, bias, out, mean, rstd, eps=
         if tuple(arr.shape) != tuple(x.shape) or arr.dtype != x.dtype:
             raise ValueError(f"residual_layernorm_forward: {name} is {arr.dtype} {tuple(arr.shape)}, x is "
                              f"{x.dtype} {tuple(x.shape)}")
-    _residual_layernorm_forward_kernel[blocks_for(N, ROWS), (LANES, ROWS), stream](
+    configured(_residual_layernorm_forward_kernel, blocks_for(N, ROWS), (LANES, ROWS), stream)(
         a, b, x, weight, bias, out, mean, rstd, np.float64(eps))
     return out
 
@@ -318,8 +318,8 @@ def layernorm_backward_cuda(dout, x, weight, mean, rstd, dx, dweight, dbias, acc
     pb = scratch("ln_dbias_partial", (chunks, C), np.float64)
     counters = scratch("ln_tickets", (-(-C // GRAD_COLS),), np.int32, zero=True)
     # the parameter gradients first: they read all of dout, which the dx kernel may overwrite
-    _layernorm_param_grads_kernel[(len(counters), chunks), (GRAD_COLS, GRAD_LANES), stream](
+    configured(_layernorm_param_grads_kernel, (len(counters), chunks), (GRAD_COLS, GRAD_LANES), stream)(
         dout, x, mean, rstd, pw, pb, counters, dweight, dbias, bool(accumulate))
-    _layernorm_dx_kernel[blocks_for(N, ROWS), (LANES, ROWS), stream](
+    configured(_layernorm_dx_kernel, blocks_for(N, ROWS), (LANES, ROWS), stream)(
         dout, x, weight, mean, rstd, dx, bool(add_dx))
     return dx

@@ -20,6 +20,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, float64
 
+from .cuda_support import configured, simulated
+
 
 # ---- CPU twin (NumPy/BLAS) ---------------------------------------------------------
 def linear_forward(x, w, z):
@@ -167,8 +169,6 @@ def choose_tile(M: int, N: int, sms: int | None = None) -> str:
 @lru_cache(maxsize=None)
 def _sm_count() -> int:
     """Multiprocessors of the current GPU (132 on an H200; also the simulator's stand-in)."""
-    from .cuda_support import simulated
-
     if simulated():
         return 132
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
@@ -191,7 +191,7 @@ def gemm_cuda(a, b, c, trans_a=False, trans_b=False, accumulate=False, *, stream
     if -(-M // bm) > MAX_GRID_Y:
         raise ValueError(f"gemm with M={M} rows needs more than {MAX_GRID_Y} tile rows; split the batch")
     kernel = _gemm_kernel(bool(trans_a), bool(trans_b), c.dtype.name, tile)
-    kernel[(-(-N // bn), -(-M // bm)), (THREADS_X, THREADS_Y), stream](a, b, c, bool(accumulate))
+    configured(kernel, (-(-N // bn), -(-M // bm)), (THREADS_X, THREADS_Y), stream)(a, b, c, bool(accumulate))
     return c
 
 

@@ -24,7 +24,7 @@ differ from the host's; NaN stays NaN.
 import numpy as np
 from numba import cuda, njit
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 FP16, BF16 = 0, 1           # the ``fmt`` argument of every function here
 FORMATS = {"fp16": FP16, "bf16": BF16}
@@ -155,10 +155,10 @@ def _decode_kernel(bits, out, fmt):
 
 # ---- launchers ---------------------------------------------------------------------
 def encode_ef_cuda(x, r, bits, fmt, *, stream=0):
-    _encode_ef_kernel[blocks_for(x.size), THREADS, stream](x, r, bits, fmt)
+    configured(_encode_ef_kernel, blocks_for(x.size), THREADS, stream)(x, r, bits, fmt)
     return bits
 
 
 def decode_cuda(bits, out, fmt, *, stream=0):
-    _decode_kernel[blocks_for(bits.size), THREADS, stream](bits, out, fmt)
+    configured(_decode_kernel, blocks_for(bits.size), THREADS, stream)(bits, out, fmt)
     return out

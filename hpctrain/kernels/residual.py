@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twin (NumPy) --------------------------------------------------------------
@@ -107,7 +107,7 @@ def _flat(x, like, op, name):
 def residual_forward_cuda(a, b, out, *, stream=0):
     """As :func:`residual_forward`, on ``stream``. Returns out."""
     fa, fb, fo = (_flat(x, out, "residual_forward", n) for x, n in ((a, "a"), (b, "b"), (out, "out")))
-    _residual_forward_kernel[blocks_for(out.size), THREADS, stream](fa, fb, fo)
+    configured(_residual_forward_kernel, blocks_for(out.size), THREADS, stream)(fa, fb, fo)
     return out
 
 
@@ -118,6 +118,6 @@ def residual_backward_cuda(dout, da, db, accumulate=False, *, stream=0):
         return
     grid, fd = blocks_for(dout.size), dout.reshape(dout.size)
     if len(wanted) == 2:
-        _residual_backward_kernel[grid, THREADS, stream](fd, wanted[0], wanted[1], bool(accumulate))
+        configured(_residual_backward_kernel, grid, THREADS, stream)(fd, wanted[0], wanted[1], bool(accumulate))
     else:
-        _copy_or_add_kernel[grid, THREADS, stream](fd, wanted[0], bool(accumulate))
+        configured(_copy_or_add_kernel, grid, THREADS, stream)(fd, wanted[0], bool(accumulate))

@@ -7,7 +7,7 @@ multiplied in float32 on both targets.
 import numpy as np
 from numba import cuda
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twin (NumPy) --------------------------------------------------------------
@@ -37,5 +37,5 @@ def _scale_kernel(buf, factor):
 # ---- launcher ----------------------------------------------------------------------
 def scale_cuda(buf, factor, *, stream=0):
     flat = buf.reshape(buf.size)  # a view: flat device buffers are contiguous
-    _scale_kernel[blocks_for(buf.size), THREADS, stream](flat, np.dtype(buf.dtype).type(factor))
+    configured(_scale_kernel, blocks_for(buf.size), THREADS, stream)(flat, np.dtype(buf.dtype).type(factor))
     return buf

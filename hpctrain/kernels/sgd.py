@@ -14,7 +14,7 @@ the same every step and a CUDA graph can replay them (training/cuda_graphs.py).
 import numpy as np
 from numba import cuda, njit
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 
 def _update(p, g, v, lr, momentum, weight_decay, nesterov):
@@ -65,4 +65,5 @@ def _sgd_update_kernel(p, g, v, hyper, nesterov):
 # ---- launcher ----------------------------------------------------------------------
 def sgd_update_cuda(params, grads, momentum_buf, hyper, nesterov, *, stream=0):
     """:func:`sgd_update` on the GPU; ``hyper`` is a device array."""
-    _sgd_update_kernel[blocks_for(params.size), THREADS, stream](params, grads, momentum_buf, hyper, bool(nesterov))
+    launch = configured(_sgd_update_kernel, blocks_for(params.size), THREADS, stream)
+    launch(params, grads, momentum_buf, hyper, bool(nesterov))

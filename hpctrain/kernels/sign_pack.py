@@ -25,7 +25,7 @@ with the error-feedback correction r <- float32(x) + r fused into the pass.
 import numpy as np
 from numba import cuda, float64, njit
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 SUM_THREADS = 256      # threads per chunk on the GPU; also the twin's summation layout
 
@@ -162,15 +162,15 @@ def _unpack_sum_kernel(bits, scales, chunk, out):
 def chunk_scales_ef_cuda(x, r, chunk, scales, *, stream=0):
     """r <- float32(x) + r, then scales <- mean |r| per chunk (as :func:`chunk_scales`)."""
     blocks = blocks_for(scales.size, threads=1)   # a block per chunk, up to the grid cap
-    _chunk_scales_ef_kernel[blocks, SUM_THREADS, stream](x, r, chunk, scales)
+    configured(_chunk_scales_ef_kernel, blocks, SUM_THREADS, stream)(x, r, chunk, scales)
     return scales
 
 
 def pack_ef_cuda(c, scales, chunk, bits, *, stream=0):
-    _pack_ef_kernel[blocks_for(bits.size), THREADS, stream](c, scales, chunk, bits)
+    configured(_pack_ef_kernel, blocks_for(bits.size), THREADS, stream)(c, scales, chunk, bits)
     return bits
 
 
 def unpack_sum_cuda(bits, scales, chunk, out, *, stream=0):
-    _unpack_sum_kernel[blocks_for(out.size), THREADS, stream](bits, scales, chunk, out)
+    configured(_unpack_sum_kernel, blocks_for(out.size), THREADS, stream)(bits, scales, chunk, out)
     return out

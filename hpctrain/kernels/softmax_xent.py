@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int64, njit
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
@@ -256,9 +256,9 @@ def softmax_xent_totals_cuda(logits, labels, probs, *, stream=0, scratch, scale=
     if totals is None:
         totals = scratch("xent_totals", (2,), np.float64)
     kernel = rows_kernel(np.dtype(logits.dtype).name, fused)
-    kernel[blocks_for(B, 1), ROW_THREADS, stream](logits, labels, logits.dtype.type(scale), probs, row_loss,
-                                                 row_correct)
-    _sum_rows_kernel[1, THREADS, stream](row_loss, row_correct, totals, accumulate)
+    launch = configured(kernel, blocks_for(B, 1), ROW_THREADS, stream)
+    launch(logits, labels, logits.dtype.type(scale), probs, row_loss, row_correct)
+    configured(_sum_rows_kernel, 1, THREADS, stream)(row_loss, row_correct, totals, accumulate)
     return totals
 
 
@@ -288,8 +288,8 @@ def softmax_xent_fused_add_cuda(logits, labels, scale, dlogits, totals, accumula
 
 def softmax_xent_backward_cuda(probs, labels, scale, dlogits, *, stream=0):
     B, C = probs.shape
-    _softmax_xent_backward_kernel[blocks_for(B * C), THREADS, stream](probs, labels, probs.dtype.type(scale),
-                                                                        dlogits)
+    launch = configured(_softmax_xent_backward_kernel, blocks_for(B * C), THREADS, stream)
+    launch(probs, labels, probs.dtype.type(scale), dlogits)
     return dlogits
 
 

@@ -32,7 +32,7 @@ from collections import namedtuple
 import numpy as np
 from numba import cuda, njit
 
-from .cuda_support import THREADS, blocks_for
+from .cuda_support import THREADS, blocks_for, configured
 
 SAMPLE = 4096        # sampled entries: the threshold's passing count is within ~15 % at k/n = 1 %
 MAX_PASSES = 4       # compactions before the whole vector goes to the host
@@ -119,7 +119,8 @@ def _alloc(scratch, key, shape, dtype):
 
 def threshold_compact_cuda(x, t, cand_idx, cand_val, count, *, stream=0):
     """Launch the compaction; ``count`` (1,) int32 must hold 0. Returns nothing (read count after a sync)."""
-    _threshold_compact_kernel[blocks_for(x.size), THREADS, stream](x, np.float32(t), cand_idx, cand_val, count)
+    compact = configured(_threshold_compact_kernel, blocks_for(x.size), THREADS, stream)
+    compact(x, np.float32(t), cand_idx, cand_val, count)
 
 
 def topk_cuda(x, k, *, stream=0, scratch=None) -> TopkResult:
@@ -133,7 +134,7 @@ def topk_cuda(x, k, *, stream=0, scratch=None) -> TopkResult:
         return TopkResult(np.arange(n, dtype=np.int32), x.copy_to_host(stream=stream), 0, False)
     s = min(n, SAMPLE)
     sample = _alloc(scratch, "topk_sample", (s,), np.float32)
-    _sample_abs_kernel[blocks_for(s), THREADS, stream](x, n // s, sample)
+    configured(_sample_abs_kernel, blocks_for(s), THREADS, stream)(x, n // s, sample)
     host = sample.copy_to_host(stream=stream)
     _sync(stream)
     cap = capacity(n, k)
