@@ -6,6 +6,7 @@
     python benchmarks/scaling.py --launcher "srun --mpi=pmix -n {n}" --ranks 1 2 4 8 16   # in an allocation
     python -m hpctrain bench report runs/bench/scaling                   # table + plots again from the JSON
     python benchmarks/scaling.py --models gpt --ranks 2 --tensor-parallel 1 2    # tensor parallelism's overhead
+    python benchmarks/scaling.py --models gpt,gpt384=gpt:6-384-6-256 --thread-sweep   # cores per rank vs PyTorch
 
 A plain-python driver (never under mpirun itself): per configuration it runs
 ``<launcher> python -m hpctrain train --set ...`` (``{n}`` in ``--launcher`` is
@@ -118,6 +119,14 @@ def parse_args(argv=None):
     p.add_argument("--tensor-parallel", type=int, nargs="*", default=[],
                    help="instead of the sweep: the GPT models at each --ranks with each dist.tensor_parallel t "
                         "given (same global batch; benchmarks/scaling_tensor.py), into tensor.json / tensor.md")
+    p.add_argument("--thread-sweep", action="store_true",
+                   help="instead of the sweep: each model at 1 rank x 1 thread, 1 x T and T x 1, hpctrain and the "
+                        "peer, each rank bound to its threads' cores (benchmarks/scaling_threads.py), into "
+                        "threads.json / threads.md")
+    p.add_argument("--sweep-threads", type=int, default=2, help="T of --thread-sweep (2)")
+    p.add_argument("--sweep-launcher", default="mpirun -n {n} --map-by slot:PE={threads} --bind-to core "
+                                                "--report-bindings",
+                   help="launcher of --thread-sweep; {n} = ranks, {threads} = threads per rank")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "bench", "scaling"))
     return p.parse_args(argv)
@@ -137,8 +146,18 @@ class Runner:
                         PYTHONUNBUFFERED="1", HPCTRAIN_PROGRESS="lines",
                         **{v: str(self.threads) for v in THREAD_VARS})
 
+    def set_threads(self, threads, launcher) -> None:
+        """From now on every rank gets ``threads`` threads (None: back to the default) and runs under
+        ``launcher`` (None: --launcher)."""
+        if threads is None:
+            cores = len(os.sched_getaffinity(0))
+            threads = self.args.threads_per_rank or max(1, cores // (self.args.largest_ranks or max(self.args.ranks)))
+        self.threads, self._launcher = threads, launcher
+        self.env.update({v: str(threads) for v in THREAD_VARS})
+
     def launch(self, n, argv, log):
-        cmd = shlex.split(self.args.launcher.format(n=n)) + [sys.executable, *argv]
+        launcher = getattr(self, "_launcher", None) or self.args.launcher
+        cmd = shlex.split(launcher.format(n=n)) + [sys.executable, *argv]
         t0 = time.time()
         os.makedirs(os.path.dirname(log), exist_ok=True)
         try:
@@ -257,6 +276,10 @@ def main(argv=None) -> int:
         from scaling_tensor import sweep
 
         return 1 if sweep(runner, models, plans, a.tensor_parallel) else 0
+    if a.thread_sweep:
+        from scaling_threads import sweep
+
+        return 1 if sweep(runner, models, plans, PEER) else 0
     for rep in range(a.repeats):  # whole sweeps in turn: a burst of load hits one run of each, not all
         for name, (sets, hp_sets, init, warmup) in plans.items():
             m = models[name]

@@ -126,12 +126,55 @@ def limit_threads_per_rank() -> None:
     run before numpy is imported; called by the command-line entry point, the
     benchmarks and the MPI test ranks (tests/conftest.py), never at import.
     """
+    # OpenBLAS's threads spin for ~2^28 cycles after each call before they sleep, on the cores
+    # the CPU ops' threads (kernels/cpu_threads.py) need next: a GPT step on 2 cores gained
+    # nothing from a second op thread until they slept at once (2^4 cycles): 250 -> 200 ms
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     if any(var in os.environ for var in THREAD_VARS):
         return
     cores = len(os.sched_getaffinity(0))
     per_rank = max(1, min(cores, (os.cpu_count() or 1) // launched_ranks_on_node()))
     for var in THREAD_VARS:
         os.environ[var] = str(per_rank)
+
+
+def cpu_list(cpus) -> str:
+    """CPU numbers as ranges, as taskset and --report-bindings write them: {0, 1, 2, 5} -> "0-2,5"."""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def binding() -> dict:
+    """This process's core binding and thread counts: ``cores`` (how many it may run on), ``cpus``
+    (which, as "0-3"), ``ops`` (threads a CPU op is split over), ``blas`` (BLAS threads: OpenBLAS's
+    own count where it says, else OPENBLAS_NUM_THREADS / OMP_NUM_THREADS) and ``numba``
+    (NUMBA_NUM_THREADS)."""
+    from .kernels import cpu_threads
+
+    cpus = os.sched_getaffinity(0)
+    blas = cpu_threads.blas_threads()
+    env = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "-"
+    return {"cores": len(cpus), "cpus": cpu_list(cpus), "ops": cpu_threads.threads(),
+            "blas": blas if blas is not None else env, "numba": os.environ.get("NUMBA_NUM_THREADS", "-")}
+
+
+def oversubscribed_note(bound: dict) -> str | None:
+    """The warning for a rank whose CPU ops or BLAS use more threads than it has cores (a launcher's
+    binding narrower than the threads asked for), else None."""
+    threads = max(int(bound["ops"]), int(bound["blas"]) if str(bound["blas"]).isdigit() else 0)
+    if threads <= bound["cores"]:
+        return None
+    return (f"this rank is bound to {bound['cores']} core(s) (CPUs {bound['cpus']}) but runs {threads} threads "
+            f"(CPU ops {bound['ops']}, BLAS {bound['blas']}): they take turns on its cores. Give each rank as "
+            f"many cores as threads (mpirun --bind-to none or --map-by slot:PE={threads}; srun --cpus-per-task="
+            f"{threads}) or set OMP_NUM_THREADS={bound['cores']}")
 
 
 YIELD_VAR = "OMPI_MCA_mpi_yield_when_idle"

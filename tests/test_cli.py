@@ -12,6 +12,7 @@ the same checks as ``_one_error``).
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -260,6 +261,40 @@ def test_info_shows_every_rank_and_simulated_nodes():
     assert "mpi=True" in proc.stdout  # h5py built against parallel HDF5
     rows = [l.split() for l in proc.stdout.splitlines() if re.match(r"\s+\d+\s", l)]
     assert [(r[0], r[4]) for r in rows] == [("0", "0/2"), ("1", "1/2")]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to bind 2 ranks to one each")
+def test_info_reports_each_ranks_binding_and_says_when_its_threads_outnumber_its_cores():
+    """mpirun -n 2 bound to a core each, with 2 threads asked for: each row shows one CPU and 2 op
+    threads, and the table is followed by the warning naming both ranks."""
+    proc = run_mpi(2, ["-m", "hpctrain", "info"], timeout=60,
+                   env_extra={"OMPI_MCA_hwloc_base_binding_policy": "core", "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr
+    rows = [l for l in proc.stdout.splitlines() if re.match(r"\s+\d+\s", l)]
+    assert len(rows) == 2 and all(re.search(r"\s\d+ \(1\)\s+2/", r) for r in rows), proc.stdout
+    assert "threads: rank(s) 0,1: this rank is bound to 1 core(s)" in proc.stdout, proc.stdout
+
+
+def test_info_at_one_unbound_rank_shows_every_core_and_no_warning():
+    cores = len(os.sched_getaffinity(0))
+    share = {var: str(cores) for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                         "NUMBA_NUM_THREADS")}
+    proc = run_mpi(1, ["-m", "hpctrain", "info"], timeout=60,
+                   env_extra={"OMPI_MCA_hwloc_base_binding_policy": "none", **share})
+    assert proc.returncode == 0, proc.stderr
+    row = [l for l in proc.stdout.splitlines() if re.match(r"\s+0\s", l)][0]
+    assert re.search(rf"\s[\d,-]+ \({cores}\)\s+{cores}/{cores}/{cores}\s", row), row
+    assert "threads: rank(s)" not in proc.stdout
+
+
+def test_cpu_lists_and_the_oversubscription_note():
+    from hpctrain.runtime import cpu_list, oversubscribed_note
+
+    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8" and cpu_list({3}) == "3"
+    bound = {"cores": 2, "cpus": "0-1", "ops": 2, "blas": 2, "numba": "2"}
+    assert oversubscribed_note(bound) is None
+    note = oversubscribed_note(dict(bound, blas="4"))
+    assert note.startswith("this rank is bound to 2 core(s) (CPUs 0-1) but runs 4 threads") and "PE=4" in note
 
 
 def test_info_with_a_config_prints_its_memory_per_rank(text_data, capsys):

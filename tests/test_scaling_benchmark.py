@@ -111,6 +111,25 @@ def test_scaling_runs_a_gpt_with_tokens_per_s_and_a_per_op_table(gpt_bench):
     assert rebuilt.returncode == 0 and (out / "scaling.md").read_text() == table, rebuilt.stderr
 
 
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="the sweep binds a rank to 2 cores")
+def test_thread_sweep_runs_each_way_to_use_the_cores_with_the_bindings_reported(tmp_path, text_data):
+    """--thread-sweep: 1 rank x 1 thread, 1 x 2 and 2 x 1 at one global batch, each with the
+    launcher's report of every rank's binding (2 x 1: two ranks, one core each), and the table;
+    the peer's rows where torch runs (here or on a GPU machine), said skipped where it does not."""
+    proc = _scaling(tmp_path, "--models", "gt=gpt:1-32-2-32", "--thread-sweep", "--steps", "2", "--warmup", "1",
+                    "--batch", "4", "--text", text_data, *ALLREDUCE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "threads.json").read_text())
+    assert [(r["ranks"], r["threads"], r["global_batch"]) for r in doc["rows"]] == [(1, 1, 8), (1, 2, 8), (2, 1, 8)]
+    for r in doc["rows"]:
+        ours = r["hpctrain"]
+        assert ours["rc"] == 0 and ours["tokens_per_s"] > 0 and len(ours["bindings"]) == r["ranks"], r
+        assert "skipped" in r["peer"] or r["peer"]["rc"] == 0, r
+    one_each = doc["rows"][2]["hpctrain"]["bindings"]
+    assert one_each[0].startswith("rank 0: [") and one_each[1].startswith("rank 1: [") and "B" in one_each[1]
+    assert "| gt | 2 x 1 |" in proc.stdout and (tmp_path / "threads.md").exists()
+
+
 def test_op_table_sets_hpctrain_beside_the_peer_with_their_ratio():
     from hpctrain.observe import bench_report
 

@@ -200,7 +200,7 @@ def main(name: str, kind: str, doc: str, build, argv=None) -> int:
     opt = make_optimizer(torch, model, peer.no_decay, o)
     schedule = LRSchedule(o, peak_lr(o, cfg.train.global_batch), cfg.train.steps)
     metrics = Metrics(cfg.train.metrics, root)
-    metrics.begin(resumed=False)  # the peer never resumes
+    metrics.begin(None)  # the peer never resumes: a fresh file
     loss_fn = peer.loss or (lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
     sync = torch.cuda.synchronize if use_cuda else None
     timers, clock = Timers(sync=sync), peer.op_clock

@@ -24,6 +24,7 @@ import math
 import numpy as np
 from numba import cuda, njit
 
+from . import cpu_threads
 from .cuda_support import THREADS, blocks_for, configured
 
 
@@ -73,8 +74,9 @@ def _adamw_step(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta
 
 def adamw_update(params, grads, exp_avg, exp_avg_sq, hyper, velocity=False):
     """One AdamW update of the flat ``params`` (P,) with the scalars ``hyper`` (:func:`hyperparameters`);
-    with ``velocity`` ``grads`` are summed velocities (module doc)."""
-    _adamw_step(params, grads, exp_avg, exp_avg_sq, *hyper, bool(velocity))
+    with ``velocity`` ``grads`` are summed velocities (module doc). Split over the CPU threads."""
+    cpu_threads.for_rows(lambda lo, hi: _adamw_step(params[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
+                                                    *hyper, bool(velocity)), params.size, params.size)
 
 
 def adamw_step(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0,

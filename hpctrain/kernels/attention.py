@@ -30,6 +30,8 @@ import math
 import numpy as np
 from numba import njit
 
+from . import cpu_threads
+
 
 # ---- CPU twin (numba + NumPy) -------------------------------------------------------
 # Row reductions run four independent chains (lane u % 4, combined as
@@ -169,17 +171,25 @@ def attention_forward(qkv, n_head, out, probs):
 
     probs is what :func:`attention_backward` needs (zeros above the diagonal,
     rows sum to 1): B*NH*T*T values per layer (4 MiB at B=16, NH=4, T=128 in
-    float32), and nothing else T x T is kept. One float dtype throughout.
+    float32), and nothing else T x T is kept. One float dtype throughout. The batch
+    rows are split over the rank's CPU threads (:mod:`.cpu_threads`; each row's
+    heads alone, so the same bits at any thread count).
     """
     B, T, C3 = qkv.shape
     _check("attention_forward", qkv, n_head, probs,
            [("out", out, (B, T, C3 // 3)), ("probs", probs, probs.shape)])
+    cpu_threads.for_rows(lambda lo, hi: _forward_rows(qkv[lo:hi], n_head, out[lo:hi], probs[lo:hi]), B,
+                         probs.size)
+    return out
+
+
+def _forward_rows(qkv, n_head, out, probs):
+    """:func:`attention_forward` of some batch rows, checked."""
     q, k, v = (_qkv_heads(qkv, n_head, i) for i in range(3))
     hs = q.shape[-1]
     np.matmul(q, k.swapaxes(-1, -2), out=probs)  # raw scores; the softmax scales them
     _causal_softmax(probs, 1.0 / math.sqrt(hs))
     np.matmul(probs, v, out=_heads(out, n_head))
-    return out
 
 
 def attention_backward(dout, qkv, out, probs, n_head, dqkv, work=None):
@@ -195,6 +205,13 @@ def attention_backward(dout, qkv, out, probs, n_head, dqkv, work=None):
     work = np.empty_like(probs) if work is None else work
     _check("attention_backward", qkv, n_head, probs,
            [("dqkv", dqkv, qkv.shape), ("dout", dout, (B, T, C3 // 3)), ("work", work, probs.shape)])
+    cpu_threads.for_rows(lambda lo, hi: _backward_rows(dout[lo:hi], qkv[lo:hi], probs[lo:hi], n_head, dqkv[lo:hi],
+                                                       work[lo:hi]), B, probs.size)
+    return dqkv
+
+
+def _backward_rows(dout, qkv, probs, n_head, dqkv, work):
+    """:func:`attention_backward` of some batch rows, checked."""
     q, k, v = (_qkv_heads(qkv, n_head, i) for i in range(3))
     dq, dk, dv = (_qkv_heads(dqkv, n_head, i) for i in range(3))
     dy = _heads(dout, n_head)
@@ -204,7 +221,6 @@ def attention_backward(dout, qkv, out, probs, n_head, dqkv, work=None):
     _causal_softmax_backward(probs, ds, 1.0 / math.sqrt(hs))  # dS / sqrt(hs), in place
     np.matmul(ds, k, out=dq)                              # dQ = dS K / sqrt(hs)
     np.matmul(ds.swapaxes(-1, -2), q, out=dk)             # dK = dS^T Q / sqrt(hs)
-    return dqkv
 
 
 def attention_state_shapes(B, n_head, T):

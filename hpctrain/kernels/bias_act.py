@@ -37,6 +37,8 @@ from functools import lru_cache
 import numpy as np
 from numba import njit
 
+from . import cpu_threads
+
 # ---- activations (plain Python, compiled for both targets) -------------------------
 _K = math.sqrt(2.0 / math.pi)
 _C = 0.044715
@@ -92,16 +94,14 @@ def _relu_cpu(dtype_name: str):
                 out[r, c] = relu(t)
 
     @njit(nogil=True)
-    def backward(dout, z, dz, db, accumulate):
+    def backward(dout, z, dz, sums):
+        """dz <- dout * relu'(z); sums (float64) += its columns, rows in order."""
         B, O = z.shape
-        sums = np.zeros(O)  # float64
         for r in range(B):
             for c in range(O):
                 d = dout[r, c] * relu_grad(z[r, c])
                 dz[r, c] = d
                 sums[c] += d
-        for c in range(O):
-            db[c] = db[c] + sums[c] if accumulate else sums[c]
 
     return forward, backward
 
@@ -114,12 +114,16 @@ GELU_BLOCK = 1 << 15
 
 
 @njit(cache=True, nogil=True)
-def _gelu_exponent(z, r0, e, K):
-    """e[i, c] <- -2 k (z + c z^3) of row r0 + i (exp of it is 1/s - 1)."""
+def _gelu_exponent(z, b, r0, e, K, add):
+    """e[i, c] <- -2 k (z + c z^3) of row r0 + i (exp of it is 1/s - 1); with ``add``, z += b first,
+    in the same pass (forward's bias add: one read and write of z fewer)."""
     k, c, _, _, _, m2 = K
     for i in range(e.shape[0]):
         for j in range(e.shape[1]):
             v = z[r0 + i, j]
+            if add:
+                v = v + b[j]
+                z[r0 + i, j] = v
             e[i, j] = m2 * k * (v + c * v * v * v)
 
 
@@ -145,28 +149,29 @@ def _gelu_grad_out(dout, z, e, r0, dz, sums, K):
             sums[j] += d
 
 
-def _gelu_blocks(z):
+def _gelu_blocks(z, b=None):
+    """(first row, exp(-2u) of the block's rows, constants) per block of rows; with ``b``, z += b
+    as each block is read."""
     K = gelu_constants(z.dtype)
     rows = max(1, GELU_BLOCK // max(1, z.shape[1]))
     work = np.empty((min(rows, z.shape[0]), z.shape[1]), z.dtype)
     for r in range(0, z.shape[0], rows):
         e = work[:min(rows, z.shape[0] - r)]
-        _gelu_exponent(z, r, e, K)
+        _gelu_exponent(z, z[0] if b is None else b, r, e, K, b is not None)
         with np.errstate(over="ignore"):  # v << 0: exp overflows to inf, s = 0, gelu = -0 (exact limit)
             np.exp(e, out=e)
         yield r, e, K
 
 
-def _gelu_forward(z, out):
-    for r, e, K in _gelu_blocks(z):
+def _gelu_forward(z, b, out):
+    """z += b; out <- gelu(z)."""
+    for r, e, K in _gelu_blocks(z, b):
         _gelu_out(z, e, r, out, K)
 
 
-def _gelu_backward(dout, z, dz, db, accumulate):
-    sums = np.zeros(z.shape[1])
+def _gelu_backward(dout, z, dz, sums):
     for r, e, K in _gelu_blocks(z):
         _gelu_grad_out(dout, z, e, r, dz, sums, K)
-    db[...] = db + sums if accumulate else sums
 
 
 @njit(cache=True, nogil=True)
@@ -178,35 +183,43 @@ def _column_sums(d, sums):
 
 
 def bias_act_forward(z, b, out, act):
-    """z (B, O) += b (O,); out (B, O) <- act(z). Returns out."""
-    if act == "identity":  # the plain bias add vectorises; the generic loop's per-element branch does not
-        np.add(z, b, out=z)
-        if out is not z:
-            out[...] = z
-        return out
-    if act == "gelu":
-        z += b
-        _gelu_forward(z, out)
-        return out
-    if act != "relu":
+    """z (B, O) += b (O,); out (B, O) <- act(z). Returns out. Rows split over the CPU threads."""
+    if act not in ("identity", "relu", "gelu"):
         raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
-    _relu_cpu(z.dtype.name)[0](z, b, out)
+    cpu_threads.for_rows(lambda lo, hi: _forward_rows(z[lo:hi], b, out[lo:hi], act), z.shape[0], z.size)
     return out
 
 
+def _forward_rows(z, b, out, act):
+    if act == "identity":  # the plain bias add vectorises; the generic loop's per-element branch does not
+        np.add(z, b, out=z)
+        if out is not z and not np.shares_memory(out, z):
+            out[...] = z
+    elif act == "gelu":
+        _gelu_forward(z, b, out)
+    else:
+        _relu_cpu(z.dtype.name)[0](z, b, out)
+
+
 def bias_act_backward(dout, z, dz, db, act, accumulate=False):
-    """dz (B, O) <- dout * act'(z); db (O,) <- (db +) column sums of dz. Returns dz."""
-    if act == "identity":
-        if dz is not dout:
-            dz[...] = dout
-        sums = np.zeros(dout.shape[1])
-        _column_sums(dout, sums)
-        db[...] = db + sums if accumulate else sums
-        return dz
-    if act == "gelu":
-        _gelu_backward(dout, z, dz, db, bool(accumulate))
-        return dz
-    if act != "relu":
+    """dz (B, O) <- dout * act'(z); db (O,) <- (db +) column sums of dz. Returns dz.
+
+    The column sums are float64 partial sums over chunks of cpu_threads.CHUNK_ROWS rows, added in
+    chunk order: the same bits at any thread count."""
+    if act not in ("identity", "relu", "gelu"):
         raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
-    _relu_cpu(z.dtype.name)[1](dout, z, dz, db, bool(accumulate))
+    partials = np.zeros((cpu_threads.chunks_of(z.shape[0]), z.shape[1]))
+
+    def chunk(c, lo, hi):
+        if act == "identity":
+            if dz is not dout:
+                dz[lo:hi] = dout[lo:hi]
+            _column_sums(dout[lo:hi], partials[c])
+        elif act == "gelu":
+            _gelu_backward(dout[lo:hi], z[lo:hi], dz[lo:hi], partials[c])
+        else:
+            _relu_cpu(z.dtype.name)[1](dout[lo:hi], z[lo:hi], dz[lo:hi], partials[c])
+    cpu_threads.for_chunks(chunk, z.shape[0], z.size)
+    sums = cpu_threads.add_partials(partials)
+    db[...] = db + sums if accumulate else sums
     return dz

@@ -11,7 +11,8 @@ backward: with g = dout * weight, per row
           dweight = sum over rows of dout * xhat;  dbias = sum over rows of dout.
 
 Statistics and the parameter-gradient sums accumulate in float64 (rows in
-order, so the sums are deterministic); mean and rstd are stored in x's dtype.
+order within chunks of cpu_threads.CHUNK_ROWS rows, the chunks' partial sums then
+added in chunk order, so the sums are the same at any thread count); mean and rstd are stored in x's dtype.
 Forward normalises in float64 and rounds once on store; backward forms xhat
 and g = dout * weight in x's dtype (numba types ``float(float32)`` as
 float32), then sums and forms dx in float64. The CUDA kernels
@@ -25,6 +26,8 @@ import math
 
 import numpy as np
 from numba import njit
+
+from . import cpu_threads
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
@@ -52,7 +55,9 @@ def _dot4(a, b):
 
 
 @njit(cache=True, nogil=True)
-def _layernorm_forward(x, weight, bias, out, mean, rstd, eps):
+def _layernorm_forward(a, b, x, weight, bias, out, mean, rstd, eps, add):
+    # add: x <- a + b first, each row as it is normalised (one pass over a and b instead of a
+    # separate add and a second read of x); else x is a (b unused)
     N, C = x.shape
     d = np.empty(C)  # the row in float64
     ones = np.ones(C)
@@ -60,6 +65,9 @@ def _layernorm_forward(x, weight, bias, out, mean, rstd, eps):
         # Mean, then the centred sum of squares: two sweeps of a row that sits
         # in L1, so memory is read once, and no E[x^2] - E[x]^2 cancellation
         # when |mean| >> std (a one-sweep sum of squares loses it all there).
+        if add:
+            for c in range(C):
+                x[i, c] = a[i, c] + b[i, c]
         for c in range(C):
             d[c] = x[i, c]
         m = _dot4(d, ones) / C
@@ -73,10 +81,9 @@ def _layernorm_forward(x, weight, bias, out, mean, rstd, eps):
 
 
 @njit(cache=True, nogil=True)
-def _layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, accumulate, add_dx):
+def _layernorm_backward(dout, x, weight, mean, rstd, dx, dw, db, add_dx):
+    # dw, db: float64 sums over these rows, in row order (zero on entry)
     N, C = x.shape
-    dw = np.zeros(C)  # float64 sums over the rows, in row order
-    db = np.zeros(C)
     g = np.empty(C)   # dout * weight, then the row's input gradient
     xhat = np.empty(C)
     ones = np.ones(C)
@@ -98,26 +105,37 @@ def _layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, accumul
                 dx[i, c] += v
             else:
                 dx[i, c] = v
-    for c in range(C):
-        dweight[c] = dweight[c] + dw[c] if accumulate else dw[c]
-        dbias[c] = dbias[c] + db[c] if accumulate else db[c]
 
 
 def layernorm_forward(x, weight, bias, out, mean, rstd, eps=1e-5):
     """out (N, C) <- layernorm(x) * weight + bias; mean, rstd (N,) <- row statistics. Returns out.
 
-    x, weight (C,), bias (C,), out, mean, rstd share one float dtype.
+    x, weight (C,), bias (C,), out, mean, rstd share one float dtype. Rows split over the CPU threads.
     """
-    _layernorm_forward(x, weight, bias, out, mean, rstd, float(eps))
+    cpu_threads.for_rows(lambda lo, hi: _layernorm_forward(x[lo:hi], x[lo:hi], x[lo:hi], weight, bias, out[lo:hi],
+                                                           mean[lo:hi], rstd[lo:hi], float(eps), False),
+                         x.shape[0], x.size)
     return out
+
+
+def check_residual_operands(a, b, x) -> None:
+    """ValueError unless a and b have x's shape and dtype (the fused add reads them row by row)."""
+    for name, arr in (("a", a), ("b", b)):
+        if tuple(arr.shape) != tuple(x.shape) or arr.dtype != x.dtype:
+            raise ValueError(f"residual_layernorm_forward: {name} is {arr.dtype} {tuple(arr.shape)}, x is "
+                             f"{x.dtype} {tuple(x.shape)}")
 
 
 def residual_layernorm_forward(a, b, x, weight, bias, out, mean, rstd, eps=1e-5):
     """x (N, C) <- a + b (a pre-LN block's residual add), then :func:`layernorm_forward` of x.
-    Returns out. The same bits as ``residual_forward(a, b, x)`` then ``layernorm_forward(x, ...)``:
-    on the GPU one kernel does both (the sum written and normalised in one pass over a and b)."""
-    np.add(a, b, out=x)
-    return layernorm_forward(x, weight, bias, out, mean, rstd, eps)
+    Returns out. The same bits as ``residual_forward(a, b, x)`` then ``layernorm_forward(x, ...)``,
+    in one pass over a and b (each row added, stored and normalised while it is in cache; on the
+    GPU one kernel does the same)."""
+    check_residual_operands(a, b, x)
+    cpu_threads.for_rows(lambda lo, hi: _layernorm_forward(a[lo:hi], b[lo:hi], x[lo:hi], weight, bias, out[lo:hi],
+                                                           mean[lo:hi], rstd[lo:hi], float(eps), True),
+                         x.shape[0], x.size)
+    return out
 
 
 def layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, accumulate=False, add_dx=False):
@@ -125,7 +143,15 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, accumula
 
     mean and rstd are the forward's. ``add_dx`` adds the input gradient to dx
     (the residual stream's gradient already there: pre-LN blocks); ``accumulate``
-    adds the parameter gradients (gradient accumulation). dx may be dout.
+    adds the parameter gradients (gradient accumulation). dx may be dout. Rows split over the CPU
+    threads, the parameter gradients summed per chunk of rows (module doc).
     """
-    _layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, bool(accumulate), bool(add_dx))
+    N, C = x.shape
+    chunks = cpu_threads.chunks_of(N)
+    dw, db = np.zeros((chunks, C)), np.zeros((chunks, C))
+    cpu_threads.for_chunks(lambda c, lo, hi: _layernorm_backward(dout[lo:hi], x[lo:hi], weight, mean[lo:hi],
+                                                                 rstd[lo:hi], dx[lo:hi], dw[c], db[c], bool(add_dx)),
+                           N, x.size)
+    for total, grad in ((cpu_threads.add_partials(dw), dweight), (cpu_threads.add_partials(db), dbias)):
+        grad[...] = grad + total if accumulate else total
     return dx

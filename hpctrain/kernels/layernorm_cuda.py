@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda, float64, int32
 
 from .cuda_support import blocks_for, configured, last_block_of_column, sum_column_partials
+from .layernorm import check_residual_operands
 
 LANES = 32        # threads over one row's channels: a warp, coalesced loads
 ROWS = 8          # rows per block (one warp each)
@@ -294,10 +295,7 @@ def layernorm_forward_cuda(x, weight, bias, out, mean, rstd, eps=1e-5, *, stream
 def residual_layernorm_forward_cuda(a, b, x, weight, bias, out, mean, rstd, eps=1e-5, *, stream=0):
     """As :func:`residual_layernorm_forward`: x <- a + b and its layernorm, one kernel. Returns out."""
     N, _ = x.shape
-    for name, arr in (("a", a), ("b", b)):
-        if tuple(arr.shape) != tuple(x.shape) or arr.dtype != x.dtype:
-            raise ValueError(f"residual_layernorm_forward: {name} is {arr.dtype} {tuple(arr.shape)}, x is "
-                             f"{x.dtype} {tuple(x.shape)}")
+    check_residual_operands(a, b, x)
     configured(_residual_layernorm_forward_kernel, blocks_for(N, ROWS), (LANES, ROWS), stream)(
         a, b, x, weight, bias, out, mean, rstd, np.float64(eps))
     return out

@@ -14,25 +14,29 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from . import cpu_threads
 from .cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twin (NumPy) --------------------------------------------------------------
 def residual_forward(a, b, out):
-    """out <- a + b (same shapes and dtype). Returns out."""
-    np.add(a, b, out=out)
+    """out <- a + b (same shapes and dtype). Returns out. Rows split over the CPU threads."""
+    cpu_threads.for_rows(lambda lo, hi: np.add(a[lo:hi], b[lo:hi], out=out[lo:hi]), out.shape[0], out.size)
     return out
 
 
 def residual_backward(dout, da, db, accumulate=False):
-    """da, db <- (da +, db +) dout; either may be None (skipped). Returns None."""
-    for d in (da, db):
-        if d is None:
-            continue
-        if accumulate:
-            d += dout
-        else:
-            d[...] = dout
+    """da, db <- (da +, db +) dout; either may be None (skipped). Returns None. Rows split over the
+    CPU threads."""
+    def rows(lo, hi):
+        for d in (da, db):
+            if d is None:
+                continue
+            if accumulate:
+                d[lo:hi] += dout[lo:hi]
+            else:
+                d[lo:hi] = dout[lo:hi]
+    cpu_threads.for_rows(rows, dout.shape[0], dout.size)
 
 
 # ---- CUDA kernels ------------------------------------------------------------------

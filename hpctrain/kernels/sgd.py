@@ -14,6 +14,7 @@ the same every step and a CUDA graph can replay them (training/cuda_graphs.py).
 import numpy as np
 from numba import cuda, njit
 
+from . import cpu_threads
 from .cuda_support import THREADS, blocks_for, configured
 
 
@@ -43,8 +44,10 @@ def hyperparameters(dtype, lr, momentum, weight_decay):
 
 
 def sgd_update(params, grads, momentum_buf, hyper, nesterov):
-    """Update the flat ``params`` (P,) in place from ``grads`` (P,); ``momentum_buf`` (P,) is state."""
-    _sgd_step(params, grads, momentum_buf, hyper[0], hyper[1], hyper[2], bool(nesterov))
+    """Update the flat ``params`` (P,) in place from ``grads`` (P,); ``momentum_buf`` (P,) is state.
+    Split over the CPU threads."""
+    cpu_threads.for_rows(lambda lo, hi: _sgd_step(params[lo:hi], grads[lo:hi], momentum_buf[lo:hi], hyper[0], hyper[1],
+                                                  hyper[2], bool(nesterov)), params.size, params.size)
 
 
 def sgd_step(params, grads, momentum_buf, lr, momentum, weight_decay, nesterov):

@@ -22,6 +22,7 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, int64, njit
 
+from . import cpu_threads
 from .cuda_support import THREADS, blocks_for, configured
 
 
@@ -74,12 +75,23 @@ def _softmax_xent_backward(probs, labels, scale, dlogits):
         dlogits[r, labels[r]] -= scale
 
 
+def _rows_split(logits, labels, scale, out, fused):
+    """:func:`_softmax_xent_rows` over chunks of rows split over the CPU threads: the loss sum is the
+    chunks' float64 partial sums added in chunk order (the same at any thread count)."""
+    partials = np.zeros((cpu_threads.chunks_of(logits.shape[0]), 2))
+
+    def chunk(c, lo, hi):
+        partials[c] = _softmax_xent_rows(logits[lo:hi], labels[lo:hi], scale, out[lo:hi], fused)
+    cpu_threads.for_chunks(chunk, logits.shape[0], logits.size)
+    loss_sum, correct = cpu_threads.add_partials(partials)
+    return float(loss_sum), int(correct)
+
+
 def softmax_xent_fused(logits, labels, scale, dlogits):
     """dlogits <- scale * (softmax(logits) - onehot(labels)), ``dlogits`` may be ``logits``;
     returns (loss_sum, correct) as :func:`softmax_xent_forward`. The same bits as forward then
     backward with that scale."""
-    loss_sum, correct = _softmax_xent_rows(logits, labels, logits.dtype.type(scale), dlogits, True)
-    return float(loss_sum), int(correct)
+    return _rows_split(logits, labels, logits.dtype.type(scale), dlogits, True)
 
 
 def softmax_xent_fused_add(logits, labels, scale, dlogits, totals, accumulate=False):
@@ -97,13 +109,14 @@ def softmax_xent_fused_add(logits, labels, scale, dlogits, totals, accumulate=Fa
 
 def softmax_xent_forward(logits, labels, probs):
     """probs <- softmax(logits); returns (loss_sum: float, correct: int) over the B rows."""
-    loss_sum, correct = _softmax_xent_rows(logits, labels, logits.dtype.type(1.0), probs, False)
-    return float(loss_sum), int(correct)
+    return _rows_split(logits, labels, logits.dtype.type(1.0), probs, False)
 
 
 def softmax_xent_backward(probs, labels, scale, dlogits):
     """dlogits <- scale * (probs - onehot(labels)); scale = 1/B for a mean loss."""
-    _softmax_xent_backward(probs, labels, probs.dtype.type(scale), dlogits)
+    t = probs.dtype.type(scale)
+    cpu_threads.for_rows(lambda lo, hi: _softmax_xent_backward(probs[lo:hi], labels[lo:hi], t, dlogits[lo:hi]),
+                         probs.shape[0], probs.size)
     return dlogits
 
 

@@ -52,6 +52,15 @@ def _device_choice(local_rank: int) -> tuple[str, str, str]:
     return f"cuda:{gpu} {gpu_name(gpu)}", gemm, f"{n} GPU(s) visible"
 
 
+def _threads() -> dict:
+    """The rank's binding and thread counts as info's columns (runtime.binding)."""
+    from ..runtime import binding, oversubscribed_note
+
+    bound = binding()
+    return {"cpus": f"{bound['cpus']} ({bound['cores']})", "threads ops/BLAS/numba":
+            f"{bound['ops']}/{bound['blas']}/{bound['numba']}", "note": oversubscribed_note(bound)}
+
+
 def print_info(world) -> None:
     """Collective: every rank reports; rank 0 prints a table in rank order."""
     from ..reliability import slurm
@@ -62,7 +71,7 @@ def print_info(world) -> None:
             "local": f"{world.local_rank}/{world.local_size}", "node": f"{world.node_rank}/{world.n_nodes}",
             "device": device, "GEMM": gemm, "CUDA": cuda_line,
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
-            "threads": os.environ.get("OMP_NUM_THREADS", "-"),
+            **_threads(),
             "slurm_job": job.tag if job else "-", "slurm_node": (job and job.node_name) or "-"}
     rows = world.comm.gather(mine, root=0)
     libs = _libraries() if world.is_root else None
@@ -75,12 +84,15 @@ def print_info(world) -> None:
         print(f"  {slurm.describe(job)}")
     for key, value in libs.items():
         print(f"  {key:<17} {value}")
-    cols = ["rank", "host", "pid", "local", "node", "device", "GEMM", "CUDA", "CUDA_VISIBLE_DEVICES", "threads",
-            "slurm_job", "slurm_node"]
+    cols = ["rank", "host", "pid", "local", "node", "device", "GEMM", "CUDA", "CUDA_VISIBLE_DEVICES", "cpus",
+            "threads ops/BLAS/numba", "slurm_job", "slurm_node"]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  " + "  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
         print("  " + "  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+    crowded = [r for r in rows if r["note"]]
+    if crowded:
+        print(f"  threads: rank(s) {','.join(str(r['rank']) for r in crowded)}: {crowded[0]['note']}")
     slow = [str(r["rank"]) for r in rows if r["GEMM"].startswith("numba (")]
     if slow:
         from ..kernels.cublas import CUPY_FIX

@@ -37,6 +37,7 @@ from ..reliability.numeric_guard import NumericGuard
 from ..reliability.progress import Progress
 from ..reliability.signals import StopSignal
 from ..reliability.watchdog import Watchdog
+from ..runtime import binding, oversubscribed_note
 from .loop import RunLoop
 from .plan import place
 from .state import TrainingState
@@ -87,6 +88,11 @@ class Trainer:
                 self.log.warn(plan.device.gemm_note)
             if getattr(plan.device, "attention_note", None):  # the cuBLAS attention failed its start-up check
                 self.log.warn(plan.device.attention_note)
+            # a rank with more threads than cores (a launcher's binding): said once, for every such rank
+            crowded = [(r, note) for r, note in enumerate(world.comm.allgather(oversubscribed_note(binding())))
+                       if note]
+            if crowded:
+                self.log.warn(f"rank(s) {','.join(str(r) for r, _ in crowded)}: {crowded[0][1]}")
             # Ranks reading different files (node-local copies that differ) would
             # train on garbage or mismatch in Bcast; compare what each rank sees.
             agree(world, _check_same_data, world.comm.allgather(self.data.signature), cfg.data.train)

@@ -1,0 +1,276 @@
+"""The CPU twins' threads: an op split over the rank's share of the cores, the same bits at any count.
+
+A CPU op runs its existing numba loops (all ``nogil``) and NumPy calls (exp, BLAS: they release
+the GIL too) on contiguous row ranges, one range per thread, in a pool of the rank's threads
+(the caller runs the first range itself). How the work is split never changes a result:
+
+- rows that are computed independently (an elementwise op, a LayerNorm row, a softmax row, an
+  attention head) are the same whichever thread computes them;
+- a sum over rows (a bias gradient, LayerNorm's weight gradient, a loss total) is taken in fixed
+  chunks of :data:`CHUNK_ROWS` rows, each chunk's partial sum in float64 by one thread, and the
+  partials added in chunk order: the chunks do not depend on the thread count.
+
+So a run gives the same bits with 1, 2 or 64 threads, and N ranks still train exactly like one.
+
+Why a pool of Python threads over nogil loops rather than numba's ``parallel=True``: numba's
+default threading layer (workqueue, the one that loads when neither OpenMP nor TBB does) aborts
+the process when two threads enter parallel regions at once, and the communication thread runs
+CPU kernels (the gradient's scale and finite test, host reductions, compression, ZeRO-2's slot
+adds) while the main thread runs backward; and the twins' exp is NumPy's SIMD one, which a
+numba loop does not match (a scalar exp per element took 2.4x as long).
+
+The thread count is the rank's share of the cores, the one ``runtime.limit_threads_per_rank``
+gives BLAS (``OMP_NUM_THREADS``), unless :func:`set_threads` says otherwise. Ops smaller than
+:data:`MIN_SPLIT` elements run on the calling thread (a hand-off costs tens of microseconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import numpy as np
+
+CHUNK_ROWS = 128         # rows per partial sum of a reduction over rows (fixed: the bits depend on it)
+MIN_SPLIT = 1 << 15      # ops over fewer elements run on the calling thread
+
+_lock = threading.Lock()
+_threads = None          # None: not yet decided (default_threads at first use)
+_pool = None
+
+
+def default_threads() -> int:
+    """The rank's share: ``OMP_NUM_THREADS`` (set by runtime.limit_threads_per_rank or the user),
+    else the cores this process may run on."""
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", "0"))
+    except ValueError:
+        n = 0
+    return max(1, n or len(os.sched_getaffinity(0)))
+
+
+def threads() -> int:
+    """How many threads a CPU op is split over."""
+    return _threads if _threads is not None else default_threads()
+
+
+def set_threads(n: int | None) -> None:
+    """Split CPU ops over ``n`` threads from now on (None: back to :func:`default_threads`)."""
+    global _threads, _pool
+    with _lock:
+        _threads = None if n is None else max(1, int(n))
+        if _pool is not None and _pool.size != threads() - 1:
+            _pool.close()
+            _pool = None
+
+
+def ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges covering 0..n in ``parts`` contiguous pieces of sizes differing by one at most."""
+    parts = max(1, min(parts, n))
+    q, r = divmod(n, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + q + (1 if i < r else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def for_rows(fn, rows: int, elements: int) -> None:
+    """``fn(lo, hi)`` over row ranges covering 0..rows, one range per thread (on the calling thread
+    alone when ``elements`` < MIN_SPLIT or one thread). ``fn`` must compute each row alone."""
+    n = threads() if elements >= MIN_SPLIT else 1
+    parts = ranges(rows, n)
+    if len(parts) == 1:
+        fn(0, rows)
+        return
+    _run(fn, parts)
+
+
+def chunks_of(rows: int) -> int:
+    """How many chunks of CHUNK_ROWS rows cover ``rows`` (the partial sums a reduction keeps)."""
+    return max(1, -(-rows // CHUNK_ROWS))
+
+
+def for_chunks(fn, rows: int, elements: int) -> int:
+    """``fn(c, lo, hi)`` for every chunk c of CHUNK_ROWS rows (rows lo..hi) covering 0..rows, the
+    chunks split over the threads (contiguous ranges of them); returns the chunk count
+    (:func:`chunks_of`). ``fn`` writes chunk c's partial result to its slot c; the caller adds
+    the slots in order (:func:`add_partials`), so the result does not depend on the thread count."""
+    chunks = chunks_of(rows)
+
+    def some(c0, c1):
+        for c in range(c0, c1):
+            fn(c, c * CHUNK_ROWS, min(rows, (c + 1) * CHUNK_ROWS))
+    n = threads() if elements >= MIN_SPLIT else 1
+    parts = ranges(chunks, n)
+    if len(parts) <= 1:
+        some(0, chunks)
+    else:
+        _run(some, parts)
+    return chunks
+
+
+def _run(fn, parts) -> None:
+    pool = _get_pool(len(parts) - 1)
+    with _blas.single():
+        pending = [pool.submit(fn, lo, hi) for lo, hi in parts[1:]]
+        error = None
+        try:
+            fn(*parts[0])
+        except BaseException as exc:  # noqa: BLE001 - raised after the others finish (they share buffers)
+            error = exc
+        for job in pending:
+            job.wait()
+            if error is None and job.error is not None:
+                error = job.error
+    if error is not None:
+        raise error
+
+
+class _OpenBlasThreads:
+    """One BLAS thread while ops are split over threads, then the rank's share again.
+
+    OpenBLAS built with its own threads (NumPy's wheels) serialises concurrent multi-threaded
+    calls on one lock: attention's per-head GEMMs from two threads took as long as from one
+    (7.0 vs 8.0 ms forward at the example GPT's shape, 2 cores). With one BLAS thread each
+    caller runs at once (8.7 -> 3.3 ms). Counted, so overlapping split ops (the communication
+    thread's and the main thread's) restore it once, after the last. Where NumPy's BLAS is not
+    an OpenBLAS that says so (MKL, a system BLAS), nothing is changed."""
+
+    def __init__(self):
+        self._count, self._saved, self._lib = 0, None, False
+        self._count_lock = threading.Lock()
+
+    def _functions(self):
+        if self._lib is False:
+            self._lib = _find_openblas()
+        return self._lib
+
+    @contextlib.contextmanager
+    def single(self):
+        fns = self._functions()
+        if fns is None:
+            yield
+            return
+        get, set_ = fns
+        with self._count_lock:
+            if self._count == 0:
+                self._saved = get()
+                if self._saved > 1:
+                    set_(1)
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._count_lock:
+                self._count -= 1
+                if self._count == 0 and self._saved and self._saved > 1:
+                    set_(self._saved)
+
+
+def _find_openblas():
+    """(get, set) of the OpenBLAS NumPy links (its wheels' scipy-openblas, or a plain one), or None."""
+    import ctypes
+    import glob
+
+    candidates = sorted(glob.glob(os.path.join(os.path.dirname(np.__file__) + ".libs", "*openblas*")))
+    for path in candidates + [None]:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for get_name, set_name in (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+                                   ("openblas_get_num_threads", "openblas_set_num_threads")):
+            get, set_ = getattr(lib, get_name, None), getattr(lib, set_name, None)
+            if get is not None and set_ is not None:
+                get.restype, set_.argtypes = ctypes.c_int, [ctypes.c_int]
+                return get, set_
+    return None
+
+
+_blas = _OpenBlasThreads()
+
+
+def blas_threads() -> int | None:
+    """OpenBLAS's thread count as it reports it (None where NumPy's BLAS is not such an OpenBLAS)."""
+    fns = _blas._functions()
+    return None if fns is None else int(fns[0]())
+
+
+def _get_pool(workers: int):
+    global _pool
+    with _lock:
+        if _pool is None or _pool.size < workers:
+            if _pool is not None:
+                _pool.close()
+            _watch_forks()
+            _pool = _Pool(max(workers, threads() - 1))
+        return _pool
+
+
+_fork_hook = False
+
+
+def _watch_forks() -> None:
+    """Once: a forked child forgets the pool (it has none of the parent's threads) and makes its own."""
+    global _fork_hook
+    if not _fork_hook:
+        os.register_at_fork(after_in_child=_forget_pool)
+        _fork_hook = True
+
+
+def _forget_pool():
+    global _pool
+    _pool = None
+
+
+class _Job:
+    __slots__ = ("fn", "args", "done", "error")
+
+    def __init__(self, fn, args):
+        self.fn, self.args, self.done, self.error = fn, args, threading.Event(), None
+
+    def wait(self):
+        self.done.wait()
+
+
+class _Pool:
+    """Daemon worker threads taking jobs from one queue (a job's error is kept for its caller)."""
+
+    def __init__(self, size: int):
+        import queue
+
+        self.size, self._jobs = size, queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name=f"hpctrain-cpu-{i}", daemon=True)
+                         for i in range(size)]
+        for w in self._workers:
+            w.start()
+
+    def submit(self, fn, *args) -> _Job:
+        job = _Job(fn, args)
+        self._jobs.put(job)
+        return job
+
+    def _work(self):
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job.fn(*job.args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                job.error = exc
+            finally:
+                job.done.set()
+
+    def close(self):
+        for _ in self._workers:
+            self._jobs.put(None)
+
+
+def add_partials(partials: np.ndarray) -> np.ndarray:
+    """The float64 sum of ``partials`` (chunks, ...) over its first axis (NumPy adds the rows of a
+    C-contiguous array one after another: chunk order, the same whoever wrote them)."""
+    return np.add.reduce(partials, axis=0, dtype=np.float64)
