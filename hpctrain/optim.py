@@ -112,6 +112,11 @@ class _Optimizer:
         """What else the update's launches depend on this step (their arguments besides the arrays)."""
         return ()
 
+    def state_of(self, lo: int, hi: int) -> dict:
+        """The views of :meth:`state`'s arrays that the update of the flat range [lo, hi) writes."""
+        s = self._state(slice(lo, hi))
+        return {name: a[s] for name, a in self.state().items()}
+
     def update(self, lo: int = 0, hi: int | None = None):
         """The update of the flat range [lo, hi) (default: all), with :meth:`begin_step`'s scalars."""
         hi = self.flat.size if hi is None else hi

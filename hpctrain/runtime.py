@@ -158,16 +158,23 @@ def binding() -> dict:
     (NUMBA_NUM_THREADS)."""
     from .kernels import cpu_threads
 
-    cpus = os.sched_getaffinity(0)
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     blas = cpu_threads.blas_threads()
     env = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "-"
     return {"cores": len(cpus), "cpus": cpu_list(cpus), "ops": cpu_threads.threads(),
             "blas": blas if blas is not None else env, "numba": os.environ.get("NUMBA_NUM_THREADS", "-")}
 
 
-def oversubscribed_note(bound: dict) -> str | None:
+def oversubscribed_note(bound: dict | None = None) -> str | None:
     """The warning for a rank whose CPU ops or BLAS use more threads than it has cores (a launcher's
-    binding narrower than the threads asked for), else None."""
+    binding narrower than the threads asked for), else None. ``bound``: :func:`binding` (None:
+    this process's now; a failure to read it is no warning, so every rank still answers a
+    collective that gathers the notes)."""
+    if bound is None:
+        try:
+            bound = binding()
+        except Exception:  # noqa: BLE001 - a report, never a reason to stop
+            return None
     threads = max(int(bound["ops"]), int(bound["blas"]) if str(bound["blas"]).isdigit() else 0)
     if threads <= bound["cores"]:
         return None

@@ -47,7 +47,12 @@ def default_threads() -> int:
         n = int(os.environ.get("OMP_NUM_THREADS", "0"))
     except ValueError:
         n = 0
-    return max(1, n or len(os.sched_getaffinity(0)))
+    return max(1, n or _cores())
+
+
+def _cores() -> int:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def threads() -> int:
@@ -56,13 +61,12 @@ def threads() -> int:
 
 
 def set_threads(n: int | None) -> None:
-    """Split CPU ops over ``n`` threads from now on (None: back to :func:`default_threads`)."""
-    global _threads, _pool
+    """Split CPU ops over ``n`` threads from now on (None: back to :func:`default_threads`). The
+    pool keeps its workers (a split takes as many as it needs), so an op running in another thread
+    is never left with a pool that stopped."""
+    global _threads
     with _lock:
         _threads = None if n is None else max(1, int(n))
-        if _pool is not None and _pool.size != threads() - 1:
-            _pool.close()
-            _pool = None
 
 
 def ranges(n: int, parts: int) -> list[tuple[int, int]]:
@@ -200,13 +204,13 @@ def blas_threads() -> int | None:
 
 
 def _get_pool(workers: int):
+    """The pool, with at least ``workers`` workers (it grows; it never stops)."""
     global _pool
     with _lock:
-        if _pool is None or _pool.size < workers:
-            if _pool is not None:
-                _pool.close()
+        if _pool is None:
             _watch_forks()
-            _pool = _Pool(max(workers, threads() - 1))
+            _pool = _Pool()
+        _pool.grow(workers)
         return _pool
 
 
@@ -222,8 +226,10 @@ def _watch_forks() -> None:
 
 
 def _forget_pool():
-    global _pool
-    _pool = None
+    """In a forked child: a fresh pool, lock and BLAS count (the parent's threads are not there;
+    a lock or count held by one of them at the fork would never be released)."""
+    global _pool, _lock, _blas
+    _pool, _lock, _blas = None, threading.Lock(), _OpenBlasThreads()
 
 
 class _Job:
@@ -239,14 +245,16 @@ class _Job:
 class _Pool:
     """Daemon worker threads taking jobs from one queue (a job's error is kept for its caller)."""
 
-    def __init__(self, size: int):
+    def __init__(self):
         import queue
 
-        self.size, self._jobs = size, queue.SimpleQueue()
-        self._workers = [threading.Thread(target=self._work, name=f"hpctrain-cpu-{i}", daemon=True)
-                         for i in range(size)]
-        for w in self._workers:
-            w.start()
+        self.size, self._jobs = 0, queue.SimpleQueue()
+
+    def grow(self, size: int) -> None:
+        """At least ``size`` workers (called under the module lock)."""
+        while self.size < size:
+            threading.Thread(target=self._work, name=f"hpctrain-cpu-{self.size}", daemon=True).start()
+            self.size += 1
 
     def submit(self, fn, *args) -> _Job:
         job = _Job(fn, args)
@@ -256,18 +264,12 @@ class _Pool:
     def _work(self):
         while True:
             job = self._jobs.get()
-            if job is None:
-                return
             try:
                 job.fn(*job.args)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 job.error = exc
             finally:
                 job.done.set()
-
-    def close(self):
-        for _ in self._workers:
-            self._jobs.put(None)
 
 
 def add_partials(partials: np.ndarray) -> np.ndarray:

@@ -47,13 +47,13 @@ _configured = threading.local()   # per thread: {(kernel, grid, block, stream, s
 def configured(kernel, grid, block, stream=0, shared=0):
     """``kernel[grid, block, stream, shared]``, made once per thread and launch geometry and reused.
 
-    Configuring costs the host more than the launch that follows (numba normalises the
-    dimensions and wraps the stream anew each time: 57 us per op-table launch against 23 us
-    for a kernel configured once, on an H100, benchmarks/launch_cost.py), and a step configures
-    the same few hundred geometries every time. Per thread, because a configured kernel holds
-    its call's arguments while it dispatches. numba still picks the compiled overload by the
-    arguments' types on each call. The simulator's configure rewrites the kernel object itself,
-    so there nothing is kept.
+    On an H100 an op-table launch cost 57 us of host time against 23 us for a kernel configured
+    once (benchmarks/launch_cost.py, numba-cuda of 2026-11-27). numba-cuda 0.30 keeps its last 128
+    configurations (shared by all threads; older releases keep none), and a GPT step uses the
+    same few hundred launch geometries every time: this keeps every one. Per thread, because a
+    configured kernel holds its call's arguments while it dispatches. numba still picks the
+    compiled overload by the arguments' types on each call. The simulator's configure rewrites
+    the kernel object itself, so there nothing is kept.
     """
     if simulated():
         return kernel[grid, block, stream, shared]

@@ -85,18 +85,35 @@ class StepGraphs:
         key = ("micro-batch", tuple(x.shape), tuple(y.shape), accumulate_loss, accumulate_grads)
         flat = self.model.flat
         self._run(key, lambda: self._micro_batch(x, y, totals, accumulate_loss, accumulate_grads),
-                  [("loss statistics", totals, None), ("gradient", flat.grad, flat.slots)])
+                  [("loss statistics", totals, None, False), ("gradient", flat.grad, flat.slots, False)])
+
+    @staticmethod
+    def update_key(optimizer, lo: int, hi: int) -> tuple:
+        """The key of ``optimizer``'s update of [lo, hi) this step: the range and ``graph_key()``."""
+        return ("update", lo, hi, *optimizer.graph_key())
 
     def update(self, optimizer, lo: int, hi: int) -> None:
-        """``optimizer.update(lo, hi)`` (its scalars already uploaded by ``begin_step``). Key: the
-        range and ``optimizer.graph_key()``."""
+        """``optimizer.update(lo, hi)`` (its scalars already uploaded by ``begin_step``). What is
+        watched is the range's parameters and optimizer state only. The caller must keep every other
+        thread's work off the stream while a key is captured or checked (:meth:`settling`)."""
+        from types import SimpleNamespace
+
         flat = self.model.flat
-        watched = [("update", flat.data, flat.slots)] + [(name, a, None) for name, a in optimizer.state().items()]
-        self._run(("update", lo, hi, *optimizer.graph_key()), lambda: optimizer.update(lo, hi), watched)
+        slots = [SimpleNamespace(name=s.name, offset=max(s.offset, lo) - lo, size=min(s.offset + s.size, hi) -
+                                 max(s.offset, lo)) for s in flat.slots if s.offset < hi and s.offset + s.size > lo]
+        watched = [("update", flat.data[lo:hi], slots, True)]
+        watched += [(name, view, None, True) for name, view in optimizer.state_of(lo, hi).items()]
+        self._run(self.update_key(optimizer, lo, hi), lambda: optimizer.update(lo, hi), watched)
+
+    def settling(self, key) -> bool:
+        """Whether ``key``'s next call captures or checks its graph (rather than running eagerly the
+        first time, or replaying): a capture records every launch on the stream, from any thread."""
+        return not self.failed and ((key in self._seen and key not in self.graphs) or key in self._unchecked)
 
     def _run(self, key, body, watched) -> None:
         """``body`` (queues the key's work) eagerly, captured, or replayed; ``watched``: what it
-        writes, as (name, device array, slots to compare one by one or None)."""
+        writes, as (name, device array, slots to compare one by one or None, whether the check
+        measures against the eager change (an update) rather than the values (a fresh write))."""
         graph = None if self.failed else self.graphs.get(key)
         if graph is not None and key in self._unchecked:
             self._unchecked.discard(key)
@@ -119,13 +136,15 @@ class StepGraphs:
 
     def _replays_as_eager(self, graph, body, watched) -> bool:
         """The graph's first replay, on other inputs than it was captured with, checked against the
-        same work run eagerly from the same state: what each watched array (or slot) changed by
-        agrees within 1e-3 of the eager change's size (of its values where it made none), else
-        graphs stop for the run, said once, and the eager results stand. A capture that missed
-        work, or froze something that changes between calls (a batch, a learning rate), leaves
-        results of the call it was captured with: differences of the change's own size. (The
-        tests hold replays to the eager step's bits; this guard of a running job allows rounding,
-        should cuBLAS pick other kernels under capture.)"""
+        same work run eagerly from the same state: each watched array (or slot) agrees within 1e-3
+        of the size of its values, or for an update of the change the eager update made (a
+        parameter moves by ~lr against its own size ~1, so a graph that froze the learning rate
+        differs by 1e-4 of the values but 1e-1 of the change), else graphs stop for the run, said
+        once, and the eager results stand. A capture that missed work, or froze something that
+        changes between calls (a batch, a learning rate), leaves results of the call it was
+        captured with: differences of that size. (The tests hold replays to the eager step's
+        bits; this guard of a running job allows rounding, should cuBLAS pick other kernels under
+        capture.)"""
         import numpy as np
 
         before = self._state(watched)
@@ -135,11 +154,11 @@ class StepGraphs:
         self._restore(watched, before)
         body()
         want = self._state(watched)
-        for (name, _, slots), b, g, w in zip(watched, before, got, want):
+        for (name, _, slots, by_change), b, g, w in zip(watched, before, got, want):
             pieces = [(name, slice(None))] if slots is None else [
                 (f"{name} of {s.name}", slice(s.offset, s.offset + s.size)) for s in slots]
             for label, part in pieces:
-                change = np.abs(w[part] - b[part]).max(initial=0.0)
+                change = np.abs(w[part] - b[part]).max(initial=0.0) if by_change else 0.0
                 scale = max(change if change > 0 else np.abs(w[part]).max(initial=0.0), 1e-30)
                 err = float(np.abs(g[part] - w[part]).max(initial=0.0)) / scale
                 if not err <= 1e-3:
@@ -151,10 +170,10 @@ class StepGraphs:
         """Host float64 copies of the watched arrays."""
         import numpy as np
 
-        return [np.array(self.device.to_host(a), np.float64) for _, a, _ in watched]
+        return [np.array(self.device.to_host(a), np.float64) for _, a, _, _ in watched]
 
     def _restore(self, watched, state) -> None:
-        for (_, a, _), host in zip(watched, state):
+        for (_, a, _, _), host in zip(watched, state):
             self.device.copy_from_host(a, host)
 
     def _capture(self, key, body, watched) -> bool:

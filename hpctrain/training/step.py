@@ -107,10 +107,17 @@ class Step:
         # ("allreduce" is the exposed wait; the overlapped part hides in backward)
         if update:
             self.state.optimizer.begin_step(step, self.schedule.lr(step))
+        # a step that captures or checks an update graph first waits for every bucket: a capture
+        # records every launch on the stream, the communication thread's too
+        later = update and graphs is not None and any(
+            graphs.settling(graphs.update_key(self.state.optimizer, *self._range(b))) for b in plan.buckets)
         for bucket, name in zip(plan.buckets, self._bucket_names):
             with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {step}", step):
                 reducer.wait(bucket)
-            if update:
+            if update and not later:
+                self._update(step, bucket, name)
+        if later:
+            for bucket, name in zip(plan.buckets, self._bucket_names):
                 self._update(step, bucket, name)
         loss_sum, correct = device.to_host(totals)   # the step's one read of its statistics
         return StepStats(float(loss_sum), int(correct), not math.isfinite(loss_sum), reducer.nonfinite)
@@ -126,7 +133,7 @@ class Step:
         """The optimizer on ``bucket`` (ZeRO-1: on this rank's chunk, then the bucket's parameters
         all-gathered, while the communication thread reduce-scatters the next buckets)."""
         plan, optimizer = self.plan, self.state.optimizer
-        lo, hi = (bucket.lo, bucket.hi) if plan.shards is None else plan.shards.pieces[bucket.index][:2]
+        lo, hi = self._range(bucket)
         with self.timers("optimizer"):
             if self.graphs is None:
                 optimizer.update(lo, hi)
@@ -136,6 +143,10 @@ class Step:
             return
         with self.timers("allgather"), self.watchdog.watch("parameter all-gather", f"{name}, step {step}", step):
             plan.param_gather.allgather(self.state.model.flat.data[bucket.lo:bucket.hi])
+
+    def _range(self, bucket) -> tuple[int, int]:
+        """The flat range the optimizer updates for ``bucket`` (ZeRO: this rank's chunk of it)."""
+        return (bucket.lo, bucket.hi) if self.plan.shards is None else self.plan.shards.pieces[bucket.index][:2]
 
     def comm_metrics(self) -> dict:
         """The last step's communication for the metrics: times, bytes reduced and, per rank, bytes

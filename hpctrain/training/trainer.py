@@ -37,7 +37,7 @@ from ..reliability.numeric_guard import NumericGuard
 from ..reliability.progress import Progress
 from ..reliability.signals import StopSignal
 from ..reliability.watchdog import Watchdog
-from ..runtime import binding, oversubscribed_note
+from ..runtime import oversubscribed_note
 from .loop import RunLoop
 from .plan import place
 from .state import TrainingState
@@ -89,7 +89,7 @@ class Trainer:
             if getattr(plan.device, "attention_note", None):  # the cuBLAS attention failed its start-up check
                 self.log.warn(plan.device.attention_note)
             # a rank with more threads than cores (a launcher's binding): said once, for every such rank
-            crowded = [(r, note) for r, note in enumerate(world.comm.allgather(oversubscribed_note(binding())))
+            crowded = [(r, note) for r, note in enumerate(world.comm.allgather(oversubscribed_note()))
                        if note]
             if crowded:
                 self.log.warn(f"rank(s) {','.join(str(r) for r, _ in crowded)}: {crowded[0][1]}")
