@@ -137,14 +137,12 @@ class Runner:
 
     def __init__(self, args):
         self.args, self.rows, self.failed = args, [], []
-        cores = len(os.sched_getaffinity(0))
-        self.threads = args.threads_per_rank or max(1, cores // (args.largest_ranks or max(args.ranks)))
         # a calling MPI singleton (e.g. a test process) leaves its job identity in the environment,
         # and an mpirun started with it fails at once: drop it, as emulated_cluster.sh does
         env = {k: v for k, v in os.environ.items() if not k.startswith(SINGLETON_VARS)}
         self.env = dict(env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                        PYTHONUNBUFFERED="1", HPCTRAIN_PROGRESS="lines",
-                        **{v: str(self.threads) for v in THREAD_VARS})
+                        PYTHONUNBUFFERED="1", HPCTRAIN_PROGRESS="lines")
+        self.set_threads(None, None)
 
     def set_threads(self, threads, launcher) -> None:
         """From now on every rank gets ``threads`` threads (None: back to the default) and runs under
@@ -152,12 +150,11 @@ class Runner:
         if threads is None:
             cores = len(os.sched_getaffinity(0))
             threads = self.args.threads_per_rank or max(1, cores // (self.args.largest_ranks or max(self.args.ranks)))
-        self.threads, self._launcher = threads, launcher
+        self.threads, self.launcher = threads, launcher or self.args.launcher
         self.env.update({v: str(threads) for v in THREAD_VARS})
 
     def launch(self, n, argv, log):
-        launcher = getattr(self, "_launcher", None) or self.args.launcher
-        cmd = shlex.split(launcher.format(n=n)) + [sys.executable, *argv]
+        cmd = shlex.split(self.launcher.format(n=n)) + [sys.executable, *argv]
         t0 = time.time()
         os.makedirs(os.path.dirname(log), exist_ok=True)
         try:

@@ -158,7 +158,7 @@ def binding() -> dict:
     (NUMBA_NUM_THREADS)."""
     from .kernels import cpu_threads
 
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cpus = cpu_threads.cpus()
     blas = cpu_threads.blas_threads()
     env = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "-"
     return {"cores": len(cpus), "cpus": cpu_list(cpus), "ops": cpu_threads.threads(),

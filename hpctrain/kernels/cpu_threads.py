@@ -47,12 +47,12 @@ def default_threads() -> int:
         n = int(os.environ.get("OMP_NUM_THREADS", "0"))
     except ValueError:
         n = 0
-    return max(1, n or _cores())
+    return max(1, n or len(cpus()))
 
 
-def _cores() -> int:
-    """The cores this process may run on (all of them where the OS cannot say)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def cpus() -> set:
+    """The CPUs this process may run on (all of them where the OS cannot say)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
 def threads() -> int:

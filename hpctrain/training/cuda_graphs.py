@@ -85,7 +85,7 @@ class StepGraphs:
         key = ("micro-batch", tuple(x.shape), tuple(y.shape), accumulate_loss, accumulate_grads)
         flat = self.model.flat
         self._run(key, lambda: self._micro_batch(x, y, totals, accumulate_loss, accumulate_grads),
-                  [("loss statistics", totals, None, False), ("gradient", flat.grad, flat.slots, False)])
+                  lambda: [("loss statistics", totals, None, False), ("gradient", flat.grad, flat.slots, False)])
 
     @staticmethod
     def update_key(optimizer, lo: int, hi: int) -> tuple:
@@ -96,13 +96,15 @@ class StepGraphs:
         """``optimizer.update(lo, hi)`` (its scalars already uploaded by ``begin_step``). What is
         watched is the range's parameters and optimizer state only. The caller must keep every other
         thread's work off the stream while a key is captured or checked (:meth:`settling`)."""
-        from types import SimpleNamespace
+        def watched():
+            from types import SimpleNamespace
 
-        flat = self.model.flat
-        slots = [SimpleNamespace(name=s.name, offset=max(s.offset, lo) - lo, size=min(s.offset + s.size, hi) -
-                                 max(s.offset, lo)) for s in flat.slots if s.offset < hi and s.offset + s.size > lo]
-        watched = [("update", flat.data[lo:hi], slots, True)]
-        watched += [(name, view, None, True) for name, view in optimizer.state_of(lo, hi).items()]
+            flat = self.model.flat
+            slots = [SimpleNamespace(name=s.name, offset=max(s.offset, lo) - lo,
+                                     size=min(s.offset + s.size, hi) - max(s.offset, lo))
+                     for s in flat.slots if s.offset < hi and s.offset + s.size > lo]
+            return ([("update", flat.data[lo:hi], slots, True)]
+                    + [(name, view, None, True) for name, view in optimizer.state_of(lo, hi).items()])
         self._run(self.update_key(optimizer, lo, hi), lambda: optimizer.update(lo, hi), watched)
 
     def settling(self, key) -> bool:
@@ -111,18 +113,19 @@ class StepGraphs:
         return not self.failed and ((key in self._seen and key not in self.graphs) or key in self._unchecked)
 
     def _run(self, key, body, watched) -> None:
-        """``body`` (queues the key's work) eagerly, captured, or replayed; ``watched``: what it
+        """``body`` (queues the key's work) eagerly, captured, or replayed; ``watched()``: what it
         writes, as (name, device array, slots to compare one by one or None, whether the check
-        measures against the eager change (an update) rather than the values (a fresh write))."""
+        measures against the eager change (an update) rather than the values (a fresh write)),
+        made only for a capture or a check, not on every replay."""
         graph = None if self.failed else self.graphs.get(key)
         if graph is not None and key in self._unchecked:
             self._unchecked.discard(key)
-            self._replays_as_eager(graph, body, watched)   # on a mismatch graphs stop; the eager results stand
+            self._replays_as_eager(graph, body, watched())   # on a mismatch graphs stop; the eager results stand
         elif graph is not None:
             self.device.replay(graph)
             self.replays += 1
         else:
-            if not self.failed and key in self._seen and self._capture(key, body, watched):
+            if not self.failed and key in self._seen and self._capture(key, body, watched()):
                 self._unchecked.add(key)
             self._seen.add(key)
             body()
