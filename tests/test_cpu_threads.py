@@ -1,7 +1,7 @@
 """CPU ops split over threads (hpctrain/kernels/cpu_threads.py): the same bits at 1, 2 and 3 threads.
 
 Every op the GPT and the MLP run on the CPU is computed with its rows split over 1, 2 and 3
-threads (the split forced even for these small arrays: MIN_SPLIT = 1) and must give the same
+threads (the split forced even for these small arrays: MIN_SPLIT_NS = 0) and must give the same
 bytes each time, on row counts that leave the last chunk of CHUNK_ROWS rows and the last thread's
 share ragged; and the split results must still match a float64 NumPy reference. A whole GPT
 forward and backward must give the same loss and gradient bytes at 1 and 2 threads.
@@ -21,7 +21,7 @@ THREADS = (1, 2, 3)
 
 @pytest.fixture(autouse=True)
 def split_everything(monkeypatch):
-    monkeypatch.setattr(cpu_threads, "MIN_SPLIT", 1)
+    monkeypatch.setattr(cpu_threads, "MIN_SPLIT_NS", 0)
     yield
     cpu_threads.set_threads(None)
 
@@ -65,6 +65,22 @@ def test_a_thread_that_raises_raises_in_the_caller_after_the_others_finish():
     with pytest.raises(ValueError, match="rows"):
         cpu_threads.for_rows(fn, 9, 9)
     assert done == [(0, 3)]
+
+
+def test_an_op_is_split_only_when_its_time_on_one_core_pays_for_the_hand_off(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "MIN_SPLIT_NS", 1000)
+    cpu_threads.set_threads(2)
+    for elements, ns, parts in ((999, 1.0, 1), (1000, 1.0, 2), (4000, 0.2, 1), (4000, 0.25, 2)):
+        seen = []
+        cpu_threads.for_rows(lambda lo, hi: seen.append((lo, hi)), 10, elements, ns_per_element=ns)
+        assert sorted(seen) == ([(0, 10)] if parts == 1 else [(0, 5), (5, 10)]), (elements, ns)
+
+
+def test_chunk_ranges_cover_every_chunk_once_in_one_call_per_thread():
+    cpu_threads.set_threads(3)
+    seen = []
+    chunks = cpu_threads.for_chunks(lambda c0, c1: seen.append((c0, c1)), 5 * cpu_threads.CHUNK_ROWS + 1, 10 ** 9)
+    assert chunks == 6 and sorted(seen) == [(0, 2), (2, 4), (4, 6)]
 
 
 @pytest.mark.parametrize("act", ["identity", "relu", "gelu"])

@@ -76,7 +76,7 @@ def adamw_update(params, grads, exp_avg, exp_avg_sq, hyper, velocity=False):
     """One AdamW update of the flat ``params`` (P,) with the scalars ``hyper`` (:func:`hyperparameters`);
     with ``velocity`` ``grads`` are summed velocities (module doc). Split over the CPU threads."""
     cpu_threads.for_rows(lambda lo, hi: _adamw_step(params[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
-                                                    *hyper, bool(velocity)), params.size, params.size)
+                                                    *hyper, bool(velocity)), params.size, params.size, ns_per_element=2.5)
 
 
 def adamw_step(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, frozen_at=0,

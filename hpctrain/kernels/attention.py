@@ -179,7 +179,7 @@ def attention_forward(qkv, n_head, out, probs):
     _check("attention_forward", qkv, n_head, probs,
            [("out", out, (B, T, C3 // 3)), ("probs", probs, probs.shape)])
     cpu_threads.for_rows(lambda lo, hi: _forward_rows(qkv[lo:hi], n_head, out[lo:hi], probs[lo:hi]), B,
-                         probs.size)
+                         probs.size, ns_per_element=2.0)
     return out
 
 
@@ -206,7 +206,7 @@ def attention_backward(dout, qkv, out, probs, n_head, dqkv, work=None):
     _check("attention_backward", qkv, n_head, probs,
            [("dqkv", dqkv, qkv.shape), ("dout", dout, (B, T, C3 // 3)), ("work", work, probs.shape)])
     cpu_threads.for_rows(lambda lo, hi: _backward_rows(dout[lo:hi], qkv[lo:hi], probs[lo:hi], n_head, dqkv[lo:hi],
-                                                       work[lo:hi]), B, probs.size)
+                                                       work[lo:hi]), B, probs.size, ns_per_element=3.0)
     return dqkv
 
 

@@ -23,10 +23,10 @@ element pass.
 The activations are plain Python functions: the CUDA kernels (bias_act_cuda.py)
 compile them (``numba.cuda.jit(device=True)``), and so does the CPU twin's ReLU loop
 (``numba.njit``). The twin's identity is a NumPy broadcast add (plus a column-sum
-loop backward) and its GELU runs NumPy's SIMD exp between two numba passes: the
-same formula in the same dtype as the kernels, only vectorised (a scalar libm
-call in a loop does not vectorise). They live in this file because numba's disk
-cache only notices edits to the file of the function it cached.
+loop backward) and its GELU is one numba pass with cpu_exp.fast_exp: the same
+formula in the same dtype as the kernels, vectorised (a scalar libm exp in a loop
+does not vectorise). They live in this file because numba's disk cache only
+notices edits to the file of the function it cached.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit
 
 from . import cpu_threads
+from .cpu_exp import fast_exp
 
 # ---- activations (plain Python, compiled for both targets) -------------------------
 _K = math.sqrt(2.0 / math.pi)
@@ -79,114 +80,91 @@ def activations(dtype_name: str) -> dict:
     return {"identity": (identity, identity_grad), "relu": (relu, relu_grad), "gelu": (gelu, gelu_grad)}
 
 
-# ---- CPU twin (numba + NumPy) -------------------------------------------------------
+# ---- CPU twin (numba) ---------------------------------------------------------------
+# One pass per row range for every activation, the same formulas in the same dtype as the CUDA
+# kernels. GELU's exp is cpu_exp.fast_exp: a float32 loop around libm's scalar expf does not
+# vectorise; this one does, so the pass runs at the speed of NumPy's SIMD exp without a second
+# pass over memory. Backward's column sums (the bias gradient) are float64 partial sums, one
+# per chunk of cpu_threads.CHUNK_ROWS rows, each kernel call covering a range of chunks.
+@njit(cache=True, nogil=True, error_model="numpy")  # no zero-divisor test: the loop vectorises
+def _gelu_forward(z, b, out, K):
+    """z += b; out <- gelu(z), row by row."""
+    k, c, _, _, one, m2 = K
+    for i in range(z.shape[0]):
+        for j in range(z.shape[1]):
+            v = z[i, j] + b[j]
+            z[i, j] = v
+            out[i, j] = v * (one / (one + fast_exp(m2 * k * (v + c * v * v * v))))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")  # no zero-divisor test: the loop vectorises
+def _gelu_backward(dout, z, dz, partials, c0, c1, chunk_rows, K):
+    """dz <- dout * gelu'(z) over chunks c0..c1 of ``chunk_rows`` rows; partials[c] (float64) <-
+    chunk c's column sums of dz, rows in order. dz may be dout (each element read first)."""
+    k, c, c3, _, one, m2 = K
+    for ch in range(c0, c1):
+        sums = partials[ch]
+        for i in range(ch * chunk_rows, min(z.shape[0], (ch + 1) * chunk_rows)):
+            for j in range(z.shape[1]):
+                v = z[i, j]
+                s = one / (one + fast_exp(m2 * k * (v + c * v * v * v)))
+                d = dout[i, j] * (s - m2 * v * s * (one - s) * k * (one + c3 * v * v))
+                dz[i, j] = d
+                sums[j] += d
+
+
 @lru_cache(maxsize=None)
 def _relu_cpu(dtype_name: str):
     relu, relu_grad = (njit(f) for f in activations(dtype_name)["relu"])
 
     @njit(nogil=True)
     def forward(z, b, out):
-        B, O = z.shape
-        for r in range(B):
-            for c in range(O):
-                t = z[r, c] + b[c]
-                z[r, c] = t
-                out[r, c] = relu(t)
+        for i in range(z.shape[0]):
+            for j in range(z.shape[1]):
+                t = z[i, j] + b[j]
+                z[i, j] = t
+                out[i, j] = relu(t)
 
     @njit(nogil=True)
-    def backward(dout, z, dz, sums):
-        """dz <- dout * relu'(z); sums (float64) += its columns, rows in order."""
-        B, O = z.shape
-        for r in range(B):
-            for c in range(O):
-                d = dout[r, c] * relu_grad(z[r, c])
-                dz[r, c] = d
-                sums[c] += d
+    def backward(dout, z, dz, partials, c0, c1, chunk_rows):
+        """dz <- dout * relu'(z) over chunks c0..c1; partials[c] (float64) <- their column sums."""
+        for ch in range(c0, c1):
+            sums = partials[ch]
+            for i in range(ch * chunk_rows, min(z.shape[0], (ch + 1) * chunk_rows)):
+                for j in range(z.shape[1]):
+                    d = dout[i, j] * relu_grad(z[i, j])
+                    dz[i, j] = d
+                    sums[j] += d
 
     return forward, backward
 
 
-# GELU: a scalar libm exp in a numba loop does not vectorise, so exp runs as NumPy's SIMD ufunc
-# over a block of rows and numba does the vectorisable arithmetic around it, one pass before
-# and one after. The work array has z's dtype (float32 math for float32); blocks of about
-# GELU_BLOCK elements keep it in L2. ``K`` is gelu_constants(z.dtype).
-GELU_BLOCK = 1 << 15
-
-
 @njit(cache=True, nogil=True)
-def _gelu_exponent(z, b, r0, e, K, add):
-    """e[i, c] <- -2 k (z + c z^3) of row r0 + i (exp of it is 1/s - 1); with ``add``, z += b first,
-    in the same pass (forward's bias add: one read and write of z fewer)."""
-    k, c, _, _, _, m2 = K
-    for i in range(e.shape[0]):
-        for j in range(e.shape[1]):
-            v = z[r0 + i, j]
-            if add:
-                v = v + b[j]
-                z[r0 + i, j] = v
-            e[i, j] = m2 * k * (v + c * v * v * v)
+def _identity_backward(dout, dz, copy, partials, c0, c1, chunk_rows):
+    """dz <- dout (with ``copy``: dz is another array) over chunks c0..c1; partials[c] (float64) <-
+    their column sums."""
+    for ch in range(c0, c1):
+        sums = partials[ch]
+        for i in range(ch * chunk_rows, min(dout.shape[0], (ch + 1) * chunk_rows)):
+            for j in range(dout.shape[1]):
+                d = dout[i, j]
+                if copy:
+                    dz[i, j] = d
+                sums[j] += d
 
 
-@njit(cache=True, nogil=True)
-def _gelu_out(z, e, r0, out, K):
-    """out <- z s for the block's rows, e = exp(-2u)."""
-    one = K[4]
-    for i in range(e.shape[0]):
-        for j in range(e.shape[1]):
-            out[r0 + i, j] = z[r0 + i, j] * (one / (one + e[i, j]))
-
-
-@njit(cache=True, nogil=True)
-def _gelu_grad_out(dout, z, e, r0, dz, sums, K):
-    """dz <- dout * gelu'(z) for the block's rows; sums (float64) += their columns, rows in order."""
-    k, _, c3, _, one, m2 = K
-    for i in range(e.shape[0]):
-        for j in range(e.shape[1]):
-            v = z[r0 + i, j]
-            s = one / (one + e[i, j])
-            d = dout[r0 + i, j] * (s - m2 * v * s * (one - s) * k * (one + c3 * v * v))
-            dz[r0 + i, j] = d
-            sums[j] += d
-
-
-def _gelu_blocks(z, b=None):
-    """(first row, exp(-2u) of the block's rows, constants) per block of rows; with ``b``, z += b
-    as each block is read."""
-    K = gelu_constants(z.dtype)
-    rows = max(1, GELU_BLOCK // max(1, z.shape[1]))
-    work = np.empty((min(rows, z.shape[0]), z.shape[1]), z.dtype)
-    for r in range(0, z.shape[0], rows):
-        e = work[:min(rows, z.shape[0] - r)]
-        _gelu_exponent(z, z[0] if b is None else b, r, e, K, b is not None)
-        with np.errstate(over="ignore"):  # v << 0: exp overflows to inf, s = 0, gelu = -0 (exact limit)
-            np.exp(e, out=e)
-        yield r, e, K
-
-
-def _gelu_forward(z, b, out):
-    """z += b; out <- gelu(z)."""
-    for r, e, K in _gelu_blocks(z, b):
-        _gelu_out(z, e, r, out, K)
-
-
-def _gelu_backward(dout, z, dz, sums):
-    for r, e, K in _gelu_blocks(z):
-        _gelu_grad_out(dout, z, e, r, dz, sums, K)
-
-
-@njit(cache=True, nogil=True)
-def _column_sums(d, sums):
-    """sums (float64) += the columns of d, rows in order (a loop LLVM vectorises across columns)."""
-    for r in range(d.shape[0]):
-        for c in range(d.shape[1]):
-            sums[c] += d[r, c]
+# ns per element of each activation's pass on one core (a 2-core EPYC, float32): whether
+# splitting an op over threads pays (cpu_threads.for_rows)
+_NS_FORWARD = {"identity": 0.15, "relu": 0.3, "gelu": 1.0}
+_NS_BACKWARD = {"identity": 0.15, "relu": 0.5, "gelu": 1.5}
 
 
 def bias_act_forward(z, b, out, act):
     """z (B, O) += b (O,); out (B, O) <- act(z). Returns out. Rows split over the CPU threads."""
     if act not in ("identity", "relu", "gelu"):
         raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
-    cpu_threads.for_rows(lambda lo, hi: _forward_rows(z[lo:hi], b, out[lo:hi], act), z.shape[0], z.size)
+    cpu_threads.for_rows(lambda lo, hi: _forward_rows(z[lo:hi], b, out[lo:hi], act), z.shape[0], z.size,
+                         ns_per_element=_NS_FORWARD[act])
     return out
 
 
@@ -196,7 +174,7 @@ def _forward_rows(z, b, out, act):
         if out is not z and not np.shares_memory(out, z):
             out[...] = z
     elif act == "gelu":
-        _gelu_forward(z, b, out)
+        _gelu_forward(z, b, out, gelu_constants(z.dtype))
     else:
         _relu_cpu(z.dtype.name)[0](z, b, out)
 
@@ -209,17 +187,21 @@ def bias_act_backward(dout, z, dz, db, act, accumulate=False):
     if act not in ("identity", "relu", "gelu"):
         raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
     partials = np.zeros((cpu_threads.chunks_of(z.shape[0]), z.shape[1]))
+    rows = cpu_threads.CHUNK_ROWS
+    if act == "identity":
+        def chunks(c0, c1):
+            _identity_backward(dout, dz, dz is not dout, partials, c0, c1, rows)
+    elif act == "gelu":
+        K = gelu_constants(z.dtype)
 
-    def chunk(c, lo, hi):
-        if act == "identity":
-            if dz is not dout:
-                dz[lo:hi] = dout[lo:hi]
-            _column_sums(dout[lo:hi], partials[c])
-        elif act == "gelu":
-            _gelu_backward(dout[lo:hi], z[lo:hi], dz[lo:hi], partials[c])
-        else:
-            _relu_cpu(z.dtype.name)[1](dout[lo:hi], z[lo:hi], dz[lo:hi], partials[c])
-    cpu_threads.for_chunks(chunk, z.shape[0], z.size)
+        def chunks(c0, c1):
+            _gelu_backward(dout, z, dz, partials, c0, c1, rows, K)
+    else:
+        relu_backward = _relu_cpu(z.dtype.name)[1]
+
+        def chunks(c0, c1):
+            relu_backward(dout, z, dz, partials, c0, c1, rows)
+    cpu_threads.for_chunks(chunks, z.shape[0], z.size, ns_per_element=_NS_BACKWARD[act])
     sums = cpu_threads.add_partials(partials)
     db[...] = db + sums if accumulate else sums
     return dz

@@ -20,8 +20,11 @@ adds) while the main thread runs backward; and the twins' exp is NumPy's SIMD on
 numba loop does not match (a scalar exp per element took 2.4x as long).
 
 The thread count is the rank's share of the cores, the one ``runtime.limit_threads_per_rank``
-gives BLAS (``OMP_NUM_THREADS``), unless :func:`set_threads` says otherwise. Ops smaller than
-:data:`MIN_SPLIT` elements run on the calling thread (a hand-off costs tens of microseconds).
+gives BLAS (``OMP_NUM_THREADS``), unless :func:`set_threads` says otherwise. An op that takes
+under :data:`MIN_SPLIT_NS` on one core runs on the calling thread: handing a range to a worker
+and waiting for it costs 60-100 us here (a queue, an event and two GIL hand-offs on a 2-core VM),
+so a residual add over 512K float32 (70 us) took twice as long split in two. Each op states its
+measured time per element, so the threshold is one of time, not of size.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import threading
 import numpy as np
 
 CHUNK_ROWS = 128         # rows per partial sum of a reduction over rows (fixed: the bits depend on it)
-MIN_SPLIT = 1 << 15      # ops over fewer elements run on the calling thread
+MIN_SPLIT_NS = 200_000   # ops estimated under this on one core run on the calling thread (_parts)
 
 _lock = threading.Lock()
 _threads = None          # None: not yet decided (default_threads at first use)
@@ -81,11 +84,17 @@ def ranges(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def for_rows(fn, rows: int, elements: int) -> None:
+def _parts(elements: int, ns_per_element: float) -> int:
+    """Threads an op is split over: all the rank's, unless its estimated time on one thread is
+    under MIN_SPLIT_NS (then the calling thread alone: the hand-off would cost more than it saves)."""
+    return threads() if elements * ns_per_element >= MIN_SPLIT_NS else 1
+
+
+def for_rows(fn, rows: int, elements: int, ns_per_element: float = 1.0) -> None:
     """``fn(lo, hi)`` over row ranges covering 0..rows, one range per thread (on the calling thread
-    alone when ``elements`` < MIN_SPLIT or one thread). ``fn`` must compute each row alone."""
-    n = threads() if elements >= MIN_SPLIT else 1
-    parts = ranges(rows, n)
+    alone for a small op: :func:`_parts`). ``fn`` must compute each row alone. ``ns_per_element``:
+    the op's time per element on one core (measured), which says whether splitting pays."""
+    parts = ranges(rows, _parts(elements, ns_per_element))
     if len(parts) == 1:
         fn(0, rows)
         return
@@ -97,22 +106,18 @@ def chunks_of(rows: int) -> int:
     return max(1, -(-rows // CHUNK_ROWS))
 
 
-def for_chunks(fn, rows: int, elements: int) -> int:
-    """``fn(c, lo, hi)`` for every chunk c of CHUNK_ROWS rows (rows lo..hi) covering 0..rows, the
-    chunks split over the threads (contiguous ranges of them); returns the chunk count
-    (:func:`chunks_of`). ``fn`` writes chunk c's partial result to its slot c; the caller adds
-    the slots in order (:func:`add_partials`), so the result does not depend on the thread count."""
+def for_chunks(fn, rows: int, elements: int, ns_per_element: float = 1.0) -> int:
+    """``fn(c0, c1)`` over contiguous ranges of the chunks of CHUNK_ROWS rows covering 0..rows (chunk
+    c is rows c * CHUNK_ROWS up to the next chunk or ``rows``), one range per thread; returns the
+    chunk count (:func:`chunks_of`). ``fn`` writes chunk c's partial result to its slot c (one
+    kernel call loops over its range's chunks: no Python call per chunk); the caller adds the
+    slots in order (:func:`add_partials`), so the result does not depend on the thread count."""
     chunks = chunks_of(rows)
-
-    def some(c0, c1):
-        for c in range(c0, c1):
-            fn(c, c * CHUNK_ROWS, min(rows, (c + 1) * CHUNK_ROWS))
-    n = threads() if elements >= MIN_SPLIT else 1
-    parts = ranges(chunks, n)
+    parts = ranges(chunks, _parts(elements, ns_per_element))
     if len(parts) <= 1:
-        some(0, chunks)
+        fn(0, chunks)
     else:
-        _run(some, parts)
+        _run(fn, parts)
     return chunks
 
 

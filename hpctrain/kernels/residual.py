@@ -21,7 +21,8 @@ from .cuda_support import THREADS, blocks_for, configured
 # ---- CPU twin (NumPy) --------------------------------------------------------------
 def residual_forward(a, b, out):
     """out <- a + b (same shapes and dtype). Returns out. Rows split over the CPU threads."""
-    cpu_threads.for_rows(lambda lo, hi: np.add(a[lo:hi], b[lo:hi], out=out[lo:hi]), out.shape[0], out.size)
+    cpu_threads.for_rows(lambda lo, hi: np.add(a[lo:hi], b[lo:hi], out=out[lo:hi]), out.shape[0], out.size,
+                         ns_per_element=0.15)
     return out
 
 
@@ -36,7 +37,7 @@ def residual_backward(dout, da, db, accumulate=False):
                 d[lo:hi] += dout[lo:hi]
             else:
                 d[lo:hi] = dout[lo:hi]
-    cpu_threads.for_rows(rows, dout.shape[0], dout.size)
+    cpu_threads.for_rows(rows, dout.shape[0], dout.size, ns_per_element=0.2)
 
 
 # ---- CUDA kernels ------------------------------------------------------------------

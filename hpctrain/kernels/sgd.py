@@ -47,7 +47,7 @@ def sgd_update(params, grads, momentum_buf, hyper, nesterov):
     """Update the flat ``params`` (P,) in place from ``grads`` (P,); ``momentum_buf`` (P,) is state.
     Split over the CPU threads."""
     cpu_threads.for_rows(lambda lo, hi: _sgd_step(params[lo:hi], grads[lo:hi], momentum_buf[lo:hi], hyper[0], hyper[1],
-                                                  hyper[2], bool(nesterov)), params.size, params.size)
+                                                  hyper[2], bool(nesterov)), params.size, params.size, ns_per_element=1.0)
 
 
 def sgd_step(params, grads, momentum_buf, lr, momentum, weight_decay, nesterov):
