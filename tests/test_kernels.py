@@ -379,6 +379,17 @@ def test_softmax_xent_stable_with_huge_logits():
     assert correct == 2  # rows 0 and 3
 
 
+def test_softmax_xent_refuses_labels_outside_the_classes():
+    # a label out of range would read and write outside its row (another thread's, when split)
+    logits = np.zeros((4, 5), np.float32)
+    for bad in (5, -1):
+        labels = np.array([0, 1, bad, 2])
+        with pytest.raises(ValueError, match=r"labels must be in \[0, 5\)"):
+            softmax_xent_fused(logits, labels, 0.25, np.empty_like(logits))
+        with pytest.raises(ValueError, match=r"labels must be in \[0, 5\)"):
+            softmax_xent_backward(np.full((4, 5), 0.2, np.float32), labels, 0.25, np.empty_like(logits))
+
+
 def test_softmax_xent_correct_count_matches_argmax_with_ties():
     # small integer logits produce many ties; argmax takes the first maximum
     r = rng_for(15)

@@ -1,7 +1,7 @@
 """The CPU twins' threads: an op split over the rank's share of the cores, the same bits at any count.
 
-A CPU op runs its existing numba loops (all ``nogil``) and NumPy calls (exp, BLAS: they release
-the GIL too) on contiguous row ranges, one range per thread, in a pool of the rank's threads
+A CPU op runs its numba loops (all ``nogil``) and NumPy calls (BLAS and ufuncs release the GIL
+too) on contiguous row ranges, one range per thread, in a pool of the rank's threads
 (the caller runs the first range itself). How the work is split never changes a result:
 
 - rows that are computed independently (an elementwise op, a LayerNorm row, a softmax row, an
@@ -16,8 +16,7 @@ Why a pool of Python threads over nogil loops rather than numba's ``parallel=Tru
 default threading layer (workqueue, the one that loads when neither OpenMP nor TBB does) aborts
 the process when two threads enter parallel regions at once, and the communication thread runs
 CPU kernels (the gradient's scale and finite test, host reductions, compression, ZeRO-2's slot
-adds) while the main thread runs backward; and the twins' exp is NumPy's SIMD one, which a
-numba loop does not match (a scalar exp per element took 2.4x as long).
+adds) while the main thread runs backward.
 
 The thread count is the rank's share of the cores, the one ``runtime.limit_threads_per_rank``
 gives BLAS (``OMP_NUM_THREADS``), unless :func:`set_threads` says otherwise. An op that takes

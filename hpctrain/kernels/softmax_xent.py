@@ -101,9 +101,17 @@ def _softmax_xent_backward(probs, labels, scale, dlogits):
 _NS_ROWS, _NS_BACKWARD = 1.5, 0.3  # ns per element on one core (2-core EPYC, float32): whether a split pays
 
 
+def _check_labels(labels, classes: int) -> None:
+    """ValueError unless every label is a class index (the kernels index rows by them: one out of
+    range would read, and write, outside its row)."""
+    if labels.size and (labels.min() < 0 or labels.max() >= classes):
+        raise ValueError(f"softmax_xent: labels must be in [0, {classes}); got {labels.min()}..{labels.max()}")
+
+
 def _rows_split(logits, labels, scale, out, fused):
     """:func:`_softmax_xent_rows` over chunks of rows split over the CPU threads: the loss sum is the
     chunks' float64 partial sums added in chunk order (the same at any thread count)."""
+    _check_labels(labels, logits.shape[1])
     partials = np.zeros((cpu_threads.chunks_of(logits.shape[0]), 2))
     cpu_threads.for_chunks(lambda c0, c1: _softmax_xent_rows(logits, labels, scale, out, fused, partials, c0, c1,
                                                              cpu_threads.CHUNK_ROWS),
@@ -140,6 +148,7 @@ def softmax_xent_forward(logits, labels, probs):
 def softmax_xent_backward(probs, labels, scale, dlogits):
     """dlogits <- scale * (probs - onehot(labels)); scale = 1/B for a mean loss."""
     t = probs.dtype.type(scale)
+    _check_labels(labels, probs.shape[1])
     cpu_threads.for_rows(lambda lo, hi: _softmax_xent_backward(probs[lo:hi], labels[lo:hi], t, dlogits[lo:hi]),
                          probs.shape[0], probs.size, ns_per_element=_NS_BACKWARD)
     return dlogits
