@@ -98,6 +98,10 @@ class _Optimizer:
         """The averaged gradient of the flat slice ``s``."""
         return self.flat.grad[s] if self.grads is None else self.grads[self._state(s)]
 
+    def grad_of(self, lo: int, hi: int):
+        """The averaged gradient the update of the flat range [lo, hi) reads (a device view)."""
+        return self._grad(slice(lo, hi))
+
     def begin_step(self, step: int | None, lr: float):
         """Once per update, however many slices get updated: ``step`` is the global step (0-based),
         ``lr`` its learning rate. Uploads the step's scalars (:attr:`hyper`)."""

@@ -34,7 +34,7 @@ CC = (9, 0)  # sm_90: H100 / H200
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=CC)
 
 from hpctrain.kernels import (adamw, bias_act_cuda, ef, finite, gather_scatter, linear, quantize16, scale, sgd,  # noqa: E402
-                              sign_pack, softmax_xent, topk_threshold)
+                              sign_pack, softmax_xent, sum_squares, topk_threshold)
 from numba.types import int32, uint8, uint16  # noqa: E402
 
 import ptx_attention  # noqa: E402 - beside this file: the GPT's attention kernels
@@ -70,6 +70,7 @@ def kernels():
         yield f"adamw {dt}", adamw._adamw_update_kernel, (v,) * 5 + (boolean,), False
         yield f"scale {dt}", scale._scale_kernel, (v, dt), False
         yield f"all_finite {dt}", finite._nonfinite_kernel, (v, arr(int32, 1)), False
+        yield f"sum_squares {dt}", sum_squares._sum_squares_kernel, (v, arr(float64, 1)), False
     yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3 + (boolean,), False
     yield from compression_kernels()
     yield from ptx_attention.kernels()

@@ -14,6 +14,8 @@ held to the standard dot-product error bound against a float64 product.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -344,6 +346,37 @@ def test_all_finite_matches_numpy(dtype, bad, where):
         x[where] = bad
     # the grid-stride loop must reach the last element too (2 blocks x 256 threads < 1000 in the simulator)
     assert dev.ops.all_finite(up(dev, x)) is bool(np.isfinite(x).all())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_sum_squares_matches_the_cpu_twin_and_float64(dtype):
+    from hpctrain.kernels.sum_squares import sum_squares
+
+    dev = CudaDevice(dtype)
+    x = rng_for(10).standard_normal(1000).astype(dtype)   # 4 blocks of 256 in the simulator
+    got = dev.ops.sum_squares(up(dev, x))
+    want = float(np.sum(x.astype(np.float64) ** 2))
+    assert math.isclose(got, want, rel_tol=1e-13) and math.isclose(got, sum_squares(x), rel_tol=1e-13)
+    assert dev.ops.sum_squares(up(dev, x[:1])) == float(x[0]) ** 2
+
+
+def test_gradient_clipping_on_the_device_matches_numpy():
+    import types
+
+    from hpctrain.nn.flat import ParamSlot
+    from hpctrain.training.clip import EPS, GradClip
+
+    dev = CudaDevice("float32")
+    g = rng_for(11).standard_normal(600).astype(np.float32)
+    grad = up(dev, g)
+    one = types.SimpleNamespace(rank=0, size=1, comm=types.SimpleNamespace(Allreduce=lambda send, recv: None))
+    plan = types.SimpleNamespace(device=dev, world=one, shards=None, dp=one, grid=types.SimpleNamespace(tensor_rank=0))
+    model = types.SimpleNamespace(flat=types.SimpleNamespace(slots=[ParamSlot("w", (600,), 0, 600)]))
+    clip = GradClip(plan, model, lambda lo, hi: grad[lo:hi], [(0, 250), (250, 600)], 2.0)
+    norm = clip.apply()
+    want = float(np.linalg.norm(g.astype(np.float64)))
+    assert math.isclose(norm, want, rel_tol=1e-12) and clip.coefficient < 1.0
+    np.testing.assert_array_equal(dev.to_host(grad), g * np.float32(2.0 / (want + EPS)))
 
 
 # ---- a whole model -------------------------------------------------------------------

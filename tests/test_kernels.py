@@ -379,6 +379,17 @@ def test_softmax_xent_stable_with_huge_logits():
     assert correct == 2  # rows 0 and 3
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 1001])
+def test_sum_squares_is_the_float64_sum_in_a_fixed_order(n):
+    from hpctrain.kernels.sum_squares import sum_squares
+
+    x = (1e3 * np.random.default_rng(n).standard_normal(n)).astype(np.float32)
+    want = float(np.sum(x.astype(np.float64) ** 2))
+    got = sum_squares(x)
+    assert math.isclose(got, want, rel_tol=1e-13, abs_tol=0.0)   # float64 rounding of n positive terms
+    assert sum_squares(x.reshape(-1, 1)) == got   # shape does not matter, only the order of elements
+
+
 def test_softmax_xent_refuses_labels_outside_the_classes():
     # a label out of range would read and write outside its row (another thread's, when split)
     logits = np.zeros((4, 5), np.float32)

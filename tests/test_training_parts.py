@@ -182,6 +182,9 @@ class FakeStep:
     def comm_metrics(self):
         return {"comm_time": 0.0}
 
+    def clip_metrics(self):
+        return {}
+
 
 class FakeCheckpoints:
     def __init__(self, every):

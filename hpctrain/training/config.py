@@ -158,11 +158,13 @@ class OptimConfig:
     min_lr: float = _f(0.0, "cosine floor")
     step_size: int = _f(1000, "step schedule: decay every k steps")
     gamma: float = _f(0.1, "step schedule: multiply lr by gamma")
+    clip_grad_norm: float = _f(0.0, "clip the global L2 norm of the averaged gradient (over all ranks, every "
+                               "parameter counted once) to this before the update; 0 = off (GPT practice: 1.0)")
     scale_lr: bool = _f(False, "linear scaling rule: lr x global_batch / base_batch")
     base_batch: int = _f(256, "batch size at which lr was tuned (for scale_lr)")
 
     def validate(self):
-        for key in ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "min_lr", "gamma"):
+        for key in ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "min_lr", "gamma", "clip_grad_norm"):
             if not math.isfinite(getattr(self, key)):
                 raise ConfigError(f"optim.{key}={getattr(self, key)}: must be a finite number")
         if self.gamma <= 0:
@@ -173,6 +175,8 @@ class OptimConfig:
             raise ConfigError(f"optim.momentum={self.momentum}: must be in [0, 1)")
         if self.weight_decay < 0:
             raise ConfigError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+        if self.clip_grad_norm < 0:
+            raise ConfigError(f"optim.clip_grad_norm={self.clip_grad_norm}: must be >= 0 (0 = off)")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError(f"optim.beta1/beta2=({self.beta1}, {self.beta2}): each must be in [0, 1)")
         if self.freeze_step < 0:

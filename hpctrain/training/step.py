@@ -22,6 +22,7 @@ import numpy as np
 from ..comm.zero import traffic_halves
 from ..comm.zero_grads import make_reducer
 from ..data.sampler import shard_range
+from .clip import GradClip
 from .cuda_graphs import StepGraphs, why_not
 
 
@@ -67,6 +68,10 @@ class Step:
         # train.cuda_graphs: forward and backward replayed as graphs, or "" and why not
         self.graphs_off = why_not(cfg, plan.device, plan)
         self.graphs = None if self.graphs_off else StepGraphs(plan.device, state.model, log)
+        # optim.clip_grad_norm: the global norm once every bucket is reduced, before any update
+        self.clip = None if not cfg.optim.clip_grad_norm else GradClip(
+            plan, state.model, lambda lo, hi: self.state.optimizer.grad_of(lo, hi),
+            [self._range(b) for b in plan.buckets], cfg.optim.clip_grad_norm)
 
     def run(self, step: int, x_all, y_all, update: bool = True) -> StepStats:
         """Forward, backward and all-reduce of global step ``step`` on this rank's rows ``x_all``,
@@ -109,14 +114,18 @@ class Step:
             self.state.optimizer.begin_step(step, self.schedule.lr(step))
         # a step that captures or checks an update graph first waits for every bucket: a capture
         # records every launch on the stream, the communication thread's too
-        later = update and graphs is not None and any(
+        # (and clipping needs the whole gradient's norm before any update)
+        later = self.clip is not None or update and graphs is not None and any(
             graphs.settling(graphs.update_key(self.state.optimizer, *self._range(b))) for b in plan.buckets)
         for bucket, name in zip(plan.buckets, self._bucket_names):
             with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {step}", step):
                 reducer.wait(bucket)
             if update and not later:
                 self._update(step, bucket, name)
-        if later:
+        if self.clip is not None:   # before the update, deferred or not: the gradient is clipped once
+            with t("optimizer"), wd.watch("gradient norm all-reduce", f"step {step}", step):
+                self.clip.apply()
+        if update and later:
             for bucket, name in zip(plan.buckets, self._bucket_names):
                 self._update(step, bucket, name)
         loss_sum, correct = device.to_host(totals)   # the step's one read of its statistics
@@ -147,6 +156,10 @@ class Step:
     def _range(self, bucket) -> tuple[int, int]:
         """The flat range the optimizer updates for ``bucket`` (ZeRO: this rank's chunk of it)."""
         return (bucket.lo, bucket.hi) if self.plan.shards is None else self.plan.shards.pieces[bucket.index][:2]
+
+    def clip_metrics(self) -> dict:
+        """The last step's gradient norm and clip coefficient (optim.clip_grad_norm), or nothing."""
+        return {} if self.clip is None else self.clip.metrics()
 
     def comm_metrics(self) -> dict:
         """The last step's communication for the metrics: times, bytes reduced and, per rank, bytes

@@ -1,0 +1,79 @@
+"""Sum of squares of a buffer, in float64 and in a fixed order: a gradient norm's share of one rank.
+
+Gradient clipping (optim.clip_grad_norm) adds up every averaged gradient element's square over all
+ranks. The sum is float64 whatever the buffer's dtype (float32 squares summed in float32 would
+lose log2(P) bits over P parameters), and its order depends only on the buffer's length, never on
+thread counts or timing, so a clipped run gives the same bits on every run, as an unclipped one does.
+
+CPU: one numba pass, eight chains (lane i % 8, combined pairwise), on the calling thread (one read
+of the buffer, like the finite test). CUDA: a fixed grid of at most :data:`BLOCKS` blocks; each
+thread sums its grid-stride elements in float64, each block adds its threads' sums in a fixed tree
+in shared memory, and the host adds the blocks' partial sums in block order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float64, njit
+
+from .cuda_support import THREADS, blocks_for, configured
+
+BLOCKS = 256   # the most blocks (partial sums) of the CUDA reduction: its grid depends on the length only
+
+
+# ---- CPU twin (numba) --------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _sum_squares(x):
+    s = np.zeros(8)
+    n = x.size
+    n8 = n - n % 8
+    for i in range(0, n8, 8):
+        for lane in range(8):
+            v = np.float64(x[i + lane])
+            s[lane] += v * v
+    for i in range(n8, n):
+        v = np.float64(x[i])
+        s[0] += v * v
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+
+
+def sum_squares(buf) -> float:
+    """The float64 sum of the squares of ``buf``'s elements (any shape, contiguous)."""
+    return float(_sum_squares(buf.reshape(-1)))
+
+
+# ---- CUDA kernel -------------------------------------------------------------------
+@cuda.jit
+def _sum_squares_kernel(buf, partials):
+    # partials[block] <- the float64 sum of squares of this block's grid-stride elements
+    shared = cuda.shared.array(THREADS, float64)
+    tid = cuda.threadIdx.x
+    i, stride = cuda.grid(1), cuda.gridsize(1)
+    acc = 0.0
+    while i < buf.size:
+        v = float64(buf[i])
+        acc += v * v
+        i += stride
+    shared[tid] = acc
+    cuda.syncthreads()
+    width = THREADS // 2
+    while width > 0:
+        if tid < width:
+            shared[tid] += shared[tid + width]
+        cuda.syncthreads()
+        width //= 2
+    if tid == 0:
+        partials[cuda.blockIdx.x] = shared[0]
+
+
+def sum_squares_cuda(buf, *, stream=0, scratch=None) -> float:
+    """:func:`sum_squares` of a device buffer; waits for the stream (the answer goes to the host).
+    ``scratch``: the device's lender of the partial sums (None: a new array per call)."""
+    flat = buf.reshape(buf.size)
+    blocks = max(1, min(BLOCKS, blocks_for(buf.size)))
+    partials = (cuda.device_array(blocks, np.float64, stream=stream) if scratch is None
+                else scratch("sum_squares_partials", (BLOCKS,), np.float64)[:blocks])
+    configured(_sum_squares_kernel, blocks, THREADS, stream)(flat, partials)
+    host = partials.copy_to_host(stream=stream)
+    stream.synchronize() if stream else cuda.synchronize()
+    return float(np.add.reduce(host))
