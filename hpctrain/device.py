@@ -35,8 +35,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from .transfers import HostFence, PinnedUpload, StreamFence
-from .kernels import (adamw, attention, attention_cuda, bias_act, bias_act_cuda, embedding, finite, layernorm,
-                      layernorm_cuda, linear, residual, scale, sgd, softmax_xent, sum_squares)
+from .kernels import (adamw, attention, attention_cuda, bias_act, bias_act_cuda, cuda_support, embedding, finite,
+                      layernorm, layernorm_cuda, linear, residual, scale, sgd, softmax_xent, sum_squares)
 
 CPU_OPS = SimpleNamespace(
     linear_forward=linear.linear_forward, linear_backward=linear.linear_backward,
@@ -89,6 +89,10 @@ class CpuDevice:
 
     def synchronize(self):
         """Nothing queued on the CPU."""
+
+    def launches(self) -> None:
+        """None: the CPU launches no kernels (a GPU's count goes in the metrics)."""
+        return None
 
     fence = HostFence()
 
@@ -297,10 +301,15 @@ class CudaDevice:
         return stream.end_capture()
 
     def replay(self, graph) -> None:
-        """Queue a graph from :meth:`capture` on this device's stream."""
+        """Queue a graph from :meth:`capture` on this device's stream (one launch counted)."""
         import cupy
 
+        cuda_support.count_launches()
         graph.launch(stream=cupy.cuda.ExternalStream(int(self.stream)))
+
+    def launches(self) -> int:
+        """Host-side launches so far (kernels, cuBLAS calls, graph replays; every thread's)."""
+        return cuda_support.launches()
 
     def describe(self) -> str:
         return (f"cuda:{self.gpu} ({gpu_name(self.gpu)}, {self.dtype.name}, GEMM {self.gemm}, "

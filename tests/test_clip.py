@@ -57,9 +57,9 @@ def test_the_coefficient_is_pytorchs():
 
 
 class _OneRank:
-    """A world of one rank: the all-reduce leaves the buffer as it is."""
+    """A world of one rank: its all-gather is its own value."""
     rank, size = 0, 1
-    comm = types.SimpleNamespace(Allreduce=lambda send, recv: None)
+    comm = types.SimpleNamespace(allgather=lambda value: [value])
 
 
 @pytest.mark.parametrize("max_norm", [1e9, 0.3])
@@ -94,3 +94,29 @@ def test_config_refuses_a_negative_or_non_finite_limit():
         cfg.optim.clip_grad_norm = bad
         with pytest.raises(ConfigError, match="optim.clip_grad_norm"):
             cfg.validate()
+
+
+def test_a_non_finite_gradient_is_left_alone():
+    from hpctrain.device import CpuDevice
+
+    dev = CpuDevice("float32")
+    g = np.ones(10, np.float32)
+    g[3] = np.nan
+    plan = types.SimpleNamespace(device=dev, world=_OneRank(), shards=None, dp=_OneRank(),
+                                 grid=types.SimpleNamespace(tensor_rank=0))
+    model = types.SimpleNamespace(flat=types.SimpleNamespace(slots=[ParamSlot("w", (10,), 0, 10)]))
+    clip = GradClip(plan, model, lambda lo, hi: g[lo:hi], [(0, 10)], 0.1)
+    assert math.isnan(clip.apply()) and clip.coefficient == 1.0
+    assert np.isnan(g[3]) and np.all(np.delete(g, 3) == 1.0)
+
+
+def test_config_refuses_clipping_the_velocities_of_momentum_correction():
+    from hpctrain.training.config import Config
+
+    cfg = Config()
+    cfg.optim.name, cfg.optim.freeze_step = "adamw", 10
+    cfg.dist.compress, cfg.dist.compress_momentum, cfg.dist.compress_start_step = "topk(0.01)", True, 10
+    cfg.validate()   # the combination itself is valid
+    cfg.optim.clip_grad_norm = 1.0
+    with pytest.raises(ConfigError, match="clip_grad_norm=1.0 with dist.compress_momentum"):
+        cfg.validate()

@@ -353,11 +353,12 @@ def test_sum_squares_matches_the_cpu_twin_and_float64(dtype):
     from hpctrain.kernels.sum_squares import sum_squares
 
     dev = CudaDevice(dtype)
-    x = rng_for(10).standard_normal(1000).astype(dtype)   # 4 blocks of 256 in the simulator
-    got = dev.ops.sum_squares(up(dev, x))
+    x = rng_for(10).standard_normal(1000).astype(dtype)   # 2 blocks of 256 in the simulator, 4 on a GPU
+    parts = [x[:1], x[1:700], x[700:]]
+    got = dev.ops.sum_squares([up(dev, p) for p in parts])
     want = float(np.sum(x.astype(np.float64) ** 2))
-    assert math.isclose(got, want, rel_tol=1e-13) and math.isclose(got, sum_squares(x), rel_tol=1e-13)
-    assert dev.ops.sum_squares(up(dev, x[:1])) == float(x[0]) ** 2
+    assert math.isclose(got, want, rel_tol=1e-13) and math.isclose(got, sum_squares(parts), rel_tol=1e-13)
+    assert dev.ops.sum_squares([up(dev, x[:1])]) == float(x[0]) ** 2 and dev.ops.sum_squares([]) == 0.0
 
 
 def test_gradient_clipping_on_the_device_matches_numpy():
@@ -369,7 +370,7 @@ def test_gradient_clipping_on_the_device_matches_numpy():
     dev = CudaDevice("float32")
     g = rng_for(11).standard_normal(600).astype(np.float32)
     grad = up(dev, g)
-    one = types.SimpleNamespace(rank=0, size=1, comm=types.SimpleNamespace(Allreduce=lambda send, recv: None))
+    one = types.SimpleNamespace(rank=0, size=1, comm=types.SimpleNamespace(allgather=lambda value: [value]))
     plan = types.SimpleNamespace(device=dev, world=one, shards=None, dp=one, grid=types.SimpleNamespace(tensor_rank=0))
     model = types.SimpleNamespace(flat=types.SimpleNamespace(slots=[ParamSlot("w", (600,), 0, 600)]))
     clip = GradClip(plan, model, lambda lo, hi: grad[lo:hi], [(0, 250), (250, 600)], 2.0)

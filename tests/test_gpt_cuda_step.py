@@ -97,3 +97,34 @@ def _config(text, device, steps=2):
     cfg.dist.auto_cache = ""
     cfg.checkpoint.dir, cfg.checkpoint.keep_last, cfg.checkpoint.every_minutes = "/tmp/hpctrain-unused", 0, 0
     return cfg.validate()
+
+
+def test_launches_are_counted_the_same_for_the_same_work(monkeypatch):
+    """The device counts the host's kernel launches, cuBLAS calls and graph replays (the metrics'
+    ``launches`` per step: tests/test_training_parts.py): a forward and backward counts the same
+    every time, and a deeper model more. (On the simulator the kernels are launched but not run:
+    what is counted is the host's calls, and running them took 30 s.)"""
+    from hpctrain.device import simulated
+    from hpctrain.kernels import cuda_support
+
+    if simulated():
+        from numba.cuda.simulator import kernel as sim
+
+        run = sim.FakeCUDAKernel.__call__
+        monkeypatch.setattr(sim.FakeCUDAKernel, "__call__", lambda k, *args: run(k, *args) if k._device else None)
+    dev = CudaDevice("float64")
+    tokens = dev.from_host(np.zeros((2, T), np.int64), np.int64)
+    counts = {}
+    for layers in (1, 2):
+        model = GPT(dev, VOCAB, T, layers, HEADS, D)
+        model.init(3)
+        counts[layers] = []
+        for _ in range(2):
+            before = dev.launches()
+            model.forward(tokens, tokens)
+            model.backward()
+            counts[layers].append(dev.launches() - before)
+    assert counts[1][0] == counts[1][1] > 10 and counts[2][0] == counts[2][1] > counts[1][0], counts
+    before = cuda_support.launches()
+    dev.ops.scale(dev.zeros(5), 2.0)
+    assert cuda_support.launches() - before == 1

@@ -385,9 +385,10 @@ def test_sum_squares_is_the_float64_sum_in_a_fixed_order(n):
 
     x = (1e3 * np.random.default_rng(n).standard_normal(n)).astype(np.float32)
     want = float(np.sum(x.astype(np.float64) ** 2))
-    got = sum_squares(x)
+    got = sum_squares([x])
     assert math.isclose(got, want, rel_tol=1e-13, abs_tol=0.0)   # float64 rounding of n positive terms
-    assert sum_squares(x.reshape(-1, 1)) == got   # shape does not matter, only the order of elements
+    assert sum_squares([x.reshape(-1, 1)]) == got   # shape does not matter, only the order of elements
+    assert math.isclose(sum_squares([x[:n // 2], x[n // 2:]]), want, rel_tol=1e-13) and sum_squares([]) == 0.0
 
 
 def test_softmax_xent_refuses_labels_outside_the_classes():

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 from types import SimpleNamespace
 
@@ -162,6 +163,24 @@ def test_a_poisoned_batch_is_reported_not_finite(small_data):
         data.close()
 
 
+def test_a_clipped_step_reports_a_non_finite_norm_without_the_bucket_test(small_data):
+    """guard.check_grads off: the reducer tests no bucket, but the gradient norm clipping computes
+    is NaN, so the step is still reported non-finite (and the gradient is not scaled)."""
+    cfg = _config(small_data[0])
+    cfg.guard.check_grads, cfg.optim.clip_grad_norm = False, 0.1
+    step, state, data = _step(cfg.validate(), small_data)
+    try:
+        x, y = data.reader.batch(0)
+        stats = step.run(0, x, y, update=False)
+        assert not stats.grad_nonfinite and step.clip.norm > 0.1 and step.clip.coefficient < 1.0
+        x = np.array(x, copy=True)
+        x[0, 0] = np.nan
+        stats = step.run(1, x, y, update=False)
+        assert stats.grad_nonfinite and math.isnan(step.clip.norm) and step.clip.coefficient == 1.0
+    finally:
+        data.close()
+
+
 # ---- the run loop ------------------------------------------------------------------------
 class FakeStep:
     """A step whose loss is given per step (NaN for a bad one); records its updates."""
@@ -224,7 +243,9 @@ def _loop(tmp_path, losses=None, nonfinite="skip", steps=7, signal_at=None):
     cfg.train.steps, cfg.train.global_batch, cfg.train.log_every, cfg.train.eval_every = steps, 4, 2, 0
     cfg.train.target_accuracy, cfg.checkpoint.save_final, cfg.guard.nonfinite = 0.0, True, nonfinite
     world = World(MPI.COMM_SELF, 0, 1, None, 0, 1, None, 0, 1)
-    device = SimpleNamespace(describe=lambda: "cpu (stand-in)", dtype=np.dtype(np.float32), synchronize=lambda: None)
+    launched = iter(range(0, 10**6, 7))   # a stand-in GPU: 7 launches a step
+    device = SimpleNamespace(describe=lambda: "cuda (stand-in)", dtype=np.dtype(np.float32), synchronize=lambda: None,
+                             launches=lambda: next(launched))
     plan = SimpleNamespace(cfg=cfg, world=world, device=device, staging=SimpleNamespace(mode="host"), buckets=[1],
                            grid=SimpleNamespace(tensor=None, tensor_rank=0), dp=world, tensor=None, micro_batches=1,
                            grad_slots=None)
@@ -260,6 +281,7 @@ def test_the_loop_steps_saves_when_due_and_writes_a_metrics_line_per_step(tmp_pa
     assert ckpts.saved == [3, 6, 7]  # every 3 steps, and the final one
     lines = metrics.read_text().splitlines()
     assert len(lines) == 7 and '"step": 7' in lines[-1]
+    assert all(json.loads(line)["launches"] == 7 for line in lines)   # the device's count, per step
     assert "done: 7 steps" in out.getvalue()
 
 

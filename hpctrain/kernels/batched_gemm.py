@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cuda_support import count_launches
+
 
 @dataclass(frozen=True)
 class GemmBatch:
@@ -119,6 +121,7 @@ class HostBatchedGemm:
             raise ValueError("batched gemm: the buffers must be C-contiguous")
         flat = [h.reshape(-1) for h in host]  # views: the products land in the device arrays
         _check_span(g, *flat)
+        count_launches()   # cuBLAS's one call, as on a GPU
         host_gemm(g, *flat)
 
 
@@ -158,6 +161,7 @@ class CublasBatchedGemm:
         args = cublas_arguments(g)
         call = self.cublas.sgemmStridedBatched if dtype == np.float32 else self.cublas.dgemmStridedBatched
         size = dtype.itemsize
+        count_launches()
         with self.stream:  # CuPy sets the handle's stream to its current one on each call
             call(self.handle, args["transa"], args["transb"], args["m"], args["n"], args["k"],
                  self._scalar(g.alpha, dtype),

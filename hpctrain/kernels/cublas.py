@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cuda_support import count_launches
+
 
 # The fix, named wherever CuPy is missing or unusable; setup.cfg's gpu extra says why cupy-cuda12x
 # on a CUDA 13 driver too.
@@ -116,6 +118,7 @@ class CublasLinear:
         cp = self.cp
         A, B, C = self.view(a), self.view(b), self.view(c)
         A, B = A.T if trans_a else A, B.T if trans_b else B
+        count_launches(2 if accumulate else 1)   # the GEMM, and CuPy's add of it into c
         with self.stream:
             if accumulate:
                 key = (C.shape, C.dtype.str)

@@ -42,10 +42,30 @@ def blocks_for(n: int, threads: int = THREADS) -> int:
 
 
 _configured = threading.local()   # per thread: {(kernel, grid, block, stream, shared): configured kernel}
+_counters: list = []              # every thread's launch counter (a one-element list), to add them up
+_counters_lock = threading.Lock()
+
+
+def count_launches(n: int = 1) -> None:
+    """Count ``n`` host-side launches on this thread: a kernel (:func:`configured` counts its
+    own), a cuBLAS call, a graph replay. Per thread, so counting takes no lock."""
+    counter = getattr(_configured, "launches", None)
+    if counter is None:
+        counter = _configured.launches = [0]
+        with _counters_lock:
+            _counters.append(counter)
+    counter[0] += n
+
+
+def launches() -> int:
+    """Launches counted so far in this process, every thread's (a step's: the difference)."""
+    with _counters_lock:
+        return sum(c[0] for c in _counters)
 
 
 def configured(kernel, grid, block, stream=0, shared=0):
-    """``kernel[grid, block, stream, shared]``, made once per thread and launch geometry and reused.
+    """``kernel[grid, block, stream, shared]``, made once per thread and launch geometry and reused,
+    for one launch (counted: :func:`launches`).
 
     On an H100 an op-table launch cost 57 us of host time against 23 us for a kernel configured
     once (benchmarks/launch_cost.py, numba-cuda of 2026-11-27). numba-cuda 0.30 keeps its last 128
@@ -55,6 +75,7 @@ def configured(kernel, grid, block, stream=0, shared=0):
     compiled overload by the arguments' types on each call. The simulator's configure rewrites
     the kernel object itself, so there nothing is kept.
     """
+    count_launches()
     if simulated():
         return kernel[grid, block, stream, shared]
     cache = getattr(_configured, "kernels", None)

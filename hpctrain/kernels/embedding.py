@@ -273,7 +273,7 @@ def embedding_forward_cuda(tokens, wte, wpe, out, *, stream=0):
     """
     _check_shapes(tokens, wpe.shape[0], "embedding_forward")
     B, T = tokens.shape
-    _embedding_forward_kernel[blocks_for(B * T * wte.shape[1]), THREADS, stream](tokens, wte, wpe, out)
+    configured(_embedding_forward_kernel, blocks_for(B * T * wte.shape[1]), THREADS, stream)(tokens, wte, wpe, out)
     return out
 
 
@@ -290,7 +290,7 @@ def embedding_backward_cuda(dout, tokens, dwte, dwpe, accumulate=False, *, strea
     N = B * T
     if N >= 2 ** 31:
         raise ValueError(f"embedding_backward: B*T={N} positions overflow int32 buckets; split the batch")
-    _dwpe_kernel[blocks_for(dwpe.shape[0] * C), THREADS, stream](dout, dwpe, bool(accumulate))
+    configured(_dwpe_kernel, blocks_for(dwpe.shape[0] * C), THREADS, stream)(dout, dwpe, bool(accumulate))
     counts = scratch("embed_counts", (V,), np.int32)
     offsets = scratch("embed_offsets", (V + 1,), np.int32)
     placed = scratch("embed_placed", (max(N, 1),), np.int32)

@@ -1,7 +1,8 @@
 """Sum of squares of a buffer, in float64 and in a fixed order: a gradient norm's share of one rank.
 
 Gradient clipping (optim.clip_grad_norm) adds up every averaged gradient element's square over all
-ranks. The sum is float64 whatever the buffer's dtype (float32 squares summed in float32 would
+ranks; a rank's elements are a few ranges of the flat gradient, so the op takes a list of buffers
+and answers once (on a GPU: one copy to the host and one wait for all of them). The sum is float64 whatever the buffer's dtype (float32 squares summed in float32 would
 lose log2(P) bits over P parameters), and its order depends only on the buffer's length, never on
 thread counts or timing, so a clipped run gives the same bits on every run, as an unclipped one does.
 
@@ -37,9 +38,13 @@ def _sum_squares(x):
     return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
 
 
-def sum_squares(buf) -> float:
-    """The float64 sum of the squares of ``buf``'s elements (any shape, contiguous)."""
-    return float(_sum_squares(buf.reshape(-1)))
+def sum_squares(bufs) -> float:
+    """The float64 sum of the squares of the elements of every buffer in ``bufs`` (any shapes,
+    contiguous): each buffer's sum in its fixed order, the buffers' sums added in turn."""
+    total = 0.0
+    for buf in bufs:
+        total += float(_sum_squares(buf.reshape(-1)))
+    return total
 
 
 # ---- CUDA kernel -------------------------------------------------------------------
@@ -66,14 +71,25 @@ def _sum_squares_kernel(buf, partials):
         partials[cuda.blockIdx.x] = shared[0]
 
 
-def sum_squares_cuda(buf, *, stream=0, scratch=None) -> float:
-    """:func:`sum_squares` of a device buffer; waits for the stream (the answer goes to the host).
-    ``scratch``: the device's lender of the partial sums (None: a new array per call)."""
-    flat = buf.reshape(buf.size)
-    blocks = max(1, min(BLOCKS, blocks_for(buf.size)))
-    partials = (cuda.device_array(blocks, np.float64, stream=stream) if scratch is None
-                else scratch("sum_squares_partials", (BLOCKS,), np.float64)[:blocks])
-    configured(_sum_squares_kernel, blocks, THREADS, stream)(flat, partials)
+def sum_squares_cuda(bufs, *, stream=0, scratch=None) -> float:
+    """:func:`sum_squares` of device buffers: one launch per buffer, each into its own row of
+    partial sums, then one copy to the host and one wait for the stream (the answer goes to the
+    host), the rows added in turn. ``scratch``: the device's lender of the partial sums (None: a
+    new array per call)."""
+    bufs = list(bufs)
+    if not bufs:
+        return 0.0
+    shape = (len(bufs), BLOCKS)
+    partials = (cuda.device_array(shape, np.float64, stream=stream) if scratch is None
+                else scratch("sum_squares_partials", shape, np.float64))
+    used = []
+    for row, buf in enumerate(bufs):
+        blocks = max(1, min(BLOCKS, blocks_for(buf.size)))
+        configured(_sum_squares_kernel, blocks, THREADS, stream)(buf.reshape(buf.size), partials[row])
+        used.append(blocks)
     host = partials.copy_to_host(stream=stream)
     stream.synchronize() if stream else cuda.synchronize()
-    return float(np.add.reduce(host))
+    total = 0.0
+    for row, blocks in enumerate(used):
+        total += float(np.add.reduce(host[row, :blocks]))
+    return total

@@ -11,16 +11,16 @@ optimizer reads it. The norm is of the whole logical gradient, each element coun
   own; a replicated one (LayerNorms, biases after a row split, the embeddings) is the same on
   every tensor rank, so only tensor rank 0 counts it.
 
-Each rank's count is a float64 sum in a fixed order (kernels/sum_squares.py), and one MPI_Allreduce
-over the world adds them (the ranks that count nothing add an exact zero): so N ranks without
-ZeRO give the 1-rank norm's bits, and the clipped run trains like the 1-rank clipped run.
+Each rank's count is a float64 sum in a fixed order (kernels/sum_squares.py); the world gathers
+them and every rank adds them in rank order (the ranks that count nothing add an exact zero), so
+every replica applies the same coefficient bit for bit, N ranks without ZeRO give the 1-rank
+norm's bits, and the clipped run trains like the 1-rank clipped run. A non-finite norm leaves the
+gradient alone and marks the step's gradient non-finite for the numerical guard.
 """
 
 from __future__ import annotations
 
 import math
-
-import numpy as np
 
 EPS = 1e-6   # added to the norm before dividing, as PyTorch's clip_grad_norm_
 
@@ -65,13 +65,13 @@ class GradClip:
         self.norm = self.coefficient = None   # the last step's (for the metrics)
 
     def apply(self) -> float:
-        """The global norm of the averaged gradient; the gradient scaled when it exceeds the limit."""
-        local = sum(self.device.ops.sum_squares(self.grad_of(lo, hi)) for lo, hi in self.runs)
-        total = np.array([local], np.float64)
-        from mpi4py import MPI
-
-        self.world.comm.Allreduce(MPI.IN_PLACE, total)
-        self.norm = math.sqrt(total[0]) if total[0] >= 0 else float("nan")
+        """The global norm of the averaged gradient; the gradient scaled when it exceeds the limit.
+        Every rank gets the same bits: the ranks' sums are gathered and added in rank order."""
+        local = self.device.ops.sum_squares([self.grad_of(lo, hi) for lo, hi in self.runs])
+        total = 0.0
+        for part in self.world.comm.allgather(local):
+            total += part
+        self.norm = math.sqrt(total) if total >= 0 else float("nan")
         self.coefficient = clip_coefficient(self.norm, self.max_norm)
         if self.coefficient < 1.0:
             for lo, hi in self.ranges:

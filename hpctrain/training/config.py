@@ -376,6 +376,11 @@ class Config:
             raise ConfigError(f"dist.compress_momentum needs optim.freeze_step = dist.compress_start_step > 0 (the "
                               f"velocities are summed through AdamW's frozen second moment, from the step "
                               f"compression starts); they are {o.freeze_step} and {d.compress_start_step}")
+        if o.clip_grad_norm:
+            raise ConfigError(f"optim.clip_grad_norm={o.clip_grad_norm} with dist.compress_momentum: the buffers "
+                              f"summed are velocities, not gradients, so clipping them would not clip the "
+                              f"gradient (AdamW's first moment and each rank's unsent velocity stay unclipped); "
+                              f"use one of them")
 
     def to_toml(self) -> str:
         """The resolved config as TOML text (printed by rank 0, stored in checkpoints)."""

@@ -112,7 +112,7 @@ class RunLoop:
         try:
             with self.stop_signal if self.own_signal else contextlib.nullcontext():
                 while state.step < tc.steps:
-                    t0 = time.perf_counter()
+                    t0, launches0 = time.perf_counter(), plan.device.launches()
                     if state.step in guard.skip_steps:
                         log.info(f"guard: stepping over the batch of step {state.step} (bad before the rollback)")
                         state.step += 1
@@ -142,6 +142,8 @@ class RunLoop:
                     split = self.timers.pop()
                     tensor = plan.tensor.take() if plan.tensor is not None else {}  # this step's, before evaluation
                     op_split = self.op_times.pop() if self.op_times else {}  # before evaluation's ops
+                    # a GPU's host-side launches this step (before evaluation's): kernels, cuBLAS, graphs
+                    launched = {} if launches0 is None else {"launches": plan.device.launches() - launches0}
                     step_time = time.perf_counter() - t0
                     rate = _rates(tc.global_batch, per_row, state.model.flops_per_row, peak, step_time)
                     if self.tracer is not None:
@@ -165,7 +167,7 @@ class RunLoop:
                                        bad_steps=guard.bad_steps, skipped=bad is not None,
                                        **memory.measured(plan.device),
                                        **{f"t_{k}": v for k, v in split.items()},
-                                       **op_split,
+                                       **op_split, **launched,
                                        **({f"val_{k}": v for k, v in scores.items()} if scores else {}))
                     if saved:  # the records of the steps the checkpoint holds survive a crash
                         self.metrics.sync()

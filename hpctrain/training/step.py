@@ -129,7 +129,8 @@ class Step:
             for bucket, name in zip(plan.buckets, self._bucket_names):
                 self._update(step, bucket, name)
         loss_sum, correct = device.to_host(totals)   # the step's one read of its statistics
-        return StepStats(float(loss_sum), int(correct), not math.isfinite(loss_sum), reducer.nonfinite)
+        grad_nonfinite = reducer.nonfinite or (self.clip is not None and not math.isfinite(self.clip.norm))
+        return StepStats(float(loss_sum), int(correct), not math.isfinite(loss_sum), grad_nonfinite)
 
     def apply_update(self, step: int) -> None:
         """The optimizer step of judged step ``step`` whose buckets are all reduced (the numeric
