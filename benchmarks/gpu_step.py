@@ -24,8 +24,8 @@ on matrices and embeddings only, hpctrain's rule), and:
    training step does): ms per step, tokens/s, and hpctrain / PyTorch.
 3. per-op split: --op-steps (3) more steps with every op synchronised and timed (hpctrain's
    ``train.op_times`` wrapper, gpt2_torch.OpClock), ms per step by family.
-4. launches per step: hpctrain's launch calls (numba kernels and cuBLAS GEMM calls, counted in
-   Python) over one step, and both sides' CUDA kernels over one step by PyTorch's profiler (which
+4. launches per step: hpctrain's launch calls (numba kernels, cuBLAS calls and graph replays, as
+   the trainer's ``launches`` metric counts them) over one step, and both sides' CUDA kernels over one step by PyTorch's profiler (which
    sees every kernel in the process; run after the shape's timing); the host's cost of one
    launch (benchmarks/launch_cost.py: through the op table, a configured kernel, the compiled
    launch, a PyTorch op).
@@ -170,53 +170,15 @@ def timed(step, data, warmup, steps, sync):
     return (time.perf_counter() - t0) / steps
 
 
-def count_launches(fn) -> int | None:
-    """numba kernel launches (device functions not counted), cuBLAS GEMM calls and CUDA graph replays
-    while ``fn`` runs."""
-    from hpctrain.device import CudaDevice, simulated
-    from hpctrain.kernels import batched_gemm, cublas
+def count_launches(fn) -> int:
+    """The host's launches while ``fn`` runs, as the trainer's metrics count them
+    (``hpctrain.kernels.cuda_support.launches``): numba kernels, cuBLAS calls (a GEMM that
+    accumulates is two: the GEMM and CuPy's add into its output) and CUDA graph replays."""
+    from hpctrain.kernels import cuda_support
 
-    count = [0]
-    if simulated():
-        from numba.cuda.simulator import kernel as where
-
-        cls, name = where.FakeCUDAKernel, "__call__"
-    else:
-        from numba.cuda import dispatcher as where
-
-        cls, name = getattr(where, "_Kernel", None), "launch"
-    if cls is None or not hasattr(cls, name):
-        return None
-    original, gemm = getattr(cls, name), cublas.CublasLinear.gemm
-    batched = {c: c.__call__ for c in (batched_gemm.CublasBatchedGemm, batched_gemm.HostBatchedGemm)}
-    replay = CudaDevice.replay
-
-    def counted(self, *args, **kwargs):
-        if not getattr(self, "_device", False):
-            count[0] += 1
-        return original(self, *args, **kwargs)
-    setattr(cls, name, counted)
-    cublas.CublasLinear.gemm = _counting(gemm, count)
-    for c, call in batched.items():   # attention's strided-batched GEMMs (model.attention = gemm)
-        c.__call__ = _counting(call, count)
-    CudaDevice.replay = _counting(replay, count)
-    try:
-        fn()
-    finally:
-        setattr(cls, name, original)
-        cublas.CublasLinear.gemm = gemm
-        for c, call in batched.items():
-            c.__call__ = call
-        CudaDevice.replay = replay
-    return count[0]
-
-
-def _counting(call, count):
-    """``call`` that first adds one to count[0]."""
-    def counted(self, *args, **kwargs):
-        count[0] += 1
-        return call(self, *args, **kwargs)
-    return counted
+    before = cuda_support.launches()
+    fn()
+    return cuda_support.launches() - before
 
 
 def torch_kernels(torch, fn) -> int | None:
