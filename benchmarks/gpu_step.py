@@ -1,8 +1,9 @@
 """A GPT training step on one GPU: hpctrain against PyTorch eager, the same model, weights,
-batches and optimizer, in float32.
+batches and optimizer, in float32 and in bf16 mixed precision.
 
     python benchmarks/gpu_step.py                                  # both shapes; runs/bench/gpu_step.json
     python benchmarks/gpu_step.py --shapes gpt2-small --steps 20 --json OUT.json
+    python benchmarks/gpu_step.py --precisions bf16                # the bf16 rows only
     NUMBA_ENABLE_CUDASIM=1 python benchmarks/gpu_step.py --simulate   # the plumbing, a tiny GPT, no GPU
 
 Shapes:
@@ -32,6 +33,14 @@ on matrices and embeddings only, hpctrain's rule), and:
 5. MFU: the model's FLOPs per step (``GPT.flops_per_row``, nanoGPT's count) per second, over the
    float32 GEMM peak measured in this run (an 8192^3 cuBLAS SGEMM through CuPy, best of 3), with
    the card's datasheet dense FP32 peak beside it where the card is known.
+
+Precisions (``--precisions``, default fp32 bf16): fp32 is float32 on both sides. bf16 is
+hpctrain's ``train.precision = "bf16"`` (float32 masters and AdamW, 16-bit activations and
+parameter copy, float32 inside each op) against PyTorch under ``torch.autocast("cuda",
+dtype=torch.bfloat16)`` (float32 parameters and AdamW, bf16 GEMMs on tensor cores); validated
+within --loss-rtol-16 (2e-2; the two round at different points) and, on the simulator, against the
+float64 CPU twin. Each row also gives the activation bytes hpctrain's model keeps per step
+(computed) and PyTorch's peak allocated memory over one step.
 
 hpctrain's step replays forward and backward, and AdamW's update, as CUDA graphs where the device can capture
 (``--graphs auto``, as ``train.cuda_graphs``; the graphs column says which, and why not); the
@@ -78,14 +87,17 @@ class Hpctrain:
     ``train.cuda_graphs``), AdamW, and the loss statistics kept on the device and read once.
     ``step(x, y)`` -> the step's mean loss (a float)."""
 
-    def __init__(self, dev, shape, seed=1, graphs=False):
+    def __init__(self, dev, shape, seed=1, graphs=False, precision="fp32"):
         from hpctrain.models.gpt import GPT
         from hpctrain.optim import make_optimizer
+        from hpctrain.precision import on_device, policy
         from hpctrain.training.cuda_graphs import StepGraphs
 
         layers, d, heads, context, vocab, rows = shape
         self.dev = dev
-        self.model = GPT(dev, vocab, context, layers, heads, d)
+        # train.precision: the model on a MixedDevice over dev (bf16), AdamW on dev's float32 masters
+        self.model_dev = on_device(dev, policy(precision, str(dev.dtype)))
+        self.model = GPT(self.model_dev, vocab, context, layers, heads, d)
         self.model.init(seed)
         self.opt = make_optimizer(dev, self.model.flat, optim_config(), self.model.no_decay)
         self.t = 0
@@ -119,7 +131,7 @@ class Hpctrain:
 class Torch:
     """gpt2_torch's GPT with ``weights`` and torch AdamW (hpctrain's decay rule), on cuda."""
 
-    def __init__(self, torch, shape, weights, no_decay, clock=False):
+    def __init__(self, torch, shape, weights, no_decay, clock=False, precision="fp32"):
         import common
         import gpt2_torch
 
@@ -134,10 +146,14 @@ class Torch:
                 p.copy_(torch.from_numpy(np.ascontiguousarray(w.T if linear else w)))
         self.opt = common.make_optimizer(torch, self.net, no_decay, optim_config())
         self.cross_entropy = gpt2_torch.cross_entropy
+        # bf16: autocast's mixed precision (float32 parameters and optimizer, bf16 GEMMs), as users run it
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16" else
+                         __import__("contextlib").nullcontext())
 
     def step(self, x, y):
         clocked = self.clock.enabled
-        loss = self.clock.op("loss", self.cross_entropy, self.net(x), y)   # timed as the peer's loss
+        with self.autocast:
+            loss = self.clock.op("loss", self.cross_entropy, self.net(x), y)   # timed as the peer's loss
         if clocked:
             self.clock.start_backward()
         loss.backward()
@@ -221,34 +237,41 @@ def card_peak_tflops(name: str) -> float | None:
     return next((peak for fragment, peak in FP32_PEAK_TFLOPS if fragment in name), None)
 
 
-def measure(shape_name, args, dev, torch):
-    """One shape's row (a dict)."""
+def measure(shape_name, args, dev, torch, precision="fp32"):
+    """One shape's row in one precision (a dict)."""
     from hpctrain.device import CpuDevice
 
     shape = SHAPES[shape_name]
     layers, d, heads, context, vocab, rows = shape
     data = batches(shape, max(args.validate, 4))
-    ours = Hpctrain(dev, shape, graphs=args.graphs_on)
+    graphs = args.graphs_on and precision == "fp32"   # a 16-bit step runs eagerly (train.cuda_graphs)
+    ours = Hpctrain(dev, shape, graphs=graphs, precision=precision)
     up = [(dev.from_host(x, np.int64), dev.from_host(y, np.int64)) for x, y in data]
     row = {"shape": shape_name, "n_layer": layers, "d_model": d, "n_head": heads, "context": context,
            "vocab": vocab, "windows": rows, "tokens_per_step": rows * context, "dtype": "float32",
-           "gemm": dev.gemm, "attention": dev.ops.attention_forward.__self__.which(context, d // heads),
-           "graphs": "eager", "parameters": int(ours.model.flat.size)}
+           "precision": precision, "gemm": dev.gemm,
+           "attention": dev.ops.attention_forward.__self__.which(context, d // heads),
+           "graphs": "eager", "parameters": int(ours.model.flat.size),
+           "activation_bytes": int(ours.model.activation_bytes(rows))}
     if torch is not None:
-        peer = Torch(torch, shape, ours.weights(), ours.model.no_decay)
+        peer = Torch(torch, shape, ours.weights(), ours.model.no_decay, precision=precision)
         tup = [(torch.as_tensor(x, device="cuda"), torch.as_tensor(y, device="cuda")) for x, y in data]
-        reference, against = [peer.step(*b) for b in tup[:args.validate]], "PyTorch eager"
+        against = "PyTorch eager" + (" (autocast bf16)" if precision == "bf16" else "")
+        torch.cuda.reset_peak_memory_stats()
+        reference = [peer.step(*b) for b in tup[:args.validate]]
+        row["torch_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     else:  # the simulator: hpctrain's float64 CPU twin from the same weights
         twin = Hpctrain(CpuDevice("float64"), shape)
         reference, against = [twin.step(x, y) for x, y in data[:args.validate]], "hpctrain float64 CPU"
     got = [ours.step(*b) for b in up[:args.validate]]
     rel = [abs(a - b) / abs(b) for a, b in zip(got, reference)]
+    tolerance = args.loss_rtol if precision == "fp32" else args.loss_rtol_16
     row.update(validated_against=against, losses=got, reference_losses=reference, loss_rel_diff=max(rel),
-               valid=max(rel) <= args.loss_rtol)
+               loss_rtol=tolerance, valid=max(rel) <= tolerance)
     if ours.graphs is not None:   # captured at step 2, replayed and checked at 3, replayed after (or failed)
         row["graphs"] = f"eager (capture failed: {ours.graphs.failed})" if ours.graphs.failed else "graphs"
-    elif args.graphs_why:
-        row["graphs"] = f"eager ({args.graphs_why})"
+    elif args.graphs_why or precision != "fp32":
+        row["graphs"] = f"eager ({args.graphs_why or 'train.precision = ' + precision + ' runs eagerly'})"
     if not row["valid"]:
         return row
     s = timed(ours.step, up, args.warmup, args.steps, dev.synchronize)
@@ -264,7 +287,7 @@ def measure(shape_name, args, dev, torch):
         row["kernels_per_step"] = torch_kernels(torch, lambda: (ours.step(*up[0]), dev.synchronize()))
     row["ops_ms"] = op_split(ours, up, args.op_steps, dev)
     if torch is not None:
-        clocked = Torch(torch, shape, ours.weights(), ours.model.no_decay, clock=True)
+        clocked = Torch(torch, shape, ours.weights(), ours.model.no_decay, clock=True, precision=precision)
         row["torch_ops_ms"] = torch_op_split(clocked, tup, args.op_steps)
     return row
 
@@ -274,8 +297,9 @@ def op_split(ours, up, steps, dev) -> dict:
     eager, since a graph's replay calls no op)."""
     from hpctrain.observe.op_times import OpTimes
 
-    plain, graphs = dev.ops, ours.graphs
-    clock = OpTimes(dev)  # wraps dev.ops in place; put back below
+    model_dev = ours.model_dev
+    plain, graphs, model_plain = dev.ops, ours.graphs, model_dev.ops
+    clock = OpTimes(dev, model_dev)  # wraps the tables in place (a 16-bit model's own too); put back below
     ours.graphs = None
     try:
         ours.step(*up[0])
@@ -289,7 +313,7 @@ def op_split(ours, up, steps, dev) -> dict:
                 totals[k[5:]] = totals.get(k[5:], 0.0) + v
         return {k: v / steps * 1e3 for k, v in sorted(totals.items())}
     finally:
-        dev.ops, ours.graphs = plain, graphs
+        dev.ops, ours.graphs, model_dev.ops = plain, graphs, model_plain
 
 
 def torch_op_split(peer, tup, steps) -> dict:
@@ -313,27 +337,36 @@ FAMILIES = ("gemm", "attention", "layernorm", "elementwise", "embedding", "loss"
 
 def table(rows, env) -> str:
     """The Markdown report: one row per shape, then the per-op split."""
-    out = [f"GPT training step, float32, one GPU ({env['device']}; {env['versions']})", "",
-           f"| shape | tokens/step | validated (max rel. loss diff, {env['validate_steps']} steps) | "
+    out = [f"GPT training step, one GPU ({env['device']}; {env['versions']})", "",
+           f"| shape | precision | tokens/step | validated (max rel. loss diff, {env['validate_steps']} steps) | "
            "hpctrain ms/step | tokens/s | PyTorch ms/step | tokens/s | hpctrain / PyTorch | "
            "launch calls/step (hpctrain) | kernels/step (hpctrain, PyTorch) | MFU | attention | graphs |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
+           "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for r in rows:
         valid = f"{'yes' if r['valid'] else 'NO'} vs {r['validated_against']} ({r['loss_rel_diff']:.1e})"
+        lead = f"| {r['shape']} | {r.get('precision', 'fp32')} | {r['tokens_per_step']:,} | {valid} |"
         if not r["valid"]:
-            out.append(f"| {r['shape']} | {r['tokens_per_step']:,} | {valid} | - | - | - | - | - | - | - | - | - | - |")
+            out.append(f"{lead} - | - | - | - | - | - | - | - | - | - |")
             continue
         t = lambda k, f: f.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-        out.append(f"| {r['shape']} | {r['tokens_per_step']:,} | {valid} | {r['ms_per_step']:.2f} | "
+        out.append(f"{lead} {r['ms_per_step']:.2f} | "
                    f"{r['tokens_per_s']:,.0f} | {t('torch_ms_per_step', '{:.2f}')} | "
                    f"{t('torch_tokens_per_s', '{:,.0f}')} | {t('speed_vs_torch', '{:.2f}x')} | "
                    f"{t('launches_per_step', '{}')} | {t('kernels_per_step', '{}')}, "
                    f"{t('torch_kernels_per_step', '{}')} | {mfu} | {r['attention']} | {r['graphs']} |")
+    out += ["", "Memory: activations hpctrain keeps per step (computed), PyTorch's peak allocated over "
+            "the validation steps (weights, gradients, optimizer state and activations):", "",
+            "| shape | precision | hpctrain activations MB | PyTorch peak allocated MB |", "|---|---|---:|---:|"]
+    for r in rows:
+        peak = r.get("torch_peak_allocated_bytes")
+        out.append(f"| {r['shape']} | {r.get('precision', 'fp32')} | {r['activation_bytes'] / 1e6:,.3f} | "
+                   + (f"{peak / 1e6:,.1f} |" if peak else "- |"))
     for r in rows:
         if r.get("ops_ms"):
             theirs = r.get("torch_ops_ms", {})
-            out += ["", f"Per-op split, {r['shape']} (ms per step, every op synchronised):", "",
+            out += ["", f"Per-op split, {r['shape']}, {r.get('precision', 'fp32')} (ms per step, every op "
+                    "synchronised):", "",
                     "| | " + " | ".join(FAMILIES) + " | step |", "|---|" + "---:|" * (len(FAMILIES) + 1)]
             for who, ops in (("hpctrain", r["ops_ms"]), ("PyTorch", theirs)):
                 if ops:
@@ -356,6 +389,10 @@ def main(argv=None) -> int:
                    "each, validated against the float64 CPU twin (no timing claim)")
     p.add_argument("--validate", type=int, default=10, help="steps whose losses must agree (10)")
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance (1e-4)")
+    p.add_argument("--loss-rtol-16", type=float, default=2e-2, help="relative loss tolerance of a 16-bit "
+                   "precision (2e-2)")
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"),
+                   help="default: fp32 bf16")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before timing (5)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (20)")
     p.add_argument("--op-steps", type=int, default=3, help="steps of the per-op split (3)")
@@ -406,12 +443,12 @@ def main(argv=None) -> int:
            "peak_tflops": None if args.simulate else (cublas_peak_flops() or 0) / 1e12 or None,
            "card_peak_tflops": card_peak_tflops(name)}
     rows = []
-    for shape in shapes:
-        row = measure(shape, args, dev, torch)
+    for shape, precision in [(s, p) for s in shapes for p in args.precisions]:
+        row = measure(shape, args, dev, torch, precision)
         if env["peak_tflops"] and row.get("model_tflops"):
-            row["mfu"] = row["model_tflops"] / env["peak_tflops"]
+            row["mfu"] = row["model_tflops"] / env["peak_tflops"]   # against the float32 peak, both rows
         rows.append(row)
-        print(f"gpu_step.py: {shape}: " + ("validated" if row["valid"] else "FAILED validation")
+        print(f"gpu_step.py: {shape} {precision}: " + ("validated" if row["valid"] else "FAILED validation")
               + f" (max relative loss difference {row['loss_rel_diff']:.1e} against {row['validated_against']})",
               flush=True)
     print(table(rows, env))

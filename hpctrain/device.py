@@ -36,7 +36,7 @@ import numpy as np
 
 from .transfers import HostFence, PinnedUpload, StreamFence
 from .kernels import (adamw, attention, attention_cuda, bias_act, bias_act_cuda, cuda_support, embedding, finite,
-                      layernorm, layernorm_cuda, linear, residual, scale, sgd, softmax_xent, sum_squares)
+                      layernorm, layernorm_cuda, linear, lowp, residual, scale, sgd, softmax_xent, sum_squares)
 
 CPU_OPS = SimpleNamespace(
     linear_forward=linear.linear_forward, linear_backward=linear.linear_backward,
@@ -46,13 +46,14 @@ CPU_OPS = SimpleNamespace(
     softmax_xent_backward=softmax_xent.softmax_xent_backward, softmax_xent_fused=softmax_xent.softmax_xent_fused,
     softmax_xent_fused_add=softmax_xent.softmax_xent_fused_add,
     sgd_update=sgd.sgd_update, adamw_update=adamw.adamw_update, scale=scale.scale, all_finite=finite.all_finite,
-    sum_squares=sum_squares.sum_squares,
+    sum_squares=sum_squares.sum_squares, narrow=lowp.narrow, widen=lowp.widen,
     # the GPT's ops
     embedding_forward=embedding.embedding_forward, embedding_backward=embedding.embedding_backward,
     layernorm_forward=layernorm.layernorm_forward, layernorm_backward=layernorm.layernorm_backward,
     residual_layernorm_forward=layernorm.residual_layernorm_forward,
     attention_forward=attention.attention_forward, attention_backward=attention.attention_backward,
     attention_state_shapes=attention.attention_state_shapes,
+    attention_saved_kind="probabilities",   # what the saved state is (a 16-bit compute dtype keeps it so)
     attention_max_head_size=None,   # the twin takes any head size
     residual_forward=residual.residual_forward, residual_backward=residual.residual_backward,
 )
@@ -67,6 +68,7 @@ class CpuDevice:
 
     def __init__(self, dtype="float32"):
         self.dtype = np.dtype(dtype)
+        self.accum_dtype = self.dtype   # what ops save in full precision (hpctrain.precision)
 
     def empty(self, shape, dtype=None):
         return np.empty(shape, dtype=dtype or self.dtype)
@@ -117,6 +119,7 @@ class CudaDevice:
         make_simulator_thread_safe()  # simulator: one launch at a time, shared arrays shared; a GPU is untouched
         self._cuda = cuda
         self.dtype = np.dtype(dtype)
+        self.accum_dtype = self.dtype   # what ops save in full precision (hpctrain.precision)
         self.gpu = gpu
         cuda.select_device(gpu)
         self.stream = cuda.stream()
@@ -137,6 +140,7 @@ class CudaDevice:
             sgd_update=p(sgd.sgd_update_cuda, **s), adamw_update=p(adamw.adamw_update_cuda, **s),
             scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s, scratch=self.scratch),
             sum_squares=p(sum_squares.sum_squares_cuda, **s, scratch=self.scratch),
+            narrow=p(lowp.narrow_cuda, **s), widen=p(lowp.widen_cuda, **s),
             # the GPT's ops
             embedding_forward=p(embedding.embedding_forward_cuda, **s),
             embedding_backward=p(embedding.embedding_backward_cuda, **s, scratch=self.scratch),
@@ -144,6 +148,7 @@ class CudaDevice:
             residual_layernorm_forward=p(layernorm_cuda.residual_layernorm_forward_cuda, **s),
             layernorm_backward=p(layernorm_cuda.layernorm_backward_cuda, **s, scratch=self.scratch),
             attention_state_shapes=attention_cuda.attention_state_shapes,
+            attention_saved_kind="lse",   # one log-sum-exp per row: kept in float32 under a 16-bit compute dtype
             residual_forward=p(residual.residual_forward_cuda, **s),
             residual_backward=p(residual.residual_backward_cuda, **s),
         )
@@ -212,7 +217,8 @@ class CudaDevice:
         return self._cuda.device_array(shape, dtype=dtype or self.dtype, stream=self.stream)
 
     def zeros(self, shape, dtype=None):
-        return self.from_host(np.zeros(shape, dtype=dtype or self.dtype))
+        dtype = dtype or self.dtype
+        return self.from_host(np.zeros(shape, dtype), dtype)   # from_host alone would cast to self.dtype
 
     def from_host(self, array, dtype=None):
         return self._cuda.to_device(np.ascontiguousarray(array, dtype=dtype or self.dtype), stream=self.stream)

@@ -11,7 +11,7 @@
 #      then the 2-rank CUDA tests under mpirun (they need pytest-mpi),
 #   2. the kernel benchmark (benchmarks/kernels.py: each kernel validated, then timed
 #      against the copy bandwidth and cuBLAS),
-#   3. a GPT training step against PyTorch eager on the same GPU (benchmarks/gpu_step.py: the
+#   3. a GPT training step against PyTorch eager on the same GPU, fp32 and bf16 (benchmarks/gpu_step.py: the
 #      example GPT and GPT-2 small's shape, losses validated first; tokens/s, per-op split,
 #      launches per step, MFU),
 #   4. MLP and GPT training on cuda at 1 and 2 ranks (2 ranks share the GPU),
@@ -73,6 +73,8 @@ if [ $SIM = 1 ]; then
     # no warm-up call: the simulator has no JIT to warm, and one call per row is the smoke test
     KERNELS_ARGS=(--small --repeats 1 --warmup 0)
     GPU_STEP_ARGS=(--simulate)
+    # the tiny GPT's fp32 and bf16 rows: ~140 s on an idle 2-core machine (each simulated step 10-20 s)
+    GPU_STEP_LIMIT=420
     # 16 evaluation samples: the final evaluation is one forward (8 rows per rank at 2 ranks);
     # the simulator's softmax costs ~16 barriers per row, 128 rows took longer than training
     N_SYNTH=(512 16)
@@ -87,6 +89,7 @@ if [ $SIM = 1 ]; then
 else
     KERNELS_ARGS=()
     GPU_STEP_ARGS=()
+    GPU_STEP_LIMIT=240
     N_SYNTH=(65536 8192)
     MLP_SETS=()
     GPT_SETS=(--set train.steps=200 --set train.eval_tokens=65536)
@@ -125,7 +128,7 @@ else
         "${CUDA_TESTS_MPI[@]}"
 fi
 step kernels 180 "$PY" benchmarks/kernels.py "${KERNELS_ARGS[@]}" --json "$OUT/kernels.json"
-step gpu-step 240 "$PY" benchmarks/gpu_step.py "${GPU_STEP_ARGS[@]}" --json "$OUT/gpu_step.json"
+step gpu-step "$GPU_STEP_LIMIT" "$PY" benchmarks/gpu_step.py "${GPU_STEP_ARGS[@]}" --json "$OUT/gpu_step.json"
 
 # the data: synthetic tables, and the text corpus (the running Python's standard library);
 # simulated, random tokens: a 17-token /val, two windows of 8 + 1, one per rank at 2 ranks (the

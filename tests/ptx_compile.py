@@ -34,8 +34,8 @@ CC = (9, 0)  # sm_90: H100 / H200
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=CC)
 
 from hpctrain.kernels import (adamw, bias_act_cuda, ef, finite, gather_scatter, linear, quantize16, scale, sgd,  # noqa: E402
-                              sign_pack, softmax_xent, sum_squares, topk_threshold)
-from numba.types import int32, uint8, uint16  # noqa: E402
+                              sign_pack, softmax_xent, sum_squares, topk_threshold, lowp)
+from numba.types import int32, uint8, uint16, uint32  # noqa: E402
 
 import ptx_attention  # noqa: E402 - beside this file: the GPT's attention kernels
 import ptx_gpt_ops  # noqa: E402 - beside this file: the GPT's embedding, layernorm and residual kernels
@@ -72,6 +72,12 @@ def kernels():
         yield f"all_finite {dt}", finite._nonfinite_kernel, (v, arr(int32, 1)), False
         yield f"sum_squares {dt}", sum_squares._sum_squares_kernel, (v, arr(float64, 1)), False
     yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3 + (boolean,), False
+    # train.precision's conversions, on the bits (uint32 <-> uint16)
+    u32, u16 = arr(uint32, 1), arr(uint16, 1)
+    yield "narrow bf16", lowp._narrow_bf16_kernel, (u32, u16), False
+    yield "widen bf16", lowp._widen_bf16_kernel, (u16, u32), False
+    yield "narrow fp16", lowp._narrow_fp16_kernel, (u32, u16), False
+    yield "widen fp16", lowp._widen_fp16_kernel, (u16, u32), False
     yield from compression_kernels()
     yield from ptx_attention.kernels()
     yield from ptx_gpt_ops.kernels()

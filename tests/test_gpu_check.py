@@ -39,11 +39,16 @@ def test_gpu_check_dry_run_on_the_simulator(tmp_path):
     assert runs["mlp-1"]["loss"] == pytest.approx(runs["mlp-2"]["loss"], rel=1e-6)
     assert "**PASSED** (skipped: gpu-tests, gpu-tests-mpi, kernels, gpt-vs-torch)" in report
     # the GPT step benchmark: a tiny GPT on the simulator, validated against its float64 CPU twin
-    (row,) = doc["gpu_step"]["rows"]
-    assert row["shape"] == "tiny" and row["valid"] is True and row["validated_against"] == "hpctrain float64 CPU"
-    assert row["launches_per_step"] > 0 and row["ops_ms"]["gemm"] > 0
-    assert row["graphs"] == "eager (numba's CUDA simulator has no graphs)"
-    assert "## A GPT step against PyTorch eager (benchmarks/gpu_step.py)" in report and "| tiny | 16 | yes" in report
+    # (fp32, and bf16 mixed precision)
+    rows = doc["gpu_step"]["rows"]
+    assert [r["precision"] for r in rows] == ["fp32", "bf16"]
+    for row in rows:
+        assert row["shape"] == "tiny" and row["valid"] is True and row["validated_against"] == "hpctrain float64 CPU"
+        assert row["launches_per_step"] > 0 and row["ops_ms"]["gemm"] > 0
+        assert row["graphs"] == "eager (numba's CUDA simulator has no graphs)"
+    assert rows[1]["activation_bytes"] < rows[0]["activation_bytes"]
+    assert "## A GPT step against PyTorch eager (benchmarks/gpu_step.py)" in report
+    assert "| tiny | fp32 | 16 | yes" in report and "| tiny | bf16 | 16 | yes" in report
 
 
 def test_a_step_the_budget_cannot_start_fails_the_check(tmp_path):

@@ -23,11 +23,12 @@ def test_a_shape_whose_losses_disagree_is_not_timed_and_the_run_fails(tmp_path, 
     """A tolerance of 0: float32 on the simulated GPU never equals the float64 CPU twin exactly,
     so validation must fail, and then nothing is timed."""
     out = tmp_path / "gpu_step.json"
-    assert _bench().main(["--simulate", "--validate", "1", "--loss-rtol", "0", "--json", str(out)]) == 1
+    assert _bench().main(["--simulate", "--validate", "1", "--loss-rtol", "0", "--precisions", "fp32",
+                          "--json", str(out)]) == 1
     (row,) = json.loads(out.read_text())["rows"]
     assert row["valid"] is False and row["loss_rel_diff"] > 0 and "ms_per_step" not in row
     printed = capsys.readouterr().out
-    assert "tiny: FAILED validation" in printed and "| tiny | 16 | NO vs hpctrain float64 CPU" in printed
+    assert "tiny fp32: FAILED validation" in printed and "| tiny | fp32 | 16 | NO vs hpctrain float64 CPU" in printed
 
 
 def test_the_datasheet_peak_is_found_by_the_cards_name():

@@ -43,7 +43,8 @@ TRAINER_DATASETS = ("/data/position", "/optim/step_count", "/rng/pcg64")
 # hold train.dtype (the root attribute dtype). A flipped bit can turn a float type into an integer
 # type of the same size, which the CRC of the unchanged bytes cannot see: the readers check these.
 TRAINER_DTYPES = {"/data/position": "int64", "/optim/step_count": "int64", "/rng/pcg64": "uint64",
-                  "/compress/lengths": "int64", "/compress/*": "float32"}
+                  "/compress/lengths": "int64", "/compress/*": "float32",
+                  "/precision/loss_scale": "float64"}   # fp16 runs only: [scale, clean steps, overflows]
 OPTIMIZER_STATES = {"sgd": ("momentum",), "adamw": ("exp_avg", "exp_avg_sq")}
 
 

@@ -128,6 +128,8 @@ def training_state(state, plan) -> list[Entry]:
     entries.append(_host_entry("/data/position", np.array(
         [state.step, epoch, in_epoch, cfg.train.global_batch, cfg.data.shuffle_seed, sampler.n], np.int64)))
     entries.append(_host_entry("/rng/pcg64", rng_to_array(state.rng), per_rank=True))
+    if getattr(state, "loss_scale", None) is not None:   # fp16: the same on every rank
+        entries.append(_host_entry("/precision/loss_scale", np.array(state.loss_scale.state(), np.float64)))
     entries += [_host_entry(path, row, per_rank=True) for path, row in compression_rows(state.compression, plan.world)]
     return entries
 
@@ -196,6 +198,9 @@ def restore(state, plan, full: dict, own_rows: dict, saved_world: int, log, save
         log.warn(f"the checkpoint was saved with train.global_batch={position['global_batch']}, this run uses "
                  f"{cfg.train.global_batch}: the data order continues from step {state.step} of the new "
                  f"batch size, so some samples of the current epoch may repeat or be skipped")
+    scaled = full.get("/precision/loss_scale")
+    if getattr(state, "loss_scale", None) is not None and scaled is not None:  # else: the initial scale
+        state.loss_scale.load(np.asarray(scaled))
     rng = own_rows.get("/rng/pcg64")
     state.rng = rng_from_array(rng) if rng is not None else fresh_rng(cfg.train.seed, world.rank, state.step)
     restore_compression(state.compression, cfg, world.size, own_rows, saved_world, saved_compress, log,

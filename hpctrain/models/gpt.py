@@ -220,7 +220,14 @@ class GPT:
         shapes += [(N, C)] * self.n_layer  # each block's output
         sets = 1 if self.recompute == "blocks" else self.n_layer
         shapes += self.blocks[0].activation_shapes(B, T) * sets
-        return sum(math.prod(s) for s in shapes) * self.device.dtype.itemsize
+        # the residual stream (the embedding's output, each block's output and its mid-block sum),
+        # the LayerNorm statistics and a GPU attention's log-sum-exps are kept in the device's full
+        # precision, the rest in its compute dtype (they differ under a 16-bit train.precision)
+        low, full = self.device.dtype.itemsize, self.device.accum_dtype.itemsize
+        kept_full = N * C * (1 + self.n_layer + sets) + 2 * N * (1 + 2 * sets)
+        if self.device.ops.attention_saved_kind != "probabilities":
+            kept_full += math.prod(self.device.ops.attention_state_shapes(B, self.blocks[0].attn.n_head, T)[0]) * sets
+        return sum(math.prod(s) for s in shapes) * low + kept_full * (full - low)
 
     def checkpoint_hint(self, shapes: dict) -> str:
         saved = shapes.get("/model/wte")
@@ -255,6 +262,7 @@ class GPT:
         if T > self.context:
             raise ValueError(f"{T} positions, more than the model's context {self.context}")
         tr, rg = self.tracer, self.ranges
+        self.flat.refresh_compute()   # a 16-bit precision's parameter copy, from this step's masters
         x = self.embedding.forward(tokens)
         for block in self.blocks:
             t0 = tr and time.perf_counter()
@@ -281,8 +289,8 @@ class GPT:
         tr = self.tracer
         shape = self.ln_f.x.shape
         dres = self._dres.get(shape)  # the residual stream's gradient, updated in place block by block
-        if dres is None:
-            dres = self._dres[shape] = self.device.empty(shape)
+        if dres is None:   # in full precision, as the stream itself (hpctrain.precision)
+            dres = self._dres[shape] = self.device.empty(shape, self.device.accum_dtype)
         self._claim(claim, (("wte", None),))
         dxf = self.head.backward(self.loss.backward(), accumulate)
         self._claim(claim, self.ln_f.params)

@@ -115,6 +115,7 @@ class MLP:
 
     def forward(self, x, y, totals=None, accumulate=False):
         tr, rg = self.tracer, self.ranges
+        self.flat.refresh_compute()   # a 16-bit precision's parameter copy, from this step's masters
         for layer in self.layers:
             t0 = tr and time.perf_counter()
             if rg is not None:

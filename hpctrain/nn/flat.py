@@ -4,6 +4,10 @@ Layers hold reshaped *views*, so the optimizer updates everything with one
 kernel over P elements, the all-reduce sends one buffer (later: slices of it as
 buckets), and a checkpoint writes it without gathering pieces. Parameters are
 laid out in layer order; gradient buckets walk it backwards.
+
+Under a 16-bit ``train.precision`` (a :class:`~hpctrain.precision.MixedDevice`) ``data`` and
+``grad`` are the float32 masters and ``compute`` is the parameters rounded to the compute dtype,
+which the layers read; otherwise ``compute`` is ``data`` itself.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ class ParamSlot:
 
 
 class FlatParams:
-    """Flat ``data`` and ``grad`` buffers of P elements on ``device``, with named slots."""
+    """Flat ``data`` and ``grad`` buffers of P elements on ``device``, with named slots, and the
+    parameters as the layers read them, ``compute`` (see the module docstring)."""
 
     def __init__(self, device, specs):
-        """``specs``: ordered (name, shape) pairs. Both buffers start zeroed."""
+        """``specs``: ordered (name, shape) pairs. The buffers start zeroed."""
         self.slots: list[ParamSlot] = []
         offset = 0
         for name, shape in specs:
@@ -32,10 +37,20 @@ class FlatParams:
             self.slots.append(ParamSlot(name, tuple(shape), offset, size))
             offset += size
         self.size = offset
-        self.data = device.zeros(self.size)
-        self.grad = device.zeros(self.size)
+        master = getattr(device, "master", device)   # a MixedDevice's masters are its master device's
+        self.data = master.zeros(self.size)
+        self.grad = master.zeros(self.size)
+        self._master = master
+        self.compute = self.data if master is device else device.zeros(self.size)
         self._by_name = {s.name: s for s in self.slots}
         self.grad_offsets: dict[str, int] = {}  # where a gradient lives in ``grad`` if not at its slot's offset
+
+    def refresh_compute(self):
+        """``compute`` <- ``data`` rounded to the compute dtype (nothing when they are one buffer).
+        The models call it at the start of every forward, so the copy is never older than the
+        masters, whatever changed them (an update, a checkpoint load, a rollback)."""
+        if self.compute is not self.data:
+            self._master.ops.narrow(self.data, self.compute)
 
     def grad_view(self, name):
         """The gradient of ``name`` as a shaped view of ``grad``: at the slot's offset, unless

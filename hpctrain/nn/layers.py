@@ -22,12 +22,13 @@ class Layer:
     def bind(self, flat):
         """Take views of the flat parameter and gradient buffers."""
 
-    def _buffer(self, key, shape):
+    def _buffer(self, key, shape, dtype=None):
+        """The array ``key`` of ``shape``, in ``dtype`` (default: the device's compute dtype)."""
         if self.cache is None:
             self.cache = {}
         buf = self.cache.get((key, shape))
         if buf is None:
-            buf = self.cache[(key, shape)] = self.device.empty(shape)
+            buf = self.cache[(key, shape)] = self.device.empty(shape, dtype)
         return buf
 
 
@@ -45,7 +46,7 @@ class Linear(Layer):
         self.params = ((f"{name}.weight", (n_in, n_out)), (f"{name}.bias", (n_out,)))
 
     def bind(self, flat):
-        self.w, self.b = (flat.view(flat.data, n) for n, _ in self.params)
+        self.w, self.b = (flat.view(flat.compute, n) for n, _ in self.params)
         self.dw, self.db = (flat.grad_view(n) for n, _ in self.params)
 
     def init_host(self, rng: np.random.Generator) -> list:
@@ -96,6 +97,8 @@ class SoftmaxCrossEntropy(Layer):
         # d loss / d (one row's loss) in backward; None = 1/B, the mean over this call's B rows.
         # The trainer sets it when ranks' shares differ (then size k / (G predictions per row)).
         self.row_weight = None
+        # fp16's loss scale (hpctrain.training.loss_scale): multiplies the gradient, not the loss
+        self.loss_scale = 1.0
 
     @staticmethod
     def activation_shapes(n, classes) -> list:
@@ -108,6 +111,8 @@ class SoftmaxCrossEntropy(Layer):
         a step reads them once (training), an evaluation per batch."""
         # 1/B: the mean over this rank's rows; the all-reduce averages over ranks
         scale = 1.0 / logits.shape[0] if self.row_weight is None else self.row_weight
+        if self.loss_scale != 1.0:
+            scale *= self.loss_scale
         self.dlogits = logits
         if totals is not None:
             return self.device.ops.softmax_xent_fused_add(logits, labels, scale, logits, totals, accumulate)

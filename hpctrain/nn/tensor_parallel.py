@@ -36,16 +36,27 @@ class TensorGroup:
         self._coll = Collectives(world, device, staging, allreduce="ring")
         self.calls = self.elements = self.bytes_sent = 0
         self.seconds = 0.0
+        self._wide = {}  # elements -> a float32 array: a 16-bit buffer's sum is formed in float32
 
     def allreduce(self, buf):
-        """``buf`` (a contiguous device array) <- its sum over the tensor group."""
+        """``buf`` (a contiguous device array) <- its sum over the tensor group. A buffer in a 16-bit
+        compute dtype (:mod:`hpctrain.precision`) is summed in the device's dtype, float32, and
+        rounded once: every rank gets the same bits either way."""
         t0 = time.perf_counter()
-        self._coll.Allreduce(buf.reshape(-1), "sum")
+        flat, low = buf.reshape(-1), buf.dtype != self.device.dtype
+        if low:
+            wide = self._wide.get(buf.size)
+            if wide is None:
+                wide = self._wide[buf.size] = self.device.empty((buf.size,))
+            flat = self.device.ops.widen(flat, wide)
+        self._coll.Allreduce(flat, "sum")
+        if low:
+            self.device.ops.narrow(flat, buf.reshape(-1))
         self.seconds += time.perf_counter() - t0
         n = buf.size
         self.calls += 1
         self.elements += n
-        self.bytes_sent += 2 * (self.size - 1) * n * buf.dtype.itemsize // self.size
+        self.bytes_sent += 2 * (self.size - 1) * n * flat.dtype.itemsize // self.size
         return buf
 
     def take(self) -> dict:

@@ -28,7 +28,7 @@ class Embedding(Layer):
         self.params = (("wte", (vocab, channels)), ("wpe", (context, channels)))
 
     def bind(self, flat):
-        self.wte, self.wpe = flat.view(flat.data, "wte"), flat.view(flat.data, "wpe")
+        self.wte, self.wpe = flat.view(flat.compute, "wte"), flat.view(flat.compute, "wpe")
         self.dwte, self.dwpe = flat.grad_view("wte"), flat.grad_view("wpe")
 
     def activation_shapes(self, B, T) -> list:
@@ -37,7 +37,9 @@ class Embedding(Layer):
     def forward(self, tokens):                      # tokens (B, T) int -> (N, C)
         B, T = tokens.shape
         self.tokens = tokens
-        out = self._buffer("out", (B, T, self.channels))
+        # the residual stream starts here: in full precision (float32 under a 16-bit compute dtype,
+        # as autocast keeps it: each block's branch adds its rounded output to it)
+        out = self._buffer("out", (B, T, self.channels), self.device.accum_dtype)
         self.device.ops.embedding_forward(tokens, self.wte, self.wpe, out)
         return out.reshape(B * T, self.channels)
 
@@ -56,7 +58,7 @@ class LayerNorm(Layer):
         self._done_for = None  # the input whose output :meth:`forward_sum` has already computed
 
     def bind(self, flat):
-        self.w, self.b = (flat.view(flat.data, n) for n, _ in self.params)
+        self.w, self.b = (flat.view(flat.compute, n) for n, _ in self.params)
         self.dw, self.db = (flat.grad_view(n) for n, _ in self.params)
 
     def activation_shapes(self, n) -> list:
@@ -68,7 +70,7 @@ class LayerNorm(Layer):
             return self._buffer("out", x.shape)
         n = x.shape[0]
         self.x = x
-        self.mean, self.rstd = self._buffer("mean", (n,)), self._buffer("rstd", (n,))
+        self.mean, self.rstd = self._stats(n)
         out = self._buffer("out", x.shape)
         return self.device.ops.layernorm_forward(x, self.w, self.b, out, self.mean, self.rstd, self.eps)
 
@@ -79,11 +81,17 @@ class LayerNorm(Layer):
         block's ln_1, or ln_f): the next :meth:`forward` of that same x returns it as it is."""
         n = x.shape[0]
         self.x = x
-        self.mean, self.rstd = self._buffer("mean", (n,)), self._buffer("rstd", (n,))
+        self.mean, self.rstd = self._stats(n)
         out = self._buffer("out", x.shape)
         self._done_for = x if ahead else None
         return self.device.ops.residual_layernorm_forward(a, b, x, self.w, self.b, out, self.mean, self.rstd,
                                                           self.eps)
+
+    def _stats(self, n):
+        """The rows' mean and rstd, kept for backward in the device's full precision (float32 under a
+        16-bit compute dtype, :mod:`hpctrain.precision`)."""
+        accum = self.device.accum_dtype
+        return self._buffer("mean", (n,), accum), self._buffer("rstd", (n,), accum)
 
     def backward(self, dout, dx, accumulate=False, add_dx=False):
         """dx (N, C) <- (or, with add_dx, +=) the input gradient: a pre-LN block adds its branch's
@@ -131,7 +139,11 @@ class CausalSelfAttention(Layer):
         self.qkv = self.c_attn.forward(x)
         y = self._buffer("y", (B, T, C))
         saved, self._work_shape = self.device.ops.attention_state_shapes(B, NH, T)
-        self.saved = self._buffer("saved", saved)
+        # the CPU twin's probabilities are an activation (in the compute dtype); the GPU's
+        # log-sum-exps are statistics (full precision)
+        ops = self.device.ops
+        self.saved = self._buffer("saved", saved, None if ops.attention_saved_kind == "probabilities" else
+                                  self.device.accum_dtype)
         self.y = y
         self.device.ops.attention_forward(self.qkv.reshape(B, T, 3 * C), NH, y, self.saved)
         return self.c_proj.forward(y.reshape(B * T, C))
@@ -147,7 +159,7 @@ class CausalSelfAttention(Layer):
     def _work(self, shape):
         work = self.workspace.get(shape)
         if work is None:
-            work = self.workspace[shape] = self.device.empty(shape)
+            work = self.workspace[shape] = self.device.empty(shape, self.device.accum_dtype)  # not kept
         return work
 
 
@@ -220,8 +232,8 @@ class Block(Layer):
         if self.recompute:
             self._holder[x.shape] = self
         out = self._outputs.get(x.shape)
-        if out is None:
-            out = self._outputs[x.shape] = self.device.empty(x.shape)
+        if out is None:   # the residual stream: full precision (hpctrain.precision)
+            out = self._outputs[x.shape] = self.device.empty(x.shape, self.device.accum_dtype)
         if self.next_norm is None:
             return self.device.ops.residual_forward(mid, self.c_proj.forward(h), out)
         self.next_norm.forward_sum(mid, self.c_proj.forward(h), out, ahead=True)
@@ -230,7 +242,7 @@ class Block(Layer):
     def _to_hidden(self, x, B, T):
         """The forward up to the MLP's hidden activation: mid = x + attn(ln_1(x)) (N, C), the
         second LayerNorm's input, and h = gelu(c_fc(ln_2(mid))) (N, 4C)."""
-        mid = self._buffer("mid", x.shape)
+        mid = self._buffer("mid", x.shape, self.device.accum_dtype)   # the residual stream
         normed = self.ln_2.forward_sum(x, self.attn.forward(self.ln_1.forward(x), B, T), mid)
         return mid, self.c_fc.forward(normed)
 

@@ -33,6 +33,7 @@ class Unallocated(CpuDevice):
 
             self.name = "cuda"
             self.ops = types.SimpleNamespace(**{**vars(CPU_OPS), "attention_state_shapes": attention_state_shapes,
+                                                "attention_saved_kind": "lse",
                                                 "attention_max_head_size":
                                                     HS_SIZES[-1] if attention == "flash" else None})
 
@@ -43,14 +44,19 @@ class Unallocated(CpuDevice):
 
 
 def computed(model, optimizer, device, rows: int, grad_slots=None) -> dict:
-    """{"params", "grads", "optimizer", "activations"}: bytes on this rank of ``model``'s flat buffers,
+    """{"params", "grads", "optimizer", "activations"}: bytes on this rank of ``model``'s flat buffers
+    (parameters: the masters, and under a 16-bit ``train.precision`` their compute copy too),
     ``optimizer``'s state and the activations of a micro-batch of ``rows`` rows (None for a model that
     does not say); ``grad_slots``: ZeRO-2's reused bucket slots and this rank's chunks."""
     item = device.dtype.itemsize
     flat = model.flat
     per_rows = getattr(model, "activation_bytes", None)
     grads = flat.size if grad_slots is None else grad_slots.size + grad_slots.owned.size
-    return {"params": flat.size * item, "grads": grads * item,
+    params = flat.size * item
+    compute = getattr(flat, "compute", None)
+    if compute is not None and compute is not getattr(flat, "data", None):   # 16-bit: masters + compute copy
+        params += flat.size * np.dtype(compute.dtype).itemsize
+    return {"params": params, "grads": grads * item,
             "optimizer": len(optimizer.state()) * optimizer.state_size * item,
             "activations": per_rows(rows) if per_rows is not None else None}
 

@@ -31,14 +31,17 @@ def family_of(op: str) -> str | None:
 class OpTimes:
     """Wraps ``device.ops`` in place (the device keeps the wrapped table); :meth:`pop` per step."""
 
-    def __init__(self, device):
+    def __init__(self, *devices):
+        """Wraps the kernel table of each of ``devices`` (the model's, when a 16-bit train.precision
+        gives it a device of its own, so its ops are timed with their conversions)."""
         self.totals: dict[str, float] = defaultdict(float)
-        sync = device.synchronize if device.name != "cpu" else None
-        table = {}
-        for name, fn in vars(device.ops).items():
-            family = family_of(name)
-            table[name] = fn if family is None else self._timed(fn, family, sync)
-        device.ops = SimpleNamespace(**table)
+        for device in {id(d): d for d in devices}.values():
+            sync = device.synchronize if device.name != "cpu" else None
+            table = {}
+            for name, fn in vars(device.ops).items():
+                family = family_of(name)
+                table[name] = fn if family is None or not callable(fn) else self._timed(fn, family, sync)
+            device.ops = SimpleNamespace(**table)
 
     def _timed(self, fn, family, sync):
         totals = self.totals

@@ -79,6 +79,14 @@ class TrainConfig:
                             "weighted by share, so any world size trains as one rank with the whole batch")
     steps: int = _f(1500, "optimizer steps; epochs follow from the dataset size")
     dtype: str = _f("float32", "float32 for speed; float64 for exactness checks", choices=("float32", "float64"))
+    precision: str = _f("fp32", "fp32 (everything in train.dtype) | bf16 | fp16: activations and the parameters' "
+                        "compute copy in 16 bits (the residual stream stays float32: 0.55x the example GPT's "
+                        "activations), float32 inside every op, float32 master parameters, gradients and optimizer "
+                        "state (needs train.dtype = float32); fp16 adds dynamic loss scaling (docs/precision.md)", choices=("fp32", "bf16", "fp16"))
+    loss_scale: float = _f(65536.0, "fp16: the initial loss scale (PyTorch GradScaler's 2^16); halved at each "
+                           "overflowing step, which is skipped")
+    loss_scale_window: int = _f(2000, "fp16: applied steps in a row after which the loss scale doubles "
+                                "(GradScaler's growth_interval)")
     device: str = _f("auto", "auto | cpu | cuda; auto takes a GPU (local_rank % visible GPUs) when one is visible",
                      choices=("auto", "cpu", "cuda"))
     gemm: str = _f("auto", "cuda GEMMs: numba (our tiled kernel, the reference) | cublas (CuPy's cuBLAS on the "
@@ -122,6 +130,13 @@ class TrainConfig:
             raise ConfigError(f"train.steps={self.steps}: must be >= 0")
         if self.log_every < 1:
             raise ConfigError(f"train.log_every={self.log_every}: must be >= 1")
+        if self.precision != "fp32" and self.dtype != "float32":
+            raise ConfigError(f"train.precision={self.precision!r} keeps float32 master parameters, but train.dtype "
+                              f"= {self.dtype!r}; use train.dtype = 'float32' (float64 is for exactness checks, "
+                              f"in fp32)")
+        if not 1.0 <= self.loss_scale < math.inf or self.loss_scale_window < 1:
+            raise ConfigError(f"train.loss_scale={self.loss_scale} and loss_scale_window={self.loss_scale_window}: "
+                              f"a scale >= 1 and a window >= 1 step")
         if self.grad_accum_steps < 1:
             raise ConfigError(f"train.grad_accum_steps={self.grad_accum_steps}: must be >= 1")
         if self.eval_every < 0:
@@ -209,6 +224,11 @@ class DistConfig:
     ranks_per_node: int = _f(0, "simulate nodes of k ranks on one machine; 0 = real nodes (shared memory)")
     compress: str = _f("none", "gradient compression: none | fp16 | bf16 | topk(ratio) | randk(ratio) | sign | "
                        "powersgd(rank[, start_step]); with error feedback except none (docs/dist.md)")
+    reduce_dtype: str = _f("fp32", "gradients on the wire: fp32 | bf16 | fp16 (2 bytes a value, half the bytes; "
+                           "a ring of 16-bit messages with float32 sums, the rounding error kept per rank and "
+                           "sent later): the same as dist.compress = bf16 / fp16, which it sets; any other "
+                           "dist.compress already chooses the wire format and is refused with it",
+                           choices=("fp32", "bf16", "fp16"))
     compress_start_step: int = _f(0, "global steps 0 .. S-1 are all-reduced exactly by dist.allreduce, "
                                   "compression starts at step S (its warm-up: the early, fast-changing gradients go "
                                   "exact; with adamw set optim.freeze_step to the same step, docs/dist.md)")
@@ -238,6 +258,11 @@ class DistConfig:
                              "evaluation get 10x while every rank still answers); 0 = off")
 
     def validate(self):
+        if self.reduce_dtype != "fp32":   # first: every check of dist.compress below sees the wire format
+            if self.compress not in ("none", self.reduce_dtype):
+                raise ConfigError(f"dist.reduce_dtype={self.reduce_dtype!r} with dist.compress={self.compress!r}: "
+                                  f"the compressor already chooses what goes on the wire; set one of them")
+            self.compress = self.reduce_dtype   # the 16-bit wire format is the fp16 / bf16 compressor's
         if not self.bucket_mb >= 0:  # also catches nan
             raise ConfigError(f"dist.bucket_mb={self.bucket_mb}: a size in MB >= 0 (e.g. 25; 0 = one bucket "
                               f"reduced after backward)")
@@ -350,6 +375,12 @@ class Config:
         if (self.train.target_val_bpb or self.train.target_bpb_vs_bigram) and self.model.kind != "gpt":
             raise ConfigError("train.target_val_bpb and target_bpb_vs_bigram are language-model targets: they need "
                               "model.kind = \"gpt\" (the mlp's target is train.target_accuracy)")
+        if self.train.precision == "fp16" and self.dist.compress != "none":
+            raise ConfigError(f"train.precision='fp16' with dist.compress={self.dist.compress!r}"
+                              + (f" (dist.reduce_dtype={self.dist.reduce_dtype!r})" if self.dist.reduce_dtype != "fp32"
+                                 else "")
+                              + ": the compressors' error-feedback residuals would hold gradients times the loss "
+                              "scale, which changes from step to step; use bf16 (no loss scale), or no compression")
         if self.dist.compress_momentum:
             self._check_compress_momentum()
         if self.dist.tensor_parallel > 1:

@@ -52,6 +52,8 @@ def why_not(cfg, device, plan) -> str:
                      (cfg.dist.zero == 2, "ZeRO-2 (it reduces every micro-batch inside backward)")):
         if on:
             return f"{what} waits or communicates inside the step"
+    if cfg.train.precision != "fp32":
+        return f"train.precision = {cfg.train.precision} is not captured yet (its conversions run eagerly)"
     if mode == "auto" and plan.dp.size > 1:
         return (f"train.cuda_graphs = auto keeps {plan.dp.size} data-parallel ranks eager (graphs give up "
                 f"backward's overlap with the all-reduce); train.cuda_graphs = on takes them")

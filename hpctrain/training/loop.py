@@ -131,6 +131,9 @@ class RunLoop:
                     bad = stats.bad
                     if bad is None:
                         window += stats.sums[:3]
+                    # fp16: the scale this step's gradient was computed with, and whether it overflowed
+                    scaled = {} if state.loss_scale is None else {"loss_scale": state.model.loss.loss_scale,
+                                                                  "overflow": stats.overflow}
                     state.step += 1
                     self.progress.mark("step", state.step)
                     signalled = stats.signalled
@@ -164,7 +167,8 @@ class RunLoop:
                                        lr=self.stepper.schedule.lr(state.step - 1), step_time=step_time,
                                        **self.stepper.comm_metrics(), **self.stepper.clip_metrics(),
                                        **tensor, **rate,
-                                       bad_steps=guard.bad_steps, skipped=bad is not None,
+                                       bad_steps=guard.bad_steps, skipped=bad is not None or stats.overflow,
+                                       **scaled,
                                        **memory.measured(plan.device),
                                        **{f"t_{k}": v for k, v in split.items()},
                                        **op_split, **launched,
@@ -219,9 +223,13 @@ class RunLoop:
             x_all, y_all = self.data.reader.batch(step)
             if self.faults is not None:
                 x_all = self.faults.before_step(step, x_all)
-        own = self.stepper.run(step, x_all, y_all, update=not guard.deferred)
+        scaler = state.loss_scale  # fp16: an overflowing step is the loss scale's to skip, so updates wait
+        own = self.stepper.run(step, x_all, y_all, update=not guard.deferred and scaler is None)
         judged = _Judged.gather(plan, self.stop_signal, self.checkpoints, own, state.sampler.batch
                                 * state.model.targets_per_row, wd, step)
+        if scaler is not None and scaler.judge(not judged.sums[4], not judged.sums[5]):
+            judged.overflow = True   # not applied; the scale halved (every rank judged the same sums;
+            return judged            # fp16 runs without compression, whose residuals would need undoing)
         judged.bad = guard.verdict(step, judged.sums[0] / judged.sums[2], judged.sums[4], judged.sums[5])
         if judged.bad is not None and guard.bad_step(step, judged.bad) == "rollback":  # abort raises
             self.timers.pop()
@@ -233,8 +241,10 @@ class RunLoop:
                 self.checkpoints.rollback(state)
             return None
         if judged.bad is None:
-            if guard.deferred:
+            if guard.deferred or scaler is not None:
                 self.stepper.apply_update(step)
+            if scaler is not None:
+                scaler.applied()
         elif state.compression is not None:
             state.compression.undo_step()  # residuals (and velocities) hold the bad gradient too
         return judged
@@ -291,6 +301,7 @@ class _Judged:
 
     def __init__(self, sums):
         self.sums, self.bad = sums, None
+        self.overflow = False   # fp16: skipped by the loss scale (not a bad step)
 
     @classmethod
     def gather(cls, plan, stop_signal, checkpoints, own, predictions: int, watchdog, step: int) -> "_Judged":

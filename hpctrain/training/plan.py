@@ -31,6 +31,7 @@ from ..comm.zero import param_gatherer
 from ..comm.zero_grads import plan_zero
 from ..device import make_device
 from ..observe import memory
+from ..precision import on_device, policy
 
 
 @dataclass
@@ -51,6 +52,14 @@ class Plan:
     grad_slots: object = None              # ZeRO-2: the reused gradient slots and this rank's chunks
     allreduce: object = None               # the strategy of dist.allreduce, after connect()
     param_gather: object = None            # ZeRO-1's parameter all-gathers (a duplicate communicator)
+    precision: object = None               # the hpctrain.precision.Precision of train.precision
+
+    def __post_init__(self):
+        if self.precision is None:
+            self.precision = policy(self.cfg.train.precision, self.cfg.train.dtype)
+        # the device the model computes on: ``device`` itself, or a MixedDevice over it (bf16, fp16);
+        # the flat masters, the optimizer and the communication use ``device``
+        self.model_device = on_device(self.device, self.precision)
 
     @property
     def dp(self):
@@ -94,7 +103,7 @@ class Plan:
             tensor, data = groups(size, t)
             lines.append(f"  tensor groups {' '.join(map(str, tensor))}; data groups {' '.join(map(str, data))}")
         reduced = cfg.train.dtype if d.compress == "none" else f"compressed by {d.compress}"
-        lines.append(f"  device {self.device.name}; parameters, compute and optimizer state in {cfg.train.dtype}, "
+        lines.append(f"  device {self.device.name}; {self.precision.describe()}, "
                      f"gradients reduced {reduced}; {self.micro_batches} micro-batch(es) per step")
         item = self.device.dtype.itemsize
         sizes = [b.size * item / 1e6 for b in self.buckets]
@@ -156,7 +165,7 @@ def paper_run(cfg, world) -> tuple[Plan, dict]:
     models = family(cfg.model.kind)
     data = models.open_data(cfg, plan.dp, plan.device)
     try:
-        model = models.build(cfg, plan.device, data, tensor=plan.tensor)
+        model = models.build(cfg, plan.model_device, data, tensor=plan.tensor)
         plan.divide(model)
         optimizer = make_optimizer(plan.device, model.flat, cfg.optim, model.no_decay, plan.shards)
         return plan, memory_of(plan, model, optimizer, data.sampler)

@@ -18,7 +18,8 @@ class TrainingState:
     ``sampler``: the data order (position = ``step``); ``rng``: this rank's generator for anything
     stochastic per rank (saved under /rng); ``compression``: the compressors' per-rank state
     (residuals, velocities, PowerSGD's Q), None without compression; ``step``: the global step the
-    next update makes (0 at a fresh start)."""
+    next update makes (0 at a fresh start); ``loss_scale``: fp16's dynamic loss scale (saved under
+    /precision/loss_scale)."""
 
     model: object
     optimizer: object
@@ -26,3 +27,4 @@ class TrainingState:
     rng: np.random.Generator
     compression: object = None
     step: int = 0
+    loss_scale: object = None   # fp16's hpctrain.training.loss_scale.LossScaler, else None

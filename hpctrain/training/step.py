@@ -61,7 +61,9 @@ class Step:
         self.watchdog = watchdog or _Unwatched()
         self.reducer = make_reducer(plan.allreduce, state.model.flat.grad, plan.buckets, plan.device, plan.shards,
                                     plan.grad_slots, plan.micro_batches, overlap=cfg.dist.overlap,
-                                    compression=state.compression, check_finite=cfg.guard.check_grads)
+                                    compression=state.compression,
+                                    # fp16's loss scale needs to see every overflow
+                                    check_finite=cfg.guard.check_grads or state.loss_scale is not None)
         self._bucket_names = plan.bucket_names()
         # [loss_sum, correct] of a step, summed on the device over its micro-batches and read once
         self._totals = plan.device.zeros((2,), np.float64)
@@ -86,7 +88,10 @@ class Step:
         """
         plan, model, t, wd = self.plan, self.state.model, self.timers, self.watchdog
         k, device, reducer = plan.micro_batches, plan.device, self.reducer
-        reducer.start(scale=1.0 / (plan.dp.size * k), step=step)
+        scaler = self.state.loss_scale   # fp16: the loss's gradient times S, the average divided by S
+        loss_scale = 1.0 if scaler is None else scaler.scale
+        model.loss.loss_scale = loss_scale
+        reducer.start(scale=1.0 / (plan.dp.size * k * loss_scale), step=step)
         totals, graphs = self._totals, self.graphs
         for micro in range(k):
             last = micro == k - 1

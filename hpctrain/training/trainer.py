@@ -161,10 +161,10 @@ class Trainer:
         if cfg.train.op_times:
             from ..observe.op_times import OpTimes
 
-            self.op_times = OpTimes(plan.device)  # wraps the device's kernel table
+            self.op_times = OpTimes(plan.device, plan.model_device)  # wraps the devices' kernel tables
         models = family(cfg.model.kind)
         self.data = models.open_data(cfg, plan.dp, plan.device)  # tensor ranks of a data group read the same rows
-        model = models.build(cfg, plan.device, self.data, tensor=plan.tensor)
+        model = models.build(cfg, plan.model_device, self.data, tensor=plan.tensor)
         model.init(cfg.train.seed)
         self.faults.check_inputs(model.input_dtype)
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
@@ -175,6 +175,10 @@ class Trainer:
                                    cfg.dist.compress_start_step if cfg.dist.compress_momentum else 0)
         # per-rank generator for anything stochastic per rank (saved under /rng)
         self.state = TrainingState(model, optimizer, self.data.sampler, fresh_rng(cfg.train.seed, world.rank))
+        if cfg.train.precision == "fp16":
+            from .loss_scale import LossScaler
+
+            self.state.loss_scale = LossScaler(cfg.train.loss_scale, cfg.train.loss_scale_window)
         sampler, k = self.data.sampler, plan.micro_batches
         if cfg.train.exact_shares and sampler.batch % k:
             raise ConfigError(f"train.grad_accum_steps={k} does not divide the per-rank batch "
