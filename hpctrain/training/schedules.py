@@ -1,0 +1,183 @@
+"""Pipeline schedules (``dist.pipeline_schedule``): what each stage of a pipeline does in one step,
+as a list of instructions, and a simulator that checks and times a schedule without running it.
+
+With p stages (contiguous blocks of the model) and m micro-batches, stage s runs the forward of
+each micro-batch i after receiving its input activation from stage s - 1, and the backward after
+receiving the gradient of its output from stage s + 1. An :class:`Instr` is one of
+
+    recv_fwd i   receive micro-batch i's input activation from stage s - 1 (not on stage 0)
+    forward i    the stage's forward of micro-batch i (its activations kept for backward)
+    send_fwd i   send micro-batch i's output activation to stage s + 1 (not on the last stage)
+    recv_bwd i   receive the gradient of micro-batch i's output from stage s + 1 (not on the last)
+    backward i   the stage's backward of micro-batch i (its gradients added up; activations freed)
+    send_bwd i   send the gradient of micro-batch i's input to stage s - 1 (not on stage 0)
+    reduce       the stage's gradients averaged over its data group (after its last backward)
+    update       the optimizer on the stage's parameters
+
+Schedules:
+
+  gpipe   every forward, then every backward (GPipe, Huang et al. 2019): stage s keeps all m
+          micro-batches' activations at once.
+  1f1b    PipeDream-Flush / Megatron-LM's non-interleaved schedule (Narayanan et al. 2021): stage s
+          runs min(p - s - 1, m) forwards ahead, then alternates one forward and one backward, then
+          drains the remaining backwards. It keeps at most min(p - s, m) micro-batches' activations.
+
+Both have the same idle time: with forward and backward times f and b per micro-batch and stage,
+a step takes (m + p - 1)(f + b), so the bubble (each stage's idle fraction) is (p - 1) / (m + p - 1).
+1F1B pays off in memory when m > p; with m < p both keep m micro-batches and idle most of a step.
+
+Sends are non-blocking (MPI_Isend) and receives block; every message is tagged by its micro-batch,
+so :func:`simulate` checks what an MPI run needs: every send has its receive on the neighbour, in
+the same order, and no stage waits forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b")
+KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd", "reduce", "update")
+_SHORT = {"recv_fwd": "rF", "forward": "F", "send_fwd": "sF", "recv_bwd": "rB", "backward": "B", "send_bwd": "sB",
+          "reduce": "R", "update": "U"}
+
+
+@dataclass(frozen=True)
+class Instr:
+    """One instruction of a stage (see the module docstring); ``micro`` is -1 for reduce and update."""
+
+    kind: str
+    micro: int = -1
+
+    def __str__(self) -> str:
+        return _SHORT[self.kind] + (str(self.micro) if self.micro >= 0 else "")
+
+
+def _forward(stage: int, p: int, i: int) -> list[Instr]:
+    out = [] if stage == 0 else [Instr("recv_fwd", i)]
+    out.append(Instr("forward", i))
+    if stage < p - 1:
+        out.append(Instr("send_fwd", i))
+    return out
+
+
+def _backward(stage: int, p: int, i: int) -> list[Instr]:
+    out = [] if stage == p - 1 else [Instr("recv_bwd", i)]
+    out.append(Instr("backward", i))
+    if stage > 0:
+        out.append(Instr("send_bwd", i))
+    return out
+
+
+def stage_schedule(name: str, stage: int, p: int, m: int) -> list[Instr]:
+    """The instructions of ``stage`` (0 .. p-1) of schedule ``name`` for ``m`` micro-batches."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"dist.pipeline_schedule={name!r}: choose one of {', '.join(SCHEDULES)}")
+    if p < 1 or m < 1 or not 0 <= stage < p:
+        raise ValueError(f"stage {stage} of {p} stage(s), {m} micro-batch(es)")
+    out: list[Instr] = []
+    if name == "gpipe":
+        for i in range(m):
+            out += _forward(stage, p, i)
+        for i in range(m):
+            out += _backward(stage, p, i)
+    else:
+        ahead = min(p - stage - 1, m)
+        for i in range(ahead):
+            out += _forward(stage, p, i)
+        for i in range(m - ahead):   # steady state: forward i + ahead, then backward i
+            out += _forward(stage, p, i + ahead)
+            out += _backward(stage, p, i)
+        for i in range(m - ahead, m):
+            out += _backward(stage, p, i)
+    return out + [Instr("reduce"), Instr("update")]
+
+
+def schedule(name: str, p: int, m: int) -> list[list[Instr]]:
+    """Every stage's instructions, stage 0 first."""
+    return [stage_schedule(name, s, p, m) for s in range(p)]
+
+
+def describe(name: str, p: int, m: int, compute_only: bool = False) -> str:
+    """The schedule printed one stage a line (``info`` and the docs): with ``compute_only``, just the
+    forwards (F), backwards (B), reduce and update; else the sends (s) and receives (r) too."""
+    lines = [f"{name}, {p} stage(s), {m} micro-batch(es):"]
+    for s, instrs in enumerate(schedule(name, p, m)):
+        shown = [str(x) for x in instrs if not compute_only or x.kind in ("forward", "backward", "reduce", "update")]
+        lines.append(f"  stage {s}: " + " ".join(shown))
+    return "\n".join(lines)
+
+
+@dataclass
+class Simulated:
+    """What :func:`simulate` found: the step's time, each stage's busy time and idle fraction, and the
+    most micro-batches whose activations each stage held at once."""
+
+    time: float
+    busy: list
+    idle_fraction: list
+    peak_in_flight: list
+
+
+class ScheduleError(RuntimeError):
+    """A schedule that would deadlock or mismatch its messages under MPI."""
+
+
+def simulate(stages: list[list[Instr]], forward_time: float = 1.0, backward_time: float = 2.0) -> Simulated:
+    """Run ``stages`` (from :func:`schedule`) on a clock: each forward takes ``forward_time``, each
+    backward ``backward_time``, messages and reduce/update take no time; a send never waits, a receive
+    waits for its send. Raises :class:`ScheduleError` if a receive has no matching send (wrong
+    micro-batch or order) or no stage can go on before all are done (a deadlock)."""
+    p = len(stages)
+    pos = [0] * p
+    clock = [0.0] * p
+    busy = [0.0] * p
+    # messages in flight per (from, to, kind): (micro-batch, time sent), in send order
+    channels: dict = {}
+    held, peak = [0] * p, [0] * p
+    while any(pos[s] < len(stages[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(stages[s]):
+                x = stages[s][pos[s]]
+                if x.kind in ("recv_fwd", "recv_bwd"):
+                    src = s - 1 if x.kind == "recv_fwd" else s + 1
+                    if not 0 <= src < p:
+                        raise ScheduleError(f"stage {s}: {x} has no neighbour to receive from")
+                    queue = channels.get((src, s, x.kind[5:]), [])
+                    if not queue:
+                        break   # waits for the send
+                    micro, sent = queue.pop(0)
+                    if micro != x.micro:
+                        raise ScheduleError(f"stage {s}: {x} would receive micro-batch {micro} (messages arrive "
+                                            f"in send order)")
+                    clock[s] = max(clock[s], sent)
+                elif x.kind in ("send_fwd", "send_bwd"):
+                    dst = s + 1 if x.kind == "send_fwd" else s - 1
+                    if not 0 <= dst < p:
+                        raise ScheduleError(f"stage {s}: {x} has no neighbour to send to")
+                    channels.setdefault((s, dst, x.kind[5:]), []).append((x.micro, clock[s]))
+                elif x.kind in ("forward", "backward"):
+                    t = forward_time if x.kind == "forward" else backward_time
+                    clock[s] += t
+                    busy[s] += t
+                    held[s] += 1 if x.kind == "forward" else -1
+                    peak[s] = max(peak[s], held[s])
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            waiting = {s: str(stages[s][pos[s]]) for s in range(p) if pos[s] < len(stages[s])}
+            raise ScheduleError(f"deadlock: every unfinished stage waits ({waiting})")
+    leftover = {k: v for k, v in channels.items() if v}
+    if leftover:
+        raise ScheduleError(f"messages never received: {leftover}")
+    if any(held):
+        raise ScheduleError(f"activations never freed by a backward: {held}")
+    total = max(clock)
+    return Simulated(total, busy, [1.0 - b / total for b in busy], peak)
+
+
+def bubble_fraction(p: int, m: int) -> float:
+    """The idle fraction of each stage in a step of either schedule: (p - 1) / (m + p - 1)."""
+    return (p - 1) / (m + p - 1)
