@@ -6,6 +6,7 @@
     python benchmarks/scaling.py --launcher "srun --mpi=pmix -n {n}" --ranks 1 2 4 8 16   # in an allocation
     python -m hpctrain bench report runs/bench/scaling                   # table + plots again from the JSON
     python benchmarks/scaling.py --models gpt --ranks 2 --tensor-parallel 1 2    # tensor parallelism's overhead
+    python benchmarks/scaling.py --models gpt --ranks 2 4 --pipeline-parallel 1 2 4   # bubbles, memory, bytes
     python benchmarks/scaling.py --models gpt,gpt384=gpt:6-384-6-256 --thread-sweep   # cores per rank vs PyTorch
 
 A plain-python driver (never under mpirun itself): per configuration it runs
@@ -119,6 +120,13 @@ def parse_args(argv=None):
     p.add_argument("--tensor-parallel", type=int, nargs="*", default=[],
                    help="instead of the sweep: the GPT models at each --ranks with each dist.tensor_parallel t "
                         "given (same global batch; benchmarks/scaling_tensor.py), into tensor.json / tensor.md")
+    p.add_argument("--pipeline-parallel", type=int, nargs="*", default=[],
+                   help="pipeline sizes p to compare at each rank count, p = 1 (data parallel) the yardstick "
+                        "(benchmarks/scaling_pipeline.py)")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help="train.grad_accum_steps of the --pipeline-parallel runs (1 2 4 8 16)")
+    p.add_argument("--pipeline-schedules", nargs="+", default=["1f1b", "gpipe"], choices=["1f1b", "gpipe"],
+                   help="schedules of the --pipeline-parallel runs (both)")
     p.add_argument("--thread-sweep", action="store_true",
                    help="instead of the sweep: each model at 1 rank x 1 thread, 1 x T and T x 1, hpctrain and the "
                         "peer, each rank bound to its threads' cores (benchmarks/scaling_threads.py), into "
@@ -273,6 +281,10 @@ def main(argv=None) -> int:
         from scaling_tensor import sweep
 
         return 1 if sweep(runner, models, plans, a.tensor_parallel) else 0
+    if a.pipeline_parallel:
+        from scaling_pipeline import sweep
+
+        return 1 if sweep(runner, models, plans, a.pipeline_parallel, a.micro_batches, a.pipeline_schedules) else 0
     if a.thread_sweep:
         from scaling_threads import sweep
 

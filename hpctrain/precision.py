@@ -60,7 +60,7 @@ WRITES = {
 }
 # ops on the master dtype's flat buffers (the optimizer, the gradient's checks), the conversions
 # themselves, and the table's plain attributes: used as they are
-UNCHANGED = ("sgd_update", "adamw_update", "scale", "all_finite", "sum_squares", "narrow", "widen",
+UNCHANGED = ("sgd_update", "adamw_update", "scale", "all_finite", "sum_squares", "narrow", "widen", "fill",
              "attention_state_shapes", "attention_max_head_size", "attention_saved_kind")
 
 
@@ -71,6 +71,7 @@ class Precision:
     name: str
     master: np.dtype
     compute: np.dtype
+    wire: str = "fp32"   # dist.reduce_dtype: fp32 (the master dtype), bf16 or fp16
 
     @property
     def state(self) -> np.dtype:
@@ -78,7 +79,9 @@ class Precision:
 
     @property
     def reduce(self) -> np.dtype:
-        return self.master
+        """The gradients' dtype on the wire: the master's, or ``dist.reduce_dtype``'s 16-bit format
+        (bf16 as its uint16 bit patterns; the fp16 / bf16 compressor sends them)."""
+        return self.master if self.wire == "fp32" else FORMATS[self.wire]
 
     @property
     def accum(self) -> np.dtype:
@@ -101,17 +104,18 @@ class Precision:
                 f"{self.master.name} master parameters, gradients and optimizer state")
 
 
-def policy(precision: str, dtype: str = "float32") -> Precision:
-    """The :class:`Precision` of ``train.precision`` over ``train.dtype`` (the master dtype)."""
+def policy(precision: str, dtype: str = "float32", reduce_dtype: str = "fp32") -> Precision:
+    """The :class:`Precision` of ``train.precision`` over ``train.dtype`` (the master dtype), with
+    gradients on the wire in ``dist.reduce_dtype``."""
     if precision not in PRECISIONS:
         raise ConfigError(f"train.precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
     master = np.dtype(dtype)
     if precision == "fp32":
-        return Precision("fp32", master, master)
+        return Precision("fp32", master, master, reduce_dtype)
     if master != np.float32:
         raise ConfigError(f"train.precision={precision!r} keeps float32 master parameters, but train.dtype = "
                           f"{master.name}; use train.dtype = 'float32' (float64 is for exactness checks, in fp32)")
-    return Precision(precision, master, FORMATS[precision])
+    return Precision(precision, master, FORMATS[precision], reduce_dtype)
 
 
 def on_device(device, precision: Precision):
@@ -138,7 +142,7 @@ class MixedDevice:
             raise ValueError("a MixedDevice computes in bf16 or fp16")
         self.master, self.precision = master, precision
         self.dtype = precision.compute
-        self.accum_dtype = np.dtype(np.float32)
+        self.accum_dtype = precision.accum
         self._work: dict = {}   # elements -> float32 work arrays (:meth:`_wide`)
         ops = {}
         for name, op in vars(master.ops).items():

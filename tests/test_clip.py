@@ -75,7 +75,7 @@ def test_one_rank_clips_a_gpt_gradient_as_numpy_does(max_norm):
     model.backward()
     g = model.flat.grad.copy()
     plan = types.SimpleNamespace(device=dev, world=_OneRank(), shards=None, dp=_OneRank(),
-                                 grid=types.SimpleNamespace(tensor_rank=0))
+                                 grid=types.SimpleNamespace(tensor_rank=0, stage=0))
     clip = GradClip(plan, model, lambda lo, hi: model.flat.grad[lo:hi], [(0, 100), (100, model.flat.size)], max_norm)
     norm = clip.apply()
     want = float(np.linalg.norm(g))
@@ -103,7 +103,7 @@ def test_a_non_finite_gradient_is_left_alone():
     g = np.ones(10, np.float32)
     g[3] = np.nan
     plan = types.SimpleNamespace(device=dev, world=_OneRank(), shards=None, dp=_OneRank(),
-                                 grid=types.SimpleNamespace(tensor_rank=0))
+                                 grid=types.SimpleNamespace(tensor_rank=0, stage=0))
     model = types.SimpleNamespace(flat=types.SimpleNamespace(slots=[ParamSlot("w", (10,), 0, 10)]))
     clip = GradClip(plan, model, lambda lo, hi: g[lo:hi], [(0, 10)], 0.1)
     assert math.isnan(clip.apply()) and clip.coefficient == 1.0

@@ -207,7 +207,7 @@ def test_where_graphs_cannot_run_the_reason_is_named():
 
     cfg = Config()
     dev = NS(name="cuda", can_capture=lambda: (True, ""))
-    plan = NS(tensor=None, dp=NS(size=1))
+    plan = NS(tensor=None, dp=NS(size=1), pipeline=1)
     assert why_not(cfg, dev, plan) == ""
     cfg.train.cuda_graphs = "off"
     assert why_not(cfg, dev, plan) == "train.cuda_graphs = off"
@@ -220,13 +220,14 @@ def test_where_graphs_cannot_run_the_reason_is_named():
         setattr(cfg.train, key, value)
         assert words in why_not(cfg, dev, plan)
         setattr(cfg.train, key, Config().train.__dict__[key])
-    assert "tensor parallelism" in why_not(cfg, dev, NS(tensor=object(), dp=NS(size=1)))
+    assert "tensor parallelism" in why_not(cfg, dev, NS(tensor=object(), dp=NS(size=1), pipeline=1))
+    assert "pipeline parallelism" in why_not(cfg, dev, NS(tensor=None, dp=NS(size=1), pipeline=2))
     cfg.dist.zero = 2
     assert "ZeRO-2" in why_not(cfg, dev, plan)
     cfg.dist.zero = 0
-    assert "keeps 4 data-parallel ranks eager" in why_not(cfg, dev, NS(tensor=None, dp=NS(size=4)))
+    assert "keeps 4 data-parallel ranks eager" in why_not(cfg, dev, NS(tensor=None, dp=NS(size=4), pipeline=1))
     cfg.train.cuda_graphs = "on"
-    assert why_not(cfg, dev, NS(tensor=None, dp=NS(size=4))) == ""
+    assert why_not(cfg, dev, NS(tensor=None, dp=NS(size=4), pipeline=1)) == ""
     if simulated():
         assert CudaDevice("float64").can_capture() == (False, "numba's CUDA simulator has no graphs")
 

@@ -371,7 +371,7 @@ def test_gradient_clipping_on_the_device_matches_numpy():
     g = rng_for(11).standard_normal(600).astype(np.float32)
     grad = up(dev, g)
     one = types.SimpleNamespace(rank=0, size=1, comm=types.SimpleNamespace(allgather=lambda value: [value]))
-    plan = types.SimpleNamespace(device=dev, world=one, shards=None, dp=one, grid=types.SimpleNamespace(tensor_rank=0))
+    plan = types.SimpleNamespace(device=dev, world=one, shards=None, dp=one, grid=types.SimpleNamespace(tensor_rank=0, stage=0))
     model = types.SimpleNamespace(flat=types.SimpleNamespace(slots=[ParamSlot("w", (600,), 0, 600)]))
     clip = GradClip(plan, model, lambda lo, hi: grad[lo:hi], [(0, 250), (250, 600)], 2.0)
     norm = clip.apply()

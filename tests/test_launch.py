@@ -302,3 +302,37 @@ def test_recovery_benchmark_splits_a_restart_into_its_phases(small_data, tmp_pat
     assert row["detect_s"] > 0 and row["startup_s"] > 0 and row["load_s"] > 0 and row["first_step_s"] > 0, row
     assert row["total_s"] >= row["detect_s"] + row["startup_s"] and row["total_by_clock_s"] > 0, row
     assert "| rank | mlp | 2 |" in proc.stdout and "failure 1: exit code 137" in proc.stdout, proc.stdout
+
+
+def test_a_pipeline_stage_killed_mid_step_restarts_from_the_logical_checkpoint(text_data, tmp_path):
+    """dist.pipeline_parallel = 2: the last stage (rank 1) killed -9 while the first waits for its
+    gradients. The job ends and launch restarts it from the newest checkpoint (every stage's arrays in
+    one logical file); it ends with the bits of a plain resume from that checkpoint."""
+    ckpt, steps = str(tmp_path / "ck"), 60
+    args = ["train", "--config", "examples/gpt.toml", "--set", f"data.train={text_data}", "--set", "train.metrics=",
+            "--set", "model.n_layer=2", "--set", "model.d_model=32", "--set", "model.context=32",
+            "--set", "train.global_batch=8", "--set", "train.grad_accum_steps=4", "--set", "train.device=cpu",
+            "--set", "train.target_val_bpb=0", "--set", "train.target_bpb_vs_bigram=0", "--set", "train.eval_tokens=0",
+            "--set", f"train.steps={steps}", "--set", "train.log_every=1000000", "--set", "dist.pipeline_parallel=2",
+            "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every_minutes=0", "--set",
+            "checkpoint.every_steps=10", "--set", "checkpoint.keep_last=0", "--set", "checkpoint.save_final=true"]
+    proc = _launch(args, HPCTRAIN_STEP_DELAY_S="0.05")
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(ckpt, "ckpt-00000020.h5")), 120, "the checkpoint of step 20")
+        os.kill(rank_pid(ckpt, 1), signal.SIGKILL)
+    finally:
+        code, out, err = finish(proc, 200)
+    assert code == 0, (out[-3000:], err[-3000:])
+    assert "failure 1: exit code 137 (a rank killed by signal 9, SIGKILL)" in out, out
+    resumed = int(re.search(r"resumed at step (\d+)", out).group(1))
+    assert resumed >= 20 and resumed % 10 == 0, out
+    ref = str(tmp_path / "ref")
+    plain = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable, "-m", "hpctrain",
+                            *[a.replace(ckpt, ref) for a in args],
+                            "--resume", os.path.join(ckpt, f"ckpt-{resumed:08d}.h5")],
+                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    got, want = _model(os.path.join(ckpt, f"ckpt-{steps:08d}.h5")), _model(os.path.join(ref, f"ckpt-{steps:08d}.h5"))
+    assert got.keys() == want.keys() and "h/1/mlp/c_fc/weight" in got
+    for name in got:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)

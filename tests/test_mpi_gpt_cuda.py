@@ -87,3 +87,36 @@ def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(mpi_text_data):
     np.testing.assert_allclose(l_gpu[0], l_cpu[0], rtol=1e-12)
     assert l_gpu[1] == l_cpu[1] and n_gpu == n_cpu == 4 * cfg.model.n_layer
     assert_close(p_gpu, p_cpu)
+
+
+def test_pipeline_gpt_on_cuda_trains_like_cpu(mpi_text_data):
+    """dist.pipeline_parallel = 2 on the device: the residual stream and its gradient cross between
+    the stages through pinned host buffers (non-blocking sends, blocking receives), the first stage
+    clears its tied-table gradient on the device, the table's two gradients are summed over the
+    embedding group; one step of two micro-batches gives the CPU's loss and parameters (the CPU's
+    pipeline equals p = 1: tests/test_mpi_pipeline.py)."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.size != 2:
+        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
+    from hpctrain.observe.log import Log
+    from hpctrain.runtime import init_world
+    from hpctrain.training.trainer import Trainer
+    from test_gpt_cuda_step import _config, assert_close
+
+    world = init_world()
+    runs = {}
+    for device in ("cpu", "cuda"):
+        cfg = _config(mpi_text_data, device, steps=1)
+        cfg.model.n_layer, cfg.dist.pipeline_parallel, cfg.train.grad_accum_steps = 2, 2, 2
+        trainer = Trainer(cfg.validate(), world, Log(False))
+        if device == "cuda":
+            assert trainer.stepper.pipe.staging.mode == "pinned"
+        loss = trainer.train_step()
+        host = trainer.device.to_host(trainer.model.flat.data).copy()
+        runs[device] = world.comm.allreduce(loss[0]), host
+        trainer.close()
+    (l_cpu, p_cpu), (l_gpu, p_gpu) = runs["cpu"], runs["cuda"]
+    np.testing.assert_allclose(l_gpu, l_cpu, rtol=1e-12)
+    assert l_cpu > 0
+    assert_close(p_gpu, p_cpu)

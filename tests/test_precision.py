@@ -125,6 +125,8 @@ def test_the_policy_names_the_dtypes_and_refuses_float64_masters():
     assert (p.master, p.compute, p.accum, p.state, p.reduce) == (np.float32, lowp.BF16, np.float32, np.float32,
                                                                  np.float32)
     assert policy("fp32", "float64").compute == np.float64 and not policy("fp32").mixed
+    # dist.reduce_dtype: the gradients' format on the wire, whatever the compute format
+    assert policy("fp32", "float32", "bf16").reduce == lowp.BF16 and policy("bf16", "float32", "fp16").reduce == np.float16
     with pytest.raises(ConfigError, match="float32 master"):
         policy("fp16", "float64")
     from hpctrain.training.config import Config

@@ -100,10 +100,29 @@ def _slot_entries(group, model, to_host, buf, dtype, drifted: list) -> list[Entr
             for s in flat.slots]
 
 
+def _whole_model(entries, model, comm, groups, drifted: list) -> list[Entry]:
+    """A pipeline stage's parameter and optimizer entries made the whole model's: each stage's
+    arrays brought to the host and all-gathered over the pipeline group ``comm`` (so every rank
+    writes its rows of every array, as without a pipeline), in the whole model's order. The tied
+    table, which the first and last stage both hold, is taken from the first; a copy that differs
+    is named in ``drifted``."""
+    mine = {e.path: np.asarray(e.rows(0, e.shape[0])) for e in entries}
+    stages = comm.allgather(mine)
+    out = []
+    for group in groups:
+        for name, _ in model.logical_params():
+            path = parameter_path(group, name)
+            held = [stage[path] for stage in stages if path in stage]
+            if any(not np.array_equal(held[0], other) for other in held[1:]):
+                drifted.append(f"{path}: the pipeline's first and last stage hold different copies")
+            out.append(_host_entry(path, held[0]))
+    return out
+
+
 def _check_replicas(drifted: list) -> None:
     if drifted:
-        raise RuntimeError("tensor parallelism kept the replicated arrays apart (not saved: the file would hold one "
-                           "tensor rank's copy): " + "; ".join(drifted))
+        raise RuntimeError("tensor or pipeline parallelism kept the replicated arrays apart (not saved: the file "
+                           "would hold one rank's copy): " + "; ".join(drifted))
 
 
 def training_state(state, plan) -> list[Entry]:
@@ -119,7 +138,10 @@ def training_state(state, plan) -> list[Entry]:
         if getattr(opt, "shards", None) is not None:  # ZeRO-1: the whole state assembled on the host (collective)
             buf, to_host = opt.shards.gather(plan.dp.comm, dev.to_host(buf), flat.size), np.asarray
         entries += _slot_entries(f"optim/{state_name}", state.model, to_host, buf, dev.dtype, drifted)
-    if getattr(state.model, "tensor_layout", None) is not None:
+    if getattr(plan, "pipeline", 1) > 1:   # every stage's arrays on every rank (collective over the pipeline)
+        entries = _whole_model(entries, state.model, plan.grid.pipeline.comm, ["model", *(
+            f"optim/{name}" for name in opt.state())], drifted)
+    if getattr(state.model, "tensor_layout", None) is not None or getattr(plan, "pipeline", 1) > 1:
         from ..reliability.fail_together import agree
 
         agree(plan.world, _check_replicas, drifted)  # one verdict on every rank, before any writing
@@ -138,7 +160,10 @@ def check_compatible(state, cfg, shapes: dict) -> None:
     """Raise :class:`IncompatibleCheckpoint` listing every parameter whose shape differs or is missing."""
     flat, problems = state.model.flat, []
     logical = getattr(state.model, "logical_shape", lambda s: s.shape)
-    want = {parameter_path("model", s.name): tuple(logical(s)) for s in flat.slots}
+    if hasattr(state.model, "logical_params"):   # the whole model's (a pipeline stage holds some of it)
+        want = {parameter_path("model", name): tuple(shape) for name, shape in state.model.logical_params()}
+    else:
+        want = {parameter_path("model", s.name): tuple(logical(s)) for s in flat.slots}
     for path, shape in want.items():
         if path not in shapes:
             problems.append(f"{path}: missing in the checkpoint (model has {shape})")

@@ -60,15 +60,22 @@ class Bucket:
         return self.hi - self.lo
 
 
-def plan_buckets(flat, itemsize: int, bucket_mb: float, first_bucket_mb: float = 1.0) -> list[Bucket]:
+def plan_buckets(flat, itemsize: int, bucket_mb: float, first_bucket_mb: float = 1.0, alone=()) -> list[Bucket]:
     """Buckets over ``flat`` (a FlatParams) in reverse layer order.
 
     A bucket closes once it holds at least its cap of bytes, so a parameter
     larger than the cap gets a bucket of its own. ``bucket_mb <= 0`` means one
     bucket for everything (no overlap possible: it is ready only at the end).
+    The parameters named in ``alone`` get a bucket of their own whatever the caps.
     """
     buckets, current, nbytes = [], [], 0
     for slot in reversed(flat.slots):
+        if slot.name in alone:
+            if current:
+                buckets.append(_bucket(len(buckets), current))
+            buckets.append(_bucket(len(buckets), [slot]))
+            current, nbytes = [], 0
+            continue
         current.append(slot)
         nbytes += slot.size * itemsize
         cap = (first_bucket_mb if not buckets else bucket_mb) * 2 ** 20

@@ -7,8 +7,18 @@ the same tensor rank (world rank mod t) across the groups form a *data group*: w
 ranks with the same shard of every split matrix, which average their gradients with
 ``dist.allreduce`` exactly as the whole world does without tensor parallelism.
 
-    grid = make_grid(world, t)          # collective over world.comm
+With ``dist.pipeline_parallel = p`` as well, the world is p consecutive blocks of world size / p
+ranks, one *stage* each (stage = world rank // (world size / p)), split into tensor and data groups
+as above; so a stage's groups stay together (on one node when they fit) and its boundary to the next
+stage is where a slow link between nodes would fall. The ranks holding the same data and tensor
+rank in every stage form a *pipeline group* (p ranks: activations forward, gradients backward), and
+its first and last stage the *embedding group* (the tied embedding's two copies):
+
+    rank = stage * (d * t) + data rank * t + tensor rank
+
+    grid = make_grid(world, t, p)       # collective over world.comm
     grid.tensor.rank, grid.data.rank    # this rank's place in each
+    grid.stage, grid.pipeline.rank      # and in the pipeline (the same number)
 """
 
 from __future__ import annotations
@@ -28,25 +38,54 @@ class Grid:
     t: int
     tensor: World | None
     data: World
+    p: int = 1
+    pipeline: World | None = None      # this rank's pipeline group (None when p = 1)
+    embedding: World | None = None     # stage 0 and stage p - 1 of it (None elsewhere, and when p = 1)
 
     @property
     def tensor_rank(self) -> int:
         return 0 if self.tensor is None else self.tensor.rank
 
+    @property
+    def stage(self) -> int:
+        return 0 if self.pipeline is None else self.pipeline.rank
+
+    @property
+    def last_stage(self) -> bool:
+        """Whether this rank computes the loss (the last stage; every rank when p = 1)."""
+        return self.stage == self.p - 1
+
+    @property
+    def scores(self) -> bool:
+        """Whether this rank's loss statistics count in the world's sums: one rank per data group
+        (tensor rank 0) of the last stage; the others computed the same or none."""
+        return self.tensor_rank == 0 and self.last_stage
+
     def describe(self) -> str:
         """One line for the start-up log."""
-        if self.tensor is None:
+        if self.tensor is None and self.p == 1:
             return f"data parallel over {self.data.size} rank(s)"
-        return (f"tensor parallel t = {self.t} x data parallel {self.data.size}: this rank is tensor rank "
-                f"{self.tensor.rank} of {self.t}, data rank {self.data.rank} of {self.data.size}")
+        parts = [f"data parallel {self.data.size}"]
+        mine = [f"data rank {self.data.rank} of {self.data.size}"]
+        if self.tensor is not None:
+            parts.insert(0, f"tensor parallel t = {self.t}")
+            mine.insert(0, f"tensor rank {self.tensor.rank} of {self.t}")
+        if self.p > 1:
+            parts.append(f"pipeline p = {self.p}")
+            mine.append(f"stage {self.stage} of {self.p}")
+        return " x ".join(parts) + ": this rank is " + ", ".join(mine)
 
 
-def check_divides(size: int, t: int) -> None:
-    """:class:`ConfigError` unless t divides the world size ``size``."""
+def check_divides(size: int, t: int, p: int = 1) -> None:
+    """:class:`ConfigError` unless t x p divides the world size ``size``."""
     if t < 1 or size % t:
         raise ConfigError(f"dist.tensor_parallel={t} does not divide the world size {size}: tensor groups "
                           f"are t consecutive ranks; launch a multiple of {t} ranks or choose t among "
                           f"{', '.join(str(k) for k in range(1, size + 1) if size % k == 0)}")
+    if p < 1 or size % (t * p):
+        raise ConfigError(f"dist.pipeline_parallel={p} x dist.tensor_parallel={t} does not divide the world size "
+                          f"{size}: each of the p stages holds world size / p ranks, whole tensor groups; launch "
+                          f"a multiple of {t * p} ranks")
 
 
 # strategies whose order of additions depends only on the group's size (not on where its ranks run)
@@ -75,19 +114,47 @@ def align_auto(grid: Grid, allreduce) -> None:
         allreduce.adopt_fits(grid.tensor.comm.bcast(allreduce.fits, root=0))
 
 
-def groups(size: int, t: int) -> tuple[list, list]:
-    """(tensor groups, data groups) of a world of ``size`` ranks, as lists of world ranks."""
-    return ([list(range(g * t, (g + 1) * t)) for g in range(size // t)],
-            [list(range(r, size, t)) for r in range(t)])
+def groups(size: int, t: int, p: int = 1) -> tuple[list, list, list]:
+    """(tensor groups, data groups, pipeline groups) of a world of ``size`` ranks, as lists of world
+    ranks (the layout in the module docstring)."""
+    per_stage = size // p
+    tensor = [list(range(g * t, (g + 1) * t)) for g in range(size // t)]
+    data = [list(range(s * per_stage + r, (s + 1) * per_stage, t)) for s in range(p) for r in range(t)]
+    pipeline = [list(range(r, size, per_stage)) for r in range(per_stage)]
+    return tensor, data, pipeline
 
 
-def make_grid(world: World, t: int) -> Grid:
-    """Split ``world`` into tensor groups of ``t`` consecutive ranks and the data groups across
-    them. Collective over ``world.comm`` (when t > 1). Raises :class:`ConfigError` (on every
-    rank alike) when t does not divide the world size."""
-    check_divides(world.size, t)
-    if t == 1:
+def place_of(rank: int, size: int, t: int, p: int) -> tuple[int, int, int]:
+    """(stage, data rank, tensor rank) of world rank ``rank``."""
+    per_stage = size // p
+    return rank // per_stage, rank % per_stage // t, rank % t
+
+
+def make_grid(world: World, t: int, p: int = 1) -> Grid:
+    """Split ``world`` into p stages of tensor groups of ``t`` consecutive ranks and the data groups
+    across them, and the pipeline and embedding groups across the stages. Collective over
+    ``world.comm`` (when t > 1 or p > 1). Raises :class:`ConfigError` (on every rank alike) when t x p
+    does not divide the world size."""
+    check_divides(world.size, t, p)
+    if t == 1 and p == 1:
         return Grid(1, None, world)
-    tensor = world.comm.Split(color=world.rank // t, key=world.rank)
-    data = world.comm.Split(color=world.rank % t, key=world.rank)
-    return Grid(t, sub_world(world, tensor), sub_world(world, data))
+    stage, _, tensor_rank = place_of(world.rank, world.size, t, p)
+    tensor = data = world
+    if t > 1:
+        tensor = sub_world(world, world.comm.Split(color=world.rank // t, key=world.rank))
+    if t > 1 or p > 1:
+        data = sub_world(world, world.comm.Split(color=stage * t + tensor_rank, key=world.rank))
+    pipeline = embedding = None
+    if p > 1:
+        per_stage = world.size // p
+        pipeline = sub_world(world, world.comm.Split(color=world.rank % per_stage, key=world.rank))
+        ends = stage in (0, p - 1)
+        split = world.comm.Split(color=world.rank % per_stage if ends else _undefined(), key=world.rank)
+        embedding = sub_world(world, split) if ends else None
+    return Grid(t, tensor if t > 1 else None, data, p, pipeline, embedding)
+
+
+def _undefined():
+    from mpi4py import MPI
+
+    return MPI.UNDEFINED

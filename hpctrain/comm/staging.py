@@ -103,6 +103,21 @@ class Staging:
             return _PinnedCopy(self.device, self._pinned_for(buf, slot), buf)
         return _Direct(buf)
 
+    def send_view(self, buf, slot=None):
+        """As :meth:`mpi_view` for a buffer MPI only reads (a send): nothing is copied back. A
+        non-blocking send from a pinned copy must complete before the next view of the same slot."""
+        self.device.fence.wait_for_writes()
+        if self.mode == "pinned":
+            return _PinnedCopy(self.device, self._pinned_for(buf, slot), buf, copy_in=True, copy_back=False)
+        return _Direct(buf)
+
+    def recv_view(self, buf, slot=None):
+        """As :meth:`mpi_view` for a buffer MPI only writes (a blocking receive): nothing is copied in."""
+        self.device.fence.wait_for_writes()   # nothing still reads or writes buf when MPI fills it
+        if self.mode == "pinned":
+            return _PinnedCopy(self.device, self._pinned_for(buf, slot), buf, copy_in=False, copy_back=True)
+        return _Direct(buf)
+
     def host_view(self, buf, slot=None):
         """A context manager yielding ``buf`` in host memory, for host arithmetic and MPI.
 
@@ -143,17 +158,19 @@ class _PinnedCopy:
     """Device -> pinned host on entry; pinned host -> device on a clean exit, both on the fence's
     transfer stream (the device's stream waits for the copy back before its next kernel)."""
 
-    def __init__(self, device, host, buf):
+    def __init__(self, device, host, buf, copy_in=True, copy_back=True):
         self.device, self.host, self.buf = device, host, buf
+        self.copy_in, self.copy_back = copy_in, copy_back
         self.stream = device.fence.transfer_stream()
 
     def __enter__(self):
-        self.buf.copy_to_host(self.host, stream=self.stream)
-        self.stream.synchronize()  # the host copy is complete before MPI reads it
+        if self.copy_in:
+            self.buf.copy_to_host(self.host, stream=self.stream)
+            self.stream.synchronize()  # the host copy is complete before MPI reads it
         return self.host
 
     def __exit__(self, exc_type, *exc):
-        if exc_type is None:
+        if exc_type is None and self.copy_back:
             self.buf.copy_to_device(self.host, stream=self.stream)
             self.device.fence.transfer_done(self.stream)
         return False

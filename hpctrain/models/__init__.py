@@ -6,8 +6,11 @@
 A family module offers two functions, both called on every rank:
 
   open_data(cfg, world, device) -> TrainingData   this rank's view of the training and evaluation data
-  build(cfg, device, data, tensor=None) -> model   the model, parameters zeroed (``init`` draws them);
-                       ``tensor``: the TensorGroup that splits its layers (dist.tensor_parallel > 1)
+  build(cfg, device, data, tensor=None, stage=0) -> model   the model, parameters zeroed (``init``
+                       draws them); ``tensor``: the TensorGroup that splits its layers
+                       (dist.tensor_parallel > 1); ``stage``: the pipeline stage this rank holds
+                       (dist.pipeline_parallel > 1, GPT only: a stage model also offers
+                       ``span``, ``lane(k)`` and ``stream_grad(shape)``, hpctrain.models.gpt_layers)
 
 and its model offers (the trainer, checkpoints and optimizer use nothing else):
 

@@ -19,7 +19,6 @@ set) for evaluation; :func:`build` makes the :class:`GPT` for the file's vocabul
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
@@ -27,10 +26,10 @@ from ..data.sampler import DistributedSampler, shard_range
 from ..data.tokens import TokenBatchReader, TokenWindows, eval_indices, open_tokens
 from ..errors import ConfigError, DataError
 from ..nn.flat import FlatParams
-from ..nn.layers import SoftmaxCrossEntropy
 from ..nn.tensor_parallel import TensorLayout
-from ..nn.transformer import Block, Embedding, LayerNorm, TiedHead, gpt2_init
+from ..nn.transformer import gpt2_init
 from . import TrainingData
+from .gpt_layers import GPTLayers, StageSpan
 
 EVAL_WINDOWS_PER_CHUNK = 16  # windows per evaluation forward (bounded activation memory)
 GPT_OPS = ("embedding_forward", "attention_forward", "layernorm_forward", "residual_forward")
@@ -104,9 +103,10 @@ def _check_targets(cfg, path, bytes_tokens, baselines):
                         f"with 'python -m hpctrain data text' or set an absolute train.target_val_bpb")
 
 
-def build(cfg, device, data: TrainingData, tensor=None) -> "GPT":
+def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0) -> "GPT":
     """``tensor``: the :class:`~hpctrain.nn.tensor_parallel.TensorGroup` that splits each block
-    (``dist.tensor_parallel`` > 1), or None."""
+    (``dist.tensor_parallel`` > 1), or None; ``stage``: this rank's pipeline stage of
+    ``dist.pipeline_parallel`` (its blocks from ``dist.pipeline_stages``, or balanced)."""
     m = cfg.model
     missing = [op for op in GPT_OPS if not hasattr(device.ops, op)]
     if missing:
@@ -118,7 +118,22 @@ def build(cfg, device, data: TrainingData, tensor=None) -> "GPT":
                           f"{device.name.upper()} attention kernels' limit of {limit}; use more heads "
                           f"(model.n_head >= {-(-m.d_model // limit)}), model.attention='auto' or 'gemm' (cuBLAS "
                           f"through CuPy) or train.device=cpu")
-    return GPT(device, data.info["vocab_size"], m.context, m.n_layer, m.n_head, m.d_model, m.recompute, tensor)
+    vocab, p = data.info["vocab_size"], cfg.dist.pipeline_parallel
+    counts = stage_blocks(m, p, cfg.dist.pipeline_stages, vocab)
+    return GPT(device, vocab, m.context, m.n_layer, m.n_head, m.d_model, m.recompute, tensor,
+               StageSpan.of(counts, stage))
+
+
+def stage_blocks(m, p: int, counts: list, vocab: int) -> list[int]:
+    """Blocks per pipeline stage: ``counts`` as given, or balanced by parameter count
+    (:func:`~hpctrain.training.schedules.balance`: the embedding on the first stage, the tied table
+    and ln_f on the last)."""
+    if counts:
+        return list(counts)
+    from ..training.schedules import balance
+
+    C = m.d_model
+    return balance(m.n_layer, p, 12 * C * C + 13 * C, (vocab + m.context) * C, vocab * C + 2 * C)
 
 
 # Tensor parallelism splits these parameters of every block: name suffix -> (axis, parts). The
@@ -141,12 +156,16 @@ class GPT:
 
     ``tensor`` (a :class:`~hpctrain.nn.tensor_parallel.TensorGroup`, or None): the blocks are
     split over its t ranks (:data:`TENSOR_SPLITS`); ``flat`` then holds this rank's pieces, and
-    ``tensor_layout`` maps them to the logical arrays (initial weights, checkpoints)."""
+    ``tensor_layout`` maps them to the logical arrays (initial weights, checkpoints).
+    ``span`` (a :class:`~.gpt_layers.StageSpan`; default the whole model): the pipeline stage this
+    rank holds; ``flat`` then holds that stage's parameters, and :meth:`lane` gives more sets of
+    its layers for micro-batches in flight together (:mod:`.gpt_layers`). :meth:`forward`,
+    :meth:`backward` and :meth:`logits` run the whole model (one stage)."""
 
     input_dtype = np.int64  # token ids
 
     def __init__(self, device, vocab: int, context: int, n_layer: int, n_head: int, d_model: int,
-                 recompute: str = "none", tensor=None):
+                 recompute: str = "none", tensor=None, span: StageSpan | None = None):
         if d_model % n_head:
             raise ConfigError(f"model.n_head={n_head} does not divide model.d_model={d_model}")
         if tensor is not None and n_head % tensor.size:
@@ -156,35 +175,60 @@ class GPT:
         self.device, self.vocab, self.context, self.n_layer, self.d_model = device, vocab, context, n_layer, d_model
         self.n_head, self.recompute = n_head, recompute
         self.targets_per_row = context
-        self.embedding = Embedding(device, vocab, context, d_model)
-        workspace = {}  # backward's attention work array, one for all blocks
-        shared = {} if recompute == "blocks" else None  # one block's arrays for all blocks, rebuilt in backward
-        self.blocks = [Block(device, f"h.{i}", d_model, n_head, workspace, shared, tensor) for i in range(n_layer)]
-        self.ln_f = LayerNorm(device, "ln_f", d_model)
-        for block, after in zip(self.blocks, [*(b.ln_1 for b in self.blocks[1:]), self.ln_f]):
-            block.next_norm = after  # each block's output add fused into the LayerNorm that reads it
-        self.head = TiedHead(device, self.embedding)
-        self.loss = SoftmaxCrossEntropy(device)
-        specs = list(self.embedding.params)
-        for block in self.blocks:  # matrices first, then vectors: two weight-decay runs per block
-            specs += [p for p in block.params if len(p[1]) == 2] + [p for p in block.params if len(p[1]) == 1]
-        specs += list(self.ln_f.params)
-        self.flat = FlatParams(device, specs)
+        self.span = span or StageSpan(0, 1, 0, n_layer)
+        if not 0 <= self.span.lo < self.span.hi <= n_layer:
+            raise ConfigError(f"pipeline stage {self.span.index} would hold blocks {self.span.lo}..{self.span.hi - 1} "
+                              f"of model.n_layer={n_layer}: every stage holds at least one block")
+        self.tensor = tensor
+        self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per block in forward and backward
+        self.ranges = None  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
+        self._workspace = {}  # backward's attention work array, one for all blocks and lanes
+        # with recompute = "blocks", one block's arrays for all blocks (and lanes), rebuilt in backward
+        self._shared = {} if recompute == "blocks" else None
+        self._lanes = [GPTLayers(self, self._workspace, self._shared)]
+        self.flat = FlatParams(device, self._lanes[0].specs())
         self.no_decay = frozenset(s.name for s in self.flat.slots if len(s.shape) == 1)
         # the QKV weight is three matrices side by side (q, k, v; so on every tensor rank too):
         # PowerSGD approximates each on its own instead of sharing one row space among them
         self.matrix_parts = {s.name: 3 for s in self.flat.slots if s.name.endswith("attn.c_attn.weight")}
-        self.tensor = tensor
         self.tensor_layout = None if tensor is None else TensorLayout(tensor, {
             s.name: split for s in self.flat.slots if (split := _tensor_split(s.name))})
         self._bind()
-        self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per block in forward and backward
-        self.ranges = None  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
         self._dres = {}
 
     def _bind(self):
-        for layer in (self.embedding, *self.blocks, self.ln_f):
-            layer.bind(self.flat)
+        for lane in self._lanes:
+            lane.bind(self.flat)
+
+    # the first lane's layers: the ones forward and backward use
+    embedding = property(lambda self: self._lanes[0].embedding)
+    blocks = property(lambda self: self._lanes[0].blocks)
+    ln_f = property(lambda self: self._lanes[0].ln_f)
+    head = property(lambda self: self._lanes[0].head)
+    loss = property(lambda self: self._lanes[0].loss)
+
+    def lane(self, k: int) -> GPTLayers:
+        """The ``k``-th set of this model's layers (0: the one :meth:`forward` uses), made on first use:
+        a micro-batch's own activations over the shared parameters (:mod:`.gpt_layers`)."""
+        while len(self._lanes) <= k:
+            lane = GPTLayers(self, self._workspace, self._shared)
+            lane.bind(self.flat)
+            self._lanes.append(lane)
+        return self._lanes[k]
+
+    def held_activation_bytes(self) -> int:
+        """Bytes of the activation arrays every lane holds now (each array once: recomputing lanes
+        share one set), the measured side of :meth:`activation_bytes`."""
+        return sum({id(a): a.nbytes for lane in self._lanes for a in lane.held()}.values())
+
+    def logical_params(self) -> list:
+        """(name, logical shape) of every parameter of the whole model (every stage, unsplit), in
+        the order of the flat buffer of a one-stage run: what checkpoints and initial weights cover."""
+        whole = GPT.__new__(GPT)
+        whole.device, whole.vocab, whole.context, whole.d_model, whole.n_head = (
+            self.device, self.vocab, self.context, self.d_model, self.n_head)
+        whole.span, whole.tensor = StageSpan(0, 1, 0, self.n_layer), None
+        return GPTLayers(whole, {}, None).specs()
 
     @property
     def flops_per_row(self) -> int:
@@ -192,15 +236,15 @@ class GPT:
         6 per matrix weight per token (the tied head's V x C included, position embeddings not)
         plus 12 n_layer T C per token for attention's two T x T products (the causal mask's
         saving not subtracted), times T tokens."""
-        C, T = self.d_model, self.context
-        matrix = sum(math.prod(self.logical_shape(s)) for s in self.flat.slots if len(s.shape) == 2 and s.name != "wpe")
+        C, T = self.d_model, self.context   # the whole model's, on every pipeline stage
+        matrix = sum(math.prod(shape) for name, shape in self.logical_params() if len(shape) == 2 and name != "wpe")
         return T * (6 * matrix + 12 * self.n_layer * T * C)
 
     def logical_shape(self, slot) -> tuple:
         """The whole (unsplit) shape of parameter ``slot`` (a :class:`~hpctrain.nn.flat.ParamSlot`)."""
         return slot.shape if self.tensor_layout is None else self.tensor_layout.logical_shape(slot.name, slot.shape)
 
-    def activation_bytes(self, rows: int) -> int:
+    def activation_bytes(self, rows: int, in_flight: int = 1) -> int:
         """Bytes of the activation arrays a micro-batch of ``rows`` windows of ``context`` tokens
         keeps from forward to backward on this rank, from the shapes the layers allocate
         (``activation_shapes``): the embedding's output; per block its two LayerNorms' outputs and
@@ -212,19 +256,27 @@ class GPT:
         are one shared set, counted once, and only the outputs (the next block's saved input) are
         per block. Not counted: the token ids (the input), the parameters, and backward's
         gradient arrays (per block with "none", one shared set with "blocks"; the attention's
-        work array and the residual stream's gradient are one for all blocks either way)."""
+        work array and the residual stream's gradient are one for all blocks either way).
+        A pipeline stage (``span``) counts its own blocks, the embedding's output or the input it
+        received, and the head's arrays on the last stage; ``in_flight`` micro-batches held at once
+        (its schedule's lanes) each keep their own arrays, but a recomputing stage's one shared set."""
         B, T = rows, self.context
         N, C = B * T, self.d_model
-        shapes = [*self.embedding.activation_shapes(B, T), *self.ln_f.activation_shapes(N),
-                  *self.head.activation_shapes(N), *self.loss.activation_shapes(N, self.vocab)]
-        shapes += [(N, C)] * self.n_layer  # each block's output
-        sets = 1 if self.recompute == "blocks" else self.n_layer
-        shapes += self.blocks[0].activation_shapes(B, T) * sets
+        last, blocks = self.span.last, len(self.blocks)
+        # per lane: the embedding's output, or on a later pipeline stage the input it received (the
+        # same shape); the head's arrays; each block's output
+        own = [(B, T, C)]
+        if last:
+            own += [*self.ln_f.activation_shapes(N), *self.head.activation_shapes(N),
+                    *self.loss.activation_shapes(N, self.vocab)]
+        own += [(N, C)] * blocks
+        sets = 1 if self.recompute == "blocks" else blocks * in_flight   # over every lane
+        shapes = own * in_flight + self.blocks[0].activation_shapes(B, T) * sets
         # the residual stream (the embedding's output, each block's output and its mid-block sum),
         # the LayerNorm statistics and a GPU attention's log-sum-exps are kept in the device's full
         # precision, the rest in its compute dtype (they differ under a 16-bit train.precision)
         low, full = self.device.dtype.itemsize, self.device.accum_dtype.itemsize
-        kept_full = N * C * (1 + self.n_layer + sets) + 2 * N * (1 + 2 * sets)
+        kept_full = (N * C * (1 + blocks) + 2 * N * last) * in_flight + N * C * sets + 4 * N * sets
         if self.device.ops.attention_saved_kind != "probabilities":
             kept_full += math.prod(self.device.ops.attention_state_shapes(B, self.blocks[0].attn.n_head, T)[0]) * sets
         return sum(math.prod(s) for s in shapes) * low + kept_full * (full - low)
@@ -244,36 +296,26 @@ class GPT:
         self._bind()
 
     def init(self, seed: int):
-        """GPT-2's initial weights from ``seed``, drawn in float64 in flat order, one copy to the device.
-        Under tensor parallelism each logical array is drawn whole and this rank keeps its piece,
-        so every t starts from the same weights."""
+        """GPT-2's initial weights from ``seed``, drawn in float64 in the whole model's flat order,
+        one copy to the device. Under tensor parallelism each logical array is drawn whole and this
+        rank keeps its piece; a pipeline stage draws every stage's arrays and keeps its own: so
+        every t and p starts from the same weights."""
         rng = np.random.default_rng(seed)
-        host = np.concatenate([self._initial(rng, s).reshape(-1) for s in self.flat.slots])
+        drawn = {name: gpt2_init(rng, name, shape, self.n_layer) for name, shape in self.logical_params()}
+        host = np.concatenate([self._local(s.name, drawn[s.name]).reshape(-1) for s in self.flat.slots])
         self.device.copy_from_host(self.flat.data, host)
 
-    def _initial(self, rng, slot):
-        full = gpt2_init(rng, slot.name, self.logical_shape(slot), self.n_layer)
-        return full if self.tensor_layout is None else self.tensor_layout.local(slot.name, full)
+    def _local(self, name, full):
+        return full if self.tensor_layout is None else self.tensor_layout.local(name, full)
 
-    # ---- forward / backward ----------------------------------------------------------
+    # ---- forward / backward (the whole model: one stage) -----------------------------
     def logits(self, tokens):
         """(B*T, V) logits of every position of ``tokens`` (B, T), T <= context."""
         B, T = tokens.shape
         if T > self.context:
             raise ValueError(f"{T} positions, more than the model's context {self.context}")
-        tr, rg = self.tracer, self.ranges
         self.flat.refresh_compute()   # a 16-bit precision's parameter copy, from this step's masters
-        x = self.embedding.forward(tokens)
-        for block in self.blocks:
-            t0 = tr and time.perf_counter()
-            if rg is not None:
-                rg.push(f"forward {block.name}")
-            x = block.forward(x, B, T)
-            if rg is not None:
-                rg.pop()
-            if tr is not None:
-                tr.complete(f"forward {block.name}", t0, "layer", sync=True)
-        return self.head.forward(self.ln_f.forward(x))
+        return self._lanes[0].forward(tokens, B, T)
 
     def forward(self, tokens, targets, totals=None, accumulate=False):
         """(loss_sum, correct) over the B*T next-token predictions of ``tokens`` (B, T); with
@@ -286,45 +328,17 @@ class GPT:
         per parameter once final: ln_f, then the blocks top down, then wte and wpe last (the
         tied table gets its second contribution from the embedding). ``claim(names)`` before each
         layer writes gradients: the head (wte), ln_f, each block, the embedding (wte, wpe)."""
-        tr = self.tracer
-        shape = self.ln_f.x.shape
-        dres = self._dres.get(shape)  # the residual stream's gradient, updated in place block by block
-        if dres is None:   # in full precision, as the stream itself (hpctrain.precision)
+        self._lanes[0].backward(self.stream_grad(self.ln_f.x.shape), accumulate, ready, claim)
+
+    def stream_grad(self, shape):
+        """The residual stream's gradient (N, C), one array per shape, updated in place block by
+        block; in full precision, as the stream itself (hpctrain.precision)."""
+        dres = self._dres.get(shape)
+        if dres is None:
             dres = self._dres[shape] = self.device.empty(shape, self.device.accum_dtype)
-        self._claim(claim, (("wte", None),))
-        dxf = self.head.backward(self.loss.backward(), accumulate)
-        self._claim(claim, self.ln_f.params)
-        self.ln_f.backward(dxf, dres, accumulate, add_dx=False)
-        self._ready(ready, self.ln_f.params)
-        rg = self.ranges
-        for block in reversed(self.blocks):
-            t0 = tr and time.perf_counter()
-            self._claim(claim, block.params)
-            if rg is not None:
-                rg.push(f"backward {block.name}")
-            block.backward(dres, accumulate)
-            if rg is not None:
-                rg.pop()
-            if tr is not None:
-                tr.complete(f"backward {block.name}", t0, "layer", sync=True)
-            self._ready(ready, block.params)
-        self._claim(claim, self.embedding.params)
-        self.embedding.backward(dres, accumulate)
-        self._ready(ready, self.embedding.params)
+        return dres
 
     @property
     def backward_groups(self) -> list:
         """The parameter names each ``claim`` of :meth:`backward` names, in its order."""
-        names = lambda layer: tuple(n for n, _ in layer.params)  # noqa: E731
-        return [("wte",), names(self.ln_f), *(names(b) for b in reversed(self.blocks)), names(self.embedding)]
-
-    @staticmethod
-    def _claim(claim, params):
-        if claim is not None:
-            claim([name for name, _ in params])
-
-    @staticmethod
-    def _ready(ready, params):
-        if ready is not None:
-            for name, _ in params:
-                ready(name)
+        return self._lanes[0].backward_groups

@@ -49,8 +49,9 @@ def open_data(cfg, world, device) -> TrainingData:
                         info={"dim": train.dim, "n_classes": train.n_classes}, close=close)
 
 
-def build(cfg, device, data: TrainingData, tensor=None) -> "MLP":
-    """``tensor``: unused (the config refuses dist.tensor_parallel > 1 for the MLP)."""
+def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0) -> "MLP":
+    """``tensor``, ``stage``: unused (the config refuses dist.tensor_parallel > 1 and
+    dist.pipeline_parallel > 1 for the MLP)."""
     return MLP(device, data.info["dim"], cfg.model.hidden, data.info["n_classes"], cfg.model.activation)
 
 

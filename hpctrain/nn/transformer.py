@@ -267,8 +267,21 @@ class Block(Layer):
         return dx if self.tensor is None else self.tensor.allreduce(dx)
 
 
+class TiedTable(Layer):
+    """The token table ``wte`` (V, C) alone: the tied head's weight on a pipeline's last stage, which
+    holds no embedding (its copy of the first stage's table, kept equal by summing their gradients)."""
+
+    def __init__(self, device, vocab: int, channels: int):
+        self.device, self.vocab = device, vocab
+        self.params = (("wte", (vocab, channels)),)
+
+    def bind(self, flat):
+        self.wte, self.dwte = flat.view(flat.compute, "wte"), flat.grad_view("wte")
+
+
 class TiedHead(Layer):
-    """logits (N, V) = x (N, C) @ wte^T, with the embedding's own table (no parameters of its own)."""
+    """logits (N, V) = x (N, C) @ wte^T, with the embedding's own table (no parameters of its own;
+    ``embedding``: the :class:`Embedding`, or a :class:`TiedTable` on a pipeline's last stage)."""
 
     def __init__(self, device, embedding: Embedding):
         self.device, self.embedding = device, embedding

@@ -43,11 +43,12 @@ class Unallocated(CpuDevice):
     zeros = empty
 
 
-def computed(model, optimizer, device, rows: int, grad_slots=None) -> dict:
-    """{"params", "grads", "optimizer", "activations"}: bytes on this rank of ``model``'s flat buffers
-    (parameters: the masters, and under a 16-bit ``train.precision`` their compute copy too),
-    ``optimizer``'s state and the activations of a micro-batch of ``rows`` rows (None for a model that
-    does not say); ``grad_slots``: ZeRO-2's reused bucket slots and this rank's chunks."""
+def computed(model, optimizer, device, rows: int, grad_slots=None, in_flight: int = 1) -> dict:
+    """{"params", "grads", "optimizer", "activations", "in_flight"}: bytes on this rank of ``model``'s
+    flat buffers (parameters: the masters, and under a 16-bit ``train.precision`` their compute copy
+    too), ``optimizer``'s state and the activations of ``in_flight`` micro-batches of ``rows`` rows
+    held at once (a pipeline stage's schedule; None for a model that does not say); ``grad_slots``:
+    ZeRO-2's reused bucket slots and this rank's chunks."""
     item = device.dtype.itemsize
     flat = model.flat
     per_rows = getattr(model, "activation_bytes", None)
@@ -58,7 +59,8 @@ def computed(model, optimizer, device, rows: int, grad_slots=None) -> dict:
         params += flat.size * np.dtype(compute.dtype).itemsize
     return {"params": params, "grads": grads * item,
             "optimizer": len(optimizer.state()) * optimizer.state_size * item,
-            "activations": per_rows(rows) if per_rows is not None else None}
+            "activations": None if per_rows is None else per_rows(rows) if in_flight == 1 else per_rows(rows, in_flight),
+            "in_flight": in_flight}
 
 
 def describe(b: dict, zero: int, size: int) -> str:
@@ -68,7 +70,10 @@ def describe(b: dict, zero: int, size: int) -> str:
                                                          if zero == 2 else ""),
              f"optimizer state {b['optimizer'] / 1e6:,.2f} MB" + (f" (zero {zero}: a 1/{size} share)" if zero else "")]
     if b["activations"] is not None:
-        parts.append(f"activations {b['activations'] / 1e6:,.2f} MB per micro-batch")
+        held = b.get("in_flight", 1)
+        parts.append(f"activations {b['activations'] / 1e6:,.2f} MB per micro-batch" if held == 1 else
+                     f"activations {b['activations'] / 1e6:,.2f} MB ({held} micro-batches in flight on this "
+                     f"pipeline stage)")
     return "memory per rank (computed): " + ", ".join(parts)
 
 

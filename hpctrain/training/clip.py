@@ -9,7 +9,9 @@ optimizer reads it. The norm is of the whole logical gradient, each element coun
   counts it (ZeRO: each rank holds its own chunks, and every rank counts those);
 - tensor parallel: a split parameter's pieces are on different tensor ranks and each counts its
   own; a replicated one (LayerNorms, biases after a row split, the embeddings) is the same on
-  every tensor rank, so only tensor rank 0 counts it.
+  every tensor rank, so only tensor rank 0 counts it;
+- pipeline parallel: each stage counts its own blocks; the tied table, held by the first and the
+  last stage with the same summed gradient, is counted by the first.
 
 Each rank's count is a float64 sum in a fixed order (kernels/sum_squares.py); the world gathers
 them and every rank adds them in rank order (the ranks that count nothing add an exact zero), so
@@ -25,17 +27,18 @@ import math
 EPS = 1e-6   # added to the norm before dividing, as PyTorch's clip_grad_norm_
 
 
-def counted_runs(ranges, slots, split_names, sharded: bool, data_rank: int, tensor_rank: int):
+def counted_runs(ranges, slots, split_names, sharded: bool, data_rank: int, tensor_rank: int, copies=()):
     """The flat [lo, hi) runs of ``ranges`` (this rank's update ranges) whose squares this rank adds
     to the norm (module doc): ``slots`` the flat parameters' slots, ``split_names`` the tensor-split
-    parameters' names, ``sharded`` ZeRO (each rank owns its ranges)."""
+    parameters' names, ``sharded`` ZeRO (each rank owns its ranges), ``copies`` the names of
+    parameters another stage counts (a pipeline's last stage: the tied table, counted on the first)."""
     if not sharded and data_rank != 0:
         return []
     runs = []
     for lo, hi in ranges:
         for slot in slots:
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.size)
-            if a < b and (slot.name in split_names or tensor_rank == 0):
+            if a < b and slot.name not in copies and (slot.name in split_names or tensor_rank == 0):
                 if runs and runs[-1][1] == a:
                     runs[-1] = (runs[-1][0], b)
                 else:
@@ -61,7 +64,8 @@ class GradClip:
         self.device, self.world, self.grad_of, self.max_norm = plan.device, plan.world, grad_of, float(max_norm)
         self.ranges = list(ranges)
         self.runs = counted_runs(self.ranges, model.flat.slots, set(layout.splits) if layout else set(),
-                                 plan.shards is not None, plan.dp.rank, plan.grid.tensor_rank)
+                                 plan.shards is not None, plan.dp.rank, plan.grid.tensor_rank,
+                                 ("wte",) if plan.grid.stage > 0 else ())
         self.norm = self.coefficient = None   # the last step's (for the metrics)
 
     def apply(self) -> float:

@@ -253,6 +253,19 @@ class DistConfig:
                               "tied head and LayerNorms replicated); the world size / t data-parallel groups average "
                               "gradients with dist.allreduce. t divides the world size and model.n_head; "
                               "dist.zero = 0 only")
+    pipeline_parallel: int = _f(1, "pipeline stages p (GPT only): the blocks in p contiguous stages on p ranks "
+                                "(stage = world rank // (world size / p): a stage's data and tensor groups are "
+                                "consecutive ranks), activations and their gradients passed between neighbours by "
+                                "MPI point-to-point; the embedding on the first stage, ln_f and the tied head on "
+                                "the last (the tied table's two gradients summed between them); micro-batches are "
+                                "train.grad_accum_steps (docs/pipeline.md)")
+    pipeline_schedule: str = _f("1f1b", "the order of a stage's micro-batches: 1f1b (one forward, one backward: "
+                                "at most p micro-batches' activations held) | gpipe (every forward, then every "
+                                "backward: all m held); both idle (p - 1) / (m + p - 1) of a step",
+                                choices=("1f1b", "gpipe"))
+    pipeline_stages: list[int] = _f([], "blocks per stage, first stage first (e.g. [3, 5]); [] = balanced by "
+                                    "parameter count (the embedding counted on the first stage, the tied head "
+                                    "and ln_f on the last)")
     comm_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the watchdog "
                              "reports which ranks are missing and aborts the job (checkpoint saves and "
                              "evaluation get 10x while every rank still answers); 0 = off")
@@ -289,6 +302,9 @@ class DistConfig:
         if self.tensor_parallel < 1:
             raise ConfigError(f"dist.tensor_parallel={self.tensor_parallel}: a group size >= 1 (1 = no tensor "
                               f"parallelism)")
+        if self.pipeline_parallel < 1:
+            raise ConfigError(f"dist.pipeline_parallel={self.pipeline_parallel}: a number of stages >= 1 (1 = no "
+                              f"pipeline parallelism)")
         if self.tensor_parallel > 1 and self.zero:
             raise ConfigError(f"dist.tensor_parallel={self.tensor_parallel} with dist.zero={self.zero}: ZeRO's shares "
                               f"are cut from the whole flat buffer every rank holds, which tensor parallelism splits; "
@@ -383,6 +399,10 @@ class Config:
                               "scale, which changes from step to step; use bf16 (no loss scale), or no compression")
         if self.dist.compress_momentum:
             self._check_compress_momentum()
+        if self.dist.pipeline_parallel > 1 or self.dist.pipeline_stages:
+            from .schedules import check_config
+
+            check_config(self)
         if self.dist.tensor_parallel > 1:
             if self.model.kind != "gpt":
                 raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel}: tensor parallelism splits the "

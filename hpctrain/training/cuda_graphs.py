@@ -49,7 +49,8 @@ def why_not(cfg, device, plan) -> str:
     for on, what in ((cfg.train.trace, "tracing (train.trace)"), (cfg.train.op_times, "train.op_times"),
                      (cfg.train.sync_phases, "train.sync_phases"),
                      (plan.tensor is not None, "tensor parallelism (its all-reduces run inside forward and backward)"),
-                     (cfg.dist.zero == 2, "ZeRO-2 (it reduces every micro-batch inside backward)")):
+                     (cfg.dist.zero == 2, "ZeRO-2 (it reduces every micro-batch inside backward)"),
+                     (plan.pipeline > 1, "pipeline parallelism (its stages exchange every micro-batch)")):
         if on:
             return f"{what} waits or communicates inside the step"
     if cfg.train.precision != "fp32":

@@ -72,7 +72,8 @@ class RunLoop:
 
     def _start_up_lines(self) -> None:
         plan, cfg, world, log, state = self.plan, self.plan.cfg, self.plan.world, self.log, self.state
-        tc, data, model, tensor = cfg.train, self.data, state.model, plan.grid.tensor is not None
+        tc, data, model = cfg.train, self.data, state.model
+        tensor = plan.grid.tensor is not None or plan.pipeline > 1   # this rank holds part of the model
         log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
                  f"device {plan.device.describe()}, allreduce {cfg.dist.allreduce} "
                  f"(MPI staging: {plan.staging.mode}; {len(plan.buckets)} bucket(s), "
@@ -88,6 +89,15 @@ class RunLoop:
                  + (" on this rank" if tensor else "") + ", "
                  f"{state.sampler.steps_per_epoch} steps/epoch; data: {data.describe}")
         log.info(memory.describe(memory_of(plan, model, state.optimizer, state.sampler), cfg.dist.zero, plan.dp.size))
+        if plan.pipeline > 1:
+            from .schedules import bubble_fraction
+
+            p, m = plan.pipeline, plan.micro_batches
+            log.info(f"pipeline: {p} stages of {list(plan.stage_counts)} block(s), schedule "
+                     f"{cfg.dist.pipeline_schedule}, {m} micro-batch(es) per step: each stage idles about "
+                     f"{bubble_fraction(p, m):.0%} of a step ((p - 1) / (m + p - 1); the metrics' t_pipeline is "
+                     f"rank 0's wait)" + ("" if m >= p else f"; with fewer micro-batches than stages 1f1b holds all "
+                                          f"m as gpipe does: raise train.grad_accum_steps to {p} or more"))
         advice = memory.zero2_advice(plan, model.flat)
         if advice:
             log.warn(advice)
@@ -166,6 +176,7 @@ class RunLoop:
                                        loss=sums[0] / sums[2], accuracy=sums[1] / sums[2],
                                        lr=self.stepper.schedule.lr(state.step - 1), step_time=step_time,
                                        **self.stepper.comm_metrics(), **self.stepper.clip_metrics(),
+                                       **self.stepper.pipeline_metrics(),
                                        **tensor, **rate,
                                        bad_steps=guard.bad_steps, skipped=bad is not None or stats.overflow,
                                        **scaled,
@@ -272,15 +283,13 @@ class RunLoop:
         """Loss, accuracy (and for byte tokens bits per byte) on the evaluation set (all of it with
         ``whole``, else the family's subset), each rank scoring its shard; forward only, no gradient
         or optimizer state touched. Collective."""
-        plan, model = self.plan, self.state.model
+        plan = self.plan
         totals = np.zeros(3)  # loss_sum, correct, predictions
         # a data group's tensor ranks score the same shard: each counts it once in the world's
         # sums below, loss and predictions alike, so the means are those of the data groups
+        # (a pipeline's stages pass each chunk along; only the last stage's scores count)
         for x_host, y_host in self.data.eval_shard(plan.dp.rank, plan.dp.size, whole):
-            x = plan.device.upload(x_host, "eval_x", model.input_dtype)
-            y = plan.device.upload(y_host, "eval_y", np.int64)
-            loss_sum, correct = model.forward(x, y)
-            totals += (loss_sum, correct, y_host.size)
+            totals += self.stepper.score(x_host, y_host)
         step = self.state.step
         with self.watchdog.watch("evaluation all-reduce", f"step {step}", step, 10):
             plan.world.comm.Allreduce(_in_place(), totals)
@@ -309,8 +318,8 @@ class _Judged:
         sums = np.array([own.loss_sum, own.correct, predictions, world.is_root and checkpoints.time_due(),
                          own.loss_nonfinite, own.grad_nonfinite,
                          *(stop_signal.received == name for name in STOP_SIGNALS)], np.float64)
-        if plan.grid.tensor_rank != 0:  # a data group's tensor ranks computed the same loss on the same rows
-            sums[:3] = 0.0
+        if not plan.grid.scores:  # a data group's tensor ranks computed the same loss on the same rows;
+            sums[:3] = 0.0        # a pipeline's earlier stages none
         with watchdog.watch("step statistics all-reduce", f"step {step}", step):
             world.comm.Allreduce(_in_place(), sums)  # global loss/accuracy of this step
         return cls(sums)

@@ -1,7 +1,7 @@
 """The plan: what runs where, decided once from the configuration and the world.
 
-A :class:`Plan` is pure data plus the communicators: the process grid (data x tensor; the
-pipeline axis is there, of size 1, for the schedules to come), this rank's groups, the device
+A :class:`Plan` is pure data plus the communicators: the process grid (data x tensor x
+pipeline), this rank's groups, the device
 and its compute dtype, the gradient buckets, the ZeRO shares and gradient slots, the all-reduce
 strategy and ZeRO-1's parameter gatherer. The trainer, the step and the checkpoints read it;
 nothing in it changes after start-up. Built in three stages, because the buckets follow the
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ..comm import make_allreduce
 from ..comm.buckets import plan_buckets
-from ..comm.grid import Grid, align_auto, check_divides, groups, make_grid
+from ..comm.grid import Grid, align_auto, check_divides, groups, make_grid, place_of
 from ..comm.staging import Staging
 from ..comm.zero import param_gatherer
 from ..comm.zero_grads import plan_zero
@@ -46,20 +46,37 @@ class Plan:
     device: object
     staging: Staging | None
     tensor: object = None
-    pipeline: int = 1                      # pipeline stages: one (the axis is reserved)
     buckets: list = field(default_factory=list)
     shards: object = None                  # ZeRO >= 1: this rank's chunk of every bucket
     grad_slots: object = None              # ZeRO-2: the reused gradient slots and this rank's chunks
     allreduce: object = None               # the strategy of dist.allreduce, after connect()
     param_gather: object = None            # ZeRO-1's parameter all-gathers (a duplicate communicator)
     precision: object = None               # the hpctrain.precision.Precision of train.precision
+    stage_counts: tuple = ()               # blocks per pipeline stage, after divide()
 
     def __post_init__(self):
         if self.precision is None:
-            self.precision = policy(self.cfg.train.precision, self.cfg.train.dtype)
+            self.precision = policy(self.cfg.train.precision, self.cfg.train.dtype, self.cfg.dist.reduce_dtype)
         # the device the model computes on: ``device`` itself, or a MixedDevice over it (bf16, fp16);
         # the flat masters, the optimizer and the communication use ``device``
         self.model_device = on_device(self.device, self.precision)
+
+    @property
+    def pipeline(self) -> int:
+        """Pipeline stages (``dist.pipeline_parallel``)."""
+        return self.grid.p
+
+    @property
+    def in_flight(self) -> int:
+        """The most micro-batches whose activations this rank holds at once: one, or on a pipeline
+        stage what its schedule keeps (GPipe m, 1F1B min(p - stage, m))."""
+        if self.pipeline == 1:
+            return 1
+        from .pipeline import in_flight
+        from .schedules import stage_schedule
+
+        return in_flight(stage_schedule(self.cfg.dist.pipeline_schedule, self.grid.stage, self.pipeline,
+                                        self.micro_batches))
 
     @property
     def dp(self):
@@ -75,7 +92,11 @@ class Plan:
         """Buckets over ``model``'s flat parameters, and the ZeRO shares (ZeRO-2: ``model``'s gradients
         move into the slots). Local."""
         d = self.cfg.dist
-        self.buckets = plan_buckets(model.flat, self.device.dtype.itemsize, d.bucket_mb, d.first_bucket_mb)
+        self.stage_counts = getattr(getattr(model, "span", None), "counts", ())
+        # a pipeline's tied table is summed over the embedding group once its data group has averaged
+        # it: a bucket of its own, so that both stages' buckets (and ZeRO chunks) of it are alike
+        alone = ("wte",) if self.pipeline > 1 and any(s.name == "wte" for s in model.flat.slots) else ()
+        self.buckets = plan_buckets(model.flat, self.device.dtype.itemsize, d.bucket_mb, d.first_bucket_mb, alone)
         self.shards, self.grad_slots = plan_zero(d.zero, d, self.buckets, model, self.device, self.dp)
 
     def connect(self, log) -> None:
@@ -89,6 +110,16 @@ class Plan:
             self.param_gather = param_gatherer(d.allreduce, self.allreduce, self.dp, self.device,
                                                Staging(self.device, d.cuda_aware_mpi), d.hierarchical_inner)
 
+    def tied_share(self):
+        """On a pipeline's first or last stage: (its pipeline group's first rank, the [lo, hi) of the tied
+        table ``wte`` this rank updates, counted from the table's start); None elsewhere. Under ZeRO
+        both stages' ranks must own the same part (the trainer checks: they sum it with each other)."""
+        tied = next((b for b in self.buckets if b.slots == ("wte",)), None)
+        if tied is None or self.grid.embedding is None:
+            return None
+        lo, hi = (tied.lo, tied.hi) if self.shards is None else self.shards.pieces[tied.index][:2]
+        return self.world.rank % (self.world.size // self.pipeline), (lo - tied.lo, hi - tied.lo)   # local
+
     def bucket_names(self) -> list[str]:
         """'bucket 2 of 5, 4.19 MB' per bucket: where the watchdog says a collective waits."""
         item = self.device.dtype.itemsize
@@ -99,9 +130,25 @@ class Plan:
         cfg, d, t = self.cfg, self.cfg.dist, self.grid.t
         size = self.dp.size * t * self.pipeline
         lines = [f"plan: {size} rank(s) = data {self.dp.size} x tensor {t} x pipeline {self.pipeline}"]
-        if t > 1:
-            tensor, data = groups(size, t)
-            lines.append(f"  tensor groups {' '.join(map(str, tensor))}; data groups {' '.join(map(str, data))}")
+        if t > 1 or self.pipeline > 1:
+            tensor, data, pipeline = groups(size, t, self.pipeline)
+            lines.append("  " + (f"tensor groups {' '.join(map(str, tensor))}; " if t > 1 else "")
+                         + f"data groups {' '.join(map(str, data))}"
+                         + (f"; pipeline groups {' '.join(map(str, pipeline))}" if self.pipeline > 1 else ""))
+        if self.pipeline > 1:
+            from .schedules import bubble_fraction
+            from .schedules import describe as describe_schedule
+
+            counts = list(self.stage_counts)
+            lines.append(f"  pipeline: blocks per stage {counts}, schedule {d.pipeline_schedule}, "
+                         f"{self.micro_batches} micro-batch(es) per step: each stage idles "
+                         f"{bubble_fraction(self.pipeline, self.micro_batches):.0%} of a step "
+                         f"((p - 1) / (m + p - 1))"
+                         + (f"; fewer micro-batches than stages: 1f1b holds as many as gpipe (m), raise "
+                            f"train.grad_accum_steps to {self.pipeline} or more" if self.micro_batches < self.pipeline
+                            else ""))
+            lines += ["  " + line for line in describe_schedule(d.pipeline_schedule, self.pipeline, self.micro_batches,
+                                                                 compute_only=True).splitlines()]
         reduced = cfg.train.dtype if d.compress == "none" else f"compressed by {d.compress}"
         lines.append(f"  device {self.device.name}; {self.precision.describe()}, "
                      f"gradients reduced {reduced}; {self.micro_batches} micro-batch(es) per step")
@@ -125,7 +172,7 @@ def place(cfg, world, device=None) -> Plan:
     its staging. Collective over ``world.comm`` (the grid's splits) when t > 1."""
     from ..nn.tensor_parallel import TensorGroup
 
-    grid = make_grid(world, cfg.dist.tensor_parallel)
+    grid = make_grid(world, cfg.dist.tensor_parallel, cfg.dist.pipeline_parallel)
     device = device or make_device(cfg.train.device, cfg.train.dtype, world, cfg.train.gemm, cfg.model.attention)
     tensor = None
     if grid.tensor is not None:
@@ -142,11 +189,15 @@ def on_paper(cfg, world) -> Plan:
         from ..device import cuda_status, simulated
 
         like = "cuda" if cuda_status()[0] and not simulated() else "cpu"
-    t = cfg.dist.tensor_parallel
-    check_divides(world.size, t)
-    data = dataclasses.replace(world, comm=None, rank=world.rank // t, size=world.size // t)
-    tensor = types.SimpleNamespace(size=t, rank=world.rank % t) if t > 1 else None
-    return Plan(cfg, world, Grid(t, tensor, data), memory.Unallocated(cfg.train.dtype, like=like, attention=cfg.model.attention), None, tensor)
+    t, p = cfg.dist.tensor_parallel, cfg.dist.pipeline_parallel
+    check_divides(world.size, t, p)
+    stage, data_rank, tensor_rank = place_of(world.rank, world.size, t, p)
+    data = dataclasses.replace(world, comm=None, rank=data_rank, size=world.size // (t * p))
+    tensor = types.SimpleNamespace(size=t, rank=tensor_rank) if t > 1 else None
+    pipeline = types.SimpleNamespace(size=p, rank=stage) if p > 1 else None
+    grid = Grid(t, tensor, data, p, pipeline)
+    return Plan(cfg, world, grid, memory.Unallocated(cfg.train.dtype, like=like, attention=cfg.model.attention),
+                None, tensor)
 
 
 def planned_memory(cfg, world) -> dict:
@@ -165,7 +216,7 @@ def paper_run(cfg, world) -> tuple[Plan, dict]:
     models = family(cfg.model.kind)
     data = models.open_data(cfg, plan.dp, plan.device)
     try:
-        model = models.build(cfg, plan.model_device, data, tensor=plan.tensor)
+        model = models.build(cfg, plan.model_device, data, tensor=plan.tensor, stage=plan.grid.stage)
         plan.divide(model)
         optimizer = make_optimizer(plan.device, model.flat, cfg.optim, model.no_decay, plan.shards)
         return plan, memory_of(plan, model, optimizer, data.sampler)
@@ -177,4 +228,4 @@ def memory_of(plan, model, optimizer, sampler) -> dict:
     """The bytes :func:`~hpctrain.observe.memory.computed` counts on this rank for ``model`` and
     ``optimizer`` as ``plan`` divides them, with activations of this rank's largest micro-batch."""
     rows = -(-sampler.batch // plan.micro_batches)
-    return memory.computed(model, optimizer, plan.device, rows, plan.grad_slots)
+    return memory.computed(model, optimizer, plan.device, rows, plan.grad_slots, plan.in_flight)

@@ -181,3 +181,51 @@ def simulate(stages: list[list[Instr]], forward_time: float = 1.0, backward_time
 def bubble_fraction(p: int, m: int) -> float:
     """The idle fraction of each stage in a step of either schedule: (p - 1) / (m + p - 1)."""
     return (p - 1) / (m + p - 1)
+
+
+def balance(n_layer: int, p: int, block: int, first: int = 0, last: int = 0) -> list[int]:
+    """Blocks per stage, p contiguous runs of the ``n_layer`` blocks (each ``block`` parameters) with the
+    largest stage's parameter count as small as it can be, the first stage holding ``first`` more
+    (the embedding) and the last ``last`` more (the tied head's table and ln_f). Among equally good
+    splits, the one with the earliest stages largest (the later stages, nearer the loss, hold fewer
+    micro-batches' activations under 1F1B but run the head)."""
+    if not 1 <= p <= n_layer:
+        raise ValueError(f"{p} stage(s) for {n_layer} block(s)")
+    extra = lambda s: (first if s == 0 else 0) + (last if s == p - 1 else 0)  # noqa: E731
+    # best[s][k]: (the smallest largest stage, its split) of stages s .. p-1 over the last k blocks
+    best: dict = {}
+    for s in range(p - 1, -1, -1):
+        for k in range(p - s, n_layer - s + 1):
+            if s == p - 1:
+                best[s, k] = (k * block + extra(s), [k])
+                continue
+            options = []
+            for here in range(k - (p - s - 1), 0, -1):   # the most blocks here first
+                rest, split = best[s + 1, k - here]
+                options.append((max(here * block + extra(s), rest), [here] + split))
+            best[s, k] = min(options, key=lambda o: o[0])
+    return best[0, n_layer][1]
+
+
+def check_config(cfg) -> None:
+    """:class:`ConfigError` for a pipeline (``dist.pipeline_parallel`` > 1 or ``dist.pipeline_stages``)
+    that this configuration cannot run; what a world size decides is checked by the grid."""
+    d, m = cfg.dist, cfg.model
+    p = d.pipeline_parallel
+    if m.kind != "gpt":
+        raise ConfigError(f"dist.pipeline_parallel={p}: pipeline stages are the GPT's blocks; model.kind = "
+                          f"{m.kind!r} trains data-parallel only (its two hidden layers are smaller than one "
+                          f"stage boundary's activations would be worth sending)")
+    if p > m.n_layer:
+        raise ConfigError(f"dist.pipeline_parallel={p} exceeds model.n_layer={m.n_layer}: each stage holds at "
+                          f"least one block")
+    if d.pipeline_stages:
+        stages = list(d.pipeline_stages)
+        if len(stages) != p or any(not isinstance(n, int) or n < 1 for n in stages) or sum(stages) != m.n_layer:
+            raise ConfigError(f"dist.pipeline_stages={stages}: {p} block count(s) >= 1 (one per stage of "
+                              f"dist.pipeline_parallel={p}) adding up to model.n_layer={m.n_layer}, or [] to "
+                              f"balance by parameter count")
+    if p > 1 and d.compress != "none":
+        raise ConfigError(f"dist.compress={d.compress!r} with dist.pipeline_parallel={p}: a compressor's state "
+                          f"(residuals, PowerSGD's factors) is saved per rank, and a pipeline's stages hold "
+                          f"different parameters; use one of them")

@@ -6,7 +6,7 @@ by bucket, by the communication thread -> the optimizer update of each bucket as
 Because every rank starts from rank 0's parameters and applies the same averaged gradient, N ranks
 with batch b train like one rank with batch N*b (up to floating-point summation order).
 
-:class:`Step` is where a CUDA-graph replay or a pipeline schedule will replace the eager sequence:
+:class:`Step` is where a CUDA-graph replay or a pipeline schedule (:mod:`.pipeline`) replaces the eager sequence:
 it needs only the plan, the training state, the learning-rate schedule, the timers and the
 watchdog, and it returns :class:`StepStats`. It does not advance ``state.step``: the run loop
 does, after judging the statistics.
@@ -24,6 +24,7 @@ from ..comm.zero_grads import make_reducer
 from ..data.sampler import shard_range
 from .clip import GradClip
 from .cuda_graphs import StepGraphs, why_not
+from .pipeline import PipelineStage
 
 
 @dataclass
@@ -70,6 +71,11 @@ class Step:
         # train.cuda_graphs: forward and backward replayed as graphs, or "" and why not
         self.graphs_off = why_not(cfg, plan.device, plan)
         self.graphs = None if self.graphs_off else StepGraphs(plan.device, state.model, log)
+        # dist.pipeline_parallel: this rank's stage runs the schedule's micro-batches
+        self.pipe = None if plan.pipeline == 1 else PipelineStage(plan, state.model, timers, self.watchdog)
+        # the tied table's bucket on a pipeline's first and last stage: summed over the embedding group
+        self._tied = next((b.index for b in plan.buckets if b.slots == ("wte",)), None) \
+            if plan.grid.embedding is not None else None
         # optim.clip_grad_norm: the global norm once every bucket is reduced, before any update
         self.clip = None if not cfg.optim.clip_grad_norm else GradClip(
             plan, state.model, lambda lo, hi: self.state.optimizer.grad_of(lo, hi),
@@ -93,7 +99,9 @@ class Step:
         model.loss.loss_scale = loss_scale
         reducer.start(scale=1.0 / (plan.dp.size * k * loss_scale), step=step)
         totals, graphs = self._totals, self.graphs
-        for micro in range(k):
+        if self.pipe is not None:
+            self.pipe.run(step, x_all, y_all, totals, reducer.mark_ready, reducer.claim, reducer.every_micro)
+        for micro in range(k if self.pipe is None else 0):
             last = micro == k - 1
             with t("data"):
                 part = slice(*shard_range(len(y_all), micro, k))  # k equal parts, or differing by one row
@@ -125,6 +133,8 @@ class Step:
         for bucket, name in zip(plan.buckets, self._bucket_names):
             with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {step}", step):
                 reducer.wait(bucket)
+            if bucket.index == self._tied:
+                self._sum_tied(step, bucket)
             if update and not later:
                 self._update(step, bucket, name)
         if self.clip is not None:   # before the update, deferred or not: the gradient is clipped once
@@ -159,6 +169,30 @@ class Step:
         with self.timers("allgather"), self.watchdog.watch("parameter all-gather", f"{name}, step {step}", step):
             plan.param_gather.allgather(self.state.model.flat.data[bucket.lo:bucket.hi])
 
+    def _sum_tied(self, step, bucket) -> None:
+        """A pipeline's tied table: the first stage's gradient (from the embedding) and the last's
+        (from the head), each averaged over its data group, summed between the two stages. The
+        sum of two is the same bits on both, so their copies of the table stay equal."""
+        from mpi4py import MPI
+
+        grad = self.state.optimizer.grad_of(*self._range(bucket))
+        with self.timers("allreduce"), self.watchdog.watch("embedding-group all-reduce", f"wte, step {step}", step):
+            with self.plan.staging.mpi_view(grad, "tied") as view:
+                self.plan.grid.embedding.comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
+        self.pipe.bytes_sent += grad.nbytes   # to the other end of the embedding group
+
+    def score(self, x_host, y_host) -> tuple:
+        """(loss_sum, correct, predictions) of evaluation rows ``x_host``, ``y_host`` on this rank: a
+        forward only; under pipeline parallelism through every stage, counted on the last."""
+        if self.pipe is not None:
+            loss_sum, correct = self.pipe.score(x_host, y_host)
+            return loss_sum, correct, y_host.size if self.plan.grid.last_stage else 0
+        plan, model = self.plan, self.state.model
+        x = plan.device.upload(x_host, "eval_x", model.input_dtype)
+        y = plan.device.upload(y_host, "eval_y", np.int64)
+        loss_sum, correct = model.forward(x, y)
+        return loss_sum, correct, y_host.size
+
     def _range(self, bucket) -> tuple[int, int]:
         """The flat range the optimizer updates for ``bucket`` (ZeRO: this rank's chunk of it)."""
         return (bucket.lo, bucket.hi) if self.plan.shards is None else self.plan.shards.pieces[bucket.index][:2]
@@ -166,6 +200,11 @@ class Step:
     def clip_metrics(self) -> dict:
         """The last step's gradient norm and clip coefficient (optim.clip_grad_norm), or nothing."""
         return {} if self.clip is None else self.clip.metrics()
+
+    def pipeline_metrics(self) -> dict:
+        """The last step's pipeline figures (:meth:`.pipeline.PipelineStage.metrics`; collective over
+        the pipeline group), or nothing without one."""
+        return {} if self.pipe is None else self.pipe.metrics()
 
     def comm_metrics(self) -> dict:
         """The last step's communication for the metrics: times, bytes reduced and, per rank, bytes

@@ -98,11 +98,16 @@ class Trainer:
             agree(world, _check_same_data, world.comm.allgather(self.data.signature), cfg.data.train)
             # Buckets reduced in a different order or size on some rank would pair
             # collectives wrongly and hang: compare the layouts first.
-            layouts = world.comm.allgather(layout_signature(plan.buckets, plan.device.dtype))
+            # (a pipeline's stages hold different parameters: the ranks of each stage must agree)
+            layouts = world.comm.allgather((plan.grid.stage, layout_signature(plan.buckets, plan.device.dtype)))
             agree(world, check_same_layout, layouts)
-            if plan.grid.tensor is not None:
-                placed = world.comm.allgather(tuple(node for node, _ in plan.dp.where))
-                agree(world, check_same_reduction, placed, cfg.dist.allreduce)
+            if plan.grid.tensor is not None:   # (a stage's tensor ranks hold the replicas: per stage)
+                placed = world.comm.allgather((plan.grid.stage, tuple(node for node, _ in plan.dp.where)))
+                for stage in sorted({s for s, _ in placed}):
+                    agree(world, check_same_reduction, [p for s, p in placed if s == stage], cfg.dist.allreduce)
+            if plan.pipeline > 1:
+                # the tied table's gradient is summed chunk by chunk between the first and last stage
+                agree(world, check_tied_shares, world.comm.allgather(plan.tied_share()))
         with wd.watch("start-up", f"all-reduce set-up (dist.allreduce={cfg.dist.allreduce})", slack=10):
             # strategies may run collectives while being built (auto measures), so
             # only once every rank is known to have built everything else
@@ -164,7 +169,7 @@ class Trainer:
             self.op_times = OpTimes(plan.device, plan.model_device)  # wraps the devices' kernel tables
         models = family(cfg.model.kind)
         self.data = models.open_data(cfg, plan.dp, plan.device)  # tensor ranks of a data group read the same rows
-        model = models.build(cfg, plan.model_device, self.data, tensor=plan.tensor)
+        model = models.build(cfg, plan.model_device, self.data, tensor=plan.tensor, stage=plan.grid.stage)
         model.init(cfg.train.seed)
         self.faults.check_inputs(model.input_dtype)
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
@@ -270,12 +275,32 @@ class Trainer:
 
 
 def check_same_layout(layouts):
-    """Every rank must reduce the same gradient buckets in the same order."""
-    if len(set(layouts)) > 1:
-        detail = ", ".join(f"rank {r}: {h}" for r, h in enumerate(layouts))
+    """Every rank of a pipeline stage (of the world, without one) must reduce the same gradient
+    buckets in the same order. ``layouts``: (stage, layout signature) per rank."""
+    by_stage: dict = {}
+    for stage, signature in layouts:
+        by_stage.setdefault(stage, set()).add(signature)
+    if any(len(signatures) > 1 for signatures in by_stage.values()):
+        detail = ", ".join(f"rank {r}: {h}" + (f" (stage {s})" if len(by_stage) > 1 else "")
+                           for r, (s, h) in enumerate(layouts))
         raise ConfigError(f"ranks disagree on the gradient bucket layout ({detail}); every rank must build "
                           f"the same model with the same dist.bucket_mb and train.dtype, or the all-reduce "
                           f"would deadlock")
+
+
+def check_tied_shares(shares):
+    """A pipeline's first and last stage sum their copies of the tied table's gradient rank by rank
+    (each data rank with the same data rank of the other stage): under ZeRO both must own the same
+    part of it. ``shares``: per rank, None or (pipeline group, the part of ``wte`` it owns)."""
+    owned: dict = {}
+    for share in filter(None, shares):
+        owned.setdefault(share[0], set()).add(share[1])
+    if any(len(parts) > 1 for parts in owned.values()):
+        raise ConfigError("dist.zero with dist.pipeline_parallel: the first and last stage's data groups own different "
+                          "parts of the tied embedding's gradient (their ZeRO chunks follow how each group lies on "
+                          "the nodes, with dist.allreduce=hierarchical or auto), so its two copies could not be "
+                          "summed part by part; use dist.allreduce = ring, rhd, mpi or naive, or a world whose "
+                          "stages lie alike on the nodes")
 
 
 def _check_same_data(seen, path):

@@ -1,0 +1,169 @@
+"""The layers a GPT rank runs: all of them, or one pipeline stage's, for one micro-batch at a time.
+
+A :class:`StageSpan` says which part of the model a rank holds: blocks [lo, hi) of n_layer, the
+embedding when it is the first stage, ln_f, the tied head and the loss when it is the last (one
+stage, the whole model, without pipeline parallelism). :class:`GPTLayers` builds that part's
+layers and runs its forward and backward:
+
+    first stage:  tokens -> embedding -> its blocks -> the residual stream (N, C), sent on
+    middle:       the stream received -> its blocks -> sent on
+    last stage:   the stream received -> its blocks -> ln_f -> logits (x @ wte^T) -> the loss
+
+and backward the other way, the residual stream's gradient ``dres`` updated in place block by block
+and, on every stage but the first, sent back. A layer keeps what its backward needs from its last
+forward, so a stage with several micro-batches in flight (a pipeline schedule) runs each on its own
+:class:`GPTLayers`, a *lane*: the lanes of a model share its parameters and gradients (one flat
+buffer), backward's attention work array and, with ``model.recompute = "blocks"``, the one set of
+block arrays that backward rebuilds; each keeps its own activations.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..nn.layers import SoftmaxCrossEntropy
+from ..nn.transformer import Block, Embedding, LayerNorm, TiedHead, TiedTable
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """Stage ``index`` of ``count`` holds blocks [lo, hi); ``counts``: every stage's block count."""
+
+    index: int
+    count: int
+    lo: int
+    hi: int
+    counts: tuple = ()
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    @classmethod
+    def of(cls, counts: list, index: int) -> "StageSpan":
+        """Stage ``index`` of a split with ``counts`` blocks per stage."""
+        lo = sum(counts[:index])
+        return cls(index, len(counts), lo, lo + counts[index], tuple(counts))
+
+
+class GPTLayers:
+    """One lane of ``model``'s layers (see the module docstring): built over ``model``'s span,
+    device and tensor group; ``workspace`` and ``shared`` are the model's (shared by its lanes)."""
+
+    def __init__(self, model, workspace: dict, shared: dict | None):
+        dev, span, C = model.device, model.span, model.d_model
+        self.model = model
+        self.embedding = Embedding(dev, model.vocab, model.context, C) if span.first else None
+        # the tied head's table: the embedding's, or a copy of it on a later last stage
+        self.table = self.embedding if span.first else TiedTable(dev, model.vocab, C) if span.last else None
+        self.blocks = [Block(dev, f"h.{i}", C, model.n_head, workspace, shared, model.tensor)
+                       for i in range(span.lo, span.hi)]
+        self.ln_f = LayerNorm(dev, "ln_f", C) if span.last else None
+        for block, after in zip(self.blocks, [*(b.ln_1 for b in self.blocks[1:]), self.ln_f]):
+            block.next_norm = after  # each block's output add fused into the LayerNorm that reads it
+        self.head = TiedHead(dev, self.table) if span.last else None
+        # every stage has one, so the trainer's row weight and the step's loss scale have a place to
+        # go; only the last stage's computes anything
+        self.loss = SoftmaxCrossEntropy(dev)
+
+    @property
+    def holders(self) -> list:
+        """The layers that own parameters, in the flat buffer's order."""
+        return [x for x in (self.table, *self.blocks, self.ln_f) if x is not None]
+
+    def specs(self) -> list:
+        """(name, shape) of the lane's parameters in flat order: the table(s), then per block its
+        matrices before its vectors (two weight-decay runs per block), then ln_f."""
+        specs = list(self.table.params) if self.table is not None else []
+        for block in self.blocks:
+            specs += [p for p in block.params if len(p[1]) == 2] + [p for p in block.params if len(p[1]) == 1]
+        return specs + (list(self.ln_f.params) if self.ln_f is not None else [])
+
+    def bind(self, flat) -> None:
+        for layer in self.holders:
+            layer.bind(flat)
+
+    def forward(self, inp, B: int, T: int):
+        """The span's forward of one micro-batch: ``inp`` the tokens (B, T) on the first stage, else
+        the residual stream (B*T, C) the stage before sent. Returns the logits (B*T, V) on the last
+        stage, else the residual stream to send on (an array of this lane's own)."""
+        tr, rg = self.model.tracer, self.model.ranges
+        x = self.embedding.forward(inp) if self.embedding is not None else inp
+        for block in self.blocks:
+            t0 = tr and time.perf_counter()
+            if rg is not None:
+                rg.push(f"forward {block.name}")
+            x = block.forward(x, B, T)
+            if rg is not None:
+                rg.pop()
+            if tr is not None:
+                tr.complete(f"forward {block.name}", t0, "layer", sync=True)
+        return x if self.head is None else self.head.forward(self.ln_f.forward(x))
+
+    def backward(self, dres, accumulate=False, ready=None, claim=None):
+        """The span's backward of the micro-batch of this lane's last forward; ``dres`` (N, C), in the
+        device's full precision: written here on the last stage (the loss's gradient through the
+        head and ln_f), else holding the gradient of the span's output; on return it holds the
+        gradient of the span's input (what a stage sends back). Parameter gradients are written, or
+        added with ``accumulate``. ``ready(name)`` per parameter once final: ln_f, the blocks top
+        down, the table(s) last; ``claim(names)`` before each layer writes gradients."""
+        tr, rg = self.model.tracer, self.model.ranges
+        if self.head is not None:
+            _claim(claim, (("wte", None),))
+            dxf = self.head.backward(self.loss.backward(), accumulate)
+            _claim(claim, self.ln_f.params)
+            self.ln_f.backward(dxf, dres, accumulate, add_dx=False)
+            _ready(ready, self.ln_f.params)
+        for block in reversed(self.blocks):
+            t0 = tr and time.perf_counter()
+            _claim(claim, block.params)
+            if rg is not None:
+                rg.push(f"backward {block.name}")
+            block.backward(dres, accumulate)
+            if rg is not None:
+                rg.pop()
+            if tr is not None:
+                tr.complete(f"backward {block.name}", t0, "layer", sync=True)
+            _ready(ready, block.params)
+        if self.embedding is not None:
+            _claim(claim, self.embedding.params)
+            if self.head is None and not accumulate:   # the embedding adds to the table's gradient, which
+                self.model.device.ops.fill(self.embedding.dwte, 0)   # the head writes first where it is here
+            self.embedding.backward(dres, accumulate)
+        if self.table is not None:   # the head's table is final once the embedding (if here) added to it
+            _ready(ready, self.table.params if self.embedding is None else self.embedding.params)
+        return dres
+
+    def held(self) -> list:
+        """The activation arrays this lane holds (what :meth:`~hpctrain.models.gpt.GPT.activation_bytes`
+        counts, made so far): its layers' cached arrays but backward's gradients (keys "d..."), and
+        the blocks' outputs."""
+        layers = [x for x in (self.embedding, *(part for b in self.blocks for part in b.layers()), self.ln_f,
+                              self.head, self.loss) if x is not None]
+        caches = {id(layer.cache): layer.cache for layer in layers if layer.cache is not None}
+        arrays = [a for cache in caches.values() for (key, _), a in cache.items() if not key.startswith("d")]
+        return arrays + [out for b in self.blocks for out in b._outputs.values()]
+
+    @property
+    def backward_groups(self) -> list:
+        """The parameter names each ``claim`` of :meth:`backward` names, in its order."""
+        names = lambda layer: tuple(n for n, _ in layer.params)  # noqa: E731
+        head = [("wte",), names(self.ln_f)] if self.head is not None else []
+        return [*head, *(names(b) for b in reversed(self.blocks)),
+                *([names(self.embedding)] if self.embedding is not None else [])]
+
+
+def _claim(claim, params):
+    if claim is not None:
+        claim([name for name, _ in params])
+
+
+def _ready(ready, params):
+    if ready is not None:
+        for name, _ in params:
+            ready(name)

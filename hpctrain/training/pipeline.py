@@ -1,0 +1,196 @@
+"""A pipeline stage's micro-batches: the schedule's instructions run with MPI point-to-point.
+
+With ``dist.pipeline_parallel = p`` each rank holds one stage of the GPT (:mod:`hpctrain.models.gpt_layers`)
+and :class:`PipelineStage` runs its list of instructions for the step
+(:func:`~hpctrain.training.schedules.stage_schedule`, GPipe or 1F1B, ``m = train.grad_accum_steps``
+micro-batches) in place of the plain loop over micro-batches:
+
+- ``forward i`` runs micro-batch i through the stage on lane i mod L (L: the most micro-batches the
+  schedule keeps in flight on this stage; each lane is a set of the stage's layers with its own
+  activations), the first stage from the tokens, the others from the residual stream received;
+  the last stage adds the loss to the step's totals;
+- ``backward i`` runs the lane's backward, the last stage from the loss, the others from the
+  gradient received; the gradients of the stage's parameters add up over the micro-batches and
+  the last backward feeds the gradient buckets (every backward under ZeRO-2), as without a pipeline;
+- sends are non-blocking (``MPI_Isend`` from the lane's own buffer, waited for before that buffer
+  is written again), receives block (inside a watchdog region that names the stage waited for);
+  every message is tagged with its micro-batch, on the pipeline group's own communicator.
+
+Device buffers reach MPI through the one staging path (:class:`~hpctrain.comm.staging.Staging`:
+directly with a CUDA-aware MPI, else through pinned host copies). The ``pipeline`` phase of the
+timers is the step's time in messages: receives (waiting for a neighbour: the bubble), posting
+sends (with their copies through pinned memory) and waiting for them to complete. The compute
+time each stage spent (``busy``) is measured by the host's clock: on a GPU it is the launches',
+unless ``train.sync_phases`` makes each phase wait for the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+
+from ..comm.staging import Staging
+from ..data.sampler import shard_range
+from .schedules import stage_schedule
+
+
+def in_flight(instrs) -> int:
+    """The most micro-batches whose activations a stage's instruction list holds at once."""
+    held = peak = 0
+    for x in instrs:
+        held += (x.kind == "forward") - (x.kind == "backward")
+        peak = max(peak, held)
+    return peak
+
+
+class PipelineStage:
+    """This rank's stage of the pipeline ``plan`` lays out, over ``model`` (a GPT stage). Builds a
+    duplicate of the pipeline group's communicator (collective over the pipeline group)."""
+
+    def __init__(self, plan, model, timers, watchdog):
+        grid, cfg = plan.grid, plan.cfg
+        self.plan, self.model, self.timers, self.watchdog = plan, model, timers, watchdog
+        self.p, self.stage, self.m = grid.p, grid.stage, plan.micro_batches
+        self.instrs = stage_schedule(cfg.dist.pipeline_schedule, self.stage, self.p, self.m)
+        self.lanes = in_flight(self.instrs)   # = plan.in_flight
+        self.comm = grid.pipeline.comm.Dup()   # point-to-point messages of this pipeline only
+        self.staging = Staging(plan.device, cfg.dist.cuda_aware_mpi)
+        self._inputs: dict = {}    # (lane, shape) -> the residual stream received
+        self._grads: dict = {}     # (lane, shape) -> the stream's gradient (received, or the loss's)
+        self._outputs: dict = {}   # lane -> the residual stream forward sent on
+        self._sends: dict = {}     # (lane, "fwd" | "bwd") -> the send in flight from that lane's buffer
+        self.bytes_sent = 0        # this rank's bytes of the last step: point-to-point, and the tied table's sum
+        self.busy = self.wall = 0.0   # the last step's seconds in forward and backward, first to last instruction
+
+    def run(self, step: int, x_all, y_all, totals, ready, claim, every_micro: bool = False) -> None:
+        """The stage's forwards and backwards of global step ``step`` (this data rank's rows ``x_all``,
+        ``y_all``, host arrays; each stage reads the same and uses what it needs). The last stage adds
+        each micro-batch's (loss_sum, correct) to ``totals``; ``ready``/``claim``: the gradient
+        reducer's, passed to the last backward (every backward with ``every_micro``, ZeRO-2)."""
+        model, dev, t = self.model, self.plan.device, self.timers
+        first, last = self.stage == 0, self.stage == self.p - 1
+        parts = [slice(*shard_range(len(y_all), i, self.m)) for i in range(self.m)]
+        model.flat.refresh_compute()   # a 16-bit precision's parameter copy, from this step's masters
+        for k in range(self.lanes):    # the trainer's row weight and the step's loss scale, on every lane
+            lane = model.lane(k)
+            lane.loss.row_weight, lane.loss.loss_scale = model.loss.row_weight, model.loss.loss_scale
+        self.bytes_sent = 0
+        backwards, busy, t_start = 0, 0.0, time.perf_counter()
+        for x in self.instrs:
+            i = x.micro
+            k = i % self.lanes
+            lane = model.lane(k)
+            if x.kind in ("recv_fwd", "recv_bwd", "send_fwd", "send_bwd"):
+                rows = parts[i].stop - parts[i].start
+                shape = (rows * y_all.shape[1], model.d_model)
+            if x.kind == "recv_fwd":
+                self._receive(self._buffer(self._inputs, k, shape), self.stage - 1, i, step, "activations")
+            elif x.kind == "forward":
+                self._wait(k, "fwd")   # the lane's output is written again
+                t0 = time.perf_counter()   # (with train.sync_phases the timer's device wait counts as busy)
+                with t("forward"):
+                    if first:
+                        inp = dev.upload(x_all[parts[i]], f"x{k}", model.input_dtype)
+                        B, T = inp.shape
+                    else:
+                        B, T = parts[i].stop - parts[i].start, y_all.shape[1]
+                        inp = self._inputs[k, (B * T, model.d_model)]
+                    out = lane.forward(inp, B, T)
+                    if last:
+                        y = dev.upload(y_all[parts[i]], f"y{k}", np.int64)
+                        lane.loss.forward(out, y.reshape(-1), totals, accumulate=i > 0)
+                    else:
+                        self._outputs[k] = out
+                busy += time.perf_counter() - t0
+            elif x.kind == "send_fwd":
+                self._send(self._outputs[k], self.stage + 1, i, (k, "fwd"))
+            elif x.kind == "recv_bwd":
+                self._wait(k, "bwd")
+                self._receive(self._buffer(self._grads, k, shape), self.stage + 1, i, step, "gradients")
+            elif x.kind == "backward":
+                self._wait(k, "bwd")   # the lane's gradient buffer is written again
+                t0 = time.perf_counter()
+                with t("backward"):
+                    shape = lane.blocks[0].x.shape
+                    dres = self._buffer(self._grads, k, shape)
+                    final = backwards == self.m - 1
+                    lane.backward(dres, accumulate=backwards > 0 and not every_micro,
+                                  ready=ready if final or every_micro else None, claim=claim)
+                busy += time.perf_counter() - t0
+                backwards += 1
+            elif x.kind == "send_bwd":
+                self._send(self._grads[k, shape], self.stage - 1, i, (k, "bwd"))
+        for key in list(self._sends):
+            self._wait(*key)
+        self.busy, self.wall = busy, time.perf_counter() - t_start
+
+    def held_activation_bytes(self) -> int:
+        """Bytes of the activations this stage holds for its micro-batches in flight: the lanes'
+        arrays and the residual streams received for them (a first stage's embedding output)."""
+        received = sum(buf.nbytes for (k, _), buf in self._inputs.items() if k != "eval")
+        return self.model.held_activation_bytes() + received
+
+    def metrics(self) -> dict:
+        """The last step's pipeline figures for the metrics, every stage's (by the host's clock):
+        ``pipeline_span``, the first stage's seconds from its first to its last instruction (it starts
+        the first forward and ends the last backward: the schedule's length); ``pipeline_busy``, the
+        seconds each stage computed (forward and backward); ``pipeline_idle``, the fraction of the
+        span each did not (the bubble, with any imbalance between the stages); the activation bytes
+        each holds; this rank's bytes sent (point-to-point, and on the first and last stage the tied
+        table's gradient to the other). Collective over the pipeline group."""
+        stages = self.comm.allgather((self.busy, self.wall, self.held_activation_bytes()))
+        span = stages[0][1]
+        return {"pipeline_span": span, "pipeline_busy": [busy for busy, _, _ in stages],
+                "pipeline_idle": [round(1.0 - busy / span, 4) if span > 0 else 0.0 for busy, _, _ in stages],
+                "pipeline_activation_bytes": [held for _, _, held in stages], "pipeline_bytes_sent": self.bytes_sent}
+
+    def score(self, x_host, y_host):
+        """A forward of the evaluation rows through every stage in turn (lane 0, blocking messages):
+        (loss_sum, correct) on the last stage, (0, 0) on the others."""
+        model, dev = self.model, self.plan.device
+        B, T = y_host.shape
+        shape = (B * T, model.d_model)
+        model.flat.refresh_compute()
+        if self.stage == 0:
+            inp = dev.upload(x_host, "eval_x", model.input_dtype)
+        else:
+            inp = self._buffer(self._inputs, "eval", shape)
+            self._receive(inp, self.stage - 1, 0, -1, "evaluation activations", timed=False)
+        out = model.lane(0).forward(inp, B, T)
+        if self.stage < self.p - 1:
+            with self.staging.send_view(out, "eval") as view:
+                self.comm.Send(view, dest=self.stage + 1, tag=0)
+            return 0.0, 0
+        y = dev.upload(y_host, "eval_y", np.int64)
+        return model.loss.forward(out, y.reshape(-1))
+
+    # ---- messages ------------------------------------------------------------------
+    def _buffer(self, table: dict, k, shape):
+        buf = table.get((k, shape))
+        if buf is None:   # the residual stream and its gradient: full precision (hpctrain.precision)
+            buf = table[k, shape] = self.model.device.empty(shape, self.model.device.accum_dtype)
+        return buf
+
+    def _receive(self, buf, source: int, micro: int, step: int, what: str, timed: bool = True) -> None:
+        """A blocking receive into ``buf``, watched; ``timed``: in the step's ``pipeline`` phase (not
+        an evaluation's, which runs after the step's timers are read)."""
+        with self.timers("pipeline") if timed else contextlib.nullcontext(), self.watchdog.watch(
+                "pipeline receive", f"stage {self.stage} waits for micro-batch {micro}'s {what} from stage {source}"
+                + (f", step {step}" if step >= 0 else ""), max(step, 0)):
+            with self.staging.recv_view(buf, ("recv", source)) as view:
+                self.comm.Recv(view, source=source, tag=micro)
+
+    def _send(self, buf, dest: int, micro: int, key) -> None:
+        with self.timers("pipeline"):
+            with self.staging.send_view(buf, key) as view:
+                self._sends[key] = self.comm.Isend(view, dest=dest, tag=micro)
+            self.bytes_sent += buf.nbytes
+
+    def _wait(self, k, kind) -> None:
+        """Wait for the send in flight from lane ``k``'s ``kind`` buffer, if any (the ``pipeline`` phase)."""
+        req = self._sends.pop((k, kind), None)
+        if req is not None:
+            with self.timers("pipeline"):
+                req.Wait()
