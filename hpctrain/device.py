@@ -36,7 +36,8 @@ import numpy as np
 
 from .transfers import HostFence, PinnedUpload, StreamFence
 from .kernels import (adamw, attention, attention_cuda, bias_act, bias_act_cuda, cuda_support, ef, embedding,
-                      finite, layernorm, layernorm_cuda, linear, lowp, residual, scale, sgd, softmax_xent, sum_squares)
+                      finite, lamb, layernorm, layernorm_cuda, linear, lowp, residual, scale, sgd, softmax_xent,
+                      sum_squares)
 
 CPU_OPS = SimpleNamespace(
     linear_forward=linear.linear_forward, linear_backward=linear.linear_backward,
@@ -45,7 +46,8 @@ CPU_OPS = SimpleNamespace(
     softmax_xent_forward=softmax_xent.softmax_xent_forward,
     softmax_xent_backward=softmax_xent.softmax_xent_backward, softmax_xent_fused=softmax_xent.softmax_xent_fused,
     softmax_xent_fused_add=softmax_xent.softmax_xent_fused_add,
-    sgd_update=sgd.sgd_update, adamw_update=adamw.adamw_update, scale=scale.scale, all_finite=finite.all_finite,
+    sgd_update=sgd.sgd_update, adamw_update=adamw.adamw_update, lamb_direction=lamb.lamb_direction,
+    scale=scale.scale, all_finite=finite.all_finite,
     sum_squares=sum_squares.sum_squares, narrow=lowp.narrow, widen=lowp.widen, fill=ef.fill,
     # the GPT's ops
     embedding_forward=embedding.embedding_forward, embedding_backward=embedding.embedding_backward,
@@ -138,6 +140,7 @@ class CudaDevice:
             softmax_xent_fused=p(softmax_xent.softmax_xent_fused_cuda, **s, scratch=self.scratch),
             softmax_xent_fused_add=p(softmax_xent.softmax_xent_fused_add_cuda, **s, scratch=self.scratch),
             sgd_update=p(sgd.sgd_update_cuda, **s), adamw_update=p(adamw.adamw_update_cuda, **s),
+            lamb_direction=p(lamb.lamb_direction_cuda, **s),
             scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s, scratch=self.scratch),
             sum_squares=p(sum_squares.sum_squares_cuda, **s, scratch=self.scratch),
             narrow=p(lowp.narrow_cuda, **s), widen=p(lowp.widen_cuda, **s), fill=p(ef.fill_cuda, **s),

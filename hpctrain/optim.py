@@ -1,4 +1,5 @@
-"""Optimizers over the flat parameter buffer, and the learning-rate schedule.
+"""Optimizers over the flat parameter buffer, and the learning-rate schedule (LAMB and LARS, whose
+steps need each parameter's norms first: hpctrain/layerwise.py).
 
 Each optimizer owns flat state buffers of P elements (momentum; Adam moments)
 and runs one device kernel per step, or one per gradient bucket: ``begin_step(step, lr)``
@@ -18,16 +19,17 @@ Weight decay applies to the parameters the model does not list in
 ``no_decay`` (a GPT's biases and LayerNorm parameters): the flat buffer is
 cut into runs of equal decay once, and an update over [lo, hi) runs the
 kernel once per run it overlaps (a GPT lays each block's matrices out before
-its vectors, so a block is two runs).
+its vectors, so a block is two runs). That machinery is the base class,
+:class:`~hpctrain.flat_optimizer.FlatOptimizer`.
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
-
+from .flat_optimizer import FlatOptimizer
 from .kernels import adamw, sgd
+from .layerwise import LAMB, LARS
 
 
 def peak_lr(cfg_optim, global_batch: int) -> float:
@@ -61,80 +63,7 @@ class LRSchedule:
         return c.min_lr + 0.5 * (self.peak - c.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def decay_runs(flat, no_decay) -> list[tuple[int, int, bool]]:
-    """(lo, hi, decays) runs covering ``flat`` in order, adjacent slots of equal decay merged."""
-    runs: list[list] = []
-    for s in flat.slots:
-        decays = s.name not in no_decay
-        if runs and runs[-1][2] == decays:
-            runs[-1][1] = s.offset + s.size
-        else:
-            runs.append([s.offset, s.offset + s.size, decays])
-    return [tuple(r) for r in runs]
-
-
-class _Optimizer:
-    """The update split into runs of equal decay, shared by both optimizers: ``_kernel(s, hyper)`` runs
-    the optimizer's kernel on the flat slice ``s`` with the scalars ``hyper`` (a row of :attr:`hyper`),
-    ``_hyper(lr, weight_decay)`` makes such a row on the host.
-
-    ``shards`` (a :class:`~hpctrain.comm.zero.ZeroShards`, ``dist.zero >= 1``): the state holds only this
-    rank's chunks, packed (``state_size`` elements), and updates run only on ranges inside them.
-    ``grads`` (``dist.zero = 2``): the averaged gradient of those chunks, packed alike, read instead of
-    ``flat.grad``.
-    """
-
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
-        self.device, self.flat, self.cfg, self.shards, self.grads = device, flat, cfg_optim, shards, grads
-        self.runs = decay_runs(flat, no_decay)
-        self.state_size = flat.size if shards is None else shards.owned
-        self.hyper = None  # the step's scalars on the device, (2, n): rows for no decay and decay
-
-    def _state(self, s: slice) -> slice:
-        """The state's slice for the flat slice ``s``."""
-        return s if self.shards is None else self.shards.packed(s.start, s.stop)
-
-    def _grad(self, s: slice):
-        """The averaged gradient of the flat slice ``s``."""
-        return self.flat.grad[s] if self.grads is None else self.grads[self._state(s)]
-
-    def grad_of(self, lo: int, hi: int):
-        """The averaged gradient the update of the flat range [lo, hi) reads (a device view)."""
-        return self._grad(slice(lo, hi))
-
-    def begin_step(self, step: int | None, lr: float):
-        """Once per update, however many slices get updated: ``step`` is the global step (0-based),
-        ``lr`` its learning rate. Uploads the step's scalars (:attr:`hyper`)."""
-        self._advance(step)
-        rows = [self._hyper(lr, weight_decay) for weight_decay in (0.0, self.cfg.weight_decay)]
-        self.hyper = self.device.upload(np.stack(rows), "optimizer scalars")
-
-    def _advance(self, step):
-        """The optimizer's own per-step state, before the scalars are made (none for SGD)."""
-
-    def graph_key(self) -> tuple:
-        """What else the update's launches depend on this step (their arguments besides the arrays)."""
-        return ()
-
-    def state_of(self, lo: int, hi: int) -> dict:
-        """The views of :meth:`state`'s arrays that the update of the flat range [lo, hi) writes."""
-        s = self._state(slice(lo, hi))
-        return {name: a[s] for name, a in self.state().items()}
-
-    def update(self, lo: int = 0, hi: int | None = None):
-        """The update of the flat range [lo, hi) (default: all), with :meth:`begin_step`'s scalars."""
-        hi = self.flat.size if hi is None else hi
-        for a, b, decays in self.runs:
-            a, b = max(a, lo), min(b, hi)
-            if a < b:
-                self._kernel(slice(a, b), self.hyper[int(decays)])
-
-    def step(self, lr: float, global_step: int | None = None):
-        self.begin_step(global_step, lr)
-        self.update()
-
-
-class SGD(_Optimizer):
+class SGD(FlatOptimizer):
     """SGD with momentum, Nesterov and L2 weight decay (PyTorch semantics)."""
 
     def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
@@ -152,7 +81,7 @@ class SGD(_Optimizer):
         return {"momentum": self.momentum_buf}
 
 
-class AdamW(_Optimizer):
+class AdamW(FlatOptimizer):
     """Adam with decoupled weight decay (PyTorch semantics); ``t`` counts steps taken.
 
     ``optim.freeze_step`` F > 0: from global step F on (0-based, the step at which
@@ -199,8 +128,10 @@ def make_optimizer(device, flat, cfg_optim, no_decay=frozenset(), shards=None, g
     """The optimizer ``optim.name`` over ``flat``; parameters named in ``no_decay`` get no weight decay;
     with ``shards`` (ZeRO) it keeps state for this rank's chunks only, with ``grads`` (ZeRO-2) it reads
     their gradient from there; ``velocity_from`` (AdamW only): see :class:`AdamW`."""
+    if cfg_optim.name != "adamw" and velocity_from:
+        raise ValueError(f"velocity_from: {cfg_optim.name} has no velocity mode (dist.compress_momentum needs adamw)")
     if cfg_optim.name == "sgd":
-        if velocity_from:
-            raise ValueError("velocity_from: SGD has no velocity mode (dist.compress_momentum needs adamw)")
         return SGD(device, flat, cfg_optim, no_decay, shards, grads)
+    if cfg_optim.name in ("lamb", "lars"):
+        return (LAMB if cfg_optim.name == "lamb" else LARS)(device, flat, cfg_optim, no_decay, shards, grads)
     return AdamW(device, flat, cfg_optim, no_decay, shards, grads, velocity_from)

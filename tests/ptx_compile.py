@@ -33,7 +33,7 @@ from numba.types import Array, boolean, float32, float64, int64
 CC = (9, 0)  # sm_90: H100 / H200
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=CC)
 
-from hpctrain.kernels import (adamw, bias_act_cuda, ef, finite, gather_scatter, linear, quantize16, scale, sgd,  # noqa: E402
+from hpctrain.kernels import (adamw, bias_act_cuda, ef, finite, gather_scatter, lamb, linear, quantize16, scale, sgd,  # noqa: E402
                               sign_pack, softmax_xent, sum_squares, topk_threshold, lowp)
 from numba.types import int32, uint8, uint16, uint32  # noqa: E402
 
@@ -68,6 +68,7 @@ def kernels():
             (m, arr(int64, 1), dt, m, f64, f64), False
         yield f"sgd {dt}", sgd._sgd_update_kernel, (v,) * 4 + (boolean,), False
         yield f"adamw {dt}", adamw._adamw_update_kernel, (v,) * 5 + (boolean,), False
+        yield f"lamb direction {dt}", lamb._lamb_direction_kernel, (v,) * 6, False
         yield f"scale {dt}", scale._scale_kernel, (v, dt), False
         yield f"all_finite {dt}", finite._nonfinite_kernel, (v, arr(int32, 1)), False
         yield f"sum_squares {dt}", sum_squares._sum_squares_kernel, (v, arr(float64, 1)), False
@@ -114,6 +115,7 @@ def compression_kernels():
 # Reductions that accumulate in float64 on purpose (bias and LayerNorm sums, the loss's row
 # sums, dwpe's batch sums) are not listed.
 FLOAT32_ONLY = ("bias_act forward", "attention forward", "attention backward", "attention dsum", "sgd", "adamw",
+                "lamb direction",
                 "scale", "residual", "embedding forward", "embedding dwte", "softmax_xent backward")
 
 

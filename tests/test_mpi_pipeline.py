@@ -16,6 +16,7 @@ import pytest
 
 from hpctrain.errors import UserError
 from hpctrain.training.config import Config
+from whole_model import train as _train, whole as _whole
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
@@ -43,13 +44,6 @@ def _config(data, p, t=1, schedule="1f1b", steps=3, optim="adamw", recompute="no
     return cfg.validate()
 
 
-def _train(cfg, world):
-    from hpctrain.observe.log import Log
-    from hpctrain.training.trainer import Trainer
-
-    trainer = Trainer(cfg, world, Log(False))
-    result = trainer.run()
-    return trainer, result
 
 
 def _records(path):
@@ -64,21 +58,6 @@ def _losses(path):
     return [r["loss"] for r in _records(path)]
 
 
-def _whole(trainer, buf=None):
-    """Every parameter's logical array of the whole model (gathered over the tensor group, then the
-    pipeline group): name -> host array, the same on every rank; with ``buf`` an optimizer state."""
-    model, grid = trainer.model, trainer.plan.grid
-    buf = model.flat.data if buf is None else buf
-    mine = {}
-    for s in model.flat.slots:
-        local = np.array(model.flat.view(buf, s.name))
-        mine[s.name] = local if model.tensor_layout is None else model.tensor_layout.logical(s.name, local)
-    stages = [mine] if grid.pipeline is None else grid.pipeline.comm.allgather(mine)
-    out = {}
-    for stage in stages:
-        for name, array in stage.items():
-            out.setdefault(name, array)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +95,6 @@ def test_pipeline_trains_like_data_parallel(world, mpi_text_data, p, t, schedule
     _need(world, p * t)
     if zero and world.size // p < 2:
         pytest.skip("ZeRO shares need data groups of 2 or more")
-    if t > 1 and zero:
-        pytest.skip("ZeRO with tensor parallelism is refused")
     from conftest import fresh_shared_dir
 
     d = fresh_shared_dir(world, f"pp-{p}-{t}-{schedule}-{optim}-{recompute}-{zero}-{batch}")

@@ -45,7 +45,8 @@ TRAINER_DATASETS = ("/data/position", "/optim/step_count", "/rng/pcg64")
 TRAINER_DTYPES = {"/data/position": "int64", "/optim/step_count": "int64", "/rng/pcg64": "uint64",
                   "/compress/lengths": "int64", "/compress/*": "float32",
                   "/precision/loss_scale": "float64"}   # fp16 runs only: [scale, clean steps, overflows]
-OPTIMIZER_STATES = {"sgd": ("momentum",), "adamw": ("exp_avg", "exp_avg_sq")}
+OPTIMIZER_STATES = {"sgd": ("momentum",), "adamw": ("exp_avg", "exp_avg_sq"), "lamb": ("exp_avg", "exp_avg_sq"),
+                    "lars": ("momentum",)}
 
 
 def file_name(step: int) -> str:

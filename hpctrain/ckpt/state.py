@@ -200,9 +200,9 @@ def restore(state, plan, full: dict, own_rows: dict, saved_world: int, log, save
     for s in flat.slots:
         dev.copy_from_host(flat.view(flat.data, s.name), mine(s.name, full[parameter_path("model", s.name)]))
     for state_name, buf in opt.state().items():
-        if getattr(opt, "shards", None) is not None:  # ZeRO-1: this rank's chunks of the logical arrays
-            whole = np.concatenate([np.asarray(full[parameter_path(f"optim/{state_name}", s.name)]).reshape(-1)
-                                    for s in flat.slots])
+        if getattr(opt, "shards", None) is not None:  # ZeRO: this rank's chunks of (its tensor pieces of) the arrays
+            whole = np.concatenate([np.asarray(mine(s.name, full[parameter_path(f"optim/{state_name}", s.name)]))
+                                    .reshape(-1) for s in flat.slots])
             dev.copy_from_host(buf, opt.shards.take(whole).astype(dev.dtype, copy=False))
             continue
         for s in flat.slots:

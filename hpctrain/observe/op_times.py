@@ -20,7 +20,7 @@ FAMILIES = {"linear": "gemm", "tied_head": "gemm", "attention": "attention", "la
             "residual_layernorm": "layernorm",
             "embedding": "embedding", "softmax_xent": "loss", "softmax_xent_fused": "loss",  # ..._fused_add
             "bias_act": "elementwise", "residual": "elementwise",
-            "sgd": "optimizer", "adamw": "optimizer"}
+            "sgd": "optimizer", "adamw": "optimizer", "lamb": "optimizer"}
 
 
 def family_of(op: str) -> str | None:

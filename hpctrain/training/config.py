@@ -154,15 +154,19 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = _f("sgd", "sgd (momentum) | adamw", choices=("sgd", "adamw"))
+    name: str = _f("sgd", "sgd (momentum) | adamw | lamb (AdamW's direction, each parameter's step scaled by "
+                   "||w|| / ||step||) | lars (momentum SGD, each parameter's lr scaled by trust_coefficient "
+                   "||w|| / (||g|| + weight_decay ||w||)); lamb and lars leave biases and LayerNorm parameters "
+                   "unscaled (docs/optimizers.md)", choices=("sgd", "adamw", "lamb", "lars"))
     lr: float = _f(0.1, "peak learning rate (after warmup, before decay)")
-    momentum: float = _f(0.9, "SGD momentum; 0.9 is the usual choice")
+    momentum: float = _f(0.9, "SGD and LARS momentum; 0.9 is the usual choice")
     nesterov: bool = _f(False, "Nesterov momentum for SGD")
+    trust_coefficient: float = _f(0.001, "LARS: eta, the trust ratio's coefficient (You et al. 2017)")
     weight_decay: float = _f(0.0, "L2 (SGD) or decoupled (AdamW) decay; mlp: every parameter; gpt: matrices "
                              "and embeddings only, never biases or LayerNorm parameters")
-    beta1: float = _f(0.9, "AdamW first-moment decay")
-    beta2: float = _f(0.999, "AdamW second-moment decay")
-    eps: float = _f(1e-8, "AdamW denominator guard")
+    beta1: float = _f(0.9, "AdamW and LAMB first-moment decay")
+    beta2: float = _f(0.999, "AdamW and LAMB second-moment decay")
+    eps: float = _f(1e-8, "AdamW and LAMB denominator guard")
     freeze_step: int = _f(0, "adamw: the second moment takes the gradients of global steps 0 .. F-1 and is "
                           "frozen from global step F on (1-bit Adam's frozen variance), so the update is linear "
                           "in the gradient and error-feedback compression adds up as the uncompressed gradient "
@@ -179,7 +183,8 @@ class OptimConfig:
     base_batch: int = _f(256, "batch size at which lr was tuned (for scale_lr)")
 
     def validate(self):
-        for key in ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "min_lr", "gamma", "clip_grad_norm"):
+        for key in ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "min_lr", "gamma", "clip_grad_norm",
+                    "trust_coefficient"):
             if not math.isfinite(getattr(self, key)):
                 raise ConfigError(f"optim.{key}={getattr(self, key)}: must be a finite number")
         if self.gamma <= 0:
@@ -196,6 +201,11 @@ class OptimConfig:
             raise ConfigError(f"optim.beta1/beta2=({self.beta1}, {self.beta2}): each must be in [0, 1)")
         if self.freeze_step < 0:
             raise ConfigError(f"optim.freeze_step={self.freeze_step}: a step >= 0 (0 = never freeze)")
+        if self.trust_coefficient <= 0:
+            raise ConfigError(f"optim.trust_coefficient={self.trust_coefficient}: must be > 0 (LARS uses 0.001)")
+        if self.name == "lars" and self.nesterov:
+            raise ConfigError("optim.nesterov with optim.name = 'lars': LARS is heavy-ball momentum as published "
+                              "(You et al. 2017); set optim.nesterov = false")
         if self.freeze_step and self.name != "adamw":
             raise ConfigError(f"optim.freeze_step={self.freeze_step} freezes AdamW's second moment; optim.name = "
                               f"{self.name!r} has none (set it to 0, or use adamw)")
@@ -245,14 +255,15 @@ class DistConfig:
                    "all-gathered) | 2 = and of the gradients only that share, plus a few bucket slots backward "
                    "reuses (ZeRO-2: a reduce-scatter per micro-batch); with every dist.allreduce (mpi, "
                    "ring, rhd, shm, auto and hierarchical on nodes of one size have reduce-scatters of "
-                   "their own; naive reduce-scatters by its whole all-reduce)",
+                   "their own; naive reduce-scatters by its whole all-reduce); with tensor parallelism the shares "
+                   "are cut from each tensor rank's own pieces, over its data group",
                    choices=(0, 1, 2))
     tensor_parallel: int = _f(1, "tensor (model) parallel size t (GPT only): groups of t consecutive ranks split "
                               "each block Megatron's way (QKV and the MLP's first Linear by columns, n_head / t heads "
                               "and 4 d_model / t hidden units per rank; both output projections by rows; embeddings, "
                               "tied head and LayerNorms replicated); the world size / t data-parallel groups average "
-                              "gradients with dist.allreduce. t divides the world size and model.n_head; "
-                              "dist.zero = 0 only")
+                              "gradients with dist.allreduce (and shard them with dist.zero). t divides the world size "
+                              "and model.n_head")
     pipeline_parallel: int = _f(1, "pipeline stages p (GPT only): the blocks in p contiguous stages on p ranks "
                                 "(stage = world rank // (world size / p): a stage's data and tensor groups are "
                                 "consecutive ranks), activations and their gradients passed between neighbours by "
@@ -305,10 +316,6 @@ class DistConfig:
         if self.pipeline_parallel < 1:
             raise ConfigError(f"dist.pipeline_parallel={self.pipeline_parallel}: a number of stages >= 1 (1 = no "
                               f"pipeline parallelism)")
-        if self.tensor_parallel > 1 and self.zero:
-            raise ConfigError(f"dist.tensor_parallel={self.tensor_parallel} with dist.zero={self.zero}: ZeRO's shares "
-                              f"are cut from the whole flat buffer every rank holds, which tensor parallelism splits; "
-                              f"use one of them (dist.zero = 0, or dist.tensor_parallel = 1)")
         from ..comm.zero import refusal
         why = refusal(self.zero, self.compress)
         if why:

@@ -53,6 +53,8 @@ def why_not(cfg, device, plan) -> str:
                      (plan.pipeline > 1, "pipeline parallelism (its stages exchange every micro-batch)")):
         if on:
             return f"{what} waits or communicates inside the step"
+    if cfg.optim.name in ("lamb", "lars"):
+        return f"optim.name = {cfg.optim.name} reads its trust ratios on the host every step"
     if cfg.train.precision != "fp32":
         return f"train.precision = {cfg.train.precision} is not captured yet (its conversions run eagerly)"
     if mode == "auto" and plan.dp.size > 1:

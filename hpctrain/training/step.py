@@ -127,8 +127,9 @@ class Step:
             self.state.optimizer.begin_step(step, self.schedule.lr(step))
         # a step that captures or checks an update graph first waits for every bucket: a capture
         # records every launch on the stream, the communication thread's too
-        # (and clipping needs the whole gradient's norm before any update)
-        later = self.clip is not None or update and graphs is not None and any(
+        # (and clipping needs the whole gradient's norm before any update, LAMB and LARS each parameter's)
+        whole = getattr(self.state.optimizer, "whole_gradient", False)
+        later = self.clip is not None or whole or update and graphs is not None and any(
             graphs.settling(graphs.update_key(self.state.optimizer, *self._range(b))) for b in plan.buckets)
         for bucket, name in zip(plan.buckets, self._bucket_names):
             with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {step}", step):
@@ -141,6 +142,7 @@ class Step:
             with t("optimizer"), wd.watch("gradient norm all-reduce", f"step {step}", step):
                 self.clip.apply()
         if update and later:
+            self._prepare(step)
             for bucket, name in zip(plan.buckets, self._bucket_names):
                 self._update(step, bucket, name)
         loss_sum, correct = device.to_host(totals)   # the step's one read of its statistics
@@ -151,8 +153,32 @@ class Step:
         """The optimizer step of judged step ``step`` whose buckets are all reduced (the numeric
         guard's deferred policies)."""
         self.state.optimizer.begin_step(step, self.schedule.lr(step))
+        self._prepare(step)
         for bucket, name in zip(self.plan.buckets, self._bucket_names):
             self._update(step, bucket, name)
+
+    def _prepare(self, step) -> None:
+        """LAMB and LARS: each parameter's trust ratio, from its norms over every rank that holds a
+        part of it (hpctrain/layerwise.py); nothing for the other optimizers."""
+        optimizer = self.state.optimizer
+        if getattr(optimizer, "whole_gradient", False):
+            with self.timers("optimizer"), self.watchdog.watch("trust-ratio norms all-gather", f"step {step}", step):
+                optimizer.prepare(self._sum_norms)
+
+    def _sum_norms(self, partial):
+        """Each parameter's sums of squares (``partial``: rows per flat slot, this rank's parts) over
+        the ranks holding its other parts: ZeRO's data group, and for a tensor-parallel split its
+        tensor group. Gathered and added in rank order, so every rank gets the same bits (as
+        clipping's norm). Collective over those groups."""
+        plan = self.plan
+        if plan.shards is not None:
+            partial = _ordered_sum(plan.dp.comm.allgather(partial))
+        layout = getattr(self.state.model, "tensor_layout", None)
+        if layout is not None:
+            split = np.array([s.name in layout.splits for s in self.state.model.flat.slots])
+            total = _ordered_sum(plan.grid.tensor.comm.allgather(partial))
+            partial = np.where(split[:, None], total, partial)
+        return partial
 
     def _update(self, step, bucket, name) -> None:
         """The optimizer on ``bucket`` (ZeRO-1: on this rank's chunk, then the bucket's parameters
@@ -221,3 +247,11 @@ class Step:
         return {**out, "compress": cfg.dist.compress, "compress_scope": cfg.dist.compress_scope,
                 "bytes_sent": c.sent_bytes, "bytes_dense": c.dense_bytes, "compression_ratio": c.ratio,
                 "encode_time": c.encode_s, "decode_time": c.decode_s}
+
+
+def _ordered_sum(parts):
+    """The arrays ``parts`` added in list order (rank order: the same bits on every rank)."""
+    total = np.zeros_like(parts[0])
+    for part in parts:
+        total = total + part
+    return total
