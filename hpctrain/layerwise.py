@@ -14,8 +14,8 @@ Algorithm 2, with Adam's bias corrections), per parameter:
     r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd w
     w = w - lr (||w|| / ||r||) r
 
-A ratio is 1 where either norm is 0 (a fresh zero bias; a parameter without gradient), and for the
-parameters weight decay skips (biases and LayerNorm parameters: ``no_decay``), which are left
+A ratio is 1 where it is undefined (a zero weight norm, a fresh zero bias; LARS's zero denominator,
+LAMB's zero step), and for the parameters weight decay skips (biases and LayerNorm parameters: ``no_decay``), which are left
 unscaled and undecayed, as is usual (the 2019 paper's BERT runs; NVIDIA's and DeepSpeed's LAMB).
 
 The norms are of whole parameters, so the update waits until every bucket of the gradient is
@@ -27,8 +27,8 @@ the existing kernels: LARS scales the gradient (``scale``) and takes the momentu
 lr = 1 (``sgd_update``: v = m v + c (g + b w), w -= v, with c = lr local folded into the gradient
 and the decay); LAMB writes r (``lamb_direction``, kernels/lamb.py) for its norm, then takes
 AdamW's step with lr ||w|| / ||r|| (``adamw_update``: w (1 - lr wd) - lr m/(...) is w - lr r).
-The norms are read on the host: one wait for the device per step, so these optimizers' updates
-are not captured as CUDA graphs.
+The norms are read on the host (on a GPU, two waits for the device per parameter a step), so these
+optimizers' updates are not captured as CUDA graphs.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ class LARS(LayerWise):
         for j, (w2, g2) in enumerate(sums):
             decay = 0.0 if self.excluded[j] else c.weight_decay
             w, g = math.sqrt(w2), math.sqrt(g2)
-            ratio = c.trust_coefficient * w / (g + decay * w) if w > 0 and g > 0 and not self.excluded[j] else 1.0
+            denominator = g + decay * w
+            ratio = c.trust_coefficient * w / denominator if w > 0 and denominator > 0 and not self.excluded[j] else 1.0
             self.ratios[j] = ratio
             step = self._lr * ratio   # folded into the gradient and the decay: v = m v + step (g + b w)
             self._scale.append(step)
@@ -134,6 +135,8 @@ class LAMB(LayerWise):
     """Adam's direction with LAMB's per-parameter trust ratio (module docstring); ``t`` counts steps.
     Keeps one more state-sized array, the direction r of this rank's share (not saved: it is
     recomputed every step)."""
+
+    work_arrays = 1   # the direction, beside the saved state (memory accounting)
 
     def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
         super().__init__(device, flat, cfg_optim, no_decay, shards, grads)

@@ -15,6 +15,7 @@ from hpctrain.ckpt.format import combine_parts, crc32_combine, crc32_of, list_ch
 from hpctrain.ckpt.state import fresh_rng, rng_from_array, rng_to_array
 from hpctrain.training.config import Config
 from hpctrain.device import cuda_status
+from hpctrain.errors import UserError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -145,6 +146,26 @@ def test_checkpoint_of_another_model_lists_the_mismatches(small_data, tmp_path):
     sgd.optim.name = "sgd"
     with pytest.raises(UserError, match="momentum"):
         _trainer(sgd)
+
+
+def test_sgd_and_lars_refuse_each_others_momentum_and_lamb_takes_adamws_moments(small_data, tmp_path):
+    """The same state names that mean different things (LARS's momentum holds the learning rate) are
+    one clear error; AdamW's moments are LAMB's, and resume under it at the saved step."""
+    cfg = _config(small_data[0], str(tmp_path / "sgd"))
+    cfg.optim.name, cfg.checkpoint.save_final = "sgd", True
+    _trainer(cfg).run()
+    lars = _config(small_data[0], str(tmp_path / "sgd"), resume="auto")
+    lars.optim.name = "lars"
+    with pytest.raises(UserError, match=r"optim.name=sgd's \(sgd momentum\), not optim.name=lars's; resume with "
+                                        r"--set optim.name=sgd"):
+        _trainer(lars)
+    cfg = _config(small_data[0], str(tmp_path / "adamw"))
+    cfg.checkpoint.save_final = True
+    _trainer(cfg).run()
+    lamb = _config(small_data[0], str(tmp_path / "adamw"), resume="auto")
+    lamb.optim.name, lamb.train.steps = "lamb", 8
+    resumed = _trainer(lamb)
+    assert resumed.step == 6 and resumed.optimizer.t == 6
 
 
 def test_keep_last_deletes_the_oldest(small_data, tmp_path):

@@ -41,7 +41,7 @@ def lars_reference(w, g, v, lr, cfg, excluded):
     without decay (local = 1)."""
     beta = 0.0 if excluded else cfg.weight_decay
     wn, gn = _norm(w), _norm(g)
-    local = cfg.trust_coefficient * wn / (gn + beta * wn) if wn > 0 and gn > 0 and not excluded else 1.0
+    local = cfg.trust_coefficient * wn / (gn + beta * wn) if wn > 0 and gn + beta * wn > 0 and not excluded else 1.0
     v = cfg.momentum * v + lr * local * (g + beta * w)
     return w - v, v
 
@@ -80,6 +80,17 @@ def test_updates_follow_the_published_rules(name):
                                        err_msg=f"{name} step {t} {n}")
     assert opt.ratios[[n for n, _ in SPECS].index("b")] == 1.0   # excluded: unscaled
     assert not np.allclose(opt.ratios, 1.0)
+
+
+def test_lambs_direction_array_is_counted_in_the_optimizer_memory():
+    from types import SimpleNamespace
+
+    from hpctrain.observe import memory
+
+    for name, arrays in (("lamb", 3), ("lars", 1), ("adamw", 2)):
+        cfg, flat, opt, _ = _setup(name)
+        got = memory.computed(SimpleNamespace(flat=flat), opt, CpuDevice("float64"), 1)
+        assert got["optimizer"] == arrays * flat.size * 8, name
 
 
 def test_lamb_direction_kernel_against_numpy():

@@ -120,11 +120,19 @@ def test_zero_shares_of_the_tensor_pieces_train_like_t_1_zero_0(world, mpi_text_
         if s.name not in shared.model.tensor_layout.splits:
             crc = zlib.crc32(np.ascontiguousarray(shared.model.flat.view(shared.model.flat.data, s.name)).tobytes())
             assert len(set(shared.plan.grid.tensor.comm.allgather(crc))) == 1, s.name
-    resumed = _train(_config(mpi_text_data, 1, optim=optim, steps=6, ckpt_dir=d, resume="auto"), world)
-    straight = _train(_config(mpi_text_data, 1, optim=optim, steps=6), world)
-    got, want = _logical(resumed), _logical(straight)
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-14, err_msg=name)
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
+
+    straight = _logical(_train(_config(mpi_text_data, 1, optim=optim, steps=6), world))
+    for t, z in ((1, 0), (2, zero)):   # resumed at t = 1 zero 0, and into the same split and shares
+        cfg = _config(mpi_text_data, t, optim=optim, steps=6, ckpt_dir=d, resume=f"{d}/ckpt-00000003.h5")
+        cfg.dist.zero = z
+        resumed = Trainer(cfg.validate(), world, Log(False))
+        assert resumed.step == 3
+        resumed.run()
+        got = _logical(resumed)
+        for name in straight:
+            np.testing.assert_allclose(got[name], straight[name], rtol=1e-10, atol=1e-14, err_msg=f"t {t} {name}")
 
 
 def _initial(trainer, name):

@@ -4,12 +4,17 @@ ZeRO shares) and compare it with an unsplit run: a run to its end, and the whole
 import numpy as np
 
 
-def train(cfg, world):
-    """A trainer of ``cfg`` over ``world``, run to its end (``train.steps``); (trainer, run result)."""
+def start(cfg, world):
+    """A trainer of ``cfg`` over ``world``, built (a resume loaded), not run."""
     from hpctrain.observe.log import Log
     from hpctrain.training.trainer import Trainer
 
-    trainer = Trainer(cfg, world, Log(False))
+    return Trainer(cfg, world, Log(False))
+
+
+def train(cfg, world):
+    """A trainer of ``cfg`` over ``world``, run to its end (``train.steps``); (trainer, run result)."""
+    trainer = start(cfg, world)
     return trainer, trainer.run()
 
 

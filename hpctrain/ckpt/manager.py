@@ -121,7 +121,7 @@ class CheckpointManager:
                 continue
             saved_compress = _saved_compress(loaded.attrs)
             agree(world, restore, state, self.plan, loaded.full, loaded.own_rows, loaded.world_size, log,
-                  saved_compress, loaded.across_ranks)
+                  saved_compress, loaded.across_ranks, loaded.attrs.get("optimizer"))
             self.saved_step, self.saved_path = state.step, path
             log.info(f"checkpoint: resumed from {path} at step {state.step} (saved by "
                      f"{loaded.world_size} rank(s), hpctrain {loaded.attrs.get('hpctrain_version')})")
@@ -139,7 +139,7 @@ class CheckpointManager:
         loaded = load_checkpoint(self.saved_path, self.world)
         saved_compress = _saved_compress(loaded.attrs)
         agree(self.world, restore, state, self.plan, loaded.full, loaded.own_rows, loaded.world_size, self.log,
-              saved_compress, loaded.across_ranks)
+              saved_compress, loaded.across_ranks, loaded.attrs.get("optimizer"))
         self.log.info(f"guard: rolled back to {self.saved_path} (step {state.step})")
 
     def _restore_choices(self, attrs) -> None:

@@ -156,8 +156,15 @@ def training_state(state, plan) -> list[Entry]:
     return entries
 
 
-def check_compatible(state, cfg, shapes: dict) -> None:
-    """Raise :class:`IncompatibleCheckpoint` listing every parameter whose shape differs or is missing."""
+# optimizers whose saved state means the same (AdamW's moments are LAMB's); SGD's momentum and LARS's
+# are both named "momentum", but LARS's includes the learning rate
+STATE_MEANING = {"sgd": "sgd momentum", "lars": "lars velocity", "adamw": "adam moments", "lamb": "adam moments"}
+
+
+def check_compatible(state, cfg, shapes: dict, saved_optimizer: str | None = None) -> None:
+    """Raise :class:`IncompatibleCheckpoint` listing every parameter whose shape differs or is missing,
+    or when the optimizer state was saved by an optimizer (``saved_optimizer``, the file's attribute)
+    whose state means something else."""
     flat, problems = state.model.flat, []
     logical = getattr(state.model, "logical_shape", lambda s: s.shape)
     if hasattr(state.model, "logical_params"):   # the whole model's (a pipeline stage holds some of it)
@@ -185,15 +192,22 @@ def check_compatible(state, cfg, shapes: dict) -> None:
             raise IncompatibleCheckpoint(f"the checkpoint has no optimizer state {state_name!r} for optim.name="
                                          f"{cfg.optim.name!r}: it was saved with another optimizer; resume "
                                          f"with --set {name}, {fresh}")
+    # the names match, but the same name may mean another thing (SGD's momentum against LARS's velocity)
+    mine = cfg.optim.name
+    if saved_optimizer in STATE_MEANING and STATE_MEANING[saved_optimizer] != STATE_MEANING.get(mine):
+        raise IncompatibleCheckpoint(f"the checkpoint's optimizer state is optim.name={saved_optimizer}'s "
+                                     f"({STATE_MEANING[saved_optimizer]}), not optim.name={mine}'s; resume with "
+                                     f"--set optim.name={saved_optimizer}, {fresh}")
 
 
 def restore(state, plan, full: dict, own_rows: dict, saved_world: int, log, saved_compress=None,
-            across_ranks=None) -> None:
+            across_ranks=None, saved_optimizer: str | None = None) -> None:
     """Load arrays read by :func:`~hpctrain.ckpt.read.load_checkpoint` into ``state`` (a
     :class:`~hpctrain.training.state.TrainingState`, laid out by ``plan``; ``across_ranks``: the
-    :attr:`~hpctrain.ckpt.read.LoadedCheckpoint.across_ranks`)."""
+    :attr:`~hpctrain.ckpt.read.LoadedCheckpoint.across_ranks`; ``saved_optimizer``: the file's
+    ``optimizer`` attribute)."""
     cfg, world = plan.cfg, plan.world
-    check_compatible(state, cfg, {p: a.shape for p, a in full.items()})
+    check_compatible(state, cfg, {p: a.shape for p, a in full.items()}, saved_optimizer)
     dev, flat, opt = plan.device, state.model.flat, state.optimizer
     layout = getattr(state.model, "tensor_layout", None)
     mine = (lambda name, a: a) if layout is None else layout.local  # noqa: E731  (this rank's piece)

@@ -58,7 +58,8 @@ def computed(model, optimizer, device, rows: int, grad_slots=None, in_flight: in
     if compute is not None and compute is not getattr(flat, "data", None):   # 16-bit: masters + compute copy
         params += flat.size * np.dtype(compute.dtype).itemsize
     return {"params": params, "grads": grads * item,
-            "optimizer": len(optimizer.state()) * optimizer.state_size * item,
+            # the saved state, and the arrays an optimizer keeps beside it (LAMB's direction)
+            "optimizer": (len(optimizer.state()) + getattr(optimizer, "work_arrays", 0)) * optimizer.state_size * item,
             "activations": None if per_rows is None else per_rows(rows) if in_flight == 1 else per_rows(rows, in_flight),
             "in_flight": in_flight}
 

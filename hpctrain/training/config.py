@@ -156,8 +156,8 @@ class TrainConfig:
 class OptimConfig:
     name: str = _f("sgd", "sgd (momentum) | adamw | lamb (AdamW's direction, each parameter's step scaled by "
                    "||w|| / ||step||) | lars (momentum SGD, each parameter's lr scaled by trust_coefficient "
-                   "||w|| / (||g|| + weight_decay ||w||)); lamb and lars leave biases and LayerNorm parameters "
-                   "unscaled (docs/optimizers.md)", choices=("sgd", "adamw", "lamb", "lars"))
+                   "||w|| / (||g|| + weight_decay ||w||)); lamb and lars leave the GPT's biases and LayerNorm "
+                   "parameters unscaled (docs/optimizers.md)", choices=("sgd", "adamw", "lamb", "lars"))
     lr: float = _f(0.1, "peak learning rate (after warmup, before decay)")
     momentum: float = _f(0.9, "SGD and LARS momentum; 0.9 is the usual choice")
     nesterov: bool = _f(False, "Nesterov momentum for SGD")
