@@ -1,11 +1,11 @@
-"""Per-rank memory and step time of the GPT under ZeRO-1, ZeRO-2 and activation recomputation.
+"""Per-rank memory and step time of the GPT under ZeRO-1, 2 and 3 and activation recomputation.
 
     python benchmarks/memory.py                                   # examples/gpt.toml at 1 and 2 ranks
     python benchmarks/memory.py --ranks 1 2 4 --steps 20 --budget-gb 16 --json runs/bench/memory.json
     python benchmarks/memory.py --variants 0:none,0:blocks --steps 40 --repeats 5   # recomputation's cost only
 
-Part 1, measured: per world size, the example GPT (``--config``) trains ``--steps`` steps six
-ways, dist.zero 0/1/2 x model.recompute none/blocks (or the ``--variants`` given), with
+Part 1, measured: per world size, the example GPT (``--config``) trains ``--steps`` steps eight
+ways, dist.zero 0/1/2/3 x model.recompute none/blocks (or the ``--variants`` given), with
 dist.allreduce = ring and buckets of ``--bucket-mb`` (several per block, so ZeRO-2 has slots to
 reuse). Ring's halves sum in the same order as its all-reduce, so with one micro-batch all the
 runs must end on the same loss and the
@@ -20,12 +20,14 @@ size, the yardstick of the same run.
 Part 2, computed: the deepest GPT of GPT-2 small's proportions (d_model = 64 n_layer, 64-channel
 heads; the config's context and micro-batch) whose computed bytes per rank (AdamW, float32) fit
 ``--budget-gb`` at the largest ``--ranks``, for each zero x recompute (buckets as the config has
-them). The model is built on a device that allocates nothing (zero-stride arrays), so its own
-``activation_bytes`` and ZeRO-2's slot plan do the counting.
+them): the trainer's own accounting (``planned_memory``, on a device that allocates nothing), so the
+model's ``activation_bytes`` and ZeRO's shares and slot plans do the counting.
 
 Targets (printed with each verdict): zero 1's optimizer state per rank = 1/N of zero 0's (to
 one element per bucket: no padding); zero 1's step time within 5 % of zero 0's at 2 ranks;
-recompute's activations at most 1/4 of none's, at most 35 % slower.
+recompute's activations at most 1/4 of none's, at most 35 % slower; zero 3's parameters, gradients
+and optimizer state at most zero 0's / N plus two blocks' parameters, its step at most 1.3x zero
+0's at 2 ranks, and its largest GPT at least 3x zero 0's parameters.
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-MEMORY = re.compile(r"memory per rank \(computed\): parameters ([\d,.]+) MB, gradients ([\d,.]+) MB(?: \([^)]*\))?, "
-                    r"optimizer state ([\d,.]+) MB(?: \(zero \d: a 1/\d+ share\))?(?:, activations ([\d,.]+) MB)?")
-VARIANTS = [(0, "none"), (1, "none"), (2, "none"), (0, "blocks"), (1, "blocks"), (2, "blocks")]
+MEMORY = re.compile(r"memory per rank \(computed\): parameters ([\d,.]+) MB(?: \([^)]*\))?, gradients ([\d,.]+) MB"
+                    r"(?: \([^)]*\))?, "
+                    r"optimizer state ([\d,.]+) MB(?: \([^)]*\))?(?:, activations ([\d,.]+) MB)?")
+VARIANTS = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (0, "blocks"), (1, "blocks"), (2, "blocks"),
+            (3, "blocks")]
 
 
 def overrides(zero, recompute, args) -> list[str]:
@@ -121,36 +125,44 @@ def _params_hash(ckpt, step) -> str:
     return digest.hexdigest()
 
 
-def largest_within(budget_bytes, ranks, cfg, vocab=256) -> list[dict]:
+def largest_within(budget_bytes, ranks, args) -> list[dict]:
     """Per zero x recompute, the deepest GPT of GPT-2 small's proportions (d_model = 64 n_layer,
-    64-channel heads; 12 layers is d 768) whose computed bytes per rank fit the budget."""
-    from hpctrain.comm.buckets import plan_buckets
-    from hpctrain.comm.zero import ZeroShards
-    from hpctrain.comm.zero_grads import GradientSlots
-    from hpctrain.observe.memory import Unallocated
-    from hpctrain.models.gpt import GPT
+    64-channel heads; 12 layers is d 768) whose computed bytes per rank fit the budget: rank 0's
+    :func:`~hpctrain.training.plan.planned_memory` (the trainer's own accounting, on a device that
+    allocates nothing) for the config with the run's overrides, buckets and micro-batch."""
+    import contextlib
 
-    dev = Unallocated("float32")
-    rows = -(-cfg.train.global_batch // ranks // cfg.train.grad_accum_steps)
+    from hpctrain.runtime import World
+    from hpctrain.training.config_load import load_config
+    from hpctrain.training.plan import planned_memory
+
     best = []
+    world = World(None, 0, ranks, None, 0, ranks, None, 0, 1)
     for zero, recompute in VARIANTS:
         top = None
         for n_layer in range(1, 129):
             d = 64 * n_layer
-            model = GPT(dev, vocab, cfg.model.context, n_layer, n_layer, d, recompute)
-            p = model.flat.size
-            grads = p
-            if zero == 2:  # the slots backward reuses + this rank's chunks
-                buckets = plan_buckets(model.flat, 4, cfg.dist.bucket_mb, cfg.dist.first_bucket_mb)
-                shards = ZeroShards(buckets, 0, ranks, lambda rank, size: rank)
-                grads = GradientSlots(buckets, shards, model.flat, model.backward_groups, dev).size + shards.owned
-            total = 4 * (p + grads + 2 * (p if zero == 0 else -(-p // ranks))) + model.activation_bytes(rows)
+            # the config's own buckets (part 1's small ones would cut a large model into thousands)
+            sets = [x for x in overrides(zero, recompute, args) if not x.startswith(("dist.bucket_mb",
+                                                                                     "dist.first_bucket_mb"))]
+            sets += [f"model.n_layer={n_layer}", f"model.d_model={d}",
+                                                       f"model.n_head={n_layer}", "train.device=cpu"]
+            with contextlib.chdir(REPO):
+                cfg = load_config(args.config, sets).validate()
+                got = planned_memory(cfg, world)
+            total = got["params"] + got["grads"] + got["optimizer"] + got["activations"]
             if total > budget_bytes:
                 break
-            top = {"zero": zero, "recompute": recompute, "d_model": d, "n_layer": n_layer, "parameters": p,
-                   "bytes_per_rank": total}
+            top = {"zero": zero, "recompute": recompute, "d_model": d, "n_layer": n_layer,
+                   "parameters": _parameters(n_layer, d, cfg.model.context), "bytes_per_rank": total,
+                   "states_bytes": got["params"] + got["grads"] + got["optimizer"]}
         best.append(top)
     return best
+
+
+def _parameters(n_layer: int, d: int, context: int, vocab: int = 256) -> int:
+    """A GPT's parameter count (byte vocabulary, tied head): (V + T) C + L (12 C^2 + 13 C) + 2 C."""
+    return (vocab + context) * d + n_layer * (12 * d * d + 13 * d) + 2 * d
 
 
 def main() -> None:
@@ -227,21 +239,40 @@ def main() -> None:
         if g["zero"] == 2 and g["recompute"] == "none":
             print(f"  zero 2 gradients at {g['ranks']} rank(s): {g['grads_vs_zero0']:.3f} of zero 0 (the reused "
                   f"slots + 1/{g['ranks']}); step {g['step_vs_baseline']:.3f} of zero 0")
+        if g["zero"] == 3 and g["recompute"] == "none":
+            n, base = g["ranks"], next(b for b in rows if b["ranks"] == g["ranks"] and b["zero"] == 0
+                                        and b["recompute"] == "none")
+            C = cfg.model.d_model
+            blocks_mb = 2 * (12 * C * C + 13 * C) * 4 / 1e6   # two blocks' float32 parameters
+            states = g["params_mb"] + g["grads_mb"] + g["optimizer_mb"]
+            bound = (base["params_mb"] + base["grads_mb"] + base["optimizer_mb"]) / n + blocks_mb
+            print(f"  zero 3 at {n} rank(s): parameters + gradients + optimizer state {states:.2f} MB against zero "
+                  f"0's / {n} + two blocks' parameters = {bound:.2f} MB: {'met' if states <= bound else 'NOT met'}; "
+                  f"step {g['step_vs_baseline']:.3f} of zero 0" + (f" (target <= 1.3: "
+                  f"{'met' if g['step_vs_baseline'] <= 1.3 else 'NOT met'})" if n == 2 else ""))
         if g["zero"] == 0 and g["recompute"] == "blocks":
             print(f"  recompute at {g['ranks']} rank(s): activations {g['activations_vs_none']:.3f} of none (target "
                   f"<= 0.25: {'met' if g['activations_vs_none'] <= 0.25 else 'NOT met'}), step "
                   f"{g['step_vs_baseline']:.3f} (target <= 1.35: {'met' if g['step_vs_baseline'] <= 1.35 else 'NOT met'})")
-    largest = largest_within(args.budget_gb * 1e9, max(args.ranks), cfg)
+    largest = largest_within(args.budget_gb * 1e9, max(args.ranks), args)
     print(f"\nThe deepest GPT of GPT-2 small's proportions (d_model = 64 n_layer) whose computed bytes fit "
           f"{args.budget_gb:g} GB per rank at {max(args.ranks)} rank(s) (float32, AdamW, context {cfg.model.context}, "
           f"the config's micro-batch; CPU attention, which keeps T x T):\n")
-    print("| zero | recompute | d_model | n_layer | parameters | GB per rank |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| zero | recompute | d_model | n_layer | parameters | vs zero 0 | GB per rank | of which parameters, "
+          "gradients and optimizer state |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    zero0 = {t["recompute"]: t["parameters"] for t in largest if t is not None and t["zero"] == 0}
     for t in largest:
         if t is None:
             continue
+        vs = t["parameters"] / zero0[t["recompute"]] if zero0.get(t["recompute"]) else float("nan")
         print(f"| {t['zero']} | {t['recompute']} | {t['d_model']} | {t['n_layer']} | {t['parameters']:,} | "
-              f"{t['bytes_per_rank'] / 1e9:.2f} |")
+              f"{vs:.2f}x | {t['bytes_per_rank'] / 1e9:.2f} | {t['states_bytes'] / 1e9:.2f} |")
+    for t in largest:
+        if t is not None and t["zero"] == 3 and t["recompute"] == "blocks" and zero0.get("blocks"):
+            vs = t["parameters"] / zero0["blocks"]
+            print(f"\n  zero 3's largest GPT at {max(args.ranks)} rank(s): {vs:.2f}x zero 0's parameters (target >= 3 "
+                  f"at 4 ranks: {'met' if vs >= 3 else 'NOT met'})")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"machine": platform.node(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),

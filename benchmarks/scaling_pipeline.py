@@ -12,7 +12,8 @@ and every m of ``--micro-batches`` that divides the data rank's rows, one hpctra
 ``dist.pipeline_parallel = p`` and ``train.grad_accum_steps = m``. A row gives tokens/s and the
 median step time; the bubble each stage measured (``pipeline_idle`` in the metrics: the part of its
 first stage's schedule, which starts the first forward and ends the last backward, that it spent not
-computing, by the host's clock, the mean over the timed steps) against (p - 1) / (m + p - 1) and
+computing, by the host's clock, the mean over the timed steps) against (p - 1) / (m + p - 1) (the bubble is the slowest stage's idle, which sets the step's pace; a
+faster stage idles its imbalance too, reported as 1 - its compute / the slowest's) and
 against the idle the stages' own measured compute times predict (:func:`predicted_idle`: unequal
 stages idle more than the formula's equal ones); the activation bytes each stage held (measured on its arrays) and the
 largest, which 1F1B keeps at min(p - s, m) micro-batches and GPipe at m; the bytes rank 0 sent per
@@ -99,6 +100,9 @@ def _row(a, name, m, n, p, schedule, k, batch, warmup, row) -> dict:
             "tokens_per_s": (batch * m["context"] / (row["step_ms"]["median"] / 1e3) if row.get("step_ms") else None),
             "idle_per_stage": idle, "bubble_formula": bubble(p, k),
             "idle_predicted": predicted_idle(busy, k) if busy else [], "busy_ms_per_stage": [1e3 * b for b in busy],
+            # the bubble: the slowest stage's idle (it sets the pace; the others also wait for it)
+            "bubble_measured": idle[int(np.argmax(busy))] if busy else None,
+            "imbalance": 1 - min(busy) / max(busy) if busy and max(busy) > 0 else None,
             "activation_bytes_per_stage": held,
             "p2p_bytes_per_step": mean("pipeline_bytes_sent"), "allreduce_bytes_per_step": mean("bytes_sent"),
             "link_bytes_run": int(link.group(1)) + int(link.group(2)) if link else None}
@@ -107,9 +111,10 @@ def _row(a, name, m, n, p, schedule, k, batch, warmup, row) -> dict:
 def table(rows: list) -> str:
     """The Markdown table of the sweep, with the p = 1 run of the same model and ranks as yardstick."""
     out = ["| model | ranks | p | data parallel | schedule | m | tokens/s | step ms | vs p = 1 | idle per stage "
-           "(measured) | idle per stage (predicted from the stages' compute) | bubble (p-1)/(m+p-1) | activations "
+           "(measured) | idle per stage (predicted from the stages' compute) | bubble (the slowest stage's idle) | "
+           "(p-1)/(m+p-1) | imbalance (1 - fastest / slowest stage's compute) | activations "
            "MB per stage (held) | MB sent / step by rank 0: p2p + all-reduce | MB across the link, whole run |",
-           "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---|---:|---|---:|---:|"]
+           "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|---:|---:|"]
     base = {(r["model"], r["ranks"]): r for r in rows if r["p"] == 1}
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
@@ -121,7 +126,8 @@ def table(rows: list) -> str:
         sent = (r["p2p_bytes_per_step"] or 0) + (r["allreduce_bytes_per_step"] or 0)
         out.append(f"| {r['model']} | {r['ranks']} | {r['p']} | {r['data_parallel']} | {r['schedule']} | "
                    f"{r['micro_batches']} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['step_ms'], '.1f')} | "
-                   f"{fmt(ratio, '.2f')}x | {idle} | {predicted} | {r['bubble_formula']:.2f} | {held} | "
+                   f"{fmt(ratio, '.2f')}x | {idle} | {predicted} | {fmt(r.get('bubble_measured'), '.3f')} | "
+                   f"{r['bubble_formula']:.3f} | {fmt(r.get('imbalance'), '.3f')} | {held} | "
                    f"{fmt(r['p2p_bytes_per_step'] and r['p2p_bytes_per_step'] / 1e6, '.2f')} + "
                    f"{fmt(r['allreduce_bytes_per_step'] and r['allreduce_bytes_per_step'] / 1e6, '.2f')} = "
                    f"{sent / 1e6:.2f} | {fmt(r['link_bytes_run'] and r['link_bytes_run'] / 1e6, ',.0f')} |")

@@ -26,12 +26,14 @@ class FlatOptimizer:
 
     ``shards`` (a :class:`~hpctrain.comm.zero.ZeroShards`, ``dist.zero >= 1``): the state holds only this
     rank's chunks, packed (``state_size`` elements), and updates run only on ranges inside them.
-    ``grads`` (``dist.zero = 2``): the averaged gradient of those chunks, packed alike, read instead of
-    ``flat.grad``.
+    ``grads`` (``dist.zero >= 2``): the averaged gradient of those chunks, packed alike, read instead of
+    ``flat.grad``. ``params`` (``dist.zero = 3``): the parameters of those chunks, packed alike, the
+    masters updated instead of ``flat.data`` (which then holds gathered copies).
     """
 
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, params=None):
         self.device, self.flat, self.cfg, self.shards, self.grads = device, flat, cfg_optim, shards, grads
+        self.params = params
         self.runs = decay_runs(flat, no_decay)
         self.state_size = flat.size if shards is None else shards.owned
         self.hyper = None  # the step's scalars on the device, (2, n): rows for no decay and decay
@@ -39,6 +41,10 @@ class FlatOptimizer:
     def _state(self, s: slice) -> slice:
         """The state's slice for the flat slice ``s``."""
         return s if self.shards is None else self.shards.packed(s.start, s.stop)
+
+    def _param(self, s: slice):
+        """The master parameters of the flat slice ``s`` (the updated ones)."""
+        return self.flat.data[s] if self.params is None else self.params[self._state(s)]
 
     def _grad(self, s: slice):
         """The averaged gradient of the flat slice ``s``."""

@@ -47,8 +47,8 @@ class LayerWise(FlatOptimizer):
 
     whole_gradient = True   # the Step reduces (and clips) every bucket, then calls prepare, then update
 
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
-        super().__init__(device, flat, cfg_optim, no_decay, shards, grads)
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, params=None):
+        super().__init__(device, flat, cfg_optim, no_decay, shards, grads, params)
         self.no_decay = no_decay
         self.slot_ranges = [(s.offset, s.offset + s.size) for s in self.flat.slots]
         self.excluded = np.array([s.name in self.no_decay for s in self.flat.slots])
@@ -81,7 +81,7 @@ class LayerWise(FlatOptimizer):
         for j in range(len(self.slot_ranges)):
             pieces = self._pieces(j)
             if pieces:
-                out[j, 0] = ops.sum_squares([self.flat.data[a:b] for a, b in pieces])
+                out[j, 0] = ops.sum_squares([self._param(slice(a, b)) for a, b in pieces])
                 out[j, 1] = ops.sum_squares([second(a, b) for a, b in pieces])
         return out
 
@@ -98,8 +98,8 @@ class LARS(LayerWise):
     """Momentum SGD with LARS's per-parameter learning rate (module docstring); state ``momentum``
     holds v, which includes the learning rate (the paper's form)."""
 
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
-        super().__init__(device, flat, cfg_optim, no_decay, shards, grads)
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, params=None):
+        super().__init__(device, flat, cfg_optim, no_decay, shards, grads, params)
         self.momentum_buf = device.zeros(self.state_size)
 
     def begin_step(self, step, lr):
@@ -125,7 +125,7 @@ class LARS(LayerWise):
     def _slot_step(self, j, s):
         g = self._grad(s)
         self.device.ops.scale(g, self._scale[j])
-        self.device.ops.sgd_update(self.flat.data[s], g, self.momentum_buf[self._state(s)], self._slot_hyper[j], False)
+        self.device.ops.sgd_update(self._param(s), g, self.momentum_buf[self._state(s)], self._slot_hyper[j], False)
 
     def state(self) -> dict:
         return {"momentum": self.momentum_buf}
@@ -138,8 +138,8 @@ class LAMB(LayerWise):
 
     work_arrays = 1   # the direction, beside the saved state (memory accounting)
 
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
-        super().__init__(device, flat, cfg_optim, no_decay, shards, grads)
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, params=None):
+        super().__init__(device, flat, cfg_optim, no_decay, shards, grads, params)
         self.exp_avg = device.zeros(self.state_size)
         self.exp_avg_sq = device.zeros(self.state_size)
         self.direction = device.zeros(self.state_size)
@@ -161,7 +161,7 @@ class LAMB(LayerWise):
             hyper = self._direction_hyper[0 if self.excluded[j] else 1]
             for a, b in self._pieces(j):
                 s, st = slice(a, b), self._state(slice(a, b))
-                ops.lamb_direction(self.flat.data[s], self._grad(s), self.exp_avg[st], self.exp_avg_sq[st], hyper,
+                ops.lamb_direction(self._param(s), self._grad(s), self.exp_avg[st], self.exp_avg_sq[st], hyper,
                                    self.direction[st])
         sums = sum_norms(self._partial_sums(lambda a, b: self.direction[self._state(slice(a, b))]))
         c, rows = self.cfg, []
@@ -176,7 +176,7 @@ class LAMB(LayerWise):
 
     def _slot_step(self, j, s):
         st = self._state(s)
-        self.device.ops.adamw_update(self.flat.data[s], self._grad(s), self.exp_avg[st], self.exp_avg_sq[st],
+        self.device.ops.adamw_update(self._param(s), self._grad(s), self.exp_avg[st], self.exp_avg_sq[st],
                                      self._slot_hyper[j], False)
 
     def state(self) -> dict:

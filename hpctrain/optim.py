@@ -66,15 +66,15 @@ class LRSchedule:
 class SGD(FlatOptimizer):
     """SGD with momentum, Nesterov and L2 weight decay (PyTorch semantics)."""
 
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None):
-        super().__init__(device, flat, cfg_optim, no_decay, shards, grads)
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, params=None):
+        super().__init__(device, flat, cfg_optim, no_decay, shards, grads, params)
         self.momentum_buf = device.zeros(self.state_size)
 
     def _hyper(self, lr, weight_decay):
         return sgd.hyperparameters(self.flat.data.dtype, lr, self.cfg.momentum, weight_decay)
 
     def _kernel(self, s, hyper):
-        self.device.ops.sgd_update(self.flat.data[s], self._grad(s), self.momentum_buf[self._state(s)], hyper,
+        self.device.ops.sgd_update(self._param(s), self._grad(s), self.momentum_buf[self._state(s)], hyper,
                                    self.cfg.nesterov)
 
     def state(self) -> dict:
@@ -93,8 +93,9 @@ class AdamW(FlatOptimizer):
     gradients are the ranks' summed velocities and ``exp_avg`` only decays (kernels/adamw.py).
     """
 
-    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, velocity_from=0):
-        super().__init__(device, flat, cfg_optim, no_decay, shards, grads)
+    def __init__(self, device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, velocity_from=0,
+                 params=None):
+        super().__init__(device, flat, cfg_optim, no_decay, shards, grads, params)
         self.exp_avg = device.zeros(self.state_size)
         self.exp_avg_sq = device.zeros(self.state_size)
         self.t = 0
@@ -117,21 +118,45 @@ class AdamW(FlatOptimizer):
 
     def _kernel(self, s, hyper):
         st = self._state(s)
-        self.device.ops.adamw_update(self.flat.data[s], self._grad(s), self.exp_avg[st], self.exp_avg_sq[st], hyper,
+        self.device.ops.adamw_update(self._param(s), self._grad(s), self.exp_avg[st], self.exp_avg_sq[st], hyper,
                                      self.velocity)
 
     def state(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
 
-def make_optimizer(device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, velocity_from=0):
+def build_optimizer(device, flat, cfg, no_decay=frozenset(), shards=None, grads=None, velocity_from=0, params=None):
+    """The run's optimizer: :func:`make_optimizer` for ``cfg.optim`` on ``device``, or under
+    ``dist.offload = "optimizer"`` the same over pinned host arrays, wrapped to feed and be fed from
+    the device (:class:`~hpctrain.offload.OffloadedOptimizer`)."""
+    if cfg.dist.offload == "none":
+        return make_optimizer(device, flat, cfg.optim, no_decay, shards, grads, velocity_from, params)
+    from .offload import OffloadedOptimizer
+
+    if device.name != "cuda":
+        from .errors import ConfigError
+
+        raise ConfigError(f"dist.offload={cfg.dist.offload!r} on the {device.name} device (train.device="
+                          f"{cfg.train.device!r} found no GPU): the optimizer already runs in host memory, there "
+                          f"is nothing to offload from; use dist.offload = none")
+
+    def make(host, host_flat, host_shards, host_grads, host_params):
+        return make_optimizer(host, host_flat, cfg.optim, no_decay, host_shards, host_grads, velocity_from,
+                              host_params)
+
+    return OffloadedOptimizer(device, flat, make, shards, grads, params)
+
+
+def make_optimizer(device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, velocity_from=0,
+                   params=None):
     """The optimizer ``optim.name`` over ``flat``; parameters named in ``no_decay`` get no weight decay;
     with ``shards`` (ZeRO) it keeps state for this rank's chunks only, with ``grads`` (ZeRO-2) it reads
-    their gradient from there; ``velocity_from`` (AdamW only): see :class:`AdamW`."""
+    their gradient from there, with ``params`` (ZeRO-3) it updates their parameters there;
+    ``velocity_from`` (AdamW only): see :class:`AdamW`."""
     if cfg_optim.name != "adamw" and velocity_from:
         raise ValueError(f"velocity_from: {cfg_optim.name} has no velocity mode (dist.compress_momentum needs adamw)")
     if cfg_optim.name == "sgd":
-        return SGD(device, flat, cfg_optim, no_decay, shards, grads)
+        return SGD(device, flat, cfg_optim, no_decay, shards, grads, params)
     if cfg_optim.name in ("lamb", "lars"):
-        return (LAMB if cfg_optim.name == "lamb" else LARS)(device, flat, cfg_optim, no_decay, shards, grads)
-    return AdamW(device, flat, cfg_optim, no_decay, shards, grads, velocity_from)
+        return (LAMB if cfg_optim.name == "lamb" else LARS)(device, flat, cfg_optim, no_decay, shards, grads, params)
+    return AdamW(device, flat, cfg_optim, no_decay, shards, grads, velocity_from, params)

@@ -269,7 +269,13 @@ def test_target_accuracy_needs_an_eval_file():
 @pytest.mark.parametrize("overrides, expect", [
     (["dist.zero=1", "dist.compress=fp16"], "dist.zero=1 with dist.compress='fp16' is not supported"),
     (["dist.zero=2", "dist.allreduce=ring", "dist.compress=topk(0.01)"], "dist.zero=2 with dist.compress="),
-    (["dist.zero=3"], "dist.zero=3: choose one of 0, 1, 2"),
+    (["dist.zero=4"], "dist.zero=4: choose one of 0, 1, 2, 3"),
+    (["dist.zero=3", "dist.compress=fp16"], "dist.zero=3 with dist.compress='fp16' is not supported"),
+    (["dist.zero=3", "train.precision=bf16"], "ZeRO-3 gathers full-precision parameters only"),
+    (["model.kind=gpt", "dist.zero=3", "dist.pipeline_parallel=2"], "a pipeline stage already holds only its layers"),
+    (["dist.offload=optimizer", "train.device=cpu"], "there is nothing to offload from"),
+    (["dist.offload=optimizer", "train.device=cuda", "train.precision=bf16"], "full-precision masters only"),
+    (["dist.offload=host"], "dist.offload='host': choose one of none, optimizer"),
 ])
 def test_zero_settings_that_cannot_run_are_one_clear_error(overrides, expect):
     from hpctrain.training.config_load import load_config

@@ -1,7 +1,7 @@
 """The GPT on the CUDA device inside an MPI job of 2 ranks: token upload, forward, backward,
 the gradients' way out through the host-staging path (pinned buffers; chosen on the
 simulator, whose arrays MPI would otherwise take directly) and AdamW, with and without
-ZeRO-2, equal the same job on the CPU (float64; tolerance as tests/test_gpt_cuda_step.py). Runs under mpirun -n 2
+ZeRO-3 (which runs ZeRO-2's gradient slots and gathers the parameters), equal the same job on the CPU (float64; tolerance as tests/test_gpt_cuda_step.py). Runs under mpirun -n 2
 only: on the simulator each run takes about a minute, and 2 ranks is the case the
 staging path has to get right.
 """
@@ -15,10 +15,12 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
               pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 3])
 def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
-    """zero 2: the gradient slots and this rank's chunks on the device, the chunks copied and added
-    (two micro-batches) on the communication thread while backward writes the next slots."""
+    """zero 3: ZeRO-2's gradient slots and this rank's chunks on the device, the chunks copied and
+    added (two micro-batches) on the communication thread while backward writes the next slots; and
+    the parameters' chunks on the device, each layer's buckets gathered into reused device slots
+    through pinned buffers on the gather thread before it runs (slots reused: checked)."""
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.size != 2:
@@ -36,14 +38,17 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
         if zero:
             cfg.dist.zero, cfg.dist.allreduce, cfg.train.grad_accum_steps = zero, "ring", 2
             cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001  # 131 values: slots reused (checked)
-            cfg.model.n_layer = 2  # a block spans every bucket of its own: one more block to reuse them
+            cfg.model.n_layer = 3  # a block's forward spans its buckets and the next LayerNorm's: blocks to reuse them
         trainer = Trainer(cfg, world, Log(False))
         if device == "cuda":
             assert trainer.plan.staging.mode == "pinned"
         if zero:
             assert trainer.plan.grad_slots.rotating < len(trainer.plan.buckets) - 1
+            assert trainer.plan.param_slots.layout.rotating < len(trainer.plan.buckets) - 1
         losses = [trainer.train_step() for _ in range(cfg.train.steps)]
-        runs[device] = losses, trainer.device.to_host(trainer.model.flat.data).copy()
+        slots = trainer.plan.param_slots
+        runs[device] = losses, (trainer.device.to_host(trainer.model.flat.data).copy() if slots is None
+                                else slots.whole(trainer.plan.dp.comm))
         trainer.close()
     (l_cpu, p_cpu), (l_gpu, p_gpu) = runs["cpu"], runs["cuda"]
     for (a, ca), (b, cb) in zip(l_cpu, l_gpu):

@@ -47,7 +47,9 @@ def _train(cfg, world):
 def _logical(trainer, buf=None):
     """Every parameter's logical array (gathered over the tensor group): name -> host array."""
     model = trainer.model
-    buf = model.flat.data if buf is None else buf
+    if buf is None:   # (ZeRO-3: the data group's chunks of this rank's pieces, gathered whole)
+        slots = trainer.plan.param_slots
+        buf = model.flat.data if slots is None else slots.whole(trainer.plan.dp.comm)
     out = {}
     for s in model.flat.slots:
         local = np.array(model.flat.view(buf, s.name))
@@ -95,7 +97,7 @@ def test_split_training_equals_data_parallel(world, mpi_text_data, t, optim, rec
             assert len(set(split.plan.grid.tensor.comm.allgather(crc))) == 1, s.name
 
 
-@pytest.mark.parametrize("zero,optim", [(1, "adamw"), (2, "sgd"), (1, "lamb")])
+@pytest.mark.parametrize("zero,optim", [(1, "adamw"), (2, "sgd"), (1, "lamb"), (3, "adamw")])
 def test_zero_shares_of_the_tensor_pieces_train_like_t_1_zero_0(world, mpi_text_data, zero, optim):
     """dist.zero with tensor parallelism: each tensor rank's data group shares out its own pieces.
     The logical parameters and the evaluation loss equal the t = 1, zero 0 run's (rtol 1e-10);
@@ -116,9 +118,10 @@ def test_zero_shares_of_the_tensor_pieces_train_like_t_1_zero_0(world, mpi_text_
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-14, err_msg=name)
     assert shared.evaluate()["loss"] == pytest.approx(whole.evaluate()["loss"], rel=1e-10)
+    held = shared.model.flat.data if zero < 3 else shared.plan.param_slots.whole(shared.plan.dp.comm)
     for s in shared.model.flat.slots:
         if s.name not in shared.model.tensor_layout.splits:
-            crc = zlib.crc32(np.ascontiguousarray(shared.model.flat.view(shared.model.flat.data, s.name)).tobytes())
+            crc = zlib.crc32(np.ascontiguousarray(shared.model.flat.view(held, s.name)).tobytes())
             assert len(set(shared.plan.grid.tensor.comm.allgather(crc))) == 1, s.name
     from hpctrain.observe.log import Log
     from hpctrain.training.trainer import Trainer

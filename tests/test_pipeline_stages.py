@@ -6,6 +6,7 @@ are tests/test_mpi_pipeline.py."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -136,6 +137,34 @@ def test_the_split_is_balanced_by_parameter_count():
         best = min(cost(c) for c in itertools.product(range(1, n + 1), repeat=p) if sum(c) == n)
         assert cost(got) == best, (n, p, first, last, got)
     assert balance(4, 2, 197_000, 48_000, 33_000) == [2, 2]
+
+
+def test_a_compute_balanced_split_moves_blocks_off_the_head():
+    """GPT-2 small's shape in 4 stages (12 x d768, context 1024, vocabulary 50257). By parameters the
+    first and last stage each hold a 38.6 M table and get one block; by compute the embedding's
+    lookup is free and the head's 6 V C = 231.6 MFLOP per token (4.5 blocks of 51.9) needs a stage of
+    its own: [5, 5, 1, 1], whose slowest stage (the head's, 283.5 MFLOP per token) is the least any
+    split with a block on the last stage can have. The hand-worked splits, and each the best by its
+    own measure against brute force."""
+    from hpctrain.models.gpt import stage_blocks
+
+    m = SimpleNamespace(n_layer=12, d_model=768, context=1024)
+    V, C, T = 50257, 768, 1024
+    by_params = stage_blocks(m, 4, [], V, "parameters")
+    by_compute = stage_blocks(m, 4, [], V, "compute")
+    assert by_params == [1, 6, 4, 1] and by_compute == [5, 5, 1, 1]
+    block_flops, head_flops = 6 * 12 * C * C + 12 * T * C, 6 * V * C
+    block_params, first_params, last_params = 12 * C * C + 13 * C, (V + T) * C, V * C + 2 * C
+
+    def worst(split, block, first, last):
+        return max(k * block + (first if s == 0 else 0) + (last if s == 3 else 0) for s, k in enumerate(split))
+
+    splits = [c for c in itertools.product(range(1, 10), repeat=4) if sum(c) == 12]
+    assert worst(by_compute, block_flops, 0, head_flops) == min(worst(c, block_flops, 0, head_flops) for c in splits)
+    assert worst(by_params, block_params, first_params, last_params) == min(
+        worst(c, block_params, first_params, last_params) for c in splits)
+    assert worst(by_compute, block_flops, 0, head_flops) < worst(by_params, block_flops, 0, head_flops)
+    assert stage_blocks(m, 4, [3, 3, 3, 3], V, "compute") == [3, 3, 3, 3]   # a given split is kept
 
 
 def _cfg(**dist):

@@ -132,11 +132,15 @@ def training_state(state, plan) -> list[Entry]:
     depend on how the run was split."""
     dev, flat, opt, sampler, cfg = plan.device, state.model.flat, state.optimizer, state.sampler, plan.cfg
     drifted = []
-    entries = _slot_entries("model", state.model, dev.to_host, flat.data, dev.dtype, drifted)
+    params, to_host = flat.data, dev.to_host
+    if getattr(plan, "param_slots", None) is not None:   # ZeRO-3: the whole parameters assembled on the host
+        params, to_host = plan.param_slots.whole(plan.dp.comm), np.asarray
+    entries = _slot_entries("model", state.model, to_host, params, dev.dtype, drifted)
+    sdev = getattr(opt, "state_device", dev)   # (dist.offload: the state is in host memory)
     for state_name, buf in opt.state().items():
-        to_host = dev.to_host
+        to_host = sdev.to_host
         if getattr(opt, "shards", None) is not None:  # ZeRO-1: the whole state assembled on the host (collective)
-            buf, to_host = opt.shards.gather(plan.dp.comm, dev.to_host(buf), flat.size), np.asarray
+            buf, to_host = opt.shards.gather(plan.dp.comm, sdev.to_host(buf), flat.size), np.asarray
         entries += _slot_entries(f"optim/{state_name}", state.model, to_host, buf, dev.dtype, drifted)
     if getattr(plan, "pipeline", 1) > 1:   # every stage's arrays on every rank (collective over the pipeline)
         entries = _whole_model(entries, state.model, plan.grid.pipeline.comm, ["model", *(
@@ -211,16 +215,22 @@ def restore(state, plan, full: dict, own_rows: dict, saved_world: int, log, save
     dev, flat, opt = plan.device, state.model.flat, state.optimizer
     layout = getattr(state.model, "tensor_layout", None)
     mine = (lambda name, a: a) if layout is None else layout.local  # noqa: E731  (this rank's piece)
-    for s in flat.slots:
-        dev.copy_from_host(flat.view(flat.data, s.name), mine(s.name, full[parameter_path("model", s.name)]))
+    if getattr(plan, "param_slots", None) is not None:   # ZeRO-3: this rank's chunks of (its pieces of) them
+        plan.param_slots.load(np.concatenate([np.asarray(mine(s.name, full[parameter_path("model", s.name)]))
+                                              .reshape(-1) for s in flat.slots]))
+    else:
+        for s in flat.slots:
+            dev.copy_from_host(flat.view(flat.data, s.name), mine(s.name, full[parameter_path("model", s.name)]))
+    sdev = getattr(opt, "state_device", dev)   # (dist.offload: the state is in host memory)
     for state_name, buf in opt.state().items():
         if getattr(opt, "shards", None) is not None:  # ZeRO: this rank's chunks of (its tensor pieces of) the arrays
             whole = np.concatenate([np.asarray(mine(s.name, full[parameter_path(f"optim/{state_name}", s.name)]))
                                     .reshape(-1) for s in flat.slots])
-            dev.copy_from_host(buf, opt.shards.take(whole).astype(dev.dtype, copy=False))
+            sdev.copy_from_host(buf, opt.shards.take(whole).astype(dev.dtype, copy=False))
             continue
         for s in flat.slots:
-            dev.copy_from_host(flat.view(buf, s.name), mine(s.name, full[parameter_path(f"optim/{state_name}", s.name)]))
+            sdev.copy_from_host(flat.view(buf, s.name), mine(s.name, full[parameter_path(f"optim/{state_name}", s.name)]))
+    getattr(opt, "masters_changed", lambda: None)()   # (dist.offload: its host masters follow the parameters)
     if hasattr(opt, "t"):
         opt.t = int(full["/optim/step_count"][0])
     position = dict(zip(POSITION_FIELDS, (int(v) for v in full["/data/position"])))

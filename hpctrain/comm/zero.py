@@ -40,7 +40,7 @@ import numpy as np
 
 from .ring import chunk_offsets
 
-STAGES = (0, 1, 2)  # 2: the gradients too (hpctrain.comm.zero_grads)
+STAGES = (0, 1, 2, 3)  # 2: the gradients too (hpctrain.comm.zero_grads); 3: the parameters too (.zero_params)
 
 
 def owned_chunk_rule(allreduce: str, world, inner: str = "mpi"):
@@ -127,11 +127,12 @@ def traffic_halves(zero: int, native: bool, micro_steps: int) -> int:
     """Per step, the uncompressed traffic per rank in halves of an all-reduce (each (p-1)/p of the
     buckets): an all-reduce is 2; ZeRO's reduce-scatter 1 with halves of the strategy's own
     (``native``), else 2 (the whole all-reduce, :class:`~.halves.WholeSumHalves`), once per
-    micro-batch under ZeRO-2, plus 1 for the all-gather."""
+    micro-batch under ZeRO-2 and 3, plus 1 for the all-gather after the update (not under ZeRO-3, whose
+    gathers before use the step counts as they run)."""
     if not zero:
         return 2
     scatter = 1 if native else 2
-    return scatter * (micro_steps if zero == 2 else 1) + 1
+    return scatter * (micro_steps if zero >= 2 else 1) + (zero < 3)
 
 
 def refusal(zero: int, compress: str) -> str | None:

@@ -36,20 +36,30 @@ from .zero import ZeroShards, owned_chunk_rule
 
 
 def plan_zero(stage: int, dist, buckets, model, device, world):
-    """(shards, slots) of ``dist.zero = stage`` for this rank of ``world``: None, None for 0; the
-    :class:`~.zero.ZeroShards` of strategy ``dist.allreduce`` (the ``dist`` config section) for 1;
-    and for 2 also the :class:`GradientSlots`, with ``model``'s gradients moved into them (its whole
-    gradient buffer dropped and, on a GPU, freed now). Local."""
+    """(shards, slots, params) of ``dist.zero = stage`` for this rank of ``world``: all None for 0;
+    the :class:`~.zero.ZeroShards` of strategy ``dist.allreduce`` (the ``dist`` config section) for
+    1; for 2 also the :class:`GradientSlots`, with ``model``'s gradients moved into them (its whole
+    gradient buffer dropped and, on a GPU, freed now); for 3 also the
+    :class:`~.zero_params.ParameterSlots` (the model moves onto them at its ``adopt``, once the
+    initial weights are broadcast). Local."""
     if not stage:
-        return None, None
+        return None, None, None
     owned_chunk = owned_chunk_rule(dist.allreduce, world, dist.hierarchical_inner)
     shards = ZeroShards(buckets, world.rank, world.size, owned_chunk)
     if stage == 1:
-        return shards, None
+        return shards, None, None
     slots = GradientSlots(buckets, shards, model.flat, model.backward_groups, device)
     model.use_grad_buffer(slots.buffer, slots.offsets)
     getattr(device, "release_freed", lambda: None)()
-    return shards, slots
+    if stage == 2:
+        return shards, slots, None
+    from .zero_params import ParameterSlots
+
+    # a layer gathered alone must read only its own parameters (a GPT block stops fusing the next
+    # LayerNorm into its output add; else its forward spans two blocks' buckets)
+    getattr(model, "separate_layers", lambda: None)()
+    groups = [*getattr(model, "forward_groups", []), *model.backward_groups]
+    return shards, slots, ParameterSlots(buckets, shards, model.flat, groups, device)
 
 
 def place_gradients(strategy, model, slots, device) -> None:
@@ -73,6 +83,39 @@ def make_reducer(strategy, grad, buckets, device, shards, slots, micro_steps: in
                              check_finite=check_finite, shards=shards)
 
 
+class SlotLayout:
+    """A pool of slots for ``buckets`` of ``flat``, whose layers (``groups``: the parameter names each
+    layer reads or writes together) run in bucket order, one way or the other: buckets 0 .. n-2 take K
+    slots in turn (bucket i -> slot i mod K) and the last bucket (the first layers': the GPT's tied
+    table) has one of its own. K is one more than the most buckets one layer spans, the least that
+    lets the next layer's bucket be filled while the current layer's are in use. ZeRO-2's gradients and
+    ZeRO-3's parameters (:mod:`.zero_params`) use it.
+
+    ``rotating``: K; ``slot_of[i]``: bucket i's slot; ``base[i]``: its first element in the pool;
+    ``size``: the pool's elements; ``offsets``: parameter name -> its first element in the pool."""
+
+    def __init__(self, buckets, flat, groups):
+        n = len(buckets)
+        bucket_of = {name: b.index for b in buckets for name in b.slots}
+        span = 1
+        for group in groups:
+            touched = [bucket_of[name] for name in group if bucket_of[name] != n - 1]
+            if touched:
+                span = max(span, max(touched) - min(touched) + 1)
+        self.span = span
+        self.rotating = min(span + 1, n - 1)  # K, the slots buckets 0 .. n-2 take in turn
+        self.slot_of = [i % self.rotating for i in range(n - 1)] + [self.rotating] if n else []
+        sizes = [0] * (self.rotating + 1)
+        for b in buckets:
+            sizes[self.slot_of[b.index]] = max(sizes[self.slot_of[b.index]], b.size)
+        starts = [sum(sizes[:s]) for s in range(len(sizes))]
+        self.base = [starts[self.slot_of[b.index]] for b in buckets]
+        self.size = sum(sizes)
+        self.offsets = {s.name: self.base[bucket_of[s.name]] + s.offset - buckets[bucket_of[s.name]].lo
+                        for s in flat.slots}
+        self.bucket_of = bucket_of
+
+
 class GradientSlots:
     """The gradient memory of ZeRO-2 for ``buckets`` of ``flat`` (see the module docstring).
 
@@ -82,24 +125,9 @@ class GradientSlots:
     """
 
     def __init__(self, buckets, shards, flat, groups, device):
-        n = len(buckets)
-        bucket_of = {name: b.index for b in buckets for name in b.slots}
-        span = 1
-        for group in groups:
-            touched = [bucket_of[name] for name in group if bucket_of[name] != n - 1]
-            if touched:
-                span = max(span, max(touched) - min(touched) + 1)
-        self.rotating = min(span + 1, n - 1)  # K, the slots buckets 0 .. n-2 take in turn
-        self.slot_of = [i % self.rotating for i in range(n - 1)] + [self.rotating] if n else []
-        sizes = [0] * (self.rotating + 1)
-        for b in buckets:
-            sizes[self.slot_of[b.index]] = max(sizes[self.slot_of[b.index]], b.size)
-        starts = [sum(sizes[:s]) for s in range(len(sizes))]
-        base = [starts[self.slot_of[b.index]] for b in buckets]
-        self.size = sum(sizes)
-        self.offsets = {s.name: base[bucket_of[s.name]] + s.offset - buckets[bucket_of[s.name]].lo
-                        for s in flat.slots}
-        self._base, self._buckets = base, list(buckets)
+        layout = SlotLayout(buckets, flat, groups)
+        self.rotating, self.slot_of, self.size, self.offsets = layout.rotating, layout.slot_of, layout.size, layout.offsets
+        self._base, self._buckets = layout.base, list(buckets)
         self.move_to(device.zeros(self.size))
         self.owned = device.zeros(shards.owned)
 

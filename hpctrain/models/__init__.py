@@ -19,12 +19,18 @@ and its model offers (the trainer, checkpoints and optimizer use nothing else):
   init(seed)           deterministic initial weights
   use_grad_buffer(buf, offsets=None)   keep the gradients in ``buf`` (e.g. the shm all-reduce's shared
                        window), at ``offsets`` per name if given (ZeRO-2's reused bucket slots)
+  use_param_buffer(buf, offsets)   read the parameters from ``buf`` at ``offsets`` per name (ZeRO-3's
+                       gathered slots)
+  separate_layers()    optional: from then on each layer reads only its own parameters (ZeRO-3)
+  fetch                None, or ZeRO-3's ``fetch(names, forward)``: forward and backward call it before
+                       a layer reads the parameters ``names`` (it may wait for their all-gather)
   forward(inputs, targets) -> (loss_sum, correct)   summed over this rank's predictions
   backward(accumulate, ready, claim)   d(mean loss)/d(params) into flat.grad (or added, with accumulate);
                        ``claim(names)`` before a layer writes the gradients of ``names`` (it may wait
                        until their memory is free), ``ready(name)`` for each parameter as soon as its
                        gradient is final
   backward_groups      the name tuples backward claims, in order
+  forward_groups       the name tuples forward fetches (ZeRO-3), in order
   no_decay             names of parameters weight decay must not touch
   matrix_parts         {name: k} for a 2-D parameter (n, k m) that is k matrices (n, m) side by side
                        (a fused QKV weight): gradient compression's PowerSGD approximates each part

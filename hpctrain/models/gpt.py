@@ -119,20 +119,29 @@ def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0) -> "GPT"
                           f"(model.n_head >= {-(-m.d_model // limit)}), model.attention='auto' or 'gemm' (cuBLAS "
                           f"through CuPy) or train.device=cpu")
     vocab, p = data.info["vocab_size"], cfg.dist.pipeline_parallel
-    counts = stage_blocks(m, p, cfg.dist.pipeline_stages, vocab)
+    counts = stage_blocks(m, p, cfg.dist.pipeline_stages, vocab, cfg.dist.pipeline_balance)
     return GPT(device, vocab, m.context, m.n_layer, m.n_head, m.d_model, m.recompute, tensor,
                StageSpan.of(counts, stage))
 
 
-def stage_blocks(m, p: int, counts: list, vocab: int) -> list[int]:
-    """Blocks per pipeline stage: ``counts`` as given, or balanced by parameter count
-    (:func:`~hpctrain.training.schedules.balance`: the embedding on the first stage, the tied table
-    and ln_f on the last)."""
+def stage_blocks(m, p: int, counts: list, vocab: int, by: str = "parameters") -> list[int]:
+    """Blocks per pipeline stage: ``counts`` as given, or balanced
+    (:func:`~hpctrain.training.schedules.balance`) by ``by``:
+
+    - ``"parameters"``: each block's parameters, the embedding's tables (wte, wpe) on the first stage,
+      the tied table's copy and ln_f on the last;
+    - ``"compute"``: model FLOPs per token of forward + backward as :attr:`GPT.flops_per_row` counts
+      them: a block's 6 x 12 C^2 (its four matrices) + 12 T C (attention's two T x T products), the
+      last stage's head 6 V C; the first stage's lookup counted as free (no matrix product).
+      The elementwise work (LayerNorms, GELU, softmax, the loss) is not counted: on a CPU it makes
+      the head's share a little larger than its FLOPs say."""
     if counts:
         return list(counts)
     from ..training.schedules import balance
 
-    C = m.d_model
+    C, T = m.d_model, m.context
+    if by == "compute":
+        return balance(m.n_layer, p, 6 * 12 * C * C + 12 * T * C, 0, 6 * vocab * C)
     return balance(m.n_layer, p, 12 * C * C + 13 * C, (vocab + m.context) * C, vocab * C + 2 * C)
 
 
@@ -182,6 +191,7 @@ class GPT:
         self.tensor = tensor
         self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per block in forward and backward
         self.ranges = None  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
+        self.fetch = None   # ZeRO-3: fetch(names, forward) before a layer reads its parameters (comm.zero_params)
         self._workspace = {}  # backward's attention work array, one for all blocks and lanes
         # with recompute = "blocks", one block's arrays for all blocks (and lanes), rebuilt in backward
         self._shared = {} if recompute == "blocks" else None
@@ -213,6 +223,8 @@ class GPT:
         while len(self._lanes) <= k:
             lane = GPTLayers(self, self._workspace, self._shared)
             lane.bind(self.flat)
+            if getattr(self, "_separate", False):
+                lane.separate()
             self._lanes.append(lane)
         return self._lanes[k]
 
@@ -295,6 +307,20 @@ class GPT:
         self.flat.use_grad_layout(buf, offsets)
         self._bind()
 
+    def separate_layers(self) -> None:
+        """Each layer reads only its own parameters from here on (ZeRO-3, which gathers them layer by
+        layer): a block no longer computes the next LayerNorm fused into its output add; the next
+        LayerNorm computes it itself (the same bits, one more pass over the residual stream)."""
+        self._separate = True
+        for lane in self._lanes:
+            lane.separate()
+
+    def use_param_buffer(self, buf, offsets):
+        """ZeRO-3: read the parameters from ``buf`` at ``offsets`` per name (the gathered slots,
+        :meth:`FlatParams.use_param_layout`); every view is rebound."""
+        self.flat.use_param_layout(buf, offsets)
+        self._bind()
+
     def init(self, seed: int):
         """GPT-2's initial weights from ``seed``, drawn in float64 in the whole model's flat order,
         one copy to the device. Under tensor parallelism each logical array is drawn whole and this
@@ -337,6 +363,11 @@ class GPT:
         if dres is None:
             dres = self._dres[shape] = self.device.empty(shape, self.device.accum_dtype)
         return dres
+
+    @property
+    def forward_groups(self) -> list:
+        """The parameter names forward fetches (ZeRO-3), in its order."""
+        return self._lanes[0].forward_groups
 
     @property
     def backward_groups(self) -> list:

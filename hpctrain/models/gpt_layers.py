@@ -71,6 +71,12 @@ class GPTLayers:
         # go; only the last stage's computes anything
         self.loss = SoftmaxCrossEntropy(dev)
 
+    def separate(self) -> None:
+        """No block computes the LayerNorm after it fused into its output add (ZeRO-3: a layer reads
+        only its own parameters); the same bits."""
+        for block in self.blocks:
+            block.next_norm = None
+
     @property
     def holders(self) -> list:
         """The layers that own parameters, in the flat buffer's order."""
@@ -92,10 +98,15 @@ class GPTLayers:
         """The span's forward of one micro-batch: ``inp`` the tokens (B, T) on the first stage, else
         the residual stream (B*T, C) the stage before sent. Returns the logits (B*T, V) on the last
         stage, else the residual stream to send on (an array of this lane's own)."""
-        tr, rg = self.model.tracer, self.model.ranges
-        x = self.embedding.forward(inp) if self.embedding is not None else inp
+        tr, rg, fetch = self.model.tracer, self.model.ranges, self.model.fetch
+        if self.embedding is not None:
+            _fetch(fetch, self.embedding.params, True)
+            x = self.embedding.forward(inp)
+        else:
+            x = inp
         for block in self.blocks:
             t0 = tr and time.perf_counter()
+            _fetch(fetch, _forward_reads(block), True)
             if rg is not None:
                 rg.push(f"forward {block.name}")
             x = block.forward(x, B, T)
@@ -103,7 +114,12 @@ class GPTLayers:
                 rg.pop()
             if tr is not None:
                 tr.complete(f"forward {block.name}", t0, "layer", sync=True)
-        return x if self.head is None else self.head.forward(self.ln_f.forward(x))
+        if self.head is None:
+            return x
+        _fetch(fetch, self.ln_f.params, True)
+        x = self.ln_f.forward(x)
+        _fetch(fetch, (("wte", None),), True)
+        return self.head.forward(x)
 
     def backward(self, dres, accumulate=False, ready=None, claim=None):
         """The span's backward of the micro-batch of this lane's last forward; ``dres`` (N, C), in the
@@ -112,16 +128,19 @@ class GPTLayers:
         gradient of the span's input (what a stage sends back). Parameter gradients are written, or
         added with ``accumulate``. ``ready(name)`` per parameter once final: ln_f, the blocks top
         down, the table(s) last; ``claim(names)`` before each layer writes gradients."""
-        tr, rg = self.model.tracer, self.model.ranges
+        tr, rg, fetch = self.model.tracer, self.model.ranges, self.model.fetch
         if self.head is not None:
             _claim(claim, (("wte", None),))
+            _fetch(fetch, (("wte", None),), False)
             dxf = self.head.backward(self.loss.backward(), accumulate)
             _claim(claim, self.ln_f.params)
+            _fetch(fetch, self.ln_f.params, False)
             self.ln_f.backward(dxf, dres, accumulate, add_dx=False)
             _ready(ready, self.ln_f.params)
         for block in reversed(self.blocks):
             t0 = tr and time.perf_counter()
             _claim(claim, block.params)
+            _fetch(fetch, block.params, False)
             if rg is not None:
                 rg.push(f"backward {block.name}")
             block.backward(dres, accumulate)
@@ -130,7 +149,7 @@ class GPTLayers:
             if tr is not None:
                 tr.complete(f"backward {block.name}", t0, "layer", sync=True)
             _ready(ready, block.params)
-        if self.embedding is not None:
+        if self.embedding is not None:   # (its backward reads no parameters: nothing to fetch)
             _claim(claim, self.embedding.params)
             if self.head is None and not accumulate:   # the embedding adds to the table's gradient, which
                 self.model.device.ops.fill(self.embedding.dwte, 0)   # the head writes first where it is here
@@ -150,6 +169,15 @@ class GPTLayers:
         return arrays + [out for b in self.blocks for out in b._outputs.values()]
 
     @property
+    def forward_groups(self) -> list:
+        """The parameter names forward fetches (ZeRO-3), in its order: the embedding's, each block's,
+        ln_f's, the head's table."""
+        names = lambda params: tuple(n for n, _ in params)  # noqa: E731
+        return [*([names(self.embedding.params)] if self.embedding is not None else []),
+                *(names(_forward_reads(b)) for b in self.blocks),
+                *([names(self.ln_f.params), ("wte",)] if self.head is not None else [])]
+
+    @property
     def backward_groups(self) -> list:
         """The parameter names each ``claim`` of :meth:`backward` names, in its order."""
         names = lambda layer: tuple(n for n, _ in layer.params)  # noqa: E731
@@ -161,6 +189,17 @@ class GPTLayers:
 def _claim(claim, params):
     if claim is not None:
         claim([name for name, _ in params])
+
+
+def _forward_reads(block) -> tuple:
+    """The parameters a block's forward reads: its own, and the LayerNorm after it (the next block's
+    ln_1 or ln_f), into which its output add is fused."""
+    return block.params + (block.next_norm.params if block.next_norm is not None else ())
+
+
+def _fetch(fetch, params, forward: bool):
+    if fetch is not None:
+        fetch([name for name, _ in params], forward)
 
 
 def _ready(ready, params):

@@ -82,6 +82,7 @@ class MLP:
             layer.bind(self.flat)
         self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per layer in forward and backward
         self.ranges = None  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
+        self.fetch = None   # ZeRO-3: fetch(names, forward) before a layer reads its parameters (comm.zero_params)
 
     def activation_bytes(self, rows: int) -> int:
         """Bytes of the activation arrays a micro-batch of ``rows`` rows keeps from forward to
@@ -98,6 +99,13 @@ class MLP:
             return f"resume with --set model.hidden={hidden} as it was saved"
         # the same widths: the dataset's features or classes changed
         return "resume with the model.hidden and dataset it was saved with (ckpt inspect shows its config)"
+
+    def use_param_buffer(self, buf, offsets):
+        """ZeRO-3: read the parameters from ``buf`` at ``offsets`` per name (the gathered slots,
+        :meth:`FlatParams.use_param_layout`); every layer's views are rebound."""
+        self.flat.use_param_layout(buf, offsets)
+        for layer in self.layers:
+            layer.bind(self.flat)
 
     def use_grad_buffer(self, buf, offsets=None):
         """Keep the gradients in ``buf`` from now on (e.g. a slot of the shm all-reduce's shared
@@ -119,6 +127,8 @@ class MLP:
         self.flat.refresh_compute()   # a 16-bit precision's parameter copy, from this step's masters
         for layer in self.layers:
             t0 = tr and time.perf_counter()
+            if self.fetch is not None:
+                self.fetch([name for name, _ in layer.params], True)
             if rg is not None:
                 rg.push(f"forward {layer.name}")
             x = layer.forward(x)
@@ -131,6 +141,11 @@ class MLP:
         if tr is not None:
             tr.complete("forward loss", t0, "layer", sync=True)
         return out
+
+    @property
+    def forward_groups(self) -> list:
+        """The parameter names forward fetches (ZeRO-3), in its order."""
+        return [tuple(n for n, _ in layer.params) for layer in self.layers]
 
     @property
     def backward_groups(self) -> list:
@@ -150,6 +165,8 @@ class MLP:
             t0 = tr and time.perf_counter()
             if claim is not None:
                 claim([name for name, _ in layer.params])
+            if self.fetch is not None:
+                self.fetch([name for name, _ in layer.params], False)
             if rg is not None:
                 rg.push(f"backward {layer.name}")
             dout = layer.backward(dout, accumulate)

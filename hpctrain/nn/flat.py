@@ -8,6 +8,10 @@ laid out in layer order; gradient buckets walk it backwards.
 Under a 16-bit ``train.precision`` (a :class:`~hpctrain.precision.MixedDevice`) ``data`` and
 ``grad`` are the float32 masters and ``compute`` is the parameters rounded to the compute dtype,
 which the layers read; otherwise ``compute`` is ``data`` itself.
+
+Under ZeRO-3 (:mod:`hpctrain.comm.zero_params`) no buffer holds every parameter: ``data`` and
+``compute`` become a small pool of reused slots where each layer's parameters are gathered before it
+runs (:meth:`use_param_layout`), and the masters are this rank's packed share, outside this class.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class FlatParams:
         self.compute = self.data if master is device else device.zeros(self.size)
         self._by_name = {s.name: s for s in self.slots}
         self.grad_offsets: dict[str, int] = {}  # where a gradient lives in ``grad`` if not at its slot's offset
+        self.param_offsets: dict[str, int] = {}  # where a parameter lives in ``compute`` if not there (ZeRO-3)
+        self.sharded = False   # ZeRO-3: ``data`` is a pool of gathered slots, not the masters
 
     def refresh_compute(self):
         """``compute`` <- ``data`` rounded to the compute dtype (nothing when they are one buffer).
@@ -58,6 +64,22 @@ class FlatParams:
         s = self._by_name[name]
         at = self.grad_offsets.get(name, s.offset)
         return self.grad[at:at + s.size].reshape(s.shape)
+
+    def param_view(self, name):
+        """The parameter ``name`` as the layers read it: a shaped view of ``compute`` at its slot's
+        offset, or where :meth:`use_param_layout` placed it (ZeRO-3's reused slots)."""
+        s = self._by_name[name]
+        at = self.param_offsets.get(name, s.offset)
+        return self.compute[at:at + s.size].reshape(s.shape)
+
+    def use_param_layout(self, buf, offsets):
+        """ZeRO-3: the parameters are read from ``buf`` at ``offsets`` (name -> first element, every
+        parameter) from now on; ``buf`` is both ``data`` and ``compute`` (full precision only), and
+        the whole parameter buffer is dropped. Layers must bind again (the models' ``use_param_buffer``)."""
+        if self.compute is not self.data:
+            raise ValueError("ZeRO-3 gathers full-precision parameters only (train.precision = fp32)")
+        self.data = self.compute = buf
+        self.param_offsets, self.sharded = dict(offsets), True
 
     def use_grad_layout(self, buf, offsets=None):
         """Keep gradients in ``buf`` from now on: at ``offsets`` (name -> first element; every

@@ -46,7 +46,7 @@ class Linear(Layer):
         self.params = ((f"{name}.weight", (n_in, n_out)), (f"{name}.bias", (n_out,)))
 
     def bind(self, flat):
-        self.w, self.b = (flat.view(flat.compute, n) for n, _ in self.params)
+        self.w, self.b = (flat.param_view(n) for n, _ in self.params)
         self.dw, self.db = (flat.grad_view(n) for n, _ in self.params)
 
     def init_host(self, rng: np.random.Generator) -> list:

@@ -28,7 +28,7 @@ class Embedding(Layer):
         self.params = (("wte", (vocab, channels)), ("wpe", (context, channels)))
 
     def bind(self, flat):
-        self.wte, self.wpe = flat.view(flat.compute, "wte"), flat.view(flat.compute, "wpe")
+        self.wte, self.wpe = flat.param_view("wte"), flat.param_view("wpe")
         self.dwte, self.dwpe = flat.grad_view("wte"), flat.grad_view("wpe")
 
     def activation_shapes(self, B, T) -> list:
@@ -58,7 +58,7 @@ class LayerNorm(Layer):
         self._done_for = None  # the input whose output :meth:`forward_sum` has already computed
 
     def bind(self, flat):
-        self.w, self.b = (flat.view(flat.compute, n) for n, _ in self.params)
+        self.w, self.b = (flat.param_view(n) for n, _ in self.params)
         self.dw, self.db = (flat.grad_view(n) for n, _ in self.params)
 
     def activation_shapes(self, n) -> list:
@@ -276,7 +276,7 @@ class TiedTable(Layer):
         self.params = (("wte", (vocab, channels)),)
 
     def bind(self, flat):
-        self.wte, self.dwte = flat.view(flat.compute, "wte"), flat.grad_view("wte")
+        self.wte, self.dwte = flat.param_view("wte"), flat.grad_view("wte")
 
 
 class TiedHead(Layer):

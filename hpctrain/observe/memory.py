@@ -43,33 +43,42 @@ class Unallocated(CpuDevice):
     zeros = empty
 
 
-def computed(model, optimizer, device, rows: int, grad_slots=None, in_flight: int = 1) -> dict:
+def computed(model, optimizer, device, rows: int, grad_slots=None, in_flight: int = 1, param_slots=None,
+             offload: bool = False) -> dict:
     """{"params", "grads", "optimizer", "activations", "in_flight"}: bytes on this rank of ``model``'s
     flat buffers (parameters: the masters, and under a 16-bit ``train.precision`` their compute copy
     too), ``optimizer``'s state and the activations of ``in_flight`` micro-batches of ``rows`` rows
     held at once (a pipeline stage's schedule; None for a model that does not say); ``grad_slots``:
-    ZeRO-2's reused bucket slots and this rank's chunks."""
+    ZeRO-2's reused bucket slots and this rank's chunks; ``param_slots``: ZeRO-3's (the gathered
+    slots and this rank's chunks of the parameters); ``offload`` (``dist.offload = "optimizer"``): the
+    optimizer state is in pinned host memory, with a host copy of the masters and gradients it
+    updates (``"host"``: those bytes; the state still counts in ``"optimizer"``)."""
     item = device.dtype.itemsize
     flat = model.flat
     per_rows = getattr(model, "activation_bytes", None)
     grads = flat.size if grad_slots is None else grad_slots.size + grad_slots.owned.size
-    params = flat.size * item
+    params = (flat.size if param_slots is None else param_slots.size + param_slots.owned.size) * item
     compute = getattr(flat, "compute", None)
     if compute is not None and compute is not getattr(flat, "data", None):   # 16-bit: masters + compute copy
         params += flat.size * np.dtype(compute.dtype).itemsize
+    state = (len(optimizer.state()) + getattr(optimizer, "work_arrays", 0)) * optimizer.state_size * item
     return {"params": params, "grads": grads * item,
             # the saved state, and the arrays an optimizer keeps beside it (LAMB's direction)
-            "optimizer": (len(optimizer.state()) + getattr(optimizer, "work_arrays", 0)) * optimizer.state_size * item,
+            "optimizer": state, "offload": offload,
+            "host": state + 2 * optimizer.state_size * item if offload else 0,
             "activations": None if per_rows is None else per_rows(rows) if in_flight == 1 else per_rows(rows, in_flight),
             "in_flight": in_flight}
 
 
 def describe(b: dict, zero: int, size: int) -> str:
     """One start-up line: the computed bytes per rank, in MB."""
-    parts = [f"parameters {b['params'] / 1e6:,.2f} MB",
-             f"gradients {b['grads'] / 1e6:,.2f} MB" + (" (zero 2: bucket slots and a 1/%d share)" % size
-                                                         if zero == 2 else ""),
-             f"optimizer state {b['optimizer'] / 1e6:,.2f} MB" + (f" (zero {zero}: a 1/{size} share)" if zero else "")]
+    parts = [f"parameters {b['params'] / 1e6:,.2f} MB" + (" (zero 3: bucket slots and a 1/%d share)" % size
+                                                           if zero == 3 else ""),
+             f"gradients {b['grads'] / 1e6:,.2f} MB" + (" (zero %d: bucket slots and a 1/%d share)" % (zero, size)
+                                                         if zero >= 2 else ""),
+             f"optimizer state {b['optimizer'] / 1e6:,.2f} MB" + (f" (zero {zero}: a 1/{size} share)" if zero else "")
+             + (f" in pinned host memory, with its masters and gradients: {b['host'] / 1e6:,.2f} MB there "
+                f"(dist.offload)" if b.get("offload") else "")]
     if b["activations"] is not None:
         held = b.get("in_flight", 1)
         parts.append(f"activations {b['activations'] / 1e6:,.2f} MB per micro-batch" if held == 1 else
@@ -82,15 +91,25 @@ def zero2_advice(plan, flat) -> str | None:
     """A warning when ``dist.zero = 2`` keeps no less gradient memory than zero 1 would (too few
     buckets for backward to reuse a slot), else None. ``plan``: a
     :class:`~hpctrain.training.plan.Plan`; ``flat``: the model's flat parameters."""
-    slots = plan.grad_slots
+    return _slot_advice(plan, flat, plan.grad_slots, 2, "gradients", "backward", "for smaller buckets")
+
+
+def zero3_advice(plan, flat) -> str | None:
+    """A warning when ``dist.zero = 3`` keeps no less parameter memory than zero 2 would (buckets so
+    large that the gathered slots hold the whole model), else None."""
+    return _slot_advice(plan, flat, getattr(plan, "param_slots", None), 3, "parameters", "forward",
+                        "to about one block's parameters or less")
+
+
+def _slot_advice(plan, flat, slots, zero: int, what: str, reuser: str, how: str) -> str | None:
+    """ZeRO-``zero``'s warning that its ``slots`` (of ``what``) keep no less than the stage below."""
     if slots is None or slots.size + slots.owned.size < flat.size:
         return None
-    item = plan.device.dtype.itemsize
-    return (f"dist.zero=2 keeps {(slots.size + slots.owned.size) * item / 1e6:,.2f} MB of gradients per rank, no "
-            f"less than the {flat.size * item / 1e6:,.2f} MB of zero 1: its {len(plan.buckets)} bucket(s) leave "
-            f"backward no slot to reuse; lower dist.bucket_mb and dist.first_bucket_mb (now "
-            f"{plan.cfg.dist.bucket_mb:g} and {plan.cfg.dist.first_bucket_mb:g}) for smaller buckets, or use "
-            f"dist.zero=1")
+    item, d = plan.device.dtype.itemsize, plan.cfg.dist
+    return (f"dist.zero={zero} keeps {(slots.size + slots.owned.size) * item / 1e6:,.2f} MB of {what} per rank, no "
+            f"less than the {flat.size * item / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} bucket(s) "
+            f"leave {reuser} no slot to reuse; lower dist.bucket_mb and dist.first_bucket_mb (now "
+            f"{d.bucket_mb:g} and {d.first_bucket_mb:g}) {how}, or use dist.zero={zero - 1}")
 
 
 def measured(device) -> dict:

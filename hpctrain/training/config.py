@@ -256,8 +256,16 @@ class DistConfig:
                    "reuses (ZeRO-2: a reduce-scatter per micro-batch); with every dist.allreduce (mpi, "
                    "ring, rhd, shm, auto and hierarchical on nodes of one size have reduce-scatters of "
                    "their own; naive reduce-scatters by its whole all-reduce); with tensor parallelism the shares "
-                   "are cut from each tensor rank's own pieces, over its data group",
-                   choices=(0, 1, 2))
+                   "are cut from each tensor rank's own pieces, over its data group | 3 = and of the "
+                   "parameters only that share: each layer's buckets all-gathered into a few reused slots "
+                   "before it runs, forward and backward, the next one ahead on a thread (ZeRO-3, as FSDP; "
+                   "the GPT's tied table stays gathered from its first use to the update; train.precision = "
+                   "fp32, no pipeline)",
+                   choices=(0, 1, 2, 3))
+    offload: str = _f("none", "optimizer = the optimizer's state and update in pinned host memory, on the CPU "
+                      "(ZeRO-Offload: each bucket's gradient copied to the host as it is reduced, updated there "
+                      "with the CPU kernels, the parameters copied back; train.device = cuda only); with "
+                      "every dist.zero | none", choices=("none", "optimizer"))
     tensor_parallel: int = _f(1, "tensor (model) parallel size t (GPT only): groups of t consecutive ranks split "
                               "each block Megatron's way (QKV and the MLP's first Linear by columns, n_head / t heads "
                               "and 4 d_model / t hidden units per rank; both output projections by rows; embeddings, "
@@ -274,9 +282,13 @@ class DistConfig:
                                 "at most p micro-batches' activations held) | gpipe (every forward, then every "
                                 "backward: all m held); both idle (p - 1) / (m + p - 1) of a step",
                                 choices=("1f1b", "gpipe"))
-    pipeline_stages: list[int] = _f([], "blocks per stage, first stage first (e.g. [3, 5]); [] = balanced by "
-                                    "parameter count (the embedding counted on the first stage, the tied head "
-                                    "and ln_f on the last)")
+    pipeline_stages: list[int] = _f([], "blocks per stage, first stage first (e.g. [3, 5]); [] = balanced "
+                                    "by dist.pipeline_balance")
+    pipeline_balance: str = _f("parameters", "how [] pipeline_stages splits the blocks: parameters (the largest "
+                               "stage's parameter count smallest: the embedding counted on the first stage, the "
+                               "tied head and ln_f on the last; memory) | compute (the slowest stage's model "
+                               "FLOPs smallest: the head and loss counted on the last stage, the embedding's "
+                               "lookup as free; the step's pace)", choices=("parameters", "compute"))
     comm_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks before the watchdog "
                              "reports which ranks are missing and aborts the job (checkpoint saves and "
                              "evaluation get 10x while every rank still answers); 0 = off")
@@ -406,6 +418,12 @@ class Config:
                               "scale, which changes from step to step; use bf16 (no loss scale), or no compression")
         if self.dist.compress_momentum:
             self._check_compress_momentum()
+        if self.dist.zero == 3:
+            self._check_zero3()
+        if self.dist.offload != "none":
+            from ..offload import check
+
+            check(self)
         if self.dist.pipeline_parallel > 1 or self.dist.pipeline_stages:
             from .schedules import check_config
 
@@ -419,6 +437,17 @@ class Config:
                 raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel} does not divide model.n_head="
                                   f"{self.model.n_head}: each tensor rank owns n_head / t whole heads")
         return self
+
+    def _check_zero3(self) -> None:
+        """What ``dist.zero = 3`` does not run with, refused before anything is built."""
+        if self.train.precision != "fp32":
+            raise ConfigError(f"dist.zero=3 with train.precision={self.train.precision!r}: ZeRO-3 gathers "
+                              f"full-precision parameters only (no 16-bit compute copy of the gathered slots "
+                              f"yet); use train.precision = fp32, or dist.zero = 2 (which keeps every parameter)")
+        if self.dist.pipeline_parallel > 1:
+            raise ConfigError(f"dist.zero=3 with dist.pipeline_parallel={self.dist.pipeline_parallel}: a "
+                              f"pipeline stage already holds only its layers; use dist.zero = 1 or 2 with pipeline "
+                              f"parallelism")
 
     def _check_compress_momentum(self) -> None:
         """Momentum correction hands AdamW's first moment to the compressor from the step compression

@@ -50,9 +50,12 @@ def why_not(cfg, device, plan) -> str:
                      (cfg.train.sync_phases, "train.sync_phases"),
                      (plan.tensor is not None, "tensor parallelism (its all-reduces run inside forward and backward)"),
                      (cfg.dist.zero == 2, "ZeRO-2 (it reduces every micro-batch inside backward)"),
+                     (cfg.dist.zero == 3, "ZeRO-3 (it gathers each layer's parameters inside forward and backward)"),
                      (plan.pipeline > 1, "pipeline parallelism (its stages exchange every micro-batch)")):
         if on:
             return f"{what} waits or communicates inside the step"
+    if cfg.dist.offload != "none":
+        return f"dist.offload = {cfg.dist.offload} runs the update on the host"
     if cfg.optim.name in ("lamb", "lars"):
         return f"optim.name = {cfg.optim.name} reads its trust ratios on the host every step"
     if cfg.train.precision != "fp32":

@@ -98,9 +98,9 @@ class RunLoop:
                      f"{bubble_fraction(p, m):.0%} of a step ((p - 1) / (m + p - 1); the metrics' t_pipeline is "
                      f"rank 0's wait)" + ("" if m >= p else f"; with fewer micro-batches than stages 1f1b holds all "
                                           f"m as gpipe does: raise train.grad_accum_steps to {p} or more"))
-        advice = memory.zero2_advice(plan, model.flat)
-        if advice:
-            log.warn(advice)
+        for advice in (memory.zero2_advice(plan, model.flat), memory.zero3_advice(plan, model.flat)):
+            if advice:
+                log.warn(advice)
         peak = self.peak_flops  # this machine's GEMM peak over all ranks (FLOP/s), or None: no MFU
         if peak:
             log.info(f"MFU is model FLOPs/s over the GEMM peak measured at start-up: {peak / 1e9:,.1f} GFLOP/s "
@@ -288,9 +288,22 @@ class RunLoop:
         # a data group's tensor ranks score the same shard: each counts it once in the world's
         # sums below, loss and predictions alike, so the means are those of the data groups
         # (a pipeline's stages pass each chunk along; only the last stage's scores count)
-        for x_host, y_host in self.data.eval_shard(plan.dp.rank, plan.dp.size, whole):
-            totals += self.stepper.score(x_host, y_host)
         step = self.state.step
+        chunks = self.data.eval_shard(plan.dp.rank, plan.dp.size, whole)
+        if getattr(plan, "param_slots", None) is None:
+            for x_host, y_host in chunks:
+                totals += self.stepper.score(x_host, y_host)
+        else:   # ZeRO-3: a forward gathers over the data group, whose shards may hold unequal chunk
+            while True:   # counts: every rank runs as many forwards (without a chunk, gathers only)
+                chunk = next(chunks, None)
+                with self.watchdog.watch("evaluation chunk count", f"step {step}", step, 10):
+                    more = plan.dp.comm.allreduce(chunk is not None, op=_logical_or())
+                if not more:
+                    break
+                if chunk is None:
+                    self.stepper.gather_only()
+                else:
+                    totals += self.stepper.score(*chunk)
         with self.watchdog.watch("evaluation all-reduce", f"step {step}", step, 10):
             plan.world.comm.Allreduce(_in_place(), totals)
         if self.op_times:
@@ -354,3 +367,9 @@ def _in_place():
     from mpi4py import MPI
 
     return MPI.IN_PLACE
+
+
+def _logical_or():
+    from mpi4py import MPI
+
+    return MPI.LOR

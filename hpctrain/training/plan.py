@@ -49,6 +49,7 @@ class Plan:
     buckets: list = field(default_factory=list)
     shards: object = None                  # ZeRO >= 1: this rank's chunk of every bucket
     grad_slots: object = None              # ZeRO-2: the reused gradient slots and this rank's chunks
+    param_slots: object = None             # ZeRO-3: the reused parameter slots and this rank's chunks
     allreduce: object = None               # the strategy of dist.allreduce, after connect()
     param_gather: object = None            # ZeRO-1's parameter all-gathers (a duplicate communicator)
     precision: object = None               # the hpctrain.precision.Precision of train.precision
@@ -97,7 +98,8 @@ class Plan:
         # it: a bucket of its own, so that both stages' buckets (and ZeRO chunks) of it are alike
         alone = ("wte",) if self.pipeline > 1 and any(s.name == "wte" for s in model.flat.slots) else ()
         self.buckets = plan_buckets(model.flat, self.device.dtype.itemsize, d.bucket_mb, d.first_bucket_mb, alone)
-        self.shards, self.grad_slots = plan_zero(d.zero, d, self.buckets, model, self.device, self.dp)
+        self.shards, self.grad_slots, self.param_slots = plan_zero(d.zero, d, self.buckets, model, self.device,
+                                                                   self.dp)
 
     def connect(self, log) -> None:
         """The all-reduce strategy (``auto`` measures here) and ZeRO-1's parameter gatherer.
@@ -109,6 +111,8 @@ class Plan:
         if self.shards is not None:
             self.param_gather = param_gatherer(d.allreduce, self.allreduce, self.dp, self.device,
                                                Staging(self.device, d.cuda_aware_mpi), d.hierarchical_inner)
+        if self.param_slots is not None:   # ZeRO-3 gathers before use, on its own thread, with that gatherer
+            self.param_slots.connect(self.param_gather)
 
     def tied_share(self):
         """On a pipeline's first or last stage: (its pipeline group's first rank, the [lo, hi) of the tied
@@ -140,7 +144,8 @@ class Plan:
             from .schedules import describe as describe_schedule
 
             counts = list(self.stage_counts)
-            lines.append(f"  pipeline: blocks per stage {counts}, schedule {d.pipeline_schedule}, "
+            lines.append(f"  pipeline: blocks per stage {counts}"
+                         f"{'' if d.pipeline_stages else f' (balanced by {d.pipeline_balance})'}, schedule {d.pipeline_schedule}, "
                          f"{self.micro_batches} micro-batch(es) per step: each stage idles "
                          f"{bubble_fraction(self.pipeline, self.micro_batches):.0%} of a step "
                          f"((p - 1) / (m + p - 1))"
@@ -161,7 +166,10 @@ class Plan:
         zero = {0: "zero 0: every rank holds all optimizer state and gradients",
                 1: f"zero 1: optimizer state in 1/{self.dp.size} shares, parameters all-gathered per bucket",
                 2: f"zero 2: zero 1 plus gradients in {self.grad_slots.rotating + 1 if self.grad_slots else 0} "
-                   f"reused bucket slot(s) and 1/{self.dp.size} shares"}[d.zero]
+                   f"reused bucket slot(s) and 1/{self.dp.size} shares",
+                3: f"zero 3: zero 2 plus parameters in 1/{self.dp.size} shares, each layer's gathered into "
+                   f"{self.param_slots.layout.rotating + 1 if self.param_slots else 0} reused bucket slot(s) "
+                   f"before it runs"}[d.zero]
         lines.append(f"  {zero}; compression {d.compress}"
                      + (f" (scope {d.compress_scope})" if d.compress != "none" else ""))
         return "\n".join(lines)
@@ -218,7 +226,8 @@ def paper_run(cfg, world) -> tuple[Plan, dict]:
     try:
         model = models.build(cfg, plan.model_device, data, tensor=plan.tensor, stage=plan.grid.stage)
         plan.divide(model)
-        optimizer = make_optimizer(plan.device, model.flat, cfg.optim, model.no_decay, plan.shards)
+        optimizer = make_optimizer(plan.device, model.flat, cfg.optim, model.no_decay, plan.shards,
+                                   params=plan.param_slots and plan.param_slots.owned)
         return plan, memory_of(plan, model, optimizer, data.sampler)
     finally:
         data.close()
@@ -228,4 +237,5 @@ def memory_of(plan, model, optimizer, sampler) -> dict:
     """The bytes :func:`~hpctrain.observe.memory.computed` counts on this rank for ``model`` and
     ``optimizer`` as ``plan`` divides them, with activations of this rank's largest micro-batch."""
     rows = -(-sampler.batch // plan.micro_batches)
-    return memory.computed(model, optimizer, plan.device, rows, plan.grad_slots, plan.in_flight)
+    return memory.computed(model, optimizer, plan.device, rows, plan.grad_slots, plan.in_flight, plan.param_slots,
+                           offload=plan.cfg.dist.offload != "none")

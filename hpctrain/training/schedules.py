@@ -184,9 +184,9 @@ def bubble_fraction(p: int, m: int) -> float:
 
 
 def balance(n_layer: int, p: int, block: int, first: int = 0, last: int = 0) -> list[int]:
-    """Blocks per stage, p contiguous runs of the ``n_layer`` blocks (each ``block`` parameters) with the
-    largest stage's parameter count as small as it can be, the first stage holding ``first`` more
-    (the embedding) and the last ``last`` more (the tied head's table and ln_f). Among equally good
+    """Blocks per stage, p contiguous runs of the ``n_layer`` blocks (each costing ``block``: parameters,
+    or FLOPs) with the largest stage's cost as small as it can be, the first stage costing ``first``
+    more (the embedding) and the last ``last`` more (the tied head, ln_f, the loss). Among equally good
     splits, the one with the earliest stages largest (the later stages, nearer the loss, hold fewer
     micro-batches' activations under 1F1B but run the head)."""
     if not 1 <= p <= n_layer:

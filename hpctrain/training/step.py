@@ -71,6 +71,11 @@ class Step:
         # train.cuda_graphs: forward and backward replayed as graphs, or "" and why not
         self.graphs_off = why_not(cfg, plan.device, plan)
         self.graphs = None if self.graphs_off else StepGraphs(plan.device, state.model, log)
+        # dist.zero = 3: each layer's parameters gathered before it runs (the model calls fetch)
+        self.params = plan.param_slots
+        if self.params is not None:
+            self.params.watchdog = self.watchdog
+            state.model.fetch = self.params.fetch
         # dist.pipeline_parallel: this rank's stage runs the schedule's micro-batches
         self.pipe = None if plan.pipeline == 1 else PipelineStage(plan, state.model, timers, self.watchdog)
         # the tied table's bucket on a pipeline's first and last stage: summed over the embedding group
@@ -98,6 +103,8 @@ class Step:
         loss_scale = 1.0 if scaler is None else scaler.scale
         model.loss.loss_scale = loss_scale
         reducer.start(scale=1.0 / (plan.dp.size * k * loss_scale), step=step)
+        if self.params is not None:
+            self.params.begin_step()
         totals, graphs = self._totals, self.graphs
         if self.pipe is not None:
             self.pipe.run(step, x_all, y_all, totals, reducer.mark_ready, reducer.claim, reducer.every_micro)
@@ -145,6 +152,8 @@ class Step:
             self._prepare(step)
             for bucket, name in zip(plan.buckets, self._bucket_names):
                 self._update(step, bucket, name)
+        if self.params is not None:
+            self.params.end_step()
         loss_sum, correct = device.to_host(totals)   # the step's one read of its statistics
         grad_nonfinite = reducer.nonfinite or (self.clip is not None and not math.isfinite(self.clip.norm))
         return StepStats(float(loss_sum), int(correct), not math.isfinite(loss_sum), grad_nonfinite)
@@ -181,16 +190,19 @@ class Step:
         return partial
 
     def _update(self, step, bucket, name) -> None:
-        """The optimizer on ``bucket`` (ZeRO-1: on this rank's chunk, then the bucket's parameters
-        all-gathered, while the communication thread reduce-scatters the next buckets)."""
+        """The optimizer on ``bucket`` (ZeRO-1 and 2: on this rank's chunk, then the bucket's parameters
+        all-gathered, while the communication thread reduce-scatters the next buckets; ZeRO-3: on this
+        rank's chunk, gathered when a layer next needs it)."""
         plan, optimizer = self.plan, self.state.optimizer
         lo, hi = self._range(bucket)
         with self.timers("optimizer"):
+            if self.params is not None:   # ZeRO-3: the bucket's gathered copy is stale from here on
+                self.params.stale(bucket.index)
             if self.graphs is None:
                 optimizer.update(lo, hi)
             else:   # the same launches every step: replayed as a graph per range
                 self.graphs.update(optimizer, lo, hi)
-        if plan.shards is None:
+        if plan.shards is None or self.params is not None:   # (ZeRO-3 gathers before the next use)
             return
         with self.timers("allgather"), self.watchdog.watch("parameter all-gather", f"{name}, step {step}", step):
             plan.param_gather.allgather(self.state.model.flat.data[bucket.lo:bucket.hi])
@@ -219,6 +231,12 @@ class Step:
         loss_sum, correct = model.forward(x, y)
         return loss_sum, correct, y_host.size
 
+    def gather_only(self) -> None:
+        """ZeRO-3: the parameter gathers of a forward without computing it (a rank with no evaluation
+        chunk left, while the others of its data group score theirs). Collective over the data group."""
+        for names in self.state.model.forward_groups:
+            self.params.fetch(names, True)
+
     def _range(self, bucket) -> tuple[int, int]:
         """The flat range the optimizer updates for ``bucket`` (ZeRO: this rank's chunk of it)."""
         return (bucket.lo, bucket.hi) if self.plan.shards is None else self.plan.shards.pieces[bucket.index][:2]
@@ -243,6 +261,10 @@ class Step:
             halves = traffic_halves(cfg.dist.zero, getattr(self.plan.allreduce, "native_halves", False),
                                     cfg.train.grad_accum_steps)
             dense = halves * (p - 1) * reducer.bytes // p
+            if self.params is not None:   # ZeRO-3: the all-gathers before use, counted as they ran
+                gathers, nbytes, exposed = self.params.last_step
+                dense += (p - 1) * nbytes // p
+                out.update(param_gathers=gathers, param_gather_bytes=nbytes, exposed_gather_time=exposed)
             return {**out, "bytes_sent": dense, "bytes_dense": dense}
         return {**out, "compress": cfg.dist.compress, "compress_scope": cfg.dist.compress_scope,
                 "bytes_sent": c.sent_bytes, "bytes_dense": c.dense_bytes, "compression_ratio": c.ratio,

@@ -29,7 +29,7 @@ from ..errors import ConfigError, DataError
 from ..models import family
 from ..observe.log import Log, Metrics, Timers
 from ..observe.nvtx import make_ranges
-from ..optim import LRSchedule, make_optimizer, peak_lr
+from ..optim import LRSchedule, build_optimizer, peak_lr
 from ..reliability.fail_together import agree
 from ..reliability.faults import Faults
 from ..reliability.heartbeat import Beacon
@@ -133,6 +133,8 @@ class Trainer:
             # data parallelism starts from identical weights: its rank 0's (under tensor parallelism
             # each data group holds one tensor rank's pieces)
             Collectives(plan.dp, plan.device, plan.staging).Bcast(self.model.flat.data, root=0)
+            if plan.param_slots is not None:   # ZeRO-3: each rank keeps its chunks, the whole buffer goes
+                plan.param_slots.adopt(self.model)
         with wd.watch("start-up", "GEMM peak for MFU", slack=10):
             self.peak_flops = None  # FLOP/s over all ranks; None: MFU not reported
             if self.model.flops_per_row:
@@ -175,9 +177,10 @@ class Trainer:
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
         self.schedule = LRSchedule(cfg.optim, peak, cfg.train.steps)
         plan.divide(model)
-        optimizer = make_optimizer(plan.device, model.flat, cfg.optim, model.no_decay, plan.shards,
-                                   plan.grad_slots and plan.grad_slots.owned,
-                                   cfg.dist.compress_start_step if cfg.dist.compress_momentum else 0)
+        optimizer = build_optimizer(plan.device, model.flat, cfg, model.no_decay, plan.shards,
+                                    plan.grad_slots and plan.grad_slots.owned,
+                                    cfg.dist.compress_start_step if cfg.dist.compress_momentum else 0,
+                                    params=plan.param_slots and plan.param_slots.owned)
         # per-rank generator for anything stochastic per rank (saved under /rng)
         self.state = TrainingState(model, optimizer, self.data.sampler, fresh_rng(cfg.train.seed, world.rank))
         if cfg.train.precision == "fp16":
@@ -271,6 +274,8 @@ class Trainer:
         again."""
         self.beacon.stop(code=code)
         self.data.close()
+        if getattr(self, "plan", None) is not None and self.plan.param_slots is not None:
+            self.plan.param_slots.close()
         self.faults.at_exit()
 
 

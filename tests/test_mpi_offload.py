@@ -1,0 +1,98 @@
+"""``dist.offload = "optimizer"`` on the CUDA device (numba's simulator without a GPU), inside an MPI
+job of 2 ranks: the optimizer's state and update in pinned host memory, with the CPU kernels.
+
+The CPU kernels compute the CUDA kernels' formulas, and the simulator runs those in IEEE double
+arithmetic as the CPU does: an offloaded run gives the bits of one that is not (float64, AdamW,
+ring, one micro-batch, so ZeRO 1-3 give zero 0's bits too: tests/test_mpi_zero3.py). Checked:
+offload at zero 0, 1 and 3 against no offload at zero 0, and a checkpoint saved offloaded at zero 3
+resumed without offload at zero 0. Runs under mpirun -n 2 only (each simulated run takes seconds).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from hpctrain.device import cuda_status
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
+              pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
+
+
+def _run(text, world, zero, offload, steps=2, ckpt_dir="", resume="", optim="adamw"):
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
+    from test_gpt_cuda_step import _config
+
+    cfg = _config(text, "cuda", steps=steps)   # one block: d 6, context 5
+    cfg.train.global_batch, cfg.train.eval_tokens = 4 * world.size, 0
+    cfg.optim.name = optim
+    cfg.dist.zero, cfg.dist.offload, cfg.dist.allreduce = zero, offload, "ring"
+    cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001   # several buckets, each cut in shares
+    if ckpt_dir:
+        cfg.checkpoint.dir, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last = ckpt_dir, 1, 0
+    cfg.checkpoint.resume = resume
+    trainer = Trainer(cfg.validate(), world, Log(False))
+    start = trainer.step
+    for _ in range(start, steps):
+        trainer.train_step()
+        if ckpt_dir:
+            trainer.checkpoints.save(trainer.state)
+    plan = trainer.plan
+    params = (plan.param_slots.whole(plan.dp.comm) if plan.param_slots is not None
+              else trainer.device.to_host(trainer.model.flat.data).copy())
+    opt = trainer.optimizer
+    sdev = getattr(opt, "state_device", trainer.device)
+    state = {k: (opt.shards.gather(plan.dp.comm, sdev.to_host(v), trainer.model.flat.size) if opt.shards is not None
+                 else np.array(sdev.to_host(v))) for k, v in opt.state().items()}
+    trainer.close()
+    return trainer, start, params, state
+
+
+_BASE = {}   # the run without offload (deterministic): made once per job
+
+
+def _base(text, world):
+    if "run" not in _BASE:
+        _BASE["run"] = _run(text, world, 0, "none")[2:]
+    return _BASE["run"]
+
+
+def test_offloaded_optimizer_gives_the_bits_of_the_device_one(mpi_text_data, mpi_shared_dir):
+    """At zero 0 (the host holds every master), 1 (its chunks of the device's parameters) and 3 (the
+    device's packed chunks): two steps, the second from the host's own masters."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.size != 2:
+        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
+    from hpctrain.offload import OffloadedOptimizer
+    from hpctrain.runtime import init_world
+
+    world = init_world()
+    p0, s0 = _base(mpi_text_data, world)
+    for zero in (0, 1, 3):
+        trainer, _, p, s = _run(mpi_text_data, world, zero, "optimizer")
+        assert isinstance(trainer.optimizer, OffloadedOptimizer)
+        assert all(isinstance(v, np.ndarray) for v in trainer.optimizer.state().values())   # host memory
+        assert np.array_equal(p, p0), zero
+        assert all(np.array_equal(s[k], s0[k]) for k in s0), zero
+    assert np.abs(p0).max() > 0 and np.abs(s0["exp_avg"]).max() > 0
+
+
+def test_an_offloaded_checkpoint_resumes_on_the_device(mpi_text_data, mpi_shared_dir):
+    """Saved after step 1 offloaded at zero 3, resumed at zero 0 without offload: step 2 gives the
+    uninterrupted run's bits (the file holds the host state, logical as ever)."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.size != 2:
+        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
+    from hpctrain.runtime import init_world
+
+    world = init_world()
+    d = os.path.join(mpi_shared_dir, "offload-ckpt")
+    _run(mpi_text_data, world, 3, "optimizer", steps=1, ckpt_dir=d)
+    world.comm.Barrier()
+    _, start, p, s = _run(mpi_text_data, world, 0, "none", steps=2, resume=os.path.join(d, "ckpt-00000001.h5"))
+    assert start == 1
+    p0, s0 = _base(mpi_text_data, world)
+    assert np.array_equal(p, p0) and all(np.array_equal(s[k], s0[k]) for k in s0)

@@ -1,0 +1,187 @@
+"""ZeRO-3 (``dist.zero = 3``) against zero 0 and zero 2, inside one MPI job (run under mpirun -n 1..4).
+
+ZeRO-3 keeps ZeRO-2's buckets and gradients (reduce-scattered into each rank's chunk every
+micro-batch) and its optimizer step on the chunk; what changes is where the layers read their
+parameters: slots all-gathered from every rank's chunk before each layer runs. A gather copies
+numbers, so a zero 3 run adds in exactly the order of the zero 2 run with the same strategy: the same
+bits (parameters, optimizer state, the final evaluation), asserted for every case. Against zero 0 it
+then agrees as zero 2 does: bit for bit with ring and naive with one micro-batch, else to rtol 1e-10
+(ZeRO-2 sums ranks before micro-batches). The runs train in float64 with several buckets.
+"""
+
+import numpy as np
+import pytest
+
+from hpctrain.training.config import Config
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
+
+
+def _config(model, data, optim, allreduce, zero, steps=5, accum=2, recompute="none", tensor=1, ckpt_dir="",
+            resume="", eval_tokens=0):
+    cfg = Config()
+    if model == "gpt":
+        cfg.model.kind = "gpt"
+        cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.context = 3, 2, 16, 16
+        cfg.model.recompute = recompute
+        cfg.data.train, cfg.train.eval_tokens = data, eval_tokens
+        cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = 0.02, 0.01  # ~13 K parameters: several buckets
+    else:
+        cfg.data.train, cfg.data.eval = data[0], ""
+        cfg.model.hidden = [16, 12]
+        cfg.dist.bucket_mb, cfg.dist.first_bucket_mb = 0.001, 0.0003  # 400 parameters: three buckets
+    cfg.train.global_batch, cfg.train.grad_accum_steps, cfg.train.steps = 24, accum, steps
+    cfg.train.dtype, cfg.train.log_every, cfg.train.eval_every = "float64", 10**6, 0
+    cfg.optim.name, cfg.optim.warmup_steps, cfg.optim.weight_decay = optim, 2, 0.1
+    cfg.optim.lr = 0.05 if optim in ("sgd", "lars") else 3e-3
+    cfg.dist.allreduce, cfg.dist.zero, cfg.dist.tensor_parallel = allreduce, zero, tensor
+    cfg.checkpoint.dir = ckpt_dir or "/tmp/hpctrain-unused"
+    cfg.checkpoint.resume, cfg.checkpoint.keep_last = resume, 0
+    cfg.checkpoint.every_minutes, cfg.checkpoint.save_final = 0, bool(ckpt_dir)
+    return cfg.validate()
+
+
+def _train(cfg, world, resumed_at=None):
+    """The trainer after its run, and the run's result (its final evaluation in "eval"); ``resumed_at``:
+    the step the trainer must have resumed at (checked before it trains)."""
+    from hpctrain.observe.log import Log
+    from hpctrain.training.trainer import Trainer
+
+    trainer = Trainer(cfg, world, Log(False))
+    if resumed_at is not None:
+        assert trainer.state.step == resumed_at
+    trainer.initial = np.array(trainer.model.flat.data) if not trainer.model.flat.sharded else None
+    trainer.result = trainer.run()
+    trainer.close(0)
+    return trainer
+
+
+def _whole(trainer):
+    """(the parameters, the optimizer state) as whole flat host arrays, on every rank."""
+    plan, opt, comm = trainer.plan, trainer.optimizer, trainer.plan.dp.comm
+    size = trainer.model.flat.slots[-1].offset + trainer.model.flat.slots[-1].size
+    params = plan.param_slots.whole(comm) if plan.param_slots is not None else np.array(trainer.model.flat.data)
+    if opt.shards is None:
+        return params, {k: np.array(v) for k, v in opt.state().items()}
+    return params, {k: opt.shards.gather(comm, np.asarray(v), size) for k, v in opt.state().items()}
+
+
+@pytest.fixture(scope="module")
+def world():
+    from hpctrain.runtime import init_world
+
+    return init_world()
+
+
+@pytest.fixture
+def data(request, mpi_small_data, mpi_text_data):
+    return mpi_text_data if request.param == "gpt" else mpi_small_data
+
+
+# (model, optimizer, strategy, micro-batches, recompute)
+CASES = [("mlp", "sgd", "ring", 1, "none"), ("mlp", "adamw", "mpi", 2, "none"), ("gpt", "adamw", "naive", 1, "none"),
+         ("gpt", "adamw", "ring", 1, "none"),
+         ("gpt", "adamw", "ring", 2, "blocks"), ("gpt", "lamb", "naive", 2, "none"), ("gpt", "sgd", "mpi", 1, "none")]
+
+
+@pytest.mark.parametrize("data, optim, allreduce, accum, recompute", CASES, indirect=["data"],
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_zero_3_trains_like_zero_2_bit_for_bit_and_like_zero_0(world, data, optim, allreduce, accum, recompute):
+    model = "gpt" if isinstance(data, str) else "mlp"
+    runs = {z: _train(_config(model, data, optim, allreduce, z, accum=accum, recompute=recompute), world)
+            for z in (0, 2, 3)}
+    three = runs[3]
+    assert len(three.plan.buckets) >= 3 and three.model.flat.sharded
+    p0, s0 = _whole(runs[0])
+    p2, s2 = _whole(runs[2])
+    p3, s3 = _whole(three)
+    assert [b.slots for b in three.plan.buckets] == [b.slots for b in runs[2].plan.buckets]
+    assert np.array_equal(p3, p2) and all(np.array_equal(s3[k], s2[k]) for k in s2)
+    if allreduce in ("ring", "naive") and accum == 1:
+        assert np.array_equal(p3, p0) and all(np.array_equal(s3[k], s0[k]) for k in s0)
+    else:
+        np.testing.assert_allclose(p3, p0, rtol=1e-10, atol=1e-13)
+        for k in s0:
+            np.testing.assert_allclose(s3[k], s0[k], rtol=1e-10, atol=1e-13)
+    assert np.abs(p0 - runs[0].initial).max() > 1e-3   # training moved the weights
+    if model == "gpt":   # the final evaluation (every rank's forwards gathering)
+        assert three.result["eval"] == runs[2].result["eval"]
+
+
+def test_a_rank_keeps_its_share_and_a_few_slots(world, mpi_text_data):
+    """The parameter bytes a rank holds are its chunks plus the pool, the trainer's arrays as the
+    plan counts them (the start-up line), and the chunks are 1/N of the model to one element per
+    bucket; the pool holds K rotating slots and the tied table's own."""
+    from hpctrain.observe import memory
+
+    cfg = _config("gpt", mpi_text_data, "adamw", "ring", 3, steps=1)
+    cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.004   # 1,000 parameters: slots to reuse
+    trainer = _train(cfg, world)
+    plan, flat, slots = trainer.plan, trainer.model.flat, trainer.plan.param_slots
+    total = slots.total
+    n = world.size
+    assert abs(slots.owned.size - total / n) <= len(plan.buckets)
+    assert world.comm.allreduce(slots.owned.size) == total
+    assert flat.data is slots.buffer and flat.compute is slots.buffer and flat.data.size == slots.size
+    assert "wte" in plan.buckets[-1].slots   # the tied table's bucket, in its own slot
+    biggest = max(b.size for b in plan.buckets[:-1])
+    assert slots.size <= slots.layout.rotating * biggest + plan.buckets[-1].size
+    # the step's gathers in the metrics: every bucket at least once, at most twice per micro-batch (its
+    # forward, and its backward for the ones evicted since)
+    m = trainer.stepper.comm_metrics()
+    assert len(plan.buckets) <= m["param_gathers"] <= 2 * plan.micro_batches * len(plan.buckets)
+    assert m["param_gather_bytes"] >= total * flat.data.itemsize and m["exposed_gather_time"] >= 0
+    computed = memory.computed(trainer.model, trainer.optimizer, plan.device, 8, plan.grad_slots, 1, slots)
+    assert computed["params"] == (slots.buffer.nbytes + slots.owned.nbytes)
+    assert computed["optimizer"] == sum(a.nbytes for a in trainer.optimizer.state().values())
+    line = memory.describe(computed, 3, n)
+    assert f"(zero 3: bucket slots and a 1/{n} share)" in line
+    # the pool: K rotating slots and the last bucket's own; each layer reads only its own parameters
+    # (the blocks no longer fuse the next LayerNorm into their output add), so K is one block's
+    # buckets and one more, to gather the next: here 3 per block, K = 4
+    assert all(block.next_norm is None for block in trainer.model.blocks)
+    per_block = sum(1 for b in plan.buckets if any(name.startswith("h.1.") for name in b.slots))
+    assert slots.layout.rotating == per_block + 1 == 4
+    K, slot_of = slots.layout.rotating, slots.layout.slot_of
+    assert slots.size == sum(max(b.size for b in plan.buckets if slot_of[b.index] == k) for k in range(K)) \
+        + plan.buckets[-1].size
+    # this small model's pool outweighs its share of the blocks: said, as buckets too large to reuse a slot are
+    assert (slots.size + slots.owned.size < total) == (memory.zero3_advice(plan, flat) is None)
+    if n > 1:
+        cfg = _config("gpt", mpi_text_data, "adamw", "ring", 3, steps=1)
+        cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 25
+        few = _train(cfg, world)
+        assert "lower dist.bucket_mb" in memory.zero3_advice(few.plan, few.model.flat)
+
+
+def test_evaluation_with_unequal_chunk_counts_scores_like_zero_0(world, mpi_text_data, monkeypatch):
+    """A forward gathers over the data group: a rank whose evaluation shard has fewer chunks runs the
+    gathers alone (no hang), and the scores are zero 0's."""
+    import hpctrain.models.gpt as gpt
+
+    monkeypatch.setattr(gpt, "EVAL_WINDOWS_PER_CHUNK", 1)
+    scores = {}
+    for z in (0, 3):
+        trainer = _train(_config("gpt", mpi_text_data, "adamw", "ring", z, steps=2, accum=1, eval_tokens=16 * 7),
+                         world)
+        scores[z] = trainer.result["eval"]
+    assert scores[3]["loss"] == pytest.approx(scores[0]["loss"], rel=1e-12)
+    assert scores[3]["accuracy"] == scores[0]["accuracy"]
+
+
+@pytest.mark.parametrize("saved, resumed", [(3, 0), (0, 3), (3, 1)])
+def test_a_zero_3_checkpoint_is_logical(world, mpi_text_data, mpi_shared_dir, saved, resumed):
+    """Saved at one stage, resumed at another: the continued run equals the uninterrupted one at the
+    resumed stage bit for bit (float64, naive with one micro-batch: zero 0, 1 and 3 give the same bits)."""
+    import os
+
+    d = os.path.join(mpi_shared_dir, f"z3-{saved}-{resumed}-{world.size}")
+    _train(_config("gpt", mpi_text_data, "adamw", "naive", saved, steps=3, accum=1, ckpt_dir=d), world)
+    world.comm.Barrier()
+    cont = _train(_config("gpt", mpi_text_data, "adamw", "naive", resumed, steps=5, accum=1, ckpt_dir=d,
+                          resume="auto"), world, resumed_at=3)
+    assert cont.state.step == 5
+    straight = _train(_config("gpt", mpi_text_data, "adamw", "naive", resumed, steps=5, accum=1), world)
+    pc, sc = _whole(cont)
+    ps, ss = _whole(straight)
+    assert np.array_equal(pc, ps) and all(np.array_equal(sc[k], ss[k]) for k in ss)
