@@ -1,7 +1,7 @@
 """``dist.offload = "optimizer"``: the optimizer's state and its update in host memory (ZeRO-Offload).
 
 On a GPU the optimizer's state (AdamW's two moments, SGD's momentum: two or one P-element arrays,
-the largest part of a run's memory after the activations) moves to pinned host memory, and its
+the largest part of a run's memory after the activations) moves to host memory, and its
 update runs there on the CPU, with the numba CPU kernels of the CPU device (threads as the rank's
 share of cores). The device keeps the parameters the layers read and the gradients.
 
@@ -27,8 +27,6 @@ multiply-add where the CPU's do not.
 from __future__ import annotations
 
 import types
-
-import numpy as np
 
 from .device import CpuDevice
 
@@ -80,7 +78,8 @@ class OffloadedOptimizer:
         self.inner.t = value
 
     def state(self) -> dict:
-        """The optimizer's state arrays, in pinned host memory (``state_device`` says so)."""
+        """The optimizer's state arrays, in host memory (``state_device`` says so; only the masters and
+        gradients that cross to and from the device are pinned)."""
         return self.inner.state()
 
     @property
@@ -184,10 +183,3 @@ def check(cfg) -> None:
                           f"momentum and residuals stay on the device; use one or the other")
 
 
-def host_bytes(optimizer) -> int:
-    """Pinned host bytes an :class:`OffloadedOptimizer` keeps: its state, and the masters and
-    gradients of what the rank updates; 0 for another optimizer."""
-    if not getattr(optimizer, "offloaded", False):
-        return 0
-    item = np.dtype(optimizer.host_params.dtype).itemsize
-    return (len(optimizer.state()) + optimizer.work_arrays + 2) * optimizer.state_size * item

@@ -55,7 +55,7 @@ def test_train_throughput_cuda_without_gpu_is_one_clear_error():
 # of output (not reproduced alone, nor beside this module's other tests); cause not found yet
 @pytest.mark.exclusive
 def test_memory_benchmark_validates_and_accounts_per_rank(text_data, tmp_path):
-    """A tiny GPT at 2 ranks, six ways: the runs must end alike (the benchmark checks), zero 1 and 2
+    """A tiny GPT at 2 ranks, six ways: the runs must end alike (the benchmark checks), zero 1, 2 and 3
     halve the optimizer state at 2 ranks, recompute shrinks activations, and part 2 finds a model."""
     config = tmp_path / "tiny.toml"
     config.write_text('[model]\nkind = "gpt"\nn_layer = 3\nn_head = 2\nd_model = 32\ncontext = 32\n'
@@ -64,7 +64,7 @@ def test_memory_benchmark_validates_and_accounts_per_rank(text_data, tmp_path):
     out = tmp_path / "memory.json"
     proc = subprocess.run([sys.executable, "benchmarks/memory.py", "--config", str(config), "--text", text_data,
                            "--ranks", "2", "--steps", "4", "--skip", "1", "--repeats", "1", "--budget-gb", "0.02",
-                           "--bucket-mb", "0.01",
+                           "--bucket-mb", "0.01", "--variants", "0:none,1:none,2:none,3:none,0:blocks,2:blocks",
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -72,11 +72,13 @@ def test_memory_benchmark_validates_and_accounts_per_rank(text_data, tmp_path):
     assert len(runs) == 6
     assert abs(runs[(2, 1, "none")]["optimizer_vs_zero0"] - 0.5) < 1e-3
     assert abs(runs[(2, 2, "none")]["optimizer_vs_zero0"] - 0.5) < 1e-3
+    assert abs(runs[(2, 3, "none")]["optimizer_vs_zero0"] - 0.5) < 1e-3
     assert runs[(2, 0, "blocks")]["activations_vs_none"] < 1.0
     assert all(r["peak_rss_mb"] > 0 and r["step_ms"] > 0 for r in result["runs"])
     assert all(t is not None and t["bytes_per_rank"] <= 0.02e9 for t in result["largest"])
     assert "| 2 | 1 | none |" in proc.stdout and "| 2 | 2 | blocks |" in proc.stdout and "Targets:" in proc.stdout
-    assert "zero 2 gradients at 2 rank(s)" in proc.stdout
+    assert "zero 2 gradients at 2 rank(s)" in proc.stdout and "zero 3 at 2 rank(s)" in proc.stdout
+    assert {t["zero"] for t in result["largest"]} == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("variants, why", [("1:none,0:blocks", "the first must be 0:none"),

@@ -2,10 +2,12 @@
 job of 2 ranks: the optimizer's state and update in pinned host memory, with the CPU kernels.
 
 The CPU kernels compute the CUDA kernels' formulas, and the simulator runs those in IEEE double
-arithmetic as the CPU does: an offloaded run gives the bits of one that is not (float64, AdamW,
-ring, one micro-batch, so ZeRO 1-3 give zero 0's bits too: tests/test_mpi_zero3.py). Checked:
-offload at zero 0, 1 and 3 against no offload at zero 0, and a checkpoint saved offloaded at zero 3
-resumed without offload at zero 0. Runs under mpirun -n 2 only (each simulated run takes seconds).
+arithmetic as the CPU does: an offloaded run gives the bits of one that is not (float64, ring, one
+micro-batch, so ZeRO 1-3 give zero 0's bits too: tests/test_mpi_zero3.py). Checked: AdamW offloaded
+at zero 0, 1 and 3 against no offload at zero 0; LAMB with clipping at zero 2 against the same on
+the device, to rounding (its norms are sums, added in another order by the CPU's kernel); a
+checkpoint saved offloaded at zero 3 resumed at zero 0 without offload and at zero 1 with it. Runs
+under mpirun -n 2 only (each simulated run takes seconds).
 """
 
 import os
@@ -19,14 +21,14 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
               pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
 
 
-def _run(text, world, zero, offload, steps=2, ckpt_dir="", resume="", optim="adamw"):
+def _run(text, world, zero, offload, steps=2, ckpt_dir="", resume="", optim="adamw", clip=0.0):
     from hpctrain.observe.log import Log
     from hpctrain.training.trainer import Trainer
     from test_gpt_cuda_step import _config
 
     cfg = _config(text, "cuda", steps=steps)   # one block: d 6, context 5
     cfg.train.global_batch, cfg.train.eval_tokens = 4 * world.size, 0
-    cfg.optim.name = optim
+    cfg.optim.name, cfg.optim.clip_grad_norm = optim, clip
     cfg.dist.zero, cfg.dist.offload, cfg.dist.allreduce = zero, offload, "ring"
     cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001   # several buckets, each cut in shares
     if ckpt_dir:
@@ -79,9 +81,32 @@ def test_offloaded_optimizer_gives_the_bits_of_the_device_one(mpi_text_data, mpi
     assert np.abs(p0).max() > 0 and np.abs(s0["exp_avg"]).max() > 0
 
 
+def test_lamb_with_clipping_offloaded_at_zero_2(mpi_text_data, mpi_shared_dir):
+    """LAMB (every gradient copied to the host before its trust ratios) with the gradient clipped on
+    the device first, at zero 2 (the packed device gradients), against the same run on the device:
+    equal to rounding, not bit for bit, as LAMB's norms are sums that the CPU's kernel and the
+    device's add in different orders (the elementwise update itself is the same; AdamW above)."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.size != 2:
+        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
+    from hpctrain.runtime import init_world
+
+    world = init_world()
+    trainer, _, p1, s1 = _run(mpi_text_data, world, 2, "optimizer", optim="lamb", clip=0.05)
+    assert trainer.stepper.clip_metrics()["grad_norm"] > 0.05   # the clip applied
+    _, _, p0, s0 = _run(mpi_text_data, world, 2, "none", optim="lamb", clip=0.05)
+    # (measured: parameters within 2.5e-15 relative; moments near zero carry the second step's
+    # gradient's rounding, hence the absolute term)
+    np.testing.assert_allclose(p1, p0, rtol=1e-12, atol=1e-15)
+    for k in s0:
+        np.testing.assert_allclose(s1[k], s0[k], rtol=1e-12, atol=1e-15)
+
+
 def test_an_offloaded_checkpoint_resumes_on_the_device(mpi_text_data, mpi_shared_dir):
-    """Saved after step 1 offloaded at zero 3, resumed at zero 0 without offload: step 2 gives the
-    uninterrupted run's bits (the file holds the host state, logical as ever)."""
+    """Saved after step 1 offloaded at zero 3, resumed at zero 0 without offload, and at zero 1 with
+    offload (its host masters taken from the loaded parameters): step 2 gives the uninterrupted
+    run's bits (the file holds the host state, logical as ever)."""
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.size != 2:
@@ -92,7 +117,9 @@ def test_an_offloaded_checkpoint_resumes_on_the_device(mpi_text_data, mpi_shared
     d = os.path.join(mpi_shared_dir, "offload-ckpt")
     _run(mpi_text_data, world, 3, "optimizer", steps=1, ckpt_dir=d)
     world.comm.Barrier()
-    _, start, p, s = _run(mpi_text_data, world, 0, "none", steps=2, resume=os.path.join(d, "ckpt-00000001.h5"))
-    assert start == 1
     p0, s0 = _base(mpi_text_data, world)
-    assert np.array_equal(p, p0) and all(np.array_equal(s[k], s0[k]) for k in s0)
+    for zero, offload in ((0, "none"), (1, "optimizer")):
+        _, start, p, s = _run(mpi_text_data, world, zero, offload, steps=2,
+                              resume=os.path.join(d, "ckpt-00000001.h5"))
+        assert start == 1
+        assert np.array_equal(p, p0) and all(np.array_equal(s[k], s0[k]) for k in s0), (zero, offload)

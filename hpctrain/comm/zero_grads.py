@@ -59,7 +59,7 @@ def plan_zero(stage: int, dist, buckets, model, device, world):
     # LayerNorm into its output add; else its forward spans two blocks' buckets)
     getattr(model, "separate_layers", lambda: None)()
     groups = [*getattr(model, "forward_groups", []), *model.backward_groups]
-    return shards, slots, ParameterSlots(buckets, shards, model.flat, groups, device)
+    return shards, slots, ParameterSlots(buckets, shards, model.flat, groups, device, overlap=dist.overlap)
 
 
 def place_gradients(strategy, model, slots, device) -> None:

@@ -27,7 +27,11 @@ on a thread of its own while this layer computes.
 
 Every rank issues the same gathers in the same order (the same layers, the same residency), on a
 duplicate communicator of the data group (ZeRO-1's parameter gatherer), from one thread, so they
-pair up.
+pair up. Without ``dist.overlap`` they run on the main thread when a layer needs them, and nothing is
+fetched ahead.
+
+On a GPU a gather copies through the staging path, which first waits for the device's queued work
+(the layer computing now included): there the gathers do not overlap compute yet.
 
 Memory per rank: the owned chunks (about P / N) and the pool (K slots of the largest bucket each,
 plus the last bucket). At start-up the whole parameter buffer exists once (the initial weights,
@@ -52,8 +56,10 @@ class ParameterSlots:
     buffer and moves the model onto the pool; ``gatherer`` (ZeRO-1's parameter all-gather strategy,
     its ``allgather(buf)`` filling every chunk of a bucket from its owner) is set by :meth:`connect`."""
 
-    def __init__(self, buckets, shards, flat, groups, device):
+    def __init__(self, buckets, shards, flat, groups, device, overlap: bool = True):
         layout = SlotLayout(buckets, flat, groups)
+        # without dist.overlap the gathers run on the main thread, when needed (no second thread calls MPI)
+        self.overlap = overlap
         self.layout, self.buckets, self.shards, self.device = layout, list(buckets), shards, device
         self.total = flat.size   # the whole parameter count
         self.size, self.offsets, self.bucket_of = layout.size, layout.offsets, layout.bucket_of
@@ -115,16 +121,18 @@ class ParameterSlots:
         if wanted == [last]:
             return
         ahead = wanted[0] - 1 if forward else wanted[-1] + 1
-        if 0 <= ahead < last:
+        if self.overlap and 0 <= ahead < last:
             self._start(ahead, wanted)
 
     def stale(self, index: int | None = None) -> None:
         """Bucket ``index``'s masters changed (every bucket's with None): its slot's copy is not used again."""
+        t0 = time.perf_counter()
         for i in (range(len(self.buckets)) if index is None else [index]):
             slot = self.layout.slot_of[i]
             if self._holds[slot] == i:
-                self._wait(i)          # a gather still filling the slot finishes first
+                self._wait(i)          # a gather still filling the slot (it reads the masters) finishes first
                 self._holds[slot] = None
+        self.exposed_s += time.perf_counter() - t0
 
     def begin_step(self) -> None:
         """A training step starts: the counters from zero."""
@@ -156,11 +164,19 @@ class ParameterSlots:
             raise RuntimeError(f"ZeRO-3: bucket {i} needs parameter slot {slot}, which holds bucket {held} that "
                                f"the same layer reads (the model's backward_groups miss a layer)")
         if held is not None:
+            t0 = time.perf_counter()
             self._wait(held)   # its gather (if still running) finishes before the slot is refilled
+            self.exposed_s += time.perf_counter() - t0
         self._holds[slot] = i
         self.gathers += 1
         self.bytes += self.views[i].nbytes
         done = self._ready[i] = threading.Event()
+        if not self.overlap:
+            try:
+                self._gather(i)
+            finally:
+                done.set()
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="hpctrain-zero3-gather", daemon=True)
             self._thread.start()

@@ -51,8 +51,9 @@ def computed(model, optimizer, device, rows: int, grad_slots=None, in_flight: in
     held at once (a pipeline stage's schedule; None for a model that does not say); ``grad_slots``:
     ZeRO-2's reused bucket slots and this rank's chunks; ``param_slots``: ZeRO-3's (the gathered
     slots and this rank's chunks of the parameters); ``offload`` (``dist.offload = "optimizer"``): the
-    optimizer state is in pinned host memory, with a host copy of the masters and gradients it
-    updates (``"host"``: those bytes; the state still counts in ``"optimizer"``)."""
+    optimizer state is in host memory, with pinned copies of the masters and gradients it updates
+    (``"optimizer"`` is then 0, the device's; ``"host_state"`` the state's bytes, ``"host"`` those
+    three's)."""
     item = device.dtype.itemsize
     flat = model.flat
     per_rows = getattr(model, "activation_bytes", None)
@@ -64,7 +65,8 @@ def computed(model, optimizer, device, rows: int, grad_slots=None, in_flight: in
     state = (len(optimizer.state()) + getattr(optimizer, "work_arrays", 0)) * optimizer.state_size * item
     return {"params": params, "grads": grads * item,
             # the saved state, and the arrays an optimizer keeps beside it (LAMB's direction)
-            "optimizer": state, "offload": offload,
+            "optimizer": 0 if offload else state, "offload": offload,
+            "host_state": state if offload else 0,
             "host": state + 2 * optimizer.state_size * item if offload else 0,
             "activations": None if per_rows is None else per_rows(rows) if in_flight == 1 else per_rows(rows, in_flight),
             "in_flight": in_flight}
@@ -76,9 +78,10 @@ def describe(b: dict, zero: int, size: int) -> str:
                                                            if zero == 3 else ""),
              f"gradients {b['grads'] / 1e6:,.2f} MB" + (" (zero %d: bucket slots and a 1/%d share)" % (zero, size)
                                                          if zero >= 2 else ""),
-             f"optimizer state {b['optimizer'] / 1e6:,.2f} MB" + (f" (zero {zero}: a 1/{size} share)" if zero else "")
-             + (f" in pinned host memory, with its masters and gradients: {b['host'] / 1e6:,.2f} MB there "
-                f"(dist.offload)" if b.get("offload") else "")]
+             (f"optimizer state {b['optimizer'] / 1e6:,.2f} MB" if not b.get("offload") else
+              f"optimizer state 0 MB (dist.offload: {b['host_state'] / 1e6:,.2f} MB in host memory, "
+              f"{b['host'] / 1e6:,.2f} MB with the masters and gradients it updates)")
+             + (f" (zero {zero}: a 1/{size} share)" if zero else "")]
     if b["activations"] is not None:
         held = b.get("in_flight", 1)
         parts.append(f"activations {b['activations'] / 1e6:,.2f} MB per micro-batch" if held == 1 else

@@ -262,7 +262,7 @@ class DistConfig:
                    "the GPT's tied table stays gathered from its first use to the update; train.precision = "
                    "fp32, no pipeline)",
                    choices=(0, 1, 2, 3))
-    offload: str = _f("none", "optimizer = the optimizer's state and update in pinned host memory, on the CPU "
+    offload: str = _f("none", "optimizer = the optimizer's state and update in host memory, on the CPU "
                       "(ZeRO-Offload: each bucket's gradient copied to the host as it is reduced, updated there "
                       "with the CPU kernels, the parameters copied back; train.device = cuda only); with "
                       "every dist.zero | none", choices=("none", "optimizer"))
