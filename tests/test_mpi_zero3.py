@@ -191,6 +191,34 @@ def test_evaluation_with_unequal_chunk_counts_scores_like_zero_0(world, mpi_text
     assert scores[3] == scores[0]
 
 
+def test_without_overlap_the_main_thread_gathers_the_same_bits(world, mpi_text_data, monkeypatch):
+    """dist.overlap = false: no gather thread is started (nothing fetched ahead; the main thread
+    gathers each bucket when a layer needs it, as it reduce-scatters), and the same bits as with one."""
+    import threading
+
+    import hpctrain.comm.zero_params as zero_params
+
+    started = []
+
+    class Counted(threading.Thread):
+        def start(self):
+            started.append(self.name)
+            super().start()
+
+    monkeypatch.setattr(zero_params.threading, "Thread", Counted)   # (every thread: counted by name)
+    runs = {}
+    for overlap in (True, False):
+        cfg = _config("gpt", mpi_text_data, "adamw", "ring", 3, steps=3)
+        cfg.dist.overlap = overlap
+        before = started.count("hpctrain-zero3-gather")
+        trainer = _train(cfg, world)
+        runs[overlap] = _whole(trainer), trainer.result["eval"], started.count("hpctrain-zero3-gather") - before
+    (p1, s1), e1, threads1 = runs[True]
+    (p0, s0), e0, threads0 = runs[False]
+    assert threads1 == 1 and threads0 == 0
+    assert np.array_equal(p0, p1) and all(np.array_equal(s0[k], s1[k]) for k in s1) and e0 == e1
+
+
 @pytest.mark.parametrize("saved, resumed", [(3, 0), (0, 3), (3, 1)])
 def test_a_zero_3_checkpoint_is_logical(world, mpi_text_data, mpi_shared_dir, saved, resumed):
     """Saved at one stage, resumed at another: the continued run equals the uninterrupted one at the
