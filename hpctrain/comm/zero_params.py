@@ -40,6 +40,7 @@ drawn and broadcast), is cut into the owned chunks and dropped.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -202,7 +203,7 @@ class ParameterSlots:
 
     def _serve(self) -> None:
         context = getattr(self.device, "thread_context", None)
-        with context() if context is not None else _Nothing():
+        with context() if context is not None else contextlib.nullcontext():
             while True:
                 task = self._tasks.get()
                 if task is None:
@@ -225,11 +226,3 @@ class ParameterSlots:
                                               None, False)
         self.gatherer.allgather(view)
         self.device.synchronize()   # the layers read the slot next, from the main thread
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from ..models import FAMILIES
+from .config_checks import check_across_sections
 
 
 def _f(default, why, **kw):
@@ -404,70 +405,8 @@ class Config:
                                       f"choose one of {', '.join(map(str, choices))}")
             if hasattr(sub, "validate"):
                 sub.validate()
-        if self.train.target_accuracy and not self.data.eval and self.model.kind == "mlp":
-            raise ConfigError("train.target_accuracy is set but data.eval is empty; "
-                              "name an evaluation file or set train.target_accuracy = 0")
-        if (self.train.target_val_bpb or self.train.target_bpb_vs_bigram) and self.model.kind != "gpt":
-            raise ConfigError("train.target_val_bpb and target_bpb_vs_bigram are language-model targets: they need "
-                              "model.kind = \"gpt\" (the mlp's target is train.target_accuracy)")
-        if self.train.precision == "fp16" and self.dist.compress != "none":
-            raise ConfigError(f"train.precision='fp16' with dist.compress={self.dist.compress!r}"
-                              + (f" (dist.reduce_dtype={self.dist.reduce_dtype!r})" if self.dist.reduce_dtype != "fp32"
-                                 else "")
-                              + ": the compressors' error-feedback residuals would hold gradients times the loss "
-                              "scale, which changes from step to step; use bf16 (no loss scale), or no compression")
-        if self.dist.compress_momentum:
-            self._check_compress_momentum()
-        if self.dist.zero == 3:
-            self._check_zero3()
-        if self.dist.offload != "none":
-            from ..offload import check
-
-            check(self)
-        if self.dist.pipeline_parallel > 1 or self.dist.pipeline_stages:
-            from .schedules import check_config
-
-            check_config(self)
-        if self.dist.tensor_parallel > 1:
-            if self.model.kind != "gpt":
-                raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel}: tensor parallelism splits the "
-                                  f"GPT's blocks; model.kind = {self.model.kind!r} trains data-parallel only "
-                                  f"(dist.tensor_parallel = 1)")
-            if self.model.n_head % self.dist.tensor_parallel:
-                raise ConfigError(f"dist.tensor_parallel={self.dist.tensor_parallel} does not divide model.n_head="
-                                  f"{self.model.n_head}: each tensor rank owns n_head / t whole heads")
+        check_across_sections(self)
         return self
-
-    def _check_zero3(self) -> None:
-        """What ``dist.zero = 3`` does not run with, refused before anything is built."""
-        if self.train.precision != "fp32":
-            raise ConfigError(f"dist.zero=3 with train.precision={self.train.precision!r}: ZeRO-3 gathers "
-                              f"full-precision parameters only (no 16-bit compute copy of the gathered slots "
-                              f"yet); use train.precision = fp32, or dist.zero = 2 (which keeps every parameter)")
-        if self.dist.pipeline_parallel > 1:
-            raise ConfigError(f"dist.zero=3 with dist.pipeline_parallel={self.dist.pipeline_parallel}: a "
-                              f"pipeline stage already holds only its layers; use dist.zero = 1 or 2 with pipeline "
-                              f"parallelism")
-
-    def _check_compress_momentum(self) -> None:
-        """Momentum correction hands AdamW's first moment to the compressor from the step compression
-        starts, which is only the same first moment while the second moment is frozen from then on."""
-        d, o = self.dist, self.optim
-        if d.compress == "none":
-            raise ConfigError("dist.compress_momentum corrects a compressor's momentum; dist.compress = 'none' "
-                              "compresses nothing (set dist.compress, or compress_momentum = false)")
-        if o.name != "adamw":
-            raise ConfigError(f"dist.compress_momentum moves AdamW's first moment into the compressor; optim.name "
-                              f"= {o.name!r} (use adamw, or compress_momentum = false)")
-        if not d.compress_start_step or o.freeze_step != d.compress_start_step:
-            raise ConfigError(f"dist.compress_momentum needs optim.freeze_step = dist.compress_start_step > 0 (the "
-                              f"velocities are summed through AdamW's frozen second moment, from the step "
-                              f"compression starts); they are {o.freeze_step} and {d.compress_start_step}")
-        if o.clip_grad_norm:
-            raise ConfigError(f"optim.clip_grad_norm={o.clip_grad_norm} with dist.compress_momentum: the buffers "
-                              f"summed are velocities, not gradients, so clipping them would not clip the "
-                              f"gradient (AdamW's first moment and each rank's unsent velocity stay unclipped); "
-                              f"use one of them")
 
     def to_toml(self) -> str:
         """The resolved config as TOML text (printed by rank 0, stored in checkpoints)."""
