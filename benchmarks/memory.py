@@ -6,8 +6,8 @@
 
 Part 1, measured: per world size, the example GPT (``--config``) trains ``--steps`` steps eight
 ways, dist.zero 0/1/2/3 x model.recompute none/blocks (or the ``--variants`` given), with
-dist.allreduce = ring and buckets of ``--bucket-mb`` (several per block, so ZeRO-2 has slots to
-reuse). Ring's halves sum in the same order as its all-reduce, so with one micro-batch all the
+dist.allreduce = ring and the same buckets for every variant (``--bucket-split``: by default
+ZeRO-3's, one per layer unit; or ``size``, of ``--bucket-mb``, without zero 3). Ring's halves sum in the same order as its all-reduce, so with one micro-batch all the
 runs must end on the same loss and the
 same final parameters, bit for bit: checked before any time is reported. Per run: the computed
 bytes per rank (parameters, gradients, optimizer state, activations of one micro-batch; exact,
@@ -22,6 +22,10 @@ heads; the config's context and micro-batch) whose computed bytes per rank (Adam
 ``--budget-gb`` at the largest ``--ranks``, for each zero x recompute (buckets as the config has
 them): the trainer's own accounting (``planned_memory``, on a device that allocates nothing), so the
 model's ``activation_bytes`` and ZeRO's shares and slot plans do the counting.
+
+Part 3, computed: optimizer offload (``dist.offload = optimizer``) at each zero stage on a CUDA
+device, counted on paper at the largest ``--ranks`` (no GPU needed to count; measuring its bytes and
+step time needs one): the device's bytes with and without it, and the host's.
 
 Targets (printed with each verdict): zero 1's optimizer state per rank = 1/N of zero 0's (to
 one element per bucket: no padding); zero 1's step time within 5 % of zero 0's at 2 ranks;
@@ -59,7 +63,7 @@ def overrides(zero, recompute, args) -> list[str]:
     run's own files."""
     return [f"train.steps={args.steps}", f"dist.zero={zero}", f"model.recompute={recompute}",
             "dist.allreduce=ring", "train.eval_every=0", "data.eval=", "train.target_val_bpb=0",
-            "train.target_bpb_vs_bigram=0", f"dist.bucket_mb={args.bucket_mb}",
+            "train.target_bpb_vs_bigram=0", f"dist.bucket_split={args.bucket_split}", f"dist.bucket_mb={args.bucket_mb}",
             f"dist.first_bucket_mb={args.bucket_mb}"] + ([f"data.train={args.text}"] if args.text else [])
 
 
@@ -144,7 +148,8 @@ def largest_within(budget_bytes, ranks, args) -> list[dict]:
             d = 64 * n_layer
             # the config's own buckets (part 1's small ones would cut a large model into thousands)
             sets = [x for x in overrides(zero, recompute, args) if not x.startswith(("dist.bucket_mb",
-                                                                                     "dist.first_bucket_mb"))]
+                                                                                     "dist.first_bucket_mb",
+                                                                                     "dist.bucket_split"))]
             sets += [f"model.n_layer={n_layer}", f"model.d_model={d}",
                                                        f"model.n_head={n_layer}", "train.device=cpu"]
             with contextlib.chdir(REPO):
@@ -158,6 +163,29 @@ def largest_within(budget_bytes, ranks, args) -> list[dict]:
                    "states_bytes": got["params"] + got["grads"] + got["optimizer"]}
         best.append(top)
     return best
+
+
+def offload_rows(ranks, args) -> list[dict]:
+    """Part 3, computed: the config on a CUDA device (``train.device = cuda``, on paper: no GPU is
+    needed to count) at each zero stage, with ``dist.offload`` none and optimizer: rank 0's bytes on
+    the device and in host memory, by the trainer's own accounting."""
+    import contextlib
+
+    from hpctrain.runtime import World
+    from hpctrain.training.config_load import load_config
+    from hpctrain.training.plan import planned_memory
+
+    world = World(None, 0, ranks, None, 0, ranks, None, 0, 1)
+    rows = []
+    for zero in (0, 1, 2, 3):
+        for offload in ("none", "optimizer"):
+            sets = overrides(zero, "none", args) + ["train.device=cuda", f"dist.offload={offload}"]
+            with contextlib.chdir(REPO):
+                got = planned_memory(load_config(args.config, sets).validate(), world)
+            rows.append({"ranks": ranks, "zero": zero, "offload": offload, "params": got["params"],
+                         "grads": got["grads"], "optimizer": got["optimizer"], "host_state": got["host_state"],
+                         "host": got["host"], "device_states": got["params"] + got["grads"] + got["optimizer"]})
+    return rows
 
 
 def _parameters(n_layer: int, d: int, context: int, vocab: int = 256) -> int:
@@ -176,7 +204,11 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(f"{z}:{r}" for z, r in VARIANTS),
                    help="ZERO:RECOMPUTE pairs to run, 0:none first (the yardstick); default: all six")
     p.add_argument("--budget-gb", type=float, default=8.0, help="per-rank memory budget for part 2")
-    p.add_argument("--bucket-mb", type=float, default=0.25, help="dist.bucket_mb (and first_bucket_mb) of part 1")
+    p.add_argument("--bucket-split", default="layers", choices=["layers", "size"],
+                   help="dist.bucket_split of every part 1 run: layers (ZeRO-3's buckets, so every variant adds "
+                        "alike) or size (--bucket-mb; without zero 3 variants)")
+    p.add_argument("--bucket-mb", type=float, default=0.25,
+                   help="dist.bucket_mb (and first_bucket_mb) of part 1 with --bucket-split size")
     p.add_argument("--mpirun-args", default="--oversubscribe")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", default="runs/bench/memory.json")
@@ -191,6 +223,8 @@ def main() -> None:
         variants.append((int(zero), recompute))
     if variants[0] != (0, "none"):
         p.error("--variants: the first must be 0:none, the yardstick every ratio is read against")
+    if args.bucket_split == "size" and any(z == 3 for z, _ in variants):
+        p.error("--bucket-split size: zero 3 gathers layer buckets; leave the 3:* variants out, or use layers")
     cfg = load_config(os.path.join(REPO, args.config))
     rows = []
     with tempfile.TemporaryDirectory(prefix="hpctrain-memory-") as tmp:
@@ -216,7 +250,8 @@ def main() -> None:
             rows += got
     print(f"\nPer-rank memory and step time, {args.config} ({platform.node()}, {os.cpu_count()} cores, "
           f"{time.strftime('%Y-%m-%d %H:%M')}; {args.steps} steps, median after {args.skip}, median of {args.repeats} "
-          f"alternating runs (range in brackets); dist.allreduce ring, buckets of {args.bucket_mb:g} MB; every "
+          f"alternating runs (range in brackets); dist.allreduce ring, "
+          f"{'layer buckets' if args.bucket_split == 'layers' else f'buckets of {args.bucket_mb:g} MB'}; every "
           f"variant ended on the same loss and parameters):\n")
     print("| ranks | zero | recompute | params MB | grads MB | optimizer MB | activations MB | computed MB | "
           "peak RSS MB | step ms | optimizer / zero 0 | activations / none | step / baseline |")
@@ -273,11 +308,23 @@ def main() -> None:
             vs = t["parameters"] / zero0["blocks"]
             print(f"\n  zero 3's largest GPT at {max(args.ranks)} rank(s): {vs:.2f}x zero 0's parameters (target >= 3 "
                   f"at 4 ranks: {'met' if vs >= 3 else 'NOT met'})")
+    offload = offload_rows(max(args.ranks), args)
+    print(f"\nOptimizer offload (dist.offload = optimizer), computed for a CUDA device at {max(args.ranks)} rank(s), "
+          f"{args.config}, recompute none (measuring needs a GPU): parameters, gradients and optimizer state "
+          f"per rank on the device, and in host memory\n")
+    print("| zero | offload | params MB | grads MB | optimizer MB (device) | device MB | vs no offload | "
+          "host state MB | host MB (state, masters, gradients) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    kept = {r["zero"]: r["device_states"] for r in offload if r["offload"] == "none"}
+    for r in offload:
+        print(f"| {r['zero']} | {r['offload']} | {r['params'] / 1e6:.2f} | {r['grads'] / 1e6:.2f} | "
+              f"{r['optimizer'] / 1e6:.2f} | {r['device_states'] / 1e6:.2f} | "
+              f"{r['device_states'] / kept[r['zero']]:.3f} | {r['host_state'] / 1e6:.2f} | {r['host'] / 1e6:.2f} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"machine": platform.node(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
                    "config": args.config, "steps": args.steps, "runs": rows, "largest": largest,
-                   "budget_gb": args.budget_gb}, f, indent=1)
+                   "offload": offload, "budget_gb": args.budget_gb}, f, indent=1)
     print(f"\nwrote {args.json}")
 
 

@@ -50,38 +50,58 @@ def predicted_idle(busy: list, m: int) -> list:
 
 
 def sweep(runner, models: dict, plans: dict, ps: list, micro: list, schedules: list) -> int:
-    """Run the sweep (see the module docstring); returns the number of failed runs."""
+    """Run the sweep (see the module docstring) ``--repeats`` times, whole sweeps in turn (a burst of
+    load hits one run of each configuration, not all of its runs); returns the number of failed runs."""
     a = runner.args
-    rows = []
-    for name, m in models.items():
-        if m["kind"] != "gpt":
-            continue
-        _, hp_sets, init, warmup = plans[name]
-        for n in sorted(a.ranks):
-            batch = m["batch"] * n
-            for p in sorted(set(ps)):
-                if n % p or p > m["n_layer"]:
-                    continue
-                for schedule in (["-"] if p == 1 else schedules):
-                    for k in ([1] if p == 1 else micro):
-                        rows_per_rank = batch // (n // p)
-                        if rows_per_rank % k:
-                            continue
-                        tag = f"p{p}" + ("" if p == 1 else f"-{schedule}-m{k}")
-                        sets = hp_sets + [f"dist.pipeline_parallel={p}", f"train.grad_accum_steps={k}"]
-                        if p > 1:
-                            sets.append(f'dist.pipeline_schedule="{schedule}"')
-                        row, _ = runner.run("hpctrain", name, "strong", n, batch, sets, init, warmup, 0,
-                                            m["context"], tag=tag)
-                        rows.append(_row(a, name, m, n, p, schedule, k, batch, warmup, row))
-    doc = {"benchmark": "scaling-pipeline", "rows": rows}
+    runs: dict = {}   # configuration -> its rows, one per sweep
+    for rep in range(a.repeats):
+        for name, m in models.items():
+            if m["kind"] != "gpt":
+                continue
+            _, hp_sets, init, warmup = plans[name]
+            for n in sorted(a.ranks):
+                batch = m["batch"] * n
+                for p in sorted(set(ps)):
+                    if n % p or p > m["n_layer"]:
+                        continue
+                    for schedule in (["-"] if p == 1 else schedules):
+                        for k in ([1] if p == 1 else micro):
+                            rows_per_rank = batch // (n // p)
+                            if rows_per_rank % k:
+                                continue
+                            tag = f"p{p}" + ("" if p == 1 else f"-{schedule}-m{k}")
+                            sets = hp_sets + [f"dist.pipeline_parallel={p}", f"train.grad_accum_steps={k}"]
+                            if p > 1:
+                                sets.append(f'dist.pipeline_schedule="{schedule}"')
+                            row, _ = runner.run("hpctrain", name, "strong", n, batch, sets, init, warmup, rep,
+                                                m["context"], tag=tag)
+                            runs.setdefault((name, n, p, schedule, k), []).append(
+                                _row(a, name, m, n, p, schedule, k, batch, warmup, row))
+    rows = [median_row(r) for r in runs.values()]
+    doc = {"benchmark": "scaling-pipeline", "repeats": a.repeats, "rows": rows}
     with open(os.path.join(a.out, "pipeline.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
     text = table(rows)
     with open(os.path.join(a.out, "pipeline.md"), "w") as fh:
         fh.write(text + "\n")
     print(text)
-    return sum(1 for r in rows if r["rc"])
+    return sum(1 for r in runs.values() for x in r if x["rc"])
+
+
+def median_row(runs: list) -> dict:
+    """One configuration's row from its runs (one per sweep): the run of median step time, with
+    ``bubble_runs`` (every run's bubble) and ``bubble_measured`` their median; a failed run counts as
+    the configuration's row."""
+    failed = [r for r in runs if r["rc"] or r["step_ms"] is None]
+    if failed:
+        return failed[0]
+    ordered = sorted(runs, key=lambda r: r["step_ms"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    bubbles = [r["bubble_measured"] for r in runs if r["bubble_measured"] is not None]
+    row["runs"] = len(runs)
+    row["bubble_runs"] = bubbles
+    row["bubble_measured"] = float(np.median(bubbles)) if bubbles else None
+    return row
 
 
 def _row(a, name, m, n, p, schedule, k, batch, warmup, row) -> dict:
@@ -108,10 +128,14 @@ def _row(a, name, m, n, p, schedule, k, batch, warmup, row) -> dict:
             "link_bytes_run": int(link.group(1)) + int(link.group(2)) if link else None}
 
 
+def _spread(values: list) -> str:
+    return f" [{min(values):.3f}-{max(values):.3f}]" if len(values) > 1 else ""
+
+
 def table(rows: list) -> str:
     """The Markdown table of the sweep, with the p = 1 run of the same model and ranks as yardstick."""
     out = ["| model | ranks | p | data parallel | schedule | m | tokens/s | step ms | vs p = 1 | idle per stage "
-           "(measured) | idle per stage (predicted from the stages' compute) | bubble (the slowest stage's idle) | "
+           "(measured) | idle per stage (predicted from the stages' compute) | bubble (the slowest stage's idle: median of the runs, [range]) | "
            "(p-1)/(m+p-1) | imbalance (1 - fastest / slowest stage's compute) | activations "
            "MB per stage (held) | MB sent / step by rank 0: p2p + all-reduce | MB across the link, whole run |",
            "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|---:|---:|"]
@@ -126,7 +150,7 @@ def table(rows: list) -> str:
         sent = (r["p2p_bytes_per_step"] or 0) + (r["allreduce_bytes_per_step"] or 0)
         out.append(f"| {r['model']} | {r['ranks']} | {r['p']} | {r['data_parallel']} | {r['schedule']} | "
                    f"{r['micro_batches']} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['step_ms'], '.1f')} | "
-                   f"{fmt(ratio, '.2f')}x | {idle} | {predicted} | {fmt(r.get('bubble_measured'), '.3f')} | "
+                   f"{fmt(ratio, '.2f')}x | {idle} | {predicted} | {fmt(r.get('bubble_measured'), '.3f')}{_spread(r.get('bubble_runs', []))} | "
                    f"{r['bubble_formula']:.3f} | {fmt(r.get('imbalance'), '.3f')} | {held} | "
                    f"{fmt(r['p2p_bytes_per_step'] and r['p2p_bytes_per_step'] / 1e6, '.2f')} + "
                    f"{fmt(r['allreduce_bytes_per_step'] and r['allreduce_bytes_per_step'] / 1e6, '.2f')} = "

@@ -7,11 +7,12 @@ share of cores). The device keeps the parameters the layers read and the gradien
 
 Per gradient bucket, as each is reduced (this rank's chunk of it under ZeRO):
 
-    the bucket's averaged gradient, device -> pinned host        (the host waits for the copy)
-    the CPU update of its masters and state                       main thread; the communication
-                                                                  thread reduces the next buckets
-    the updated masters, pinned host -> device                   queued on the device's stream:
-                                                                  the host goes on to the next bucket
+    the bucket's averaged gradient, device -> pinned host        queued (:meth:`OffloadedOptimizer.fetch_gradient`)
+                                                                  as soon as its reduction is waited for
+    the CPU update of the bucket before it                        main thread, while that copy runs; the
+                                                                  communication thread reduces the next
+    the updated masters, pinned host -> device                   queued on the device's stream
+    (the next bucket: its copy queued, then this bucket's update after waiting for its copy)
 
 The host keeps the *masters* of what this rank updates (all of them, or its ZeRO chunks packed), so
 the update reads and writes host memory only; the device's parameters are their copies, written
@@ -47,7 +48,7 @@ class OffloadedOptimizer:
         self.device, self.flat, self.shards = device, flat, shards
         self._device_grads, self._device_params = grads, params
         size = flat.size if shards is None else shards.owned
-        dtype = flat.data.dtype
+        dtype = flat.dtype
         self.host_params = cuda.pinned_array(size, dtype=dtype)   # the masters of what this rank updates
         self.host_grads = cuda.pinned_array(size, dtype=dtype)    # their averaged gradients, copied in
         self.host_device = CpuDevice(dtype)
@@ -55,6 +56,7 @@ class OffloadedOptimizer:
         self.inner = make(self.host_device, host_flat, shards, self.host_grads, self.host_params)
         self._masters_fresh = False   # the host masters equal the device's (set at the first update)
         self._grads_here = False      # this step's gradients are all on the host already (prepare)
+        self._fetched: dict = {}      # (lo, hi) -> the event after its gradient's copy to the host (fetch)
 
     # ---- what the step uses ----------------------------------------------------------------
     @property
@@ -100,6 +102,7 @@ class OffloadedOptimizer:
             self._masters_from_device()
             self._masters_fresh = True
         self._grads_here = False
+        self._fetched = {}
         self.inner.begin_step(step, lr)
 
     def grad_of(self, lo: int, hi: int):
@@ -113,12 +116,27 @@ class OffloadedOptimizer:
         self._grads_here = True
         self.inner.prepare(sum_norms)
 
+    def fetch_gradient(self, lo: int, hi: int) -> None:
+        """Queue the copy of the averaged gradient of [lo, hi) (its reduction done) to the host, on the
+        device's stream after its work, without waiting: the step fetches a bucket's gradient before it
+        updates the bucket before it, so the copy runs while the CPU updates (:meth:`update` waits for
+        it)."""
+        if self._grads_here or (lo, hi) in self._fetched:
+            return
+        for a, b in self._owned_ranges(lo, hi):
+            self._from_device(self.grad_of(a, b), self.host_grads[self._state(slice(a, b))])
+        self._fetched[lo, hi] = self.device.fence.record(self.device.fence.new_event())
+
     def update(self, lo: int = 0, hi: int | None = None) -> None:
-        """The update of the flat range [lo, hi) (this rank's part of it): gradient down, CPU update,
-        masters up (queued)."""
+        """The update of the flat range [lo, hi) (this rank's part of it): gradient down (waiting for
+        the copy :meth:`fetch_gradient` queued, or copying now), CPU update, masters up (queued)."""
         hi = self.flat.size if hi is None else hi
         if not self._grads_here:
-            self._copy_grads(lo, hi)
+            copied = self._fetched.pop((lo, hi), None)
+            if copied is None:
+                self._copy_grads(lo, hi)
+            else:
+                copied.synchronize()
         self.inner.update(lo, hi)
         for a, b in self._owned_ranges(lo, hi):
             st = self._state(slice(a, b))

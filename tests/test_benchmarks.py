@@ -79,6 +79,13 @@ def test_memory_benchmark_validates_and_accounts_per_rank(text_data, tmp_path):
     assert "| 2 | 1 | none |" in proc.stdout and "| 2 | 2 | blocks |" in proc.stdout and "Targets:" in proc.stdout
     assert "zero 2 gradients at 2 rank(s)" in proc.stdout and "zero 3 at 2 rank(s)" in proc.stdout
     assert {t["zero"] for t in result["largest"]} == {0, 1, 2, 3}
+    # part 3, offload counted for a CUDA device: the state leaves the device for the host, nothing else
+    off = {(r["zero"], r["offload"]): r for r in result["offload"]}
+    assert len(off) == 8
+    for z in range(4):
+        kept, moved = off[z, "none"], off[z, "optimizer"]
+        assert moved["optimizer"] == 0 and moved["host_state"] == kept["optimizer"] > 0
+        assert (moved["params"], moved["grads"]) == (kept["params"], kept["grads"])
 
 
 @pytest.mark.parametrize("variants, why", [("1:none,0:blocks", "the first must be 0:none"),
@@ -87,3 +94,33 @@ def test_memory_benchmark_refuses_variants_without_its_yardstick(variants, why):
     proc = subprocess.run([sys.executable, "benchmarks/memory.py", "--variants", variants], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and why in proc.stderr, proc.stderr
+
+
+def test_memory_benchmark_refuses_zero_3_with_size_buckets():
+    proc = subprocess.run([sys.executable, "benchmarks/memory.py", "--variants", "0:none,3:none", "--bucket-split",
+                           "size"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "zero 3 gathers layer buckets" in proc.stderr, proc.stderr
+
+
+def test_pipeline_sweep_reports_each_configuration_by_its_median_run():
+    """--repeats R gives R runs per configuration: the row is the run of median step time, its bubble
+    the median of the runs' bubbles (the range kept); a failed run is the configuration's row."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from scaling_pipeline import median_row, predicted_idle, table
+
+    def run(ms, bubble, rc=0):
+        return {"model": "gpt", "ranks": 2, "p": 2, "data_parallel": 1, "schedule": "1f1b", "micro_batches": 16,
+                "rc": rc, "step_ms": ms, "tokens_per_s": 1.0, "idle_per_stage": [0.1, bubble], "idle_predicted": [],
+                "bubble_measured": bubble, "bubble_formula": 1 / 17, "imbalance": 0.05,
+                "activation_bytes_per_stage": [], "p2p_bytes_per_step": 1.0, "allreduce_bytes_per_step": 0,
+                "link_bytes_run": None}
+
+    row = median_row([run(600.0, 0.071), run(560.0, 0.060), run(580.0, 0.062)])
+    assert row["step_ms"] == 580.0 and row["bubble_runs"] == [0.071, 0.060, 0.062] and row["runs"] == 3
+    assert row["bubble_measured"] == pytest.approx(0.062)
+    assert "0.062 [0.060-0.071]" in table([row])
+    assert median_row([run(600.0, 0.07), run(None, None, rc=1)])["rc"] == 1
+    # equal stages idle as the formula; a slower last stage idles the first stage more
+    assert predicted_idle([4.0, 4.0], 4) == pytest.approx([1 / 5, 1 / 5])
+    first, last = predicted_idle([4.0, 4.4], 4)
+    assert first > 1 / 5 > last

@@ -273,6 +273,8 @@ def test_target_accuracy_needs_an_eval_file():
     (["dist.zero=3", "dist.compress=fp16"], "dist.zero=3 with dist.compress='fp16' is not supported"),
     (["dist.zero=3", "train.precision=bf16"], "ZeRO-3 gathers full-precision parameters only"),
     (["model.kind=gpt", "dist.zero=3", "dist.pipeline_parallel=2"], "a pipeline stage already holds only its layers"),
+    (["dist.zero=3", 'dist.bucket_split="size"'], "gathers the parameters a bucket at a time, one layer unit each"),
+    (['dist.bucket_split="rows"'], "dist.bucket_split='rows': choose one of auto, size, layers"),
     (["dist.offload=optimizer", "train.device=cpu"], "there is nothing to offload from"),
     (["dist.offload=optimizer", "train.precision=bf16"], "full-precision masters only"),
     (["dist.offload=host"], "dist.offload='host': choose one of none, optimizer"),

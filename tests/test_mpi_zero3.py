@@ -1,12 +1,14 @@
 """ZeRO-3 (``dist.zero = 3``) against zero 0 and zero 2, inside one MPI job (run under mpirun -n 1..4).
 
-ZeRO-3 keeps ZeRO-2's buckets and gradients (reduce-scattered into each rank's chunk every
-micro-batch) and its optimizer step on the chunk; what changes is where the layers read their
-parameters: slots all-gathered from every rank's chunk before each layer runs. A gather copies
-numbers, so a zero 3 run adds in exactly the order of the zero 2 run with the same strategy: the same
-bits (parameters, optimizer state, the final evaluation), asserted for every case. Against zero 0 it
-then agrees as zero 2 does: bit for bit with ring and naive with one micro-batch, else to rtol 1e-10
-(ZeRO-2 sums ranks before micro-batches). The runs train in float64 with several buckets.
+ZeRO-3 keeps ZeRO-2's gradients (reduce-scattered into each rank's chunk every micro-batch) and its
+optimizer step on the chunk; what changes is where the layers read their parameters: slots
+all-gathered from every rank's chunk before each part of a layer runs. Its buckets are the model's
+layer units (``dist.bucket_split = "layers"``), and every run here uses them, at every stage. A
+gather copies numbers, so a zero 3 run adds in exactly the order of the zero 2 run with the same
+strategy and buckets: the same bits (parameters, optimizer state, the final evaluation), asserted
+for every case. Against zero 0 it then agrees as zero 2 does: bit for bit with ring and naive with
+one micro-batch, else to rtol 1e-10 (ZeRO-2 sums ranks before micro-batches). The runs train in
+float64.
 """
 
 import numpy as np
@@ -35,6 +37,7 @@ def _config(model, data, optim, allreduce, zero, steps=5, accum=2, recompute="no
     cfg.optim.name, cfg.optim.warmup_steps, cfg.optim.weight_decay = optim, 2, 0.1
     cfg.optim.lr = 0.05 if optim in ("sgd", "lars") else 3e-3
     cfg.dist.allreduce, cfg.dist.zero, cfg.dist.tensor_parallel = allreduce, zero, tensor
+    cfg.dist.bucket_split = "layers"   # ZeRO-3's buckets (its default) at every stage: the same additions
     cfg.checkpoint.dir = ckpt_dir or "/tmp/hpctrain-unused"
     cfg.checkpoint.resume, cfg.checkpoint.keep_last = resume, 0
     cfg.checkpoint.every_minutes, cfg.checkpoint.save_final = 0, bool(ckpt_dir)
@@ -114,21 +117,22 @@ def test_zero_3_trains_like_zero_2_bit_for_bit_and_like_zero_0(world, data, opti
 def test_a_rank_keeps_its_share_and_a_few_slots(world, mpi_text_data):
     """The parameter bytes a rank holds are its chunks plus the pool, the trainer's arrays as the
     plan counts them (the start-up line), and the chunks are 1/N of the model to one element per
-    bucket; the pool holds K rotating slots and the tied table's own."""
+    bucket. The pool: two slots the matrix buckets take in turn (each block's attention, c_fc and
+    c_proj: 4 C^2 each), and slots of their own for the buckets of vectors and the token table; the
+    gradients' pool is laid out alike. Together under two blocks' parameters."""
     from hpctrain.observe import memory
 
     cfg = _config("gpt", mpi_text_data, "adamw", "ring", 3, steps=1)
-    cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.004   # 1,000 parameters: slots to reuse
+    cfg.dist.bucket_split = "auto"   # (layers, under zero 3)
     trainer = _train(cfg, world)
     plan, flat, slots = trainer.plan, trainer.model.flat, trainer.plan.param_slots
     total = slots.total
     n = world.size
+    assert plan.by_layers and len(plan.buckets) == 2 + 4 * cfg.model.n_layer + 1
     assert abs(slots.owned.size - total / n) <= len(plan.buckets)
     assert world.comm.allreduce(slots.owned.size) == total
     assert flat.data is slots.buffer and flat.compute is slots.buffer and flat.data.size == slots.size
-    assert "wte" in plan.buckets[-1].slots   # the tied table's bucket, in its own slot
-    biggest = max(b.size for b in plan.buckets[:-1])
-    assert slots.size <= slots.layout.rotating * biggest + plan.buckets[-1].size
+    assert plan.buckets[-1].slots == ("wte",)   # the tied table's bucket, in its own slot
     # the step's gathers in the metrics: every bucket at least once, at most twice per micro-batch (its
     # forward, and its backward for the ones evicted since)
     m = trainer.stepper.comm_metrics()
@@ -139,26 +143,26 @@ def test_a_rank_keeps_its_share_and_a_few_slots(world, mpi_text_data):
     assert computed["optimizer"] == sum(a.nbytes for a in trainer.optimizer.state().values())
     line = memory.describe(computed, 3, n)
     assert f"(zero 3: bucket slots and a 1/{n} share)" in line
-    # the pool: K rotating slots and the last bucket's own; each layer reads only its own parameters
-    # (the blocks no longer fuse the next LayerNorm into their output add), so K is one block's
-    # buckets and one more, to gather the next: here 3 per block, K = 4
+    # each part of a layer reads only its own parameters (the blocks no longer fuse the next
+    # LayerNorm into their output add), so the matrices rotate through two slots
     assert all(block.next_norm is None for block in trainer.model.blocks)
-    per_block = sum(1 for b in plan.buckets if any(name.startswith("h.1.") for name in b.slots))
-    assert slots.layout.rotating == per_block + 1 == 4
-    K, slot_of = slots.layout.rotating, slots.layout.slot_of
-    assert slots.size == sum(max(b.size for b in plan.buckets if slot_of[b.index] == k) for k in range(K)) \
-        + plan.buckets[-1].size
+    C, own = cfg.model.d_model, slots.layout.own
+    shape = {s.name: s.shape for s in flat.slots}
+    vectors = [b.index for b in plan.buckets if all(len(shape[x]) == 1 for x in b.slots)]
+    assert own == sorted(vectors + [len(plan.buckets) - 1]) and len(vectors) == cfg.model.n_layer + 1
+    assert slots.layout.rotating == 2
+    for pool in (slots, plan.grad_slots):
+        assert pool.size == 2 * 4 * C * C + sum(plan.buckets[i].size for i in own)
+        block = 12 * C * C + 13 * C
+        assert pool.size - plan.buckets[-1].size < block   # the matrix slots, every vector and wpe... under a block
     # the layers read the pool: the whole buffers are gone (the gradients are ZeRO-2's slots)
     model = trainer.model
     for view in (model.embedding.wte, model.embedding.wpe, model.blocks[0].c_fc.w, model.blocks[-1].attn.c_attn.b,
                  model.ln_f.w):
         assert np.shares_memory(view, slots.buffer)
     assert flat.grad is plan.grad_slots.buffer and slots.size < total
-    if n > 1:   # buckets too large to reuse a slot are said
-        cfg = _config("gpt", mpi_text_data, "adamw", "ring", 3, steps=1)
-        cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 25
-        few = _train(cfg, world)
-        assert "lower dist.bucket_mb" in memory.zero3_advice(few.plan, few.model.flat)
+    if n == 1:   # one rank's chunks are the whole model: no memory saved, and said
+        assert "layer bucket(s) are too few" in memory.zero3_advice(plan, flat)
 
 
 def test_evaluation_with_unequal_chunk_counts_scores_like_zero_0(world, mpi_text_data, monkeypatch):

@@ -63,3 +63,34 @@ def test_bad_names_and_sizes_are_refused():
         stage_schedule("zb", 0, 2, 4)
     with pytest.raises(ValueError):
         stage_schedule("1f1b", 2, 2, 4)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 5), (4, 4), (4, 8)])
+def test_a_receive_is_posted_only_once_the_micro_batch_before_it_on_its_lane_is_done_with_the_buffer(name, p, m):
+    """A receive posted ahead (pipeline.receive_posts) fills a lane's buffer: the micro-batch that
+    last held that buffer must be through with it. A received residual stream is read by the
+    micro-batch's forward and its backward (the first block's cached input); a received gradient is
+    written by the backward in place and sent on from there (or last read by the backward on stage 0)."""
+    from hpctrain.training.pipeline import in_flight, receive_posts
+
+    for stage, instrs in enumerate(schedule(name, p, m)):
+        lanes = in_flight(instrs)
+        posts = receive_posts(instrs, lanes)
+        at = {(x.kind, x.micro): q for q, x in enumerate(instrs)}
+        receives = [q for q, x in enumerate(instrs) if x.kind in ("recv_fwd", "recv_bwd")]
+        assert sorted(posts) == receives
+        for q in receives:
+            x = instrs[q]
+            assert posts[q] < q
+            before = x.micro - lanes   # the micro-batch that used this lane last
+            if before < 0:
+                assert posts[q] == -1   # a lane's first receive: posted as the step starts
+                continue
+            if x.kind == "recv_fwd":
+                done = at["backward", before]
+            else:
+                done = at.get(("send_bwd", before), at["backward", before])
+            assert posts[q] >= done, (stage, str(x), posts[q], done)
+        if name == "gpipe" and stage == p - 1 and p > 1:   # every lane its own: all posted at the start
+            assert all(posts[q] == -1 for q in receives)

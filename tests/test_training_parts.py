@@ -251,7 +251,8 @@ def _loop(tmp_path, losses=None, nonfinite="skip", steps=7, signal_at=None):
                              launches=lambda: next(launched))
     plan = SimpleNamespace(cfg=cfg, world=world, device=device, staging=SimpleNamespace(mode="host"), buckets=[1],
                            grid=SimpleNamespace(tensor=None, tensor_rank=0, scores=True), dp=world, tensor=None,
-                           micro_batches=1, grad_slots=None, param_slots=None, pipeline=1, in_flight=1)
+                           micro_batches=1, grad_slots=None, param_slots=None, pipeline=1, in_flight=1,
+                           by_layers=False)
     model = SimpleNamespace(flat=SimpleNamespace(size=10), targets_per_row=1, flops_per_row=0)
     optimizer = SimpleNamespace(state=lambda: {}, state_size=0)
     sampler = SimpleNamespace(batch=4, steps_per_epoch=100, position=lambda step: (0, step))

@@ -47,6 +47,24 @@ def test_slots_rotate_and_the_last_bucket_has_its_own():
         assert np.shares_memory(flat.grad_view(name), slots.views[b.index])
 
 
+def test_resident_buckets_keep_slots_of_their_own_and_the_others_rotate_past_them():
+    """ZeRO-3's layout: buckets of vectors (here buckets 2 and 5) and the last bucket keep their own
+    slots; a group that reads a rotating bucket and a resident one spans one rotating bucket, so K = 2."""
+    from hpctrain.comm.zero_grads import SlotLayout
+
+    dev = CpuDevice("float64")
+    flat = FlatParams(dev, [(n, (16,)) for n in NAMES])
+    buckets = plan_buckets(flat, 8, 16 * 8 / 2 ** 20, 16 * 8 / 2 ** 20)
+    names = [b.slots[0] for b in buckets]   # bucket i's parameter
+    groups = [(names[i], names[2]) for i in (0, 1)] + [(names[i], names[5]) for i in (3, 4, 6)]
+    layout = SlotLayout(buckets, flat, groups, resident=[2, 5])
+    assert layout.own == [2, 5, 7] and layout.rotating == 2 and layout.count == 5
+    # the rotating buckets 0, 1, 3, 4, 6 take slots 0, 1, 0, 1, 0 in turn; 2, 5 and 7 their own
+    assert layout.slot_of == [0, 1, 2, 0, 1, 3, 0, 4]
+    assert layout.size == 5 * 16 and sorted(set(layout.base)) == [0, 16, 32, 48, 64]
+    assert SlotLayout(buckets, flat, groups).rotating == 4   # without residents a group spans up to 3 buckets
+
+
 def test_a_step_reduces_each_bucket_once_per_micro_batch_into_the_owned_chunks():
     groups = [(n,) for n in reversed(NAMES)]
     flat, buckets, slots, comm = _setup(groups, micro_steps=2)

@@ -60,14 +60,19 @@ class Bucket:
         return self.hi - self.lo
 
 
-def plan_buckets(flat, itemsize: int, bucket_mb: float, first_bucket_mb: float = 1.0, alone=()) -> list[Bucket]:
+def plan_buckets(flat, itemsize: int, bucket_mb: float, first_bucket_mb: float = 1.0, alone=(),
+                 units=None) -> list[Bucket]:
     """Buckets over ``flat`` (a FlatParams) in reverse layer order.
 
     A bucket closes once it holds at least its cap of bytes, so a parameter
     larger than the cap gets a bucket of its own. ``bucket_mb <= 0`` means one
     bucket for everything (no overlap possible: it is ready only at the end).
     The parameters named in ``alone`` get a bucket of their own whatever the caps.
+    ``units`` (``dist.bucket_split = "layers"``): tuples of parameter names, each contiguous in
+    ``flat``, together covering it; each is one bucket, whatever the caps.
     """
+    if units is not None:
+        return _unit_buckets(flat, units)
     buckets, current, nbytes = [], [], 0
     for slot in reversed(flat.slots):
         if slot.name in alone:
@@ -84,6 +89,25 @@ def plan_buckets(flat, itemsize: int, bucket_mb: float, first_bucket_mb: float =
             current, nbytes = [], 0
     if current:
         buckets.append(_bucket(len(buckets), current))
+    return buckets
+
+
+def _unit_buckets(flat, units) -> list[Bucket]:
+    unit_of = {name: u for u, unit in enumerate(units) for name in unit}
+    missing = [s.name for s in flat.slots if s.name not in unit_of]
+    if missing or len(unit_of) != len(flat.slots):
+        raise ValueError(f"bucket units must cover the flat parameters once each (uncovered: {missing[:3]})")
+    buckets, current = [], []
+    for slot in reversed(flat.slots):
+        if current and unit_of[slot.name] != unit_of[current[-1].name]:
+            buckets.append(_bucket(len(buckets), current))
+            current = []
+        current.append(slot)
+    if current:
+        buckets.append(_bucket(len(buckets), current))
+    if len(buckets) != len(units):
+        raise ValueError(f"{len(units)} bucket units make {len(buckets)} contiguous runs of the flat parameters: "
+                         f"a unit's parameters must lie together")
     return buckets
 
 

@@ -118,6 +118,19 @@ class Staging:
             return _PinnedCopy(self.device, self._pinned_for(buf, slot), buf, copy_in=False, copy_back=True)
         return _Direct(buf)
 
+    def post_recv(self, buf, start, slot=None) -> "PostedRecv":
+        """A non-blocking receive into ``buf``: ``start(view)`` posts it on what MPI is to fill and
+        returns the MPI request; :meth:`PostedRecv.wait` completes it with the data in ``buf``. Nothing
+        may read or write ``buf`` in between. Posting first waits for the device's queued work (a
+        kernel may still read ``buf``, or a copy still read the pinned buffer). Host and device modes
+        hand MPI ``buf`` itself; pinned mode hands it the pinned buffer of ``slot`` (receives in
+        flight together need different slots), which ``wait`` copies into ``buf``."""
+        self.device.fence.wait_for_writes()
+        if self.mode == "pinned":
+            host = self._pinned_for(buf, slot)
+            return PostedRecv(start(host), _PinnedCopy(self.device, host, buf, copy_in=False))
+        return PostedRecv(start(buf), None)
+
     def host_view(self, buf, slot=None):
         """A context manager yielding ``buf`` in host memory, for host arithmetic and MPI.
 
@@ -139,6 +152,22 @@ class Staging:
 
             host = self._pinned[key] = cuda.pinned_array(buf.shape, dtype=buf.dtype)
         return host
+
+
+class PostedRecv:
+    """A receive posted by :meth:`Staging.post_recv`: ``wait()`` completes it (the data in its buffer)."""
+
+    def __init__(self, request, copy_back):
+        self.request, self._copy_back = request, copy_back
+
+    def test(self) -> bool:
+        """Whether the message has arrived (and MPI progressed); the data lands at :meth:`wait`."""
+        return self.request.Test()
+
+    def wait(self) -> None:
+        self.request.Wait()
+        if self._copy_back is not None:   # the pinned buffer into the device's, queued on its stream
+            self._copy_back.__exit__(None)
 
 
 class _Direct:

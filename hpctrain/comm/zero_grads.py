@@ -40,26 +40,31 @@ def plan_zero(stage: int, dist, buckets, model, device, world):
     the :class:`~.zero.ZeroShards` of strategy ``dist.allreduce`` (the ``dist`` config section) for
     1; for 2 also the :class:`GradientSlots`, with ``model``'s gradients moved into them (its whole
     gradient buffer dropped and, on a GPU, freed now); for 3 also the
-    :class:`~.zero_params.ParameterSlots` (the model moves onto them at its ``adopt``, once the
-    initial weights are broadcast). Local."""
+    :class:`~.zero_params.ParameterSlots` (the model, built without a whole parameter buffer, moves
+    onto them at their ``adopt``, with this rank's shares of the initial weights). Local."""
     if not stage:
         return None, None, None
     owned_chunk = owned_chunk_rule(dist.allreduce, world, dist.hierarchical_inner)
     shards = ZeroShards(buckets, world.rank, world.size, owned_chunk)
     if stage == 1:
         return shards, None, None
-    slots = GradientSlots(buckets, shards, model.flat, model.backward_groups, device)
+    resident = ()
+    if stage == 3:
+        # a layer gathered alone must read only its own parameters, and a GPT block's parts run one
+        # at a time (a block stops fusing the next LayerNorm into its output add; else its forward
+        # spans two blocks' buckets); the buckets of vectors stay gathered in slots of their own
+        getattr(model, "separate_layers", lambda: None)()
+        resident = vector_buckets(buckets, model.flat)
+    slots = GradientSlots(buckets, shards, model.flat, model.backward_groups, device, resident)
     model.use_grad_buffer(slots.buffer, slots.offsets)
     getattr(device, "release_freed", lambda: None)()
     if stage == 2:
         return shards, slots, None
     from .zero_params import ParameterSlots
 
-    # a layer gathered alone must read only its own parameters (a GPT block stops fusing the next
-    # LayerNorm into its output add; else its forward spans two blocks' buckets)
-    getattr(model, "separate_layers", lambda: None)()
     groups = [*getattr(model, "forward_groups", []), *model.backward_groups]
-    return shards, slots, ParameterSlots(buckets, shards, model.flat, groups, device, overlap=dist.overlap)
+    return shards, slots, ParameterSlots(buckets, shards, model.flat, groups, device, overlap=dist.overlap,
+                                         resident=resident)
 
 
 def place_gradients(strategy, model, slots, device) -> None:
@@ -85,27 +90,32 @@ def make_reducer(strategy, grad, buckets, device, shards, slots, micro_steps: in
 
 class SlotLayout:
     """A pool of slots for ``buckets`` of ``flat``, whose layers (``groups``: the parameter names each
-    layer reads or writes together) run in bucket order, one way or the other: buckets 0 .. n-2 take K
-    slots in turn (bucket i -> slot i mod K) and the last bucket (the first layers': the GPT's tied
-    table) has one of its own. K is one more than the most buckets one layer spans, the least that
+    layer reads or writes together) run in bucket order, one way or the other. The last bucket (the
+    first layers': the GPT's tied table) and the buckets in ``resident`` (ZeRO-3: the buckets of
+    vectors, a few per cent of a block) have slots of their own; the others take K slots in turn (the
+    i-th of them slot i mod K). K is one more than the most of those one layer spans, the least that
     lets the next layer's bucket be filled while the current layer's are in use. ZeRO-2's gradients and
     ZeRO-3's parameters (:mod:`.zero_params`) use it.
 
-    ``rotating``: K; ``slot_of[i]``: bucket i's slot; ``base[i]``: its first element in the pool;
-    ``size``: the pool's elements; ``offsets``: parameter name -> its first element in the pool."""
+    ``rotating``: K; ``count``: the slots; ``slot_of[i]``: bucket i's slot; ``own``: the buckets with
+    slots of their own; ``base[i]``: bucket i's first element in the pool; ``size``: the pool's
+    elements; ``offsets``: parameter name -> its first element in the pool."""
 
-    def __init__(self, buckets, flat, groups):
+    def __init__(self, buckets, flat, groups, resident=()):
         n = len(buckets)
         bucket_of = {name: b.index for b in buckets for name in b.slots}
+        self.own = sorted(set(resident) | ({n - 1} if n else set()))
+        turn = {i: r for r, i in enumerate(i for i in range(n) if i not in self.own)}   # rotating bucket -> its turn
         span = 1
         for group in groups:
-            touched = [bucket_of[name] for name in group if bucket_of[name] != n - 1]
+            touched = [turn[bucket_of[name]] for name in group if bucket_of[name] in turn]
             if touched:
                 span = max(span, max(touched) - min(touched) + 1)
         self.span = span
-        self.rotating = min(span + 1, n - 1)  # K, the slots buckets 0 .. n-2 take in turn
-        self.slot_of = [i % self.rotating for i in range(n - 1)] + [self.rotating] if n else []
-        sizes = [0] * (self.rotating + 1)
+        self.rotating = min(span + 1, len(turn))  # K, the slots the other buckets take in turn
+        self.slot_of = [turn[i] % self.rotating if i in turn else self.rotating + self.own.index(i) for i in range(n)]
+        self.count = self.rotating + len(self.own)
+        sizes = [0] * self.count
         for b in buckets:
             sizes[self.slot_of[b.index]] = max(sizes[self.slot_of[b.index]], b.size)
         starts = [sum(sizes[:s]) for s in range(len(sizes))]
@@ -116,6 +126,13 @@ class SlotLayout:
         self.bucket_of = bucket_of
 
 
+def vector_buckets(buckets, flat) -> list:
+    """The buckets that hold only vectors (1-D parameters: biases, LayerNorms): ZeRO-3 keeps them in
+    slots of their own (gathered once per update, as DeepSpeed keeps its small parameters whole)."""
+    shape = {s.name: s.shape for s in flat.slots}
+    return [b.index for b in buckets if all(len(shape[name]) == 1 for name in b.slots)]
+
+
 class GradientSlots:
     """The gradient memory of ZeRO-2 for ``buckets`` of ``flat`` (see the module docstring).
 
@@ -124,9 +141,10 @@ class GradientSlots:
     ``slot_of[i]``: its slot number; ``owned``: this rank's chunks of the averaged gradient, packed.
     """
 
-    def __init__(self, buckets, shards, flat, groups, device):
-        layout = SlotLayout(buckets, flat, groups)
+    def __init__(self, buckets, shards, flat, groups, device, resident=()):
+        layout = SlotLayout(buckets, flat, groups, resident)
         self.rotating, self.slot_of, self.size, self.offsets = layout.rotating, layout.slot_of, layout.size, layout.offsets
+        self.count = layout.count
         self._base, self._buckets = layout.base, list(buckets)
         self.move_to(device.zeros(self.size))
         self.owned = device.zeros(shards.owned)
@@ -161,7 +179,7 @@ class ShardedGradients(BucketedAllreduce):
         super().start(scale, step)
         n = len(self.buckets)
         self._queued, self._reduced = [0] * n, [0] * n  # micro-batches of each bucket queued / reduced
-        self._owner = [None] * (self.slots.rotating + 1)  # (bucket, micro-batch) that last claimed a slot
+        self._owner = [None] * self.slots.count  # (bucket, micro-batch) that last claimed a slot
         self._pending = []  # without overlap: ready items the main thread reduces when needed
 
     def claim(self, names) -> None:

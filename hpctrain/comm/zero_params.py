@@ -2,40 +2,50 @@
 
 Each rank keeps, of the parameters, only its chunk of every bucket (the shares ZeRO-1 and 2 use,
 :class:`~.zero.ZeroShards`), packed: :attr:`ParameterSlots.owned`, the masters the optimizer
-updates. The layers read their parameters from a small pool of *slots* (:class:`~.zero_grads.SlotLayout`,
-the layout of ZeRO-2's gradient slots): buckets 0 .. n-2 take K slots in turn and the last bucket
-has one of its own. Before a layer runs, forward or backward, the model calls :meth:`ParameterSlots.fetch`
+updates. The buckets are the model's layer units (``dist.bucket_split = "layers"``, the default
+under ZeRO-3): for the GPT, per block its vectors, its attention's two matrices, the MLP's c_fc and
+its c_proj (4 C^2 elements each), then the token table, the position table and ln_f. The layers read
+their parameters from a small pool of *slots* (:class:`~.zero_grads.SlotLayout`, the layout of
+ZeRO-2's gradient slots). Before each part of a layer runs, forward or backward (a GPT block's
+LayerNorms, attention, c_fc and c_proj one at a time), the model calls :meth:`ParameterSlots.fetch`
 with its parameter names; each bucket they lie in is all-gathered into its slot from every rank's
 chunk (the parameter all-gather of ZeRO-1, here before use instead of after the update), unless
-the slot still holds it, and the bucket the layer after it will need is gathered ahead (prefetched)
-on a thread of its own while this layer computes.
+the slot still holds it, and the buckets the part after it will need are gathered ahead
+(prefetched) on a thread of its own while this part computes.
 
-- **Order.** Layers run in bucket order, down in forward (bucket n-1 first) and up in backward.
-  The bucket fetched ahead is the next one that way. Its slot's current bucket is never one this
-  layer uses: K is one more than the most buckets a layer spans.
-- **The last bucket** holds the first parameters in the flat order: for the GPT the tied token
-  table (with what shares its bucket: the position table, perhaps some of the first block's), which
-  the embedding reads at the start of forward and the head at its end and at the start of backward.
-  Its own slot keeps it gathered from its first use to the update, as FSDP keeps its root unit. A
-  fetch of that bucket alone fetches nothing ahead, since it says nothing about what runs next.
-  The buckets are ZeRO-2's, so a ZeRO-3 step adds in ZeRO-2's order: the same bits.
+- **Slots.** The matrix buckets take K = 2 slots in turn (K is one more than the most of them a part
+  spans). The buckets of vectors (biases, LayerNorms: about 1 % of a block) and the last bucket (the
+  first in the flat order: the GPT's token table, which the embedding reads at the start of forward
+  and the head at its end and at the start of backward) have slots of their own, and stay gathered
+  from their first use to their update, as DeepSpeed keeps parameters under its persistence
+  threshold whole and FSDP its root unit.
+- **What is fetched ahead.** Every training step records the buckets each fetch wanted; the next
+  step, while it fetches the same, gathers ahead what the following fetch wanted (past fetches of
+  held vectors, up to the next matrix bucket). That is the order the model really runs, recompute
+  included (with ``model.recompute = blocks`` backward runs each block's forward parts again
+  first). Otherwise (the first step, an evaluation) the next matrix bucket that way: down in
+  forward (bucket n-1 first), up in backward. A slot whose bucket this part reads is never
+  refilled ahead.
 - **Staleness.** An update changes the masters. From the bucket's update on, its slot's copy is
   stale (:meth:`ParameterSlots.stale`), so the next use gathers it again. So does a checkpoint
   load (:meth:`ParameterSlots.load`).
-- **Gradients** are ZeRO-2's: the reused gradient slots, each reduce-scattered into the owner's
-  chunk (:mod:`.zero_grads`).
+- **Gradients** are ZeRO-2's, claimed and released part by part too: the reused gradient slots,
+  each reduce-scattered into the owner's chunk (:mod:`.zero_grads`). A ZeRO-3 step adds in the order
+  of a ZeRO-2 step with the same buckets: the same bits.
 
-Every rank issues the same gathers in the same order (the same layers, the same residency), on a
-duplicate communicator of the data group (ZeRO-1's parameter gatherer), from one thread, so they
-pair up. Without ``dist.overlap`` they run on the main thread when a layer needs them, and nothing is
-fetched ahead.
+Every rank issues the same gathers in the same order (the same parts, the same residency, the same
+recorded order), on a duplicate communicator of the data group (ZeRO-1's parameter gatherer), from
+one thread, so they pair up. Without ``dist.overlap`` they run on the main thread when a part needs
+them, and nothing is fetched ahead.
 
 On a GPU a gather copies through the staging path, which first waits for the device's queued work
-(the layer computing now included): there the gathers do not overlap compute yet.
+(the part computing now included): there the gathers do not overlap compute yet.
 
-Memory per rank: the owned chunks (about P / N) and the pool (K slots of the largest bucket each,
-plus the last bucket). At start-up the whole parameter buffer exists once (the initial weights,
-drawn and broadcast), is cut into the owned chunks and dropped.
+Memory per rank: the owned chunks (about P / N) and the pool: K slots of the largest matrix bucket
+(2 x 4 C^2 for the GPT, two thirds of a block), every bucket of vectors and the last bucket. ZeRO-2's
+gradient pool is the same size. Start-up keeps to that: the model is built without whole parameter
+or gradient buffers, and every rank draws the initial weights one array at a time and keeps its
+chunks of each (:meth:`ParameterSlots.adopt`; nothing is broadcast).
 """
 
 from __future__ import annotations
@@ -53,12 +63,12 @@ from .zero_grads import SlotLayout
 class ParameterSlots:
     """ZeRO-3's parameters for ``buckets`` of ``flat`` (see the module docstring): ``owned``, this
     rank's chunks (``shards``) packed on ``device``; ``buffer``, the pool the layers read;
-    ``offsets``, each parameter's place in it. :meth:`adopt` takes the shares from the model's whole
-    buffer and moves the model onto the pool; ``gatherer`` (ZeRO-1's parameter all-gather strategy,
+    ``offsets``, each parameter's place in it. :meth:`adopt` takes this rank's shares of the initial
+    weights and moves the model onto the pool; ``gatherer`` (ZeRO-1's parameter all-gather strategy,
     its ``allgather(buf)`` filling every chunk of a bucket from its owner) is set by :meth:`connect`."""
 
-    def __init__(self, buckets, shards, flat, groups, device, overlap: bool = True):
-        layout = SlotLayout(buckets, flat, groups)
+    def __init__(self, buckets, shards, flat, groups, device, overlap: bool = True, resident=()):
+        layout = SlotLayout(buckets, flat, groups, resident)
         # without dist.overlap the gathers run on the main thread, when needed (no second thread calls MPI)
         self.overlap = overlap
         self.layout, self.buckets, self.shards, self.device = layout, list(buckets), shards, device
@@ -67,7 +77,11 @@ class ParameterSlots:
         self.buffer = device.zeros(self.size)
         self.owned = device.zeros(shards.owned)
         self.views = [self.buffer[b:b + bk.size] for b, bk in zip(layout.base, self.buckets)]
-        self._holds: list = [None] * (layout.rotating + 1)   # slot -> the bucket it holds (or is being filled with)
+        self._holds: list = [None] * layout.count   # slot -> the bucket it holds (or is being filled with)
+        self._rotating = [i for i in range(len(self.buckets)) if i not in layout.own]
+        self._order: list = []      # the buckets each fetch of the last training step wanted, in order
+        self._recording: list | None = None   # this step's, while one runs
+        self._pos = 0               # this step's fetches so far
         self._ready: dict = {}     # bucket -> an Event set once its gather is done
         self._error = None
         self._tasks = queue.Queue()
@@ -80,17 +94,26 @@ class ParameterSlots:
         self.last_step = (0, 0, 0.0)   # (gathers, bytes, exposed seconds) of the last training step
 
     # ---- set-up ----------------------------------------------------------------------
-    def adopt(self, model) -> None:
-        """Cut this rank's chunks out of ``model``'s whole parameter buffer (the initial weights,
-        identical on every rank of the data group), then move the model onto the pool (the whole
-        buffer dropped and, on a GPU, freed now). Local."""
-        flat = model.flat
-        for lo, hi, at in self.shards.pieces:
-            if hi > lo:
-                self.device.ops.residual_backward(flat.data[lo:hi], self.owned[at:at + hi - lo], None, False)
-        self.device.synchronize()
+    def adopt(self, model, values) -> None:
+        """This rank's chunks of the initial weights ``values`` ((name, host array) pairs, every
+        parameter of ``model`` once, one at a time: each rank draws the same, so nothing is
+        broadcast), then the model onto the pool. The model was built without a whole parameter
+        buffer, so at no point does a rank hold every parameter (on the host: one array and its
+        chunks; on the device: its chunks). Local."""
+        slot = {s.name: s for s in model.flat.slots}
+        host = np.zeros(self.owned.size, self.owned.dtype)
+        seen = set()
+        for name, value in values:
+            s, flat = slot[name], np.asarray(value).reshape(-1)
+            lo, hi, at = self.shards.pieces[self.bucket_of[name]]   # the part of its bucket this rank owns
+            a, b = max(lo, s.offset), min(hi, s.offset + s.size)
+            if a < b:
+                host[at + a - lo:at + b - lo] = flat[a - s.offset:b - s.offset]
+            seen.add(name)
+        if seen != set(slot):
+            raise ValueError(f"ZeRO-3 start-up: no initial value for {sorted(set(slot) - seen)[:3]}")
+        self.device.copy_from_host(self.owned, host)
         model.use_param_buffer(self.buffer, self.offsets)
-        getattr(self.device, "release_freed", lambda: None)()
         self._holds = [None] * len(self._holds)
 
     def connect(self, gatherer, watchdog=None) -> None:
@@ -108,22 +131,56 @@ class ParameterSlots:
     # ---- use -------------------------------------------------------------------------
     def fetch(self, names, forward: bool) -> None:
         """A layer about to read the parameters ``names`` (in ``forward``, or backward): each of their
-        buckets gathered into its slot unless it is there, and the next bucket that way fetched ahead."""
+        buckets gathered into its slot unless it is there, and the next layer's fetched ahead: the
+        buckets the next fetch of the last training step wanted, while this step follows it; else
+        the next rotating bucket that way."""
         wanted = sorted({self.bucket_of[name] for name in names})
         if not wanted:
             return
-        last = len(self.buckets) - 1
         for i in wanted:
             self._start(i, wanted)
         t0 = time.perf_counter()
         for i in wanted:
             self._wait(i)
         self.exposed_s += time.perf_counter() - t0
-        if wanted == [last]:
+        pos, key = self._pos, tuple(wanted)
+        self._pos += 1
+        if self._recording is not None:
+            self._recording.append(key)
+        if not self.overlap:
             return
-        ahead = wanted[0] - 1 if forward else wanted[-1] + 1
-        if self.overlap and 0 <= ahead < last:
-            self._start(ahead, wanted)
+        if self._recording is not None and pos + 1 < len(self._order) and self._order[pos] == key:
+            ahead = self._replay(pos + 1)
+        else:
+            ahead = self._next_rotating(wanted, forward)
+        for i in ahead:
+            held = self._holds[self.layout.slot_of[i]]
+            if held != i and held not in wanted:   # never over what this layer reads
+                self._start(i, wanted)
+
+    def _replay(self, pos: int) -> list:
+        """The buckets the last step's fetches from ``pos`` on wanted, up to the first that wanted a
+        rotating one (the vectors' fetches between, which hold their own slots, are no layer's wait)."""
+        out = []
+        own = self.layout.own
+        for key in self._order[pos:]:
+            out += key
+            if any(i not in own for i in key):
+                break
+        return out
+
+    def _next_rotating(self, wanted, forward: bool) -> tuple:
+        """The first bucket of the rotating slots past ``wanted`` in the direction the layers run
+        (down in forward): (), if ``wanted`` is only the last bucket (the embedding or the head: what
+        runs next is not that way) or there is none."""
+        if wanted == [len(self.buckets) - 1]:
+            return ()
+        wanted = [i for i in wanted if i not in self.layout.own] or wanted   # (a part's vectors lie apart)
+        if forward:
+            below = [i for i in self._rotating if i < wanted[0]]
+            return (below[-1],) if below else ()
+        above = [i for i in self._rotating if i > wanted[-1]]
+        return (above[0],) if above else ()
 
     def stale(self, index: int | None = None) -> None:
         """Bucket ``index``'s masters changed (every bucket's with None): its slot's copy is not used again."""
@@ -136,13 +193,17 @@ class ParameterSlots:
         self.exposed_s += time.perf_counter() - t0
 
     def begin_step(self) -> None:
-        """A training step starts: the counters from zero."""
+        """A training step starts: the counters from zero; its fetches are recorded (the next step
+        fetches ahead in their order)."""
         self.gathers, self.bytes, self.exposed_s = 0, 0, 0.0
+        self._recording, self._pos = [], 0
 
     def end_step(self) -> None:
         """A training step ended: its counters kept as :attr:`last_step` (an evaluation's gathers that
-        follow are not the step's)."""
+        follow are not the step's), its fetches as the order to follow."""
         self.last_step = (self.gathers, self.bytes, self.exposed_s)
+        if self._recording is not None:
+            self._order, self._recording = self._recording, None
 
     # ---- checkpoints -----------------------------------------------------------------
     def whole(self, comm) -> np.ndarray:

@@ -31,6 +31,8 @@ and its model offers (the trainer, checkpoints and optimizer use nothing else):
                        gradient is final
   backward_groups      the name tuples backward claims, in order
   forward_groups       the name tuples forward fetches (ZeRO-3), in order
+  layer_units          the name tuples of the buckets under dist.bucket_split = "layers" (ZeRO-3's gather
+                       units), each contiguous in ``flat``, in its order
   no_decay             names of parameters weight decay must not touch
   matrix_parts         {name: k} for a 2-D parameter (n, k m) that is k matrices (n, m) side by side
                        (a fused QKV weight): gradient compression's PowerSGD approximates each part

@@ -4,7 +4,7 @@
     loss = mean over the B*T positions of cross-entropy(logits, next token)
 
 No dropout. Initial weights as GPT-2 (:func:`~hpctrain.nn.transformer.gpt2_init`). The flat
-buffer holds wte, wpe, then per block its four matrices before its eight vectors (so weight
+buffer holds wte, wpe, then per block its eight vectors before its four matrices (so weight
 decay, which skips biases and LayerNorm parameters, is two runs per block), then ln_f.
 Checkpoint paths follow the names: /model/h/<i>/attn/c_attn/weight is (C, 3C), (in, out) like
 GPT-2's own Conv1D weights. ``model.recompute = "blocks"`` makes the blocks share one block's
@@ -106,7 +106,8 @@ def _check_targets(cfg, path, bytes_tokens, baselines):
 def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0) -> "GPT":
     """``tensor``: the :class:`~hpctrain.nn.tensor_parallel.TensorGroup` that splits each block
     (``dist.tensor_parallel`` > 1), or None; ``stage``: this rank's pipeline stage of
-    ``dist.pipeline_parallel`` (its blocks from ``dist.pipeline_stages``, or balanced)."""
+    ``dist.pipeline_parallel`` (its blocks from ``dist.pipeline_stages``, or balanced). Under
+    ``dist.zero = 3`` the model gets no whole parameter or gradient buffer (ZeRO-3 gives it its pools)."""
     m = cfg.model
     missing = [op for op in GPT_OPS if not hasattr(device.ops, op)]
     if missing:
@@ -121,7 +122,7 @@ def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0) -> "GPT"
     vocab, p = data.info["vocab_size"], cfg.dist.pipeline_parallel
     counts = stage_blocks(m, p, cfg.dist.pipeline_stages, vocab, cfg.dist.pipeline_balance)
     return GPT(device, vocab, m.context, m.n_layer, m.n_head, m.d_model, m.recompute, tensor,
-               StageSpan.of(counts, stage))
+               StageSpan.of(counts, stage), allocate=cfg.dist.zero != 3)
 
 
 def stage_blocks(m, p: int, counts: list, vocab: int, by: str = "parameters") -> list[int]:
@@ -174,7 +175,7 @@ class GPT:
     input_dtype = np.int64  # token ids
 
     def __init__(self, device, vocab: int, context: int, n_layer: int, n_head: int, d_model: int,
-                 recompute: str = "none", tensor=None, span: StageSpan | None = None):
+                 recompute: str = "none", tensor=None, span: StageSpan | None = None, allocate: bool = True):
         if d_model % n_head:
             raise ConfigError(f"model.n_head={n_head} does not divide model.d_model={d_model}")
         if tensor is not None and n_head % tensor.size:
@@ -196,7 +197,7 @@ class GPT:
         # with recompute = "blocks", one block's arrays for all blocks (and lanes), rebuilt in backward
         self._shared = {} if recompute == "blocks" else None
         self._lanes = [GPTLayers(self, self._workspace, self._shared)]
-        self.flat = FlatParams(device, self._lanes[0].specs())
+        self.flat = FlatParams(device, self._lanes[0].specs(), allocate)
         self.no_decay = frozenset(s.name for s in self.flat.slots if len(s.shape) == 1)
         # the QKV weight is three matrices side by side (q, k, v; so on every tensor rank too):
         # PowerSGD approximates each on its own instead of sharing one row space among them
@@ -326,10 +327,21 @@ class GPT:
         one copy to the device. Under tensor parallelism each logical array is drawn whole and this
         rank keeps its piece; a pipeline stage draws every stage's arrays and keeps its own: so
         every t and p starts from the same weights."""
-        rng = np.random.default_rng(seed)
-        drawn = {name: gpt2_init(rng, name, shape, self.n_layer) for name, shape in self.logical_params()}
-        host = np.concatenate([self._local(s.name, drawn[s.name]).reshape(-1) for s in self.flat.slots])
+        drawn = dict(self.initial_values(seed))
+        host = np.concatenate([drawn[s.name].reshape(-1) for s in self.flat.slots])
         self.device.copy_from_host(self.flat.data, host)
+
+    def initial_values(self, seed: int):
+        """(name, float64 host array) of this rank's parameters' initial weights, as :meth:`init`
+        draws them (the whole model's arrays in turn, each kept if this rank holds it, its tensor
+        piece): one array at a time, so a caller that keeps only its share (ZeRO-3) never holds
+        the whole model."""
+        rng = np.random.default_rng(seed)
+        mine = {s.name for s in self.flat.slots}
+        for name, shape in self.logical_params():
+            full = gpt2_init(rng, name, shape, self.n_layer)
+            if name in mine:
+                yield name, self._local(name, full)
 
     def _local(self, name, full):
         return full if self.tensor_layout is None else self.tensor_layout.local(name, full)
@@ -373,3 +385,8 @@ class GPT:
     def backward_groups(self) -> list:
         """The parameter names each ``claim`` of :meth:`backward` names, in its order."""
         return self._lanes[0].backward_groups
+
+    @property
+    def layer_units(self) -> list:
+        """The buckets of ``dist.bucket_split = "layers"`` (:attr:`GPTLayers.layer_units`)."""
+        return self._lanes[0].layer_units

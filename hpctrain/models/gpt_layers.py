@@ -70,10 +70,13 @@ class GPTLayers:
         # every stage has one, so the trainer's row weight and the step's loss scale have a place to
         # go; only the last stage's computes anything
         self.loss = SoftmaxCrossEntropy(dev)
+        self.by_part = False   # ZeRO-3 (separate): blocks fetch and claim part by part
 
     def separate(self) -> None:
-        """No block computes the LayerNorm after it fused into its output add (ZeRO-3: a layer reads
-        only its own parameters); the same bits."""
+        """ZeRO-3: each part of a block reads only its own parameters, and says so before it runs
+        (:meth:`_part_hooks`): no block computes the LayerNorm after it fused into its output add (the
+        same bits), and each block's parts fetch, claim and release their parameters one part at a time."""
+        self.by_part = True
         for block in self.blocks:
             block.next_norm = None
 
@@ -84,11 +87,26 @@ class GPTLayers:
 
     def specs(self) -> list:
         """(name, shape) of the lane's parameters in flat order: the table(s), then per block its
-        matrices before its vectors (two weight-decay runs per block), then ln_f."""
+        vectors before its matrices (two weight-decay runs per block; backward finishes the matrices
+        from the last up, then the vectors, so the buckets of :attr:`layer_units` complete in order),
+        then ln_f."""
         specs = list(self.table.params) if self.table is not None else []
         for block in self.blocks:
-            specs += [p for p in block.params if len(p[1]) == 2] + [p for p in block.params if len(p[1]) == 1]
+            specs += [p for p in block.params if len(p[1]) == 1] + [p for p in block.params if len(p[1]) == 2]
         return specs + (list(self.ln_f.params) if self.ln_f is not None else [])
+
+    @property
+    def layer_units(self) -> list:
+        """The parameter names of each bucket under ``dist.bucket_split = "layers"`` (ZeRO-3's gather
+        units), in flat order: the token table alone (a pipeline sums it between stages), the position
+        table; per block its vectors (small: ZeRO-3 keeps them gathered), its attention's two matrices
+        (3 C^2 + C^2), the MLP's c_fc and c_proj matrices (4 C^2 each); ln_f."""
+        units = [(name,) for name, _ in self.table.params] if self.table is not None else []
+        for b in self.blocks:
+            units += [tuple(n for n, shape in b.params if len(shape) == 1),
+                      (b.attn.c_attn.params[0][0], b.attn.c_proj.params[0][0]),
+                      (b.c_fc.params[0][0],), (b.c_proj.params[0][0],)]
+        return units + ([tuple(n for n, _ in self.ln_f.params)] if self.ln_f is not None else [])
 
     def bind(self, flat) -> None:
         for layer in self.holders:
@@ -104,9 +122,12 @@ class GPTLayers:
             x = self.embedding.forward(inp)
         else:
             x = inp
+        before, _ = self._part_hooks()
         for block in self.blocks:
             t0 = tr and time.perf_counter()
-            _fetch(fetch, _forward_reads(block), True)
+            if before is None:
+                _fetch(fetch, _forward_reads(block), True)
+            block.before, block.after = before, None
             if rg is not None:
                 rg.push(f"forward {block.name}")
             x = block.forward(x, B, T)
@@ -137,10 +158,13 @@ class GPTLayers:
             _fetch(fetch, self.ln_f.params, False)
             self.ln_f.backward(dxf, dres, accumulate, add_dx=False)
             _ready(ready, self.ln_f.params)
+        before, after = self._part_hooks(claim, ready)
         for block in reversed(self.blocks):
             t0 = tr and time.perf_counter()
-            _claim(claim, block.params)
-            _fetch(fetch, block.params, False)
+            if before is None:
+                _claim(claim, block.params)
+                _fetch(fetch, block.params, False)
+            block.before, block.after = before, after
             if rg is not None:
                 rg.push(f"backward {block.name}")
             block.backward(dres, accumulate)
@@ -148,7 +172,8 @@ class GPTLayers:
                 rg.pop()
             if tr is not None:
                 tr.complete(f"backward {block.name}", t0, "layer", sync=True)
-            _ready(ready, block.params)
+            if before is None:
+                _ready(ready, block.params)
         if self.embedding is not None:   # (its backward reads no parameters: nothing to fetch)
             _claim(claim, self.embedding.params)
             if self.head is None and not accumulate:   # the embedding adds to the table's gradient, which
@@ -157,6 +182,29 @@ class GPTLayers:
         if self.table is not None:   # the head's table is final once the embedding (if here) added to it
             _ready(ready, self.table.params if self.embedding is None else self.embedding.params)
         return dres
+
+    def _part_hooks(self, claim=None, ready=None):
+        """(before, after) for the blocks' parts under ZeRO-3 (:attr:`by_part`; else (None, None): the
+        caller fetches, claims and releases whole blocks): ``before(params, forward)`` fetches a
+        part's parameters, and in backward first claims their gradients; ``after(params)`` says they
+        are final (``ready``, when given)."""
+        fetch = self.model.fetch
+        if not self.by_part:
+            return None, None
+
+        def before(params, forward: bool) -> None:
+            names = [name for name, _ in params]
+            if not forward and claim is not None:
+                claim(names)
+            if fetch is not None:
+                fetch(names, forward)
+
+        def after(params) -> None:
+            if ready is not None:
+                for name, _ in params:
+                    ready(name)
+
+        return before, after
 
     def held(self) -> list:
         """The activation arrays this lane holds (what :meth:`~hpctrain.models.gpt.GPT.activation_bytes`
@@ -173,8 +221,9 @@ class GPTLayers:
         """The parameter names forward fetches (ZeRO-3), in its order: the embedding's, each block's,
         ln_f's, the head's table."""
         names = lambda params: tuple(n for n, _ in params)  # noqa: E731
-        return [*([names(self.embedding.params)] if self.embedding is not None else []),
-                *(names(_forward_reads(b)) for b in self.blocks),
+        blocks = ([names(part.params) for b in self.blocks for part in b.parts] if self.by_part else
+                  [names(_forward_reads(b)) for b in self.blocks])
+        return [*([names(self.embedding.params)] if self.embedding is not None else []), *blocks,
                 *([names(self.ln_f.params), ("wte",)] if self.head is not None else [])]
 
     @property
@@ -182,7 +231,9 @@ class GPTLayers:
         """The parameter names each ``claim`` of :meth:`backward` names, in its order."""
         names = lambda layer: tuple(n for n, _ in layer.params)  # noqa: E731
         head = [("wte",), names(self.ln_f)] if self.head is not None else []
-        return [*head, *(names(b) for b in reversed(self.blocks)),
+        blocks = ([names(part) for b in reversed(self.blocks) for part in reversed(b.parts)] if self.by_part else
+                  [names(b) for b in reversed(self.blocks)])
+        return [*head, *blocks,
                 *([names(self.embedding)] if self.embedding is not None else [])]
 
 

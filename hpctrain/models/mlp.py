@@ -51,8 +51,10 @@ def open_data(cfg, world, device) -> TrainingData:
 
 def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0) -> "MLP":
     """``tensor``, ``stage``: unused (the config refuses dist.tensor_parallel > 1 and
-    dist.pipeline_parallel > 1 for the MLP)."""
-    return MLP(device, data.info["dim"], cfg.model.hidden, data.info["n_classes"], cfg.model.activation)
+    dist.pipeline_parallel > 1 for the MLP). Under ``dist.zero = 3`` the model gets no whole
+    parameter or gradient buffer (ZeRO-3 gives it its pools)."""
+    return MLP(device, data.info["dim"], cfg.model.hidden, data.info["n_classes"], cfg.model.activation,
+               allocate=cfg.dist.zero != 3)
 
 
 class MLP:
@@ -69,7 +71,7 @@ class MLP:
     matrix_parts: dict = {}  # every weight is one matrix
     flops_per_row = 0        # no MFU: the MLP's step is latency-bound, and the start-up GEMM timing costs 0.2 s
 
-    def __init__(self, device, n_in, hidden, n_classes, activation="relu"):
+    def __init__(self, device, n_in, hidden, n_classes, activation="relu", allocate: bool = True):
         self.device = device
         widths = [n_in, *hidden, n_classes]
         last = len(widths) - 2
@@ -77,7 +79,7 @@ class MLP:
                               activation=activation if i < last else "identity", needs_dx=i > 0)
                        for i in range(len(widths) - 1)]
         self.loss = SoftmaxCrossEntropy(device)
-        self.flat = FlatParams(device, [p for layer in self.layers for p in layer.params])
+        self.flat = FlatParams(device, [p for layer in self.layers for p in layer.params], allocate)
         for layer in self.layers:
             layer.bind(self.flat)
         self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per layer in forward and backward
@@ -118,9 +120,15 @@ class MLP:
     def init(self, seed: int):
         """Deterministic initial weights from ``seed``: drawn in float64 on the host,
         cast to the compute dtype, copied to the device in one transfer."""
-        rng = np.random.default_rng(seed)
-        host = np.concatenate([a.reshape(-1) for layer in self.layers for a in layer.init_host(rng)])
+        host = np.concatenate([a.reshape(-1) for _, a in self.initial_values(seed)])
         self.device.copy_from_host(self.flat.data, host)
+
+    def initial_values(self, seed: int):
+        """(name, float64 host array) of every parameter's initial value, in flat order, one layer
+        at a time (what :meth:`init` writes; ZeRO-3 keeps only its share of each)."""
+        rng = np.random.default_rng(seed)
+        for layer in self.layers:
+            yield from zip((name for name, _ in layer.params), layer.init_host(rng))
 
     def forward(self, x, y, totals=None, accumulate=False):
         tr, rg = self.tracer, self.ranges
@@ -146,6 +154,11 @@ class MLP:
     def forward_groups(self) -> list:
         """The parameter names forward fetches (ZeRO-3), in its order."""
         return [tuple(n for n, _ in layer.params) for layer in self.layers]
+
+    @property
+    def layer_units(self) -> list:
+        """The buckets of ``dist.bucket_split = "layers"``: each layer's weight and bias, in flat order."""
+        return self.forward_groups
 
     @property
     def backward_groups(self) -> list:

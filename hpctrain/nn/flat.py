@@ -32,8 +32,10 @@ class FlatParams:
     """Flat ``data`` and ``grad`` buffers of P elements on ``device``, with named slots, and the
     parameters as the layers read them, ``compute`` (see the module docstring)."""
 
-    def __init__(self, device, specs):
-        """``specs``: ordered (name, shape) pairs. The buffers start zeroed."""
+    def __init__(self, device, specs, allocate: bool = True):
+        """``specs``: ordered (name, shape) pairs. The buffers start zeroed; without ``allocate``
+        (ZeRO-3, whose model never holds every parameter or gradient at once) there are none until
+        :meth:`use_param_layout` and :meth:`use_grad_layout` give them, and a view of one is None."""
         self.slots: list[ParamSlot] = []
         offset = 0
         for name, shape in specs:
@@ -42,10 +44,13 @@ class FlatParams:
             offset += size
         self.size = offset
         master = getattr(device, "master", device)   # a MixedDevice's masters are its master device's
-        self.data = master.zeros(self.size)
-        self.grad = master.zeros(self.size)
-        self._master = master
-        self.compute = self.data if master is device else device.zeros(self.size)
+        self._master, self.dtype = master, master.dtype
+        if allocate:
+            self.data = master.zeros(self.size)
+            self.grad = master.zeros(self.size)
+            self.compute = self.data if master is device else device.zeros(self.size)
+        else:
+            self.data = self.grad = self.compute = None
         self._by_name = {s.name: s for s in self.slots}
         self.grad_offsets: dict[str, int] = {}  # where a gradient lives in ``grad`` if not at its slot's offset
         self.param_offsets: dict[str, int] = {}  # where a parameter lives in ``compute`` if not there (ZeRO-3)
@@ -61,6 +66,8 @@ class FlatParams:
     def grad_view(self, name):
         """The gradient of ``name`` as a shaped view of ``grad``: at the slot's offset, unless
         :meth:`use_grad_layout` placed it elsewhere (ZeRO-2's reused bucket slots)."""
+        if self.grad is None:
+            return None
         s = self._by_name[name]
         at = self.grad_offsets.get(name, s.offset)
         return self.grad[at:at + s.size].reshape(s.shape)
@@ -68,6 +75,8 @@ class FlatParams:
     def param_view(self, name):
         """The parameter ``name`` as the layers read it: a shaped view of ``compute`` at its slot's
         offset, or where :meth:`use_param_layout` placed it (ZeRO-3's reused slots)."""
+        if self.compute is None:
+            return None
         s = self._by_name[name]
         at = self.param_offsets.get(name, s.offset)
         return self.compute[at:at + s.size].reshape(s.shape)

@@ -199,9 +199,13 @@ class Block(Layer):
         # the LayerNorm after this block (the next block's ln_1, or ln_f; set by the model): the
         # block's output add is fused into it, so the output is normalised as it is formed
         self.next_norm = None
-        parts = (self.ln_1, self.attn, self.ln_2, self.c_fc, self.c_proj)
-        self.params = tuple(p for part in parts for p in part.params)
-        self._parts = parts
+        # the parts in forward order, each reading only its own parameters (but the fused next_norm)
+        self.parts = (self.ln_1, self.attn, self.ln_2, self.c_fc, self.c_proj)
+        self.params = tuple(p for part in self.parts for p in part.params)
+        # ZeRO-3 (set by the model before each pass; None: the caller brackets the whole block):
+        # before(params, forward) as a part is about to read ``params`` (in backward, also to write
+        # their gradients); after(params) once backward has written a part's gradients
+        self.before = self.after = None
         self._outputs = {}  # the output per shape, never shared
         self.recompute = shared is not None
         if self.recompute:
@@ -216,7 +220,7 @@ class Block(Layer):
         return (self, self.ln_1, self.attn, self.attn.c_attn, self.attn.c_proj, self.ln_2, self.c_fc, self.c_proj)
 
     def bind(self, flat):
-        for part in self._parts:
+        for part in self.parts:
             part.bind(flat)
 
     def activation_shapes(self, B, T) -> list:
@@ -234,17 +238,33 @@ class Block(Layer):
         out = self._outputs.get(x.shape)
         if out is None:   # the residual stream: full precision (hpctrain.precision)
             out = self._outputs[x.shape] = self.device.empty(x.shape, self.device.accum_dtype)
+        self._before(self.c_proj, True)
+        y = self.c_proj.forward(h)
         if self.next_norm is None:
-            return self.device.ops.residual_forward(mid, self.c_proj.forward(h), out)
-        self.next_norm.forward_sum(mid, self.c_proj.forward(h), out, ahead=True)
+            return self.device.ops.residual_forward(mid, y, out)
+        self.next_norm.forward_sum(mid, y, out, ahead=True)
         return out
 
     def _to_hidden(self, x, B, T):
         """The forward up to the MLP's hidden activation: mid = x + attn(ln_1(x)) (N, C), the
         second LayerNorm's input, and h = gelu(c_fc(ln_2(mid))) (N, 4C)."""
         mid = self._buffer("mid", x.shape, self.device.accum_dtype)   # the residual stream
-        normed = self.ln_2.forward_sum(x, self.attn.forward(self.ln_1.forward(x), B, T), mid)
+        self._before(self.ln_1, True)
+        a = self.ln_1.forward(x)
+        self._before(self.attn, True)
+        a = self.attn.forward(a, B, T)
+        self._before(self.ln_2, True)
+        normed = self.ln_2.forward_sum(x, a, mid)
+        self._before(self.c_fc, True)
         return mid, self.c_fc.forward(normed)
+
+    def _before(self, part, forward: bool) -> None:
+        if self.before is not None:
+            self.before(part.params, forward)
+
+    def _after(self, part) -> None:
+        if self.after is not None:
+            self.after(part.params)
 
     def backward(self, dres, accumulate=False):
         """``dres`` (N, C): d loss / d (this block's output) in, d loss / d (its input) out, in place:
@@ -254,9 +274,21 @@ class Block(Layer):
             # the block above's backward, nobody's: rebuild ours from the saved input. Backward reads neither the MLP's output projection
             # (identity: only its input) nor the block's output, so those two ops are not re-run.
             self.c_proj.keep_input(self._to_hidden(self.x, self.B, self.T)[1])
+        self._before(self.c_proj, False)
         dh = self.c_proj.backward(dres, accumulate)
-        self.ln_2.backward(self._summed(self.c_fc.backward(dh, accumulate)), dres, accumulate, add_dx=True)
-        self.ln_1.backward(self._summed(self.attn.backward(dres, accumulate)), dres, accumulate, add_dx=True)
+        self._after(self.c_proj)
+        self._before(self.c_fc, False)
+        dx = self.c_fc.backward(dh, accumulate)
+        self._after(self.c_fc)
+        self._before(self.ln_2, False)
+        self.ln_2.backward(self._summed(dx), dres, accumulate, add_dx=True)
+        self._after(self.ln_2)
+        self._before(self.attn, False)
+        dx = self.attn.backward(dres, accumulate)
+        self._after(self.attn)
+        self._before(self.ln_1, False)
+        self.ln_1.backward(self._summed(dx), dres, accumulate, add_dx=True)
+        self._after(self.ln_1)
         if self.recompute:
             # backward may have written over activations in place: the arrays hold nobody's now
             self._holder.pop(self.x.shape, None)

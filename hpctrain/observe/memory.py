@@ -109,6 +109,11 @@ def _slot_advice(plan, flat, slots, zero: int, what: str, reuser: str, how: str)
     if slots is None or slots.size + slots.owned.size < flat.size:
         return None
     item, d = plan.device.dtype.itemsize, plan.cfg.dist
+    if getattr(plan, "by_layers", False):   # a bucket per layer unit: only a larger model has slots to reuse
+        return (f"dist.zero={zero} keeps {(slots.size + slots.owned.size) * item / 1e6:,.2f} MB of {what} per rank, "
+                f"no less than the {flat.size * item / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} "
+                f"layer bucket(s) are too few for the reused slots and shares to hold less than the whole model; "
+                f"use dist.zero={zero - 1}")
     return (f"dist.zero={zero} keeps {(slots.size + slots.owned.size) * item / 1e6:,.2f} MB of {what} per rank, no "
             f"less than the {flat.size * item / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} bucket(s) "
             f"leave {reuser} no slot to reuse; lower dist.bucket_mb and dist.first_bucket_mb (now "

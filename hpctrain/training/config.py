@@ -231,6 +231,10 @@ class DistConfig:
     bucket_mb: float = _f(25.0, "gradient bucket size (MB) reduced while backward runs (as PyTorch DDP); "
                           "0 = one bucket after backward")
     first_bucket_mb: float = _f(1.0, "the first bucket is small so communication starts early")
+    bucket_split: str = _f("auto", "how the parameters are cut into buckets: size (bucket_mb, first_bucket_mb) | "
+                           "layers (a bucket per layer unit: each block's vectors, its attention's two matrices, "
+                           "each MLP matrix; the tables, ln_f) | auto = layers under dist.zero = 3 (the units it "
+                           "gathers), else size", choices=("auto", "size", "layers"))
     overlap: bool = _f(True, "reduce buckets on a communication thread during backward; false = after it")
     ranks_per_node: int = _f(0, "simulate nodes of k ranks on one machine; 0 = real nodes (shared memory)")
     compress: str = _f("none", "gradient compression: none | fp16 | bf16 | topk(ratio) | randk(ratio) | sign | "

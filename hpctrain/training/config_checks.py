@@ -49,6 +49,10 @@ def _check_zero3(cfg) -> None:
         raise ConfigError(f"dist.zero=3 with train.precision={cfg.train.precision!r}: ZeRO-3 gathers "
                           f"full-precision parameters only (no 16-bit compute copy of the gathered slots "
                           f"yet); use train.precision = fp32, or dist.zero = 2 (which keeps every parameter)")
+    if cfg.dist.bucket_split == "size":
+        raise ConfigError("dist.zero=3 with dist.bucket_split='size': ZeRO-3 gathers the parameters a bucket at a "
+                          "time, one layer unit each (a block's vectors, its attention's matrices, each MLP "
+                          "matrix); use dist.bucket_split = layers or auto")
     if cfg.dist.pipeline_parallel > 1:
         raise ConfigError(f"dist.zero=3 with dist.pipeline_parallel={cfg.dist.pipeline_parallel}: a "
                           f"pipeline stage already holds only its layers; use dist.zero = 1 or 2 with pipeline "

@@ -13,8 +13,14 @@ micro-batches) in place of the plain loop over micro-batches:
   gradient received; the gradients of the stage's parameters add up over the micro-batches and
   the last backward feeds the gradient buckets (every backward under ZeRO-2), as without a pipeline;
 - sends are non-blocking (``MPI_Isend`` from the lane's own buffer, waited for before that buffer
-  is written again), receives block (inside a watchdog region that names the stage waited for);
-  every message is tagged with its micro-batch, on the pipeline group's own communicator.
+  is written again); so are receives: each is posted (``MPI_Irecv``) as soon as no instruction still
+  uses the lane buffer it fills (:func:`receive_posts`; a gradient buffer's send tested for
+  completion at each instruction), ahead of the instruction that needs it, and that instruction
+  waits for it inside a watchdog region that names the stage waited for. A message that arrives
+  while the stage computes is matched at once, and its data moves as soon as the transport
+  progresses it: at once with an RDMA or CUDA-aware transport, else in the rank's next MPI call
+  (the tests of pending sends at each instruction included). Every message is tagged with its
+  micro-batch, on the pipeline group's own communicator.
 
 Device buffers reach MPI through the one staging path (:class:`~hpctrain.comm.staging.Staging`:
 directly with a CUDA-aware MPI, else through pinned host copies). The ``pipeline`` phase of the
@@ -26,7 +32,6 @@ unless ``train.sync_phases`` makes each phase wait for the device.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
@@ -34,6 +39,25 @@ import numpy as np
 from ..comm.staging import Staging
 from ..data.sampler import shard_range
 from .schedules import stage_schedule
+
+
+# the instructions that use the buffer a receive fills, by the receive's kind: the lane's received
+# residual stream (read by its forward, and by its backward through the first block's cached input),
+# and the lane's stream gradient (written by its backward in place, then sent on from there)
+_USES = {"recv_fwd": ("recv_fwd", "forward", "backward"), "recv_bwd": ("recv_bwd", "backward", "send_bwd")}
+
+
+def receive_posts(instrs, lanes: int) -> dict:
+    """For each receive of ``instrs`` (by index), the index of the last instruction before it that uses
+    the buffer it fills (-1: none): from then on the receive can be posted (``MPI_Irecv``) ahead of
+    the instruction that needs its data. Lane ``i mod lanes`` holds micro-batch i's buffers."""
+    out = {}
+    for q, x in enumerate(instrs):
+        if x.kind in _USES:
+            k = x.micro % lanes
+            out[q] = max((r for r in range(q) if instrs[r].micro % lanes == k and instrs[r].kind in _USES[x.kind]
+                          and instrs[r].micro >= 0), default=-1)
+    return out
 
 
 def in_flight(instrs) -> int:
@@ -55,6 +79,7 @@ class PipelineStage:
         self.p, self.stage, self.m = grid.p, grid.stage, plan.micro_batches
         self.instrs = stage_schedule(cfg.dist.pipeline_schedule, self.stage, self.p, self.m)
         self.lanes = in_flight(self.instrs)   # = plan.in_flight
+        self.posts = receive_posts(self.instrs, self.lanes)
         self.comm = grid.pipeline.comm.Dup()   # point-to-point messages of this pipeline only
         self.staging = Staging(plan.device, cfg.dist.cuda_aware_mpi)
         self._inputs: dict = {}    # (lane, shape) -> the residual stream received
@@ -77,16 +102,20 @@ class PipelineStage:
             lane = model.lane(k)
             lane.loss.row_weight, lane.loss.loss_scale = model.loss.row_weight, model.loss.loss_scale
         self.bytes_sent = 0
+        shape_of = lambda i: ((parts[i].stop - parts[i].start) * y_all.shape[1], model.d_model)  # noqa: E731
+        self._pending, self._posted = sorted(self.posts), {}
         backwards, busy, t_start = 0, 0.0, time.perf_counter()
-        for x in self.instrs:
+        self._post_free(-1, shape_of, force=None)
+        for q, x in enumerate(self.instrs):
             i = x.micro
             k = i % self.lanes
             lane = model.lane(k)
             if x.kind in ("recv_fwd", "recv_bwd", "send_fwd", "send_bwd"):
-                rows = parts[i].stop - parts[i].start
-                shape = (rows * y_all.shape[1], model.d_model)
-            if x.kind == "recv_fwd":
-                self._receive(self._buffer(self._inputs, k, shape), self.stage - 1, i, step, "activations")
+                shape = shape_of(i)
+            if x.kind in ("recv_fwd", "recv_bwd"):
+                if q not in self._posted:   # its buffer's send still in flight at every check before
+                    self._post_free(q - 1, shape_of, force=q)
+                self._complete(q, step)
             elif x.kind == "forward":
                 self._wait(k, "fwd")   # the lane's output is written again
                 t0 = time.perf_counter()   # (with train.sync_phases the timer's device wait counts as busy)
@@ -106,9 +135,6 @@ class PipelineStage:
                 busy += time.perf_counter() - t0
             elif x.kind == "send_fwd":
                 self._send(self._outputs[k], self.stage + 1, i, (k, "fwd"))
-            elif x.kind == "recv_bwd":
-                self._wait(k, "bwd")
-                self._receive(self._buffer(self._grads, k, shape), self.stage + 1, i, step, "gradients")
             elif x.kind == "backward":
                 self._wait(k, "bwd")   # the lane's gradient buffer is written again
                 t0 = time.perf_counter()
@@ -122,6 +148,8 @@ class PipelineStage:
                 backwards += 1
             elif x.kind == "send_bwd":
                 self._send(self._grads[k, shape], self.stage - 1, i, (k, "bwd"))
+            if self._pending:
+                self._post_free(q, shape_of)
         for key in list(self._sends):
             self._wait(*key)
         self.busy, self.wall = busy, time.perf_counter() - t_start
@@ -157,7 +185,7 @@ class PipelineStage:
             inp = dev.upload(x_host, "eval_x", model.input_dtype)
         else:
             inp = self._buffer(self._inputs, "eval", shape)
-            self._receive(inp, self.stage - 1, 0, -1, "evaluation activations", timed=False)
+            self._receive(inp, "evaluation activations")
         out = model.lane(0).forward(inp, B, T)
         if self.stage < self.p - 1:
             with self.staging.send_view(out, "eval") as view:
@@ -173,14 +201,42 @@ class PipelineStage:
             buf = table[k, shape] = self.model.device.empty(shape, self.model.device.accum_dtype)
         return buf
 
-    def _receive(self, buf, source: int, micro: int, step: int, what: str, timed: bool = True) -> None:
-        """A blocking receive into ``buf``, watched; ``timed``: in the step's ``pipeline`` phase (not
-        an evaluation's, which runs after the step's timers are read)."""
-        with self.timers("pipeline") if timed else contextlib.nullcontext(), self.watchdog.watch(
-                "pipeline receive", f"stage {self.stage} waits for micro-batch {micro}'s {what} from stage {source}"
-                + (f", step {step}" if step >= 0 else ""), max(step, 0)):
+    def _post_free(self, done: int, shape_of, force=None) -> None:
+        """Post (``MPI_Irecv``) every pending receive whose buffer no instruction up to index ``done``
+        still uses and no send still reads (a send in flight is tested, which also moves MPI on); with
+        ``force``, that receive at the latest, waiting for its buffer's send."""
+        for q in list(self._pending):
+            if self.posts[q] > done:
+                continue
+            x = self.instrs[q]
+            k, fwd = x.micro % self.lanes, x.kind == "recv_fwd"
+            if not fwd:   # the lane's gradient buffer: the send from it (if any) completes first
+                req = self._sends.get((k, "bwd"))
+                if req is not None and q != force and not req.Test():
+                    continue
+                self._wait(k, "bwd")
+            buf = self._buffer(self._inputs if fwd else self._grads, k, shape_of(x.micro))
+            source = self.stage - 1 if fwd else self.stage + 1
+            start = lambda view, source=source, tag=x.micro: self.comm.Irecv(view, source=source, tag=tag)  # noqa: E731
+            with self.timers("pipeline"):
+                self._posted[q] = self.staging.post_recv(buf, start, ("recv", source, k))
+            self._pending.remove(q)
+
+    def _complete(self, q: int, step: int) -> None:
+        """Wait (watched, in the ``pipeline`` phase: the bubble) for the posted receive of instruction ``q``."""
+        x = self.instrs[q]
+        source, what = (self.stage - 1, "activations") if x.kind == "recv_fwd" else (self.stage + 1, "gradients")
+        with self.timers("pipeline"), self.watchdog.watch(
+                "pipeline receive", f"stage {self.stage} waits for micro-batch {x.micro}'s {what} from stage {source}, "
+                f"step {step}", step):
+            self._posted.pop(q).wait()
+
+    def _receive(self, buf, what: str) -> None:
+        """A blocking receive into ``buf`` from the stage before (an evaluation's), watched."""
+        source = self.stage - 1
+        with self.watchdog.watch("pipeline receive", f"stage {self.stage} waits for the {what} from stage {source}", 0):
             with self.staging.recv_view(buf, ("recv", source)) as view:
-                self.comm.Recv(view, source=source, tag=micro)
+                self.comm.Recv(view, source=source, tag=0)
 
     def _send(self, buf, dest: int, micro: int, key) -> None:
         with self.timers("pipeline"):

@@ -54,6 +54,7 @@ class Plan:
     param_gather: object = None            # ZeRO-1's parameter all-gathers (a duplicate communicator)
     precision: object = None               # the hpctrain.precision.Precision of train.precision
     stage_counts: tuple = ()               # blocks per pipeline stage, after divide()
+    by_layers: bool = False                # the buckets are the model's layer units (dist.bucket_split)
 
     def __post_init__(self):
         if self.precision is None:
@@ -97,7 +98,9 @@ class Plan:
         # a pipeline's tied table is summed over the embedding group once its data group has averaged
         # it: a bucket of its own, so that both stages' buckets (and ZeRO chunks) of it are alike
         alone = ("wte",) if self.pipeline > 1 and any(s.name == "wte" for s in model.flat.slots) else ()
-        self.buckets = plan_buckets(model.flat, self.device.dtype.itemsize, d.bucket_mb, d.first_bucket_mb, alone)
+        self.by_layers = d.bucket_split == "layers" or d.bucket_split == "auto" and d.zero == 3
+        self.buckets = plan_buckets(model.flat, self.device.dtype.itemsize, d.bucket_mb, d.first_bucket_mb, alone,
+                                    model.layer_units if self.by_layers else None)
         self.shards, self.grad_slots, self.param_slots = plan_zero(d.zero, d, self.buckets, model, self.device,
                                                                    self.dp)
 
@@ -159,17 +162,18 @@ class Plan:
                      f"gradients reduced {reduced}; {self.micro_batches} micro-batch(es) per step")
         item = self.device.dtype.itemsize
         sizes = [b.size * item / 1e6 for b in self.buckets]
-        lines.append(f"  {len(self.buckets)} gradient bucket(s), {min(sizes, default=0):,.2f}-{max(sizes, default=0):,.2f}"
-                     f" MB, reduced over the data group by dist.allreduce = {d.allreduce}"
+        lines.append(f"  {len(self.buckets)} gradient bucket(s) by {'layers' if self.by_layers else 'size'}, "
+                     f"{min(sizes, default=0):,.2f}-{max(sizes, default=0):,.2f} MB, reduced over the data group by dist.allreduce = {d.allreduce}"
                      + (" (measured at start-up)" if d.allreduce == "auto" else "")
                      + f", overlap {'on' if d.overlap else 'off'}")
         zero = {0: "zero 0: every rank holds all optimizer state and gradients",
                 1: f"zero 1: optimizer state in 1/{self.dp.size} shares, parameters all-gathered per bucket",
-                2: f"zero 2: zero 1 plus gradients in {self.grad_slots.rotating + 1 if self.grad_slots else 0} "
+                2: f"zero 2: zero 1 plus gradients in {self.grad_slots.count if self.grad_slots else 0} "
                    f"reused bucket slot(s) and 1/{self.dp.size} shares",
-                3: f"zero 3: zero 2 plus parameters in 1/{self.dp.size} shares, each layer's gathered into "
-                   f"{self.param_slots.layout.rotating + 1 if self.param_slots else 0} reused bucket slot(s) "
-                   f"before it runs"}[d.zero]
+                3: f"zero 3: zero 2 plus parameters in 1/{self.dp.size} shares, each layer part's gathered "
+                   f"before it runs into {self.param_slots.layout.rotating if self.param_slots else 0} slot(s) "
+                   f"taken in turn ({len(self.param_slots.layout.own) if self.param_slots else 0} more for "
+                   f"the vectors and the token table)"}[d.zero]
         lines.append(f"  {zero}; compression {d.compress}"
                      + (f" (scope {d.compress_scope})" if d.compress != "none" else ""))
         return "\n".join(lines)

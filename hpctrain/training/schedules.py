@@ -26,7 +26,8 @@ Both have the same idle time: with forward and backward times f and b per micro-
 a step takes (m + p - 1)(f + b), so the bubble (each stage's idle fraction) is (p - 1) / (m + p - 1).
 1F1B pays off in memory when m > p; with m < p both keep m micro-batches and idle most of a step.
 
-Sends are non-blocking (MPI_Isend) and receives block; every message is tagged by its micro-batch,
+Sends and receives are non-blocking (MPI_Isend; MPI_Irecv posted ahead, waited for at the receive's
+instruction); every message is tagged by its micro-batch,
 so :func:`simulate` checks what an MPI run needs: every send has its receive on the neighbour, in
 the same order, and no stage waits forever.
 """

@@ -138,20 +138,22 @@ class Step:
         whole = getattr(self.state.optimizer, "whole_gradient", False)
         later = self.clip is not None or whole or update and graphs is not None and any(
             graphs.settling(graphs.update_key(self.state.optimizer, *self._range(b))) for b in plan.buckets)
+        behind = None   # an offloaded optimizer's: the bucket whose update waits for the next one's copy
         for bucket, name in zip(plan.buckets, self._bucket_names):
             with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {step}", step):
                 reducer.wait(bucket)
             if bucket.index == self._tied:
                 self._sum_tied(step, bucket)
             if update and not later:
-                self._update(step, bucket, name)
+                behind = self._update_next(step, bucket, name, behind)
+        if behind is not None:
+            self._update(step, *behind)
         if self.clip is not None:   # before the update, deferred or not: the gradient is clipped once
             with t("optimizer"), wd.watch("gradient norm all-reduce", f"step {step}", step):
                 self.clip.apply()
         if update and later:
             self._prepare(step)
-            for bucket, name in zip(plan.buckets, self._bucket_names):
-                self._update(step, bucket, name)
+            self._update_all(step)
         if self.params is not None:
             self.params.end_step()
         loss_sum, correct = device.to_host(totals)   # the step's one read of its statistics
@@ -163,8 +165,29 @@ class Step:
         guard's deferred policies)."""
         self.state.optimizer.begin_step(step, self.schedule.lr(step))
         self._prepare(step)
+        self._update_all(step)
+
+    def _update_all(self, step) -> None:
+        """The optimizer on every bucket, all reduced (and clipped), in order."""
+        behind = None
         for bucket, name in zip(self.plan.buckets, self._bucket_names):
+            behind = self._update_next(step, bucket, name, behind)
+        if behind is not None:
+            self._update(step, *behind)
+
+    def _update_next(self, step, bucket, name, behind):
+        """The update of ``bucket`` (reduced), now; or, with an offloaded optimizer (``fetch_gradient``), its
+        gradient's copy to the host queued and the update of the bucket ``behind`` it run while the
+        copy goes. Returns the bucket left behind (its (bucket, name)), or None."""
+        fetch = getattr(self.state.optimizer, "fetch_gradient", None)
+        if fetch is None:
             self._update(step, bucket, name)
+            return None
+        with self.timers("optimizer"):
+            fetch(*self._range(bucket))
+        if behind is not None:
+            self._update(step, *behind)
+        return bucket, name
 
     def _prepare(self, step) -> None:
         """LAMB and LARS: each parameter's trust ratio, from its norms over every rank that holds a

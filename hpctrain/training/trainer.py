@@ -129,12 +129,11 @@ class Trainer:
             (self.log.warn if cfg.train.cuda_graphs == "on" else self.log.info)(
                 f"train.cuda_graphs = {cfg.train.cuda_graphs}: the steps run eagerly: {self.stepper.graphs_off}")
         self.model.ranges = self.stepper.reducer.ranges = self.ranges
-        with wd.watch("start-up", "broadcast of the initial weights", slack=10):
-            # data parallelism starts from identical weights: its rank 0's (under tensor parallelism
-            # each data group holds one tensor rank's pieces)
-            Collectives(plan.dp, plan.device, plan.staging).Bcast(self.model.flat.data, root=0)
-            if plan.param_slots is not None:   # ZeRO-3: each rank keeps its chunks, the whole buffer goes
-                plan.param_slots.adopt(self.model)
+        if plan.param_slots is None:   # (ZeRO-3's ranks drew the same weights, one array at a time)
+            with wd.watch("start-up", "broadcast of the initial weights", slack=10):
+                # data parallelism starts from identical weights: its rank 0's (under tensor parallelism
+                # each data group holds one tensor rank's pieces)
+                Collectives(plan.dp, plan.device, plan.staging).Bcast(self.model.flat.data, root=0)
         with wd.watch("start-up", "GEMM peak for MFU", slack=10):
             self.peak_flops = None  # FLOP/s over all ranks; None: MFU not reported
             if self.model.flops_per_row:
@@ -172,11 +171,14 @@ class Trainer:
         models = family(cfg.model.kind)
         self.data = models.open_data(cfg, plan.dp, plan.device)  # tensor ranks of a data group read the same rows
         model = models.build(cfg, plan.model_device, self.data, tensor=plan.tensor, stage=plan.grid.stage)
-        model.init(cfg.train.seed)
+        if model.flat.data is not None:   # (ZeRO-3's model has no whole buffer: it takes its shares below)
+            model.init(cfg.train.seed)
         self.faults.check_inputs(model.input_dtype)
         peak = peak_lr(cfg.optim, cfg.train.global_batch)
         self.schedule = LRSchedule(cfg.optim, peak, cfg.train.steps)
         plan.divide(model)
+        if plan.param_slots is not None:   # ZeRO-3: each rank draws the weights and keeps its chunks
+            plan.param_slots.adopt(model, model.initial_values(cfg.train.seed))
         optimizer = build_optimizer(plan.device, model.flat, cfg, model.no_decay, plan.shards,
                                     plan.grad_slots and plan.grad_slots.owned,
                                     cfg.dist.compress_start_step if cfg.dist.compress_momentum else 0,
