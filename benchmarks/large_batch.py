@@ -46,7 +46,7 @@ def train_once(optim: str, k: int, tokens: int, out: str, config: str) -> dict:
     batch = BASE_BATCH * k
     steps = max(1, tokens // (batch * CONTEXT))
     peak = BASE_LR[optim] * k
-    # the scaling rule applied here (optim.scale_lr would too, but optim.min_lr is checked against the base rate)
+    # the scaling rule applied here (as optim.scale_lr would), so the run's config shows the rate it trains at
     sets = [f'optim.name="{optim}"', f"optim.lr={peak}", "optim.scale_lr=false",
             f"optim.warmup_steps={max(1, steps // 10)}", f"optim.min_lr={peak / 10}", f"train.global_batch={batch}",
             f"train.grad_accum_steps={k}", f"train.steps={steps}", "train.device=\"cpu\"", f"train.eval_every={max(1, steps // 4)}",

@@ -18,8 +18,8 @@ update are the same at every step, which lets a CUDA graph replay them (training
 Weight decay applies to the parameters the model does not list in
 ``no_decay`` (a GPT's biases and LayerNorm parameters): the flat buffer is
 cut into runs of equal decay once, and an update over [lo, hi) runs the
-kernel once per run it overlaps (a GPT lays each block's vectors out before
-its matrices, so a block is two runs). That machinery is the base class,
+kernel once per run it overlaps (a GPT lays each block's matrices out before
+its vectors, so a block is two runs). That machinery is the base class,
 :class:`~hpctrain.flat_optimizer.FlatOptimizer`.
 """
 

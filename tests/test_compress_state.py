@@ -121,3 +121,18 @@ def test_a_file_without_compressor_state_resets_it():
     t = trainer(2)
     restore_compression(t.compression, t.cfg, t.world.size, {}, 3, SAVED, Log(False), {})
     assert t.compression.loaded == {}
+
+
+def test_another_bucket_layout_starts_from_zero_and_says_so():
+    """The rows are per bucket, in its element order: saved under another layout (or by a version
+    that did not record one) they would meet other parameters, so nothing is restored."""
+    saved = rows()
+    t = trainer(3)
+    t.compression.layout = "abc"
+    own = {f"/compress/{k}": v for k, v in saved[1].items()}
+    for layout in ("def", ""):
+        out = io.StringIO()
+        restore_compression(t.compression, t.cfg, 3, own, 3, SAVED + (1, layout), Log(True, out), {})
+        assert t.compression.loaded == {} and "another bucket layout" in out.getvalue()
+    restore_compression(t.compression, t.cfg, 3, own, 3, SAVED + (1, "abc"), Log(False), {})
+    assert set(t.compression.loaded) == set(saved[1])

@@ -173,6 +173,7 @@ def test_wrong_type_in_file_names_the_key(tmp_path):
     ("model.hidden=[64, 0]", "model.hidden"),
     ("train.target_accuracy=1.5", "train.target_accuracy"),
     ("optim.min_lr=0.5", "optim.min_lr"),             # above lr=0.1
+    ("optim.min_lr=-0.1", "optim.min_lr"),
     ("dist.ranks_per_node=-1", "dist.ranks_per_node"),
     ("checkpoint.writers_per_node=-1", "checkpoint.writers_per_node"),
 ])
@@ -307,3 +308,14 @@ def test_compress_momentum_refuses_what_it_cannot_correct(change, needles):
     if change == "optim.name='sgd'":  # (SGD has no freeze step to set)
         sets = [s for s in sets if not s.startswith("optim.freeze_step")]
     raises_config_error(*needles, overrides=sets)
+
+
+def test_min_lr_is_bounded_by_the_scaled_peak_not_the_configured_lr():
+    """Under the linear scaling rule the schedule's peak is lr x global_batch / base_batch: a floor
+    under optim.lr but above that peak is refused, and one above optim.lr but under it is not."""
+    base = ["optim.scale_lr=true", "optim.lr=0.1", "optim.base_batch=256"]
+    msg = raises_config_error("optim.min_lr=0.06", "peak learning rate 0.05",
+                              overrides=base + ["train.global_batch=128", "optim.min_lr=0.06"])
+    assert "optim.scale_lr" in msg
+    cfg = load_config(None, base + ["train.global_batch=1024", "optim.min_lr=0.2"])   # peak 0.4
+    assert cfg.optim.min_lr == 0.2

@@ -130,20 +130,20 @@ def test_weight_decay_skips_biases_and_layernorms_in_two_runs_per_block():
     assert decayed == {"wte", "wpe"} | {f"h.{i}.{m}.weight" for i in range(2)
                                        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
     runs = decay_runs(model.flat, model.no_decay)
-    # wte, wpe | block 0's vectors | block 0's matrices | block 1's vectors | block 1's matrices | ln_f
-    assert [(decays) for _, _, decays in runs] == [True] + [False, True] * TINY["n_layer"] + [False]
+    # wte, wpe and block 0's matrices | block 0's vectors | block 1's matrices | block 1's vectors and ln_f
+    assert [(decays) for _, _, decays in runs] == [True, False] * TINY["n_layer"]
     assert runs[0][0] == 0 and runs[-1][1] == model.flat.size
 
 
 def test_layer_units_are_contiguous_buckets_covering_the_model_once():
-    """dist.bucket_split = layers: per block its vectors, its attention's two matrices, c_fc, c_proj;
+    """dist.bucket_split = layers: per block its attention's two matrices, c_fc, c_proj, its vectors;
     the tables each alone and ln_f; every bucket one unit, in reverse flat order."""
     from hpctrain.comm.buckets import plan_buckets
 
     model = tiny()
     units = model.layer_units
     assert units[:2] == [("wte",), ("wpe",)] and units[-1] == ("ln_f.weight", "ln_f.bias")
-    assert units[3] == ("h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight") and len(units[2]) == 8
+    assert units[2] == ("h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight") and len(units[5]) == 8
     buckets = plan_buckets(model.flat, 8, 25.0, 1.0, units=units)
     assert [tuple(reversed(b.slots)) for b in reversed(buckets)] == units
     assert [b.hi for b in buckets[1:]] == [b.lo for b in buckets[:-1]] and buckets[-1].lo == 0

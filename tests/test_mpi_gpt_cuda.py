@@ -20,8 +20,9 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
     """zero 2: the parameters all-gathered after each bucket's update, and the gradient slots; zero 3:
     ZeRO-2's gradient slots and this rank's chunks on the device, the chunks copied and
     added (two micro-batches) on the communication thread while backward writes the next slots; and
-    the parameters' chunks on the device, each layer's buckets gathered into reused device slots
-    through pinned buffers on the gather thread before it runs (slots reused: checked)."""
+    the parameters' chunks on the device, each layer part's bucket gathered into reused device slots
+    through pinned buffers on the gather thread before it runs (slots reused: checked), two steps so
+    that the second fetches ahead in the first one's recorded order."""
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.size != 2:
@@ -34,11 +35,12 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
     world = init_world()
     runs = {}
     for device in ("cpu", "cuda"):
-        cfg = _config(mpi_text_data, device, steps=1 if zero else 2)  # zero 2: two layers, two micro-batches
+        cfg = _config(mpi_text_data, device, steps=1 if zero == 2 else 2)  # zero 2: two layers, two micro-batches
         cfg.train.global_batch = 4 * world.size
         if zero:
             cfg.dist.zero, cfg.dist.allreduce, cfg.train.grad_accum_steps = zero, "ring", 2
-            cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001  # 131 values: slots reused (checked)
+            cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001  # zero 2: 131 values, slots reused (checked);
+            # zero 3 takes its layer buckets
             cfg.model.n_layer = 3  # blocks enough for both pools to reuse their slots
         trainer = Trainer(cfg, world, Log(False))
         if device == "cuda":

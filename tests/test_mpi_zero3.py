@@ -146,13 +146,13 @@ def test_a_rank_keeps_its_share_and_a_few_slots(world, mpi_text_data):
     # each part of a layer reads only its own parameters (the blocks no longer fuse the next
     # LayerNorm into their output add), so the matrices rotate through two slots
     assert all(block.next_norm is None for block in trainer.model.blocks)
-    C, own = cfg.model.d_model, slots.layout.own
+    C, T, own = cfg.model.d_model, cfg.model.context, slots.layout.own
     shape = {s.name: s.shape for s in flat.slots}
     vectors = [b.index for b in plan.buckets if all(len(shape[x]) == 1 for x in b.slots)]
     assert own == sorted(vectors + [len(plan.buckets) - 1]) and len(vectors) == cfg.model.n_layer + 1
     assert slots.layout.rotating == 2
     for pool in (slots, plan.grad_slots):
-        assert pool.size == 2 * 4 * C * C + sum(plan.buckets[i].size for i in own)
+        assert pool.size == 2 * max(4 * C * C, T * C) + sum(plan.buckets[i].size for i in own)   # (wpe: T C)
         block = 12 * C * C + 13 * C
         assert pool.size - plan.buckets[-1].size < block   # the matrix slots, every vector and wpe... under a block
     # the layers read the pool: the whole buffers are gone (the gradients are ZeRO-2's slots)

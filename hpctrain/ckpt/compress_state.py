@@ -20,7 +20,7 @@ per rank: row r of each /compress/<key> dataset is rank r's. Restoring them:
     With scope "inter" a row is a rank's share of the cross-node chunks, laid
     out by the saved job's nodes; with tensor parallelism rows hold different
     pieces of the split matrices: neither has a mean that means anything;
-  * otherwise (another compressor or setting, or the cases just named) the
+  * otherwise (another compressor or setting, another bucket layout, or the cases just named) the
     state starts from zero, with a log line: the unsent remainder of the last
     steps is dropped, and with momentum correction the gathered first moment.
     So does a rollback to a file that holds none (saved before compression
@@ -45,6 +45,7 @@ class SavedCompress(NamedTuple):
     tensor_parallel: int = 1   # at another t the data groups, and which rank holds which residual, differ
     momentum: bool = False     # momentum correction: the rows hold velocities too
     grad_accum_steps: int = 1  # residuals are sums of this many micro-batches' gradients
+    layout: str = ""           # the buckets' layout signature (rows are per bucket, in its element order)
 
 
 def compression_rows(comp, world) -> list[tuple[str, np.ndarray]]:
@@ -97,12 +98,16 @@ def restore_compression(comp, cfg, world_size: int, own_rows: dict, saved_world:
         return
     saved = SavedCompress(*(saved_compress or ()))
     k, cfg = cfg.train.grad_accum_steps, cfg.dist
-    now = SavedCompress(cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum, k)
+    now = SavedCompress(cfg.compress, cfg.compress_scope, cfg.tensor_parallel, cfg.compress_momentum, k,
+                        getattr(comp, "layout", ""))
     factor = now.grad_accum_steps / saved.grad_accum_steps
     why = None
     if saved[:4] != now[:4]:
         why = (f"saved with (compress, scope, tensor_parallel, momentum) {tuple(saved[:4])}, "
                f"this run has {tuple(now[:4])}")
+    elif saved.layout != now.layout:
+        why = ("saved with another bucket layout (dist.bucket_split, bucket sizes, or the model's parameter "
+               "order), or by a version that did not record it: its rows would meet other parameters")
     elif saved_world != world_size and (cfg.compress_scope != "all" or cfg.tensor_parallel > 1):
         why = (f"saved with {saved_world} rank(s), this run has {world_size}, and with "
                + ("compress_scope = 'inter' a rank's rows are its share of the saved job's cross-node chunks"

@@ -60,7 +60,9 @@ class CheckpointManager:
         epoch = state.sampler.position(state.step)[0]
         attrs = {"epoch": epoch, "config": self.cfg.to_toml(), "optimizer": self.cfg.optim.name,
                  "dtype": self.cfg.train.dtype, "compress": self.cfg.dist.compress,
-                 "compress_scope": self.cfg.dist.compress_scope, "tensor_parallel": self.cfg.dist.tensor_parallel}
+                 "compress_scope": self.cfg.dist.compress_scope, "tensor_parallel": self.cfg.dist.tensor_parallel,
+                 # what /compress's rows are laid out by (the compressor's buckets; "" without compression)
+                 "bucket_layout": getattr(getattr(state, "compression", None), "layout", "")}
         choices = getattr(self.plan.allreduce, "choices", None)  # dist.allreduce = auto: what it picks by
         if choices is not None:
             attrs["allreduce_auto"] = json.dumps(choices())
@@ -185,7 +187,7 @@ def check_writable(directory: str) -> None:
 
 def _saved_compress(attrs) -> SavedCompress:
     """What the compressor state (per-rank residuals) of a checkpoint was made under: the
-    compressor and its scope and the tensor-parallel size from the file's attributes, momentum
+    compressor, its scope, the tensor-parallel size and the bucket layout from the file's attributes, momentum
     correction and train.grad_accum_steps from the stored config (defaults where absent)."""
     try:
         stored = tomllib.loads(str(attrs.get("config", "")))
@@ -195,4 +197,5 @@ def _saved_compress(attrs) -> SavedCompress:
     momentum = bool(dist.get("compress_momentum", False)) if isinstance(dist, dict) else False
     k = train.get("grad_accum_steps", 1) if isinstance(train, dict) else 1
     return SavedCompress(attrs.get("compress", "none"), attrs.get("compress_scope", "all"),
-                         int(attrs.get("tensor_parallel", 1)), momentum, k if isinstance(k, int) and k >= 1 else 1)
+                         int(attrs.get("tensor_parallel", 1)), momentum, k if isinstance(k, int) and k >= 1 else 1,
+                         str(attrs.get("bucket_layout", "")))

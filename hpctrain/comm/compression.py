@@ -52,6 +52,7 @@ from ..compress import Context, make_compressor
 from ..compress.device import DeviceCompressedSum
 from ..compress.reducer import CompressedSum
 from ..errors import ConfigError
+from .buckets import layout_signature
 
 
 class GradientCompression:
@@ -67,6 +68,7 @@ class GradientCompression:
         parts = matrix_parts or {}
         self.shapes = [[_layer_shape(by_name[n].shape, parts.get(n, 1)) for n in reversed(b.slots)]
                        for b in buckets]
+        self.layout = layout_signature(buckets, "")   # a checkpoint's rows are per bucket: restored only onto these
         self.sent_bytes = self.dense_bytes = 0
         self.encode_s = self.decode_s = 0.0
         self._sum = None

@@ -90,6 +90,7 @@ class Staging:
         self.device = device
         self.mode = staging_mode(device, setting)
         self._pinned: dict = {}
+        self._landed: dict = {}   # pinned buffer key -> the event after the copy out of it (post_recv)
 
     def mpi_view(self, buf, slot=None):
         """A context manager yielding what to hand MPI for ``buf``.
@@ -121,14 +122,23 @@ class Staging:
     def post_recv(self, buf, start, slot=None) -> "PostedRecv":
         """A non-blocking receive into ``buf``: ``start(view)`` posts it on what MPI is to fill and
         returns the MPI request; :meth:`PostedRecv.wait` completes it with the data in ``buf``. Nothing
-        may read or write ``buf`` in between. Posting first waits for the device's queued work (a
-        kernel may still read ``buf``, or a copy still read the pinned buffer). Host and device modes
-        hand MPI ``buf`` itself; pinned mode hands it the pinned buffer of ``slot`` (receives in
-        flight together need different slots), which ``wait`` copies into ``buf``."""
-        self.device.fence.wait_for_writes()
+        may read or write ``buf`` in between. Host mode hands MPI ``buf`` itself; device mode too,
+        after the device's queued work (a kernel may still read ``buf``); pinned mode hands it the
+        pinned buffer of ``slot`` (receives in flight together need different slots), once the copy
+        out of it that the last receive there queued is done, and ``wait`` copies it into ``buf``
+        (queued on the device's stream, behind whatever still reads ``buf``)."""
         if self.mode == "pinned":
             host = self._pinned_for(buf, slot)
-            return PostedRecv(start(host), _PinnedCopy(self.device, host, buf, copy_in=False))
+            key = (slot, tuple(buf.shape), buf.dtype.str)
+            copied = self._landed.pop(key, None)
+            if copied is not None:
+                copied.synchronize()
+
+            def landed(event):
+                self._landed[key] = event
+
+            return PostedRecv(start(host), _PinnedCopy(self.device, host, buf, copy_in=False), self.device, landed)
+        self.device.fence.wait_for_writes()
         return PostedRecv(start(buf), None)
 
     def host_view(self, buf, slot=None):
@@ -157,8 +167,8 @@ class Staging:
 class PostedRecv:
     """A receive posted by :meth:`Staging.post_recv`: ``wait()`` completes it (the data in its buffer)."""
 
-    def __init__(self, request, copy_back):
-        self.request, self._copy_back = request, copy_back
+    def __init__(self, request, copy_back, device=None, landed=None):
+        self.request, self._copy_back, self._device, self._landed = request, copy_back, device, landed
 
     def test(self) -> bool:
         """Whether the message has arrived (and MPI progressed); the data lands at :meth:`wait`."""
@@ -168,6 +178,8 @@ class PostedRecv:
         self.request.Wait()
         if self._copy_back is not None:   # the pinned buffer into the device's, queued on its stream
             self._copy_back.__exit__(None)
+            fence = self._device.fence   # the next receive into the pinned buffer waits for this copy
+            self._landed(fence.record(fence.new_event()))
 
 
 class _Direct:

@@ -62,9 +62,10 @@ def plan_zero(stage: int, dist, buckets, model, device, world):
         return shards, slots, None
     from .zero_params import ParameterSlots
 
-    groups = [*getattr(model, "forward_groups", []), *model.backward_groups]
-    return shards, slots, ParameterSlots(buckets, shards, model.flat, groups, device, overlap=dist.overlap,
-                                         resident=resident)
+    forward = list(getattr(model, "forward_groups", []))
+    return shards, slots, ParameterSlots(buckets, shards, model.flat, [*forward, *model.backward_groups], device,
+                                         overlap=dist.overlap, resident=resident,
+                                         orders=(forward, model.backward_groups))
 
 
 def place_gradients(strategy, model, slots, device) -> None:

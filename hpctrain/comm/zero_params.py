@@ -23,9 +23,9 @@ the slot still holds it, and the buckets the part after it will need are gathere
   step, while it fetches the same, gathers ahead what the following fetch wanted (past fetches of
   held vectors, up to the next matrix bucket). That is the order the model really runs, recompute
   included (with ``model.recompute = blocks`` backward runs each block's forward parts again
-  first). Otherwise (the first step, an evaluation) the next matrix bucket that way: down in
-  forward (bucket n-1 first), up in backward. A slot whose bucket this part reads is never
-  refilled ahead.
+  first). Otherwise (the first step, an evaluation) what follows in the model's own order of
+  fetches (its forward and backward groups), as far as the part is found there. A slot whose
+  bucket this part reads is never refilled ahead.
 - **Staleness.** An update changes the masters. From the bucket's update on, its slot's copy is
   stale (:meth:`ParameterSlots.stale`), so the next use gathers it again. So does a checkpoint
   load (:meth:`ParameterSlots.load`).
@@ -42,7 +42,8 @@ On a GPU a gather copies through the staging path, which first waits for the dev
 (the part computing now included): there the gathers do not overlap compute yet.
 
 Memory per rank: the owned chunks (about P / N) and the pool: K slots of the largest matrix bucket
-(2 x 4 C^2 for the GPT, two thirds of a block), every bucket of vectors and the last bucket. ZeRO-2's
+(for the GPT 2 x 4 C^2, two thirds of a block, or 2 T C when the position table is larger: a context
+above 4 C), every bucket of vectors and the last bucket. ZeRO-2's
 gradient pool is the same size. Start-up keeps to that: the model is built without whole parameter
 or gradient buffers, and every rank draws the initial weights one array at a time and keeps its
 chunks of each (:meth:`ParameterSlots.adopt`; nothing is broadcast).
@@ -67,7 +68,7 @@ class ParameterSlots:
     weights and moves the model onto the pool; ``gatherer`` (ZeRO-1's parameter all-gather strategy,
     its ``allgather(buf)`` filling every chunk of a bucket from its owner) is set by :meth:`connect`."""
 
-    def __init__(self, buckets, shards, flat, groups, device, overlap: bool = True, resident=()):
+    def __init__(self, buckets, shards, flat, groups, device, overlap: bool = True, resident=(), orders=((), ())):
         layout = SlotLayout(buckets, flat, groups, resident)
         # without dist.overlap the gathers run on the main thread, when needed (no second thread calls MPI)
         self.overlap = overlap
@@ -78,10 +79,14 @@ class ParameterSlots:
         self.owned = device.zeros(shards.owned)
         self.views = [self.buffer[b:b + bk.size] for b, bk in zip(layout.base, self.buckets)]
         self._holds: list = [None] * layout.count   # slot -> the bucket it holds (or is being filled with)
-        self._rotating = [i for i in range(len(self.buckets)) if i not in layout.own]
         self._order: list = []      # the buckets each fetch of the last training step wanted, in order
         self._recording: list | None = None   # this step's, while one runs
         self._pos = 0               # this step's fetches so far
+        # the model's own order of fetches (forward, backward: ``orders``, name tuples), followed where
+        # no step was recorded (the first, an evaluation); a cursor in each, past the last match
+        self._planned = {fwd: [tuple(sorted({self.bucket_of[n] for n in g})) for g in order if g]
+                         for fwd, order in zip((True, False), orders)}
+        self._cursor = {True: 0, False: 0}
         self._ready: dict = {}     # bucket -> an Event set once its gather is done
         self._error = None
         self._tasks = queue.Queue()
@@ -133,7 +138,7 @@ class ParameterSlots:
         """A layer about to read the parameters ``names`` (in ``forward``, or backward): each of their
         buckets gathered into its slot unless it is there, and the next layer's fetched ahead: the
         buckets the next fetch of the last training step wanted, while this step follows it; else
-        the next rotating bucket that way."""
+        what follows in the model's own order of fetches that way."""
         wanted = sorted({self.bucket_of[name] for name in names})
         if not wanted:
             return
@@ -149,38 +154,36 @@ class ParameterSlots:
             self._recording.append(key)
         if not self.overlap:
             return
-        if self._recording is not None and pos + 1 < len(self._order) and self._order[pos] == key:
-            ahead = self._replay(pos + 1)
+        if self._recording is not None and pos < len(self._order) and self._order[pos] == key:
+            ahead = self._ahead(self._order, pos + 1)   # (nothing after the step's last fetch: the update comes next)
         else:
-            ahead = self._next_rotating(wanted, forward)
+            ahead = self._from_plan(key, forward)
         for i in ahead:
             held = self._holds[self.layout.slot_of[i]]
             if held != i and held not in wanted:   # never over what this layer reads
                 self._start(i, wanted)
 
-    def _replay(self, pos: int) -> list:
-        """The buckets the last step's fetches from ``pos`` on wanted, up to the first that wanted a
+    def _ahead(self, order: list, pos: int) -> list:
+        """The buckets the fetches of ``order`` from ``pos`` on want, up to the first that wants a
         rotating one (the vectors' fetches between, which hold their own slots, are no layer's wait)."""
         out = []
         own = self.layout.own
-        for key in self._order[pos:]:
+        for key in order[pos:]:
             out += key
             if any(i not in own for i in key):
                 break
         return out
 
-    def _next_rotating(self, wanted, forward: bool) -> tuple:
-        """The first bucket of the rotating slots past ``wanted`` in the direction the layers run
-        (down in forward): (), if ``wanted`` is only the last bucket (the embedding or the head: what
-        runs next is not that way) or there is none."""
-        if wanted == [len(self.buckets) - 1]:
-            return ()
-        wanted = [i for i in wanted if i not in self.layout.own] or wanted   # (a part's vectors lie apart)
-        if forward:
-            below = [i for i in self._rotating if i < wanted[0]]
-            return (below[-1],) if below else ()
-        above = [i for i in self._rotating if i > wanted[-1]]
-        return (above[0],) if above else ()
+    def _from_plan(self, key: tuple, forward: bool) -> list:
+        """What follows ``key`` in the model's own order of fetches that way (from the cursor on, so a
+        part that wants the same buckets as an earlier one, a block's two LayerNorms, is told apart);
+        nothing if ``key`` is not in it (recomputation's forward parts inside backward)."""
+        order, start = self._planned[forward], self._cursor[forward]
+        for at in (*range(start, len(order)), *range(0, min(start, len(order)))):
+            if order[at] == key:
+                self._cursor[forward] = at + 1
+                return self._ahead(order, at + 1)
+        return []
 
     def stale(self, index: int | None = None) -> None:
         """Bucket ``index``'s masters changed (every bucket's with None): its slot's copy is not used again."""
@@ -197,6 +200,7 @@ class ParameterSlots:
         fetches ahead in their order)."""
         self.gathers, self.bytes, self.exposed_s = 0, 0, 0.0
         self._recording, self._pos = [], 0
+        self._cursor = {True: 0, False: 0}
 
     def end_step(self) -> None:
         """A training step ended: its counters kept as :attr:`last_step` (an evaluation's gathers that

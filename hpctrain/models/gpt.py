@@ -4,7 +4,7 @@
     loss = mean over the B*T positions of cross-entropy(logits, next token)
 
 No dropout. Initial weights as GPT-2 (:func:`~hpctrain.nn.transformer.gpt2_init`). The flat
-buffer holds wte, wpe, then per block its eight vectors before its four matrices (so weight
+buffer holds wte, wpe, then per block its four matrices before its eight vectors (so weight
 decay, which skips biases and LayerNorm parameters, is two runs per block), then ln_f.
 Checkpoint paths follow the names: /model/h/<i>/attn/c_attn/weight is (C, 3C), (in, out) like
 GPT-2's own Conv1D weights. ``model.recompute = "blocks"`` makes the blocks share one block's
@@ -365,7 +365,8 @@ class GPT:
         """d(mean loss)/d(params) into ``flat.grad`` (added with ``accumulate``); ``ready(name)``
         per parameter once final: ln_f, then the blocks top down, then wte and wpe last (the
         tied table gets its second contribution from the embedding). ``claim(names)`` before each
-        layer writes gradients: the head (wte), ln_f, each block, the embedding (wte, wpe)."""
+        layer writes gradients: the head (wte), ln_f, each block (under ZeRO-3 each block's parts,
+        c_proj first: :attr:`backward_groups`), the embedding (wte, wpe)."""
         self._lanes[0].backward(self.stream_grad(self.ln_f.x.shape), accumulate, ready, claim)
 
     def stream_grad(self, shape):

@@ -87,25 +87,25 @@ class GPTLayers:
 
     def specs(self) -> list:
         """(name, shape) of the lane's parameters in flat order: the table(s), then per block its
-        vectors before its matrices (two weight-decay runs per block; backward finishes the matrices
-        from the last up, then the vectors, so the buckets of :attr:`layer_units` complete in order),
-        then ln_f."""
+        matrices before its vectors (two weight-decay runs per block), then ln_f."""
         specs = list(self.table.params) if self.table is not None else []
         for block in self.blocks:
-            specs += [p for p in block.params if len(p[1]) == 1] + [p for p in block.params if len(p[1]) == 2]
+            specs += [p for p in block.params if len(p[1]) == 2] + [p for p in block.params if len(p[1]) == 1]
         return specs + (list(self.ln_f.params) if self.ln_f is not None else [])
 
     @property
     def layer_units(self) -> list:
         """The parameter names of each bucket under ``dist.bucket_split = "layers"`` (ZeRO-3's gather
         units), in flat order: the token table alone (a pipeline sums it between stages), the position
-        table; per block its vectors (small: ZeRO-3 keeps them gathered), its attention's two matrices
-        (3 C^2 + C^2), the MLP's c_fc and c_proj matrices (4 C^2 each); ln_f."""
+        table; per block its attention's two matrices (3 C^2 + C^2), the MLP's c_fc and c_proj matrices
+        (4 C^2 each) and its vectors (small: ZeRO-3 keeps them gathered); ln_f. (In backward a block's
+        vectors are final last, after its matrices' buckets of higher index: the reducers take buckets
+        in the order they become ready.)"""
         units = [(name,) for name, _ in self.table.params] if self.table is not None else []
         for b in self.blocks:
-            units += [tuple(n for n, shape in b.params if len(shape) == 1),
-                      (b.attn.c_attn.params[0][0], b.attn.c_proj.params[0][0]),
-                      (b.c_fc.params[0][0],), (b.c_proj.params[0][0],)]
+            units += [(b.attn.c_attn.params[0][0], b.attn.c_proj.params[0][0]),
+                      (b.c_fc.params[0][0],), (b.c_proj.params[0][0],),
+                      tuple(n for n, shape in b.params if len(shape) == 1)]
         return units + ([tuple(n for n, _ in self.ln_f.params)] if self.ln_f is not None else [])
 
     def bind(self, flat) -> None:

@@ -113,7 +113,8 @@ def _slot_advice(plan, flat, slots, zero: int, what: str, reuser: str, how: str)
         return (f"dist.zero={zero} keeps {(slots.size + slots.owned.size) * item / 1e6:,.2f} MB of {what} per rank, "
                 f"no less than the {flat.size * item / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} "
                 f"layer bucket(s) are too few for the reused slots and shares to hold less than the whole model; "
-                f"use dist.zero={zero - 1}")
+                + ("use dist.bucket_split = size with smaller dist.bucket_mb, or " if zero == 2 else "use ")
+                + f"dist.zero={zero - 1}")
     return (f"dist.zero={zero} keeps {(slots.size + slots.owned.size) * item / 1e6:,.2f} MB of {what} per rank, no "
             f"less than the {flat.size * item / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} bucket(s) "
             f"leave {reuser} no slot to reuse; lower dist.bucket_mb and dist.first_bucket_mb (now "

@@ -21,6 +21,7 @@ def check_across_sections(cfg) -> None:
                              else "")
                           + ": the compressors' error-feedback residuals would hold gradients times the loss "
                           "scale, which changes from step to step; use bf16 (no loss scale), or no compression")
+    _check_min_lr(cfg)
     if cfg.dist.compress_momentum:
         _check_compress_momentum(cfg)
     if cfg.dist.zero == 3:
@@ -41,6 +42,20 @@ def check_across_sections(cfg) -> None:
         if cfg.model.n_head % cfg.dist.tensor_parallel:
             raise ConfigError(f"dist.tensor_parallel={cfg.dist.tensor_parallel} does not divide model.n_head="
                               f"{cfg.model.n_head}: each tensor rank owns n_head / t whole heads")
+
+
+def _check_min_lr(cfg) -> None:
+    """The schedules decay from the peak lr (optim.lr, scaled by the linear scaling rule when asked) down
+    to optim.min_lr: a floor above the peak would make the cosine climb."""
+    from ..optim import peak_lr
+
+    o = cfg.optim
+    peak = peak_lr(o, cfg.train.global_batch)
+    if o.min_lr > peak:
+        scaled = (f" = optim.lr {o.lr:g} x train.global_batch {cfg.train.global_batch} / optim.base_batch "
+                  f"{o.base_batch} (optim.scale_lr)" if o.scale_lr else "")
+        raise ConfigError(f"optim.min_lr={o.min_lr:g} is above the peak learning rate {peak:g}{scaled}: the "
+                          f"schedule decays from the peak to min_lr; lower optim.min_lr to {peak:g} or less")
 
 
 def _check_zero3(cfg) -> None:

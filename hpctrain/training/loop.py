@@ -98,9 +98,10 @@ class RunLoop:
                      f"{bubble_fraction(p, m):.0%} of a step ((p - 1) / (m + p - 1); the metrics' t_pipeline is "
                      f"rank 0's wait)" + ("" if m >= p else f"; with fewer micro-batches than stages 1f1b holds all "
                                           f"m as gpipe does: raise train.grad_accum_steps to {p} or more"))
-        for advice in (memory.zero2_advice(plan, model.flat), memory.zero3_advice(plan, model.flat)):
-            if advice:
-                log.warn(advice)
+        # (under zero 3 only its own advice: the gradient pool it shares with zero 2 is its business)
+        advice = memory.zero3_advice(plan, model.flat) if cfg.dist.zero == 3 else memory.zero2_advice(plan, model.flat)
+        if advice:
+            log.warn(advice)
         peak = self.peak_flops  # this machine's GEMM peak over all ranks (FLOP/s), or None: no MFU
         if peak:
             log.info(f"MFU is model FLOPs/s over the GEMM peak measured at start-up: {peak / 1e9:,.1f} GFLOP/s "

@@ -15,7 +15,8 @@ micro-batches) in place of the plain loop over micro-batches:
 - sends are non-blocking (``MPI_Isend`` from the lane's own buffer, waited for before that buffer
   is written again); so are receives: each is posted (``MPI_Irecv``) as soon as no instruction still
   uses the lane buffer it fills (:func:`receive_posts`; a gradient buffer's send tested for
-  completion at each instruction), ahead of the instruction that needs it, and that instruction
+  completion at each instruction), each neighbour's in instruction order and, through pinned host
+  buffers, two at a time at most, ahead of the instruction that needs it, and that instruction
   waits for it inside a watchdog region that names the stage waited for. A message that arrives
   while the stage computes is matched at once, and its data moves as soon as the transport
   progresses it: at once with an RDMA or CUDA-aware transport, else in the rank's next MPI call
@@ -103,7 +104,7 @@ class PipelineStage:
             lane.loss.row_weight, lane.loss.loss_scale = model.loss.row_weight, model.loss.loss_scale
         self.bytes_sent = 0
         shape_of = lambda i: ((parts[i].stop - parts[i].start) * y_all.shape[1], model.d_model)  # noqa: E731
-        self._pending, self._posted = sorted(self.posts), {}
+        self._pending, self._posted, self._pinned_free = sorted(self.posts), {}, {}
         backwards, busy, t_start = 0, 0.0, time.perf_counter()
         self._post_free(-1, shape_of, force=None)
         for q, x in enumerate(self.instrs):
@@ -202,34 +203,48 @@ class PipelineStage:
         return buf
 
     def _post_free(self, done: int, shape_of, force=None) -> None:
-        """Post (``MPI_Irecv``) every pending receive whose buffer no instruction up to index ``done``
-        still uses and no send still reads (a send in flight is tested, which also moves MPI on); with
-        ``force``, that receive at the latest, waiting for its buffer's send."""
+        """Post (``MPI_Irecv``) the pending receives, each source's in instruction order, while the next
+        one's buffer is free: no instruction up to index ``done`` still uses it, no send still reads it
+        (a send in flight is tested, which also moves MPI on) and, through pinned host buffers, one of
+        the source's two is free (so at most two receives' worth of pinned memory per neighbour, and
+        a receive completes before the one posted after it). With ``force``, that receive at the
+        latest, waiting for its buffer's send."""
+        blocked = set()   # sources whose next receive cannot be posted yet
         for q in list(self._pending):
-            if self.posts[q] > done:
-                continue
             x = self.instrs[q]
-            k, fwd = x.micro % self.lanes, x.kind == "recv_fwd"
+            fwd = x.kind == "recv_fwd"
+            source = self.stage - 1 if fwd else self.stage + 1
+            if source in blocked:
+                continue
+            k = x.micro % self.lanes
+            free = self._pinned_free.setdefault(source, [0, 1])
+            if self.posts[q] > done or self.staging.mode == "pinned" and not free:
+                blocked.add(source)
+                continue
             if not fwd:   # the lane's gradient buffer: the send from it (if any) completes first
                 req = self._sends.get((k, "bwd"))
                 if req is not None and q != force and not req.Test():
+                    blocked.add(source)
                     continue
                 self._wait(k, "bwd")
             buf = self._buffer(self._inputs if fwd else self._grads, k, shape_of(x.micro))
-            source = self.stage - 1 if fwd else self.stage + 1
             start = lambda view, source=source, tag=x.micro: self.comm.Irecv(view, source=source, tag=tag)  # noqa: E731
+            slot = free.pop(0) if self.staging.mode == "pinned" else k
             with self.timers("pipeline"):
-                self._posted[q] = self.staging.post_recv(buf, start, ("recv", source, k))
+                self._posted[q] = (self.staging.post_recv(buf, start, ("recv", source, slot)), source, slot)
             self._pending.remove(q)
 
     def _complete(self, q: int, step: int) -> None:
         """Wait (watched, in the ``pipeline`` phase: the bubble) for the posted receive of instruction ``q``."""
         x = self.instrs[q]
-        source, what = (self.stage - 1, "activations") if x.kind == "recv_fwd" else (self.stage + 1, "gradients")
+        what = "activations" if x.kind == "recv_fwd" else "gradients"
+        posted, source, slot = self._posted.pop(q)
         with self.timers("pipeline"), self.watchdog.watch(
                 "pipeline receive", f"stage {self.stage} waits for micro-batch {x.micro}'s {what} from stage {source}, "
                 f"step {step}", step):
-            self._posted.pop(q).wait()
+            posted.wait()
+        if self.staging.mode == "pinned":
+            self._pinned_free[source].append(slot)
 
     def _receive(self, buf, what: str) -> None:
         """A blocking receive into ``buf`` from the stage before (an evaluation's), watched."""
