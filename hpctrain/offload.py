@@ -57,6 +57,7 @@ class OffloadedOptimizer:
         self._masters_fresh = False   # the host masters equal the device's (set at the first update)
         self._grads_here = False      # this step's gradients are all on the host already (prepare)
         self._fetched: dict = {}      # (lo, hi) -> the event after its gradient's copy to the host (fetch)
+        self._events: dict = {}       # (lo, hi) -> its event, reused every step
 
     # ---- what the step uses ----------------------------------------------------------------
     @property
@@ -125,7 +126,9 @@ class OffloadedOptimizer:
             return
         for a, b in self._owned_ranges(lo, hi):
             self._from_device(self.grad_of(a, b), self.host_grads[self._state(slice(a, b))])
-        self._fetched[lo, hi] = self.device.fence.record(self.device.fence.new_event())
+        fence = self.device.fence   # one event per range, made at its first fetch and reused (no allocation per step)
+        event = self._events.get((lo, hi)) or self._events.setdefault((lo, hi), fence.new_event())
+        self._fetched[lo, hi] = fence.record(event)
 
     def update(self, lo: int = 0, hi: int | None = None) -> None:
         """The update of the flat range [lo, hi) (this rank's part of it): gradient down (waiting for

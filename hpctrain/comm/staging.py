@@ -91,6 +91,7 @@ class Staging:
         self.mode = staging_mode(device, setting)
         self._pinned: dict = {}
         self._landed: dict = {}   # pinned buffer key -> the event after the copy out of it (post_recv)
+        self._events: dict = {}   # pinned buffer key -> that event, made once and reused
 
     def mpi_view(self, buf, slot=None):
         """A context manager yielding what to hand MPI for ``buf``.
@@ -134,10 +135,12 @@ class Staging:
             if copied is not None:
                 copied.synchronize()
 
-            def landed(event):
-                self._landed[key] = event
+            event = self._events.get(key) or self._events.setdefault(key, self.device.fence.new_event())
 
-            return PostedRecv(start(host), _PinnedCopy(self.device, host, buf, copy_in=False), self.device, landed)
+            def landed():   # the copy out of the pinned buffer is queued: the next receive there waits for it
+                self._landed[key] = self.device.fence.record(event)
+
+            return PostedRecv(start(host), _PinnedCopy(self.device, host, buf, copy_in=False), landed)
         self.device.fence.wait_for_writes()
         return PostedRecv(start(buf), None)
 
@@ -167,8 +170,8 @@ class Staging:
 class PostedRecv:
     """A receive posted by :meth:`Staging.post_recv`: ``wait()`` completes it (the data in its buffer)."""
 
-    def __init__(self, request, copy_back, device=None, landed=None):
-        self.request, self._copy_back, self._device, self._landed = request, copy_back, device, landed
+    def __init__(self, request, copy_back, landed=None):
+        self.request, self._copy_back, self._landed = request, copy_back, landed
 
     def test(self) -> bool:
         """Whether the message has arrived (and MPI progressed); the data lands at :meth:`wait`."""
@@ -178,8 +181,7 @@ class PostedRecv:
         self.request.Wait()
         if self._copy_back is not None:   # the pinned buffer into the device's, queued on its stream
             self._copy_back.__exit__(None)
-            fence = self._device.fence   # the next receive into the pinned buffer waits for this copy
-            self._landed(fence.record(fence.new_event()))
+            self._landed()
 
 
 class _Direct:
