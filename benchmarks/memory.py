@@ -3,6 +3,7 @@
     python benchmarks/memory.py                                   # examples/gpt.toml at 1 and 2 ranks
     python benchmarks/memory.py --ranks 1 2 4 --steps 20 --budget-gb 16 --json runs/bench/memory.json
     python benchmarks/memory.py --variants 0:none,0:blocks --steps 40 --repeats 5   # recomputation's cost only
+    python benchmarks/memory.py --ranks 2 4 --precision bf16      # every run in bf16 (16-bit ZeRO-3 slots)
 
 Part 1, measured: per world size, the example GPT (``--config``) trains ``--steps`` steps eight
 ways, dist.zero 0/1/2/3 x model.recompute none/blocks (or the ``--variants`` given), with
@@ -23,7 +24,11 @@ heads; the config's context and micro-batch) whose computed bytes per rank (Adam
 them): the trainer's own accounting (``planned_memory``, on a device that allocates nothing), so the
 model's ``activation_bytes`` and ZeRO's shares and slot plans do the counting.
 
-Part 3, computed: optimizer offload (``dist.offload = optimizer``) at each zero stage on a CUDA
+``--precision`` (train.precision, fp32 by default) applies to every run and count: under bf16 or
+fp16 zero 0-2 hold the float32 masters and a 16-bit compute copy of every parameter, zero 3 its
+float32 chunks and 16-bit slots.
+
+Part 3, computed (fp32 only: offload keeps full-precision masters): optimizer offload (``dist.offload = optimizer``) at each zero stage on a CUDA
 device, counted on paper at the largest ``--ranks`` (no GPU needed to count; measuring its bytes and
 step time needs one): the device's bytes with and without it, and the host's.
 
@@ -62,6 +67,7 @@ def overrides(zero, recompute, args) -> list[str]:
     """The config settings of one variant's run (and of its planned bytes): everything but the
     run's own files."""
     return [f"train.steps={args.steps}", f"dist.zero={zero}", f"model.recompute={recompute}",
+            f"train.precision={args.precision}",
             "dist.allreduce=ring", "train.eval_every=0", "data.eval=", "train.target_val_bpb=0",
             "train.target_bpb_vs_bigram=0", f"dist.bucket_split={args.bucket_split}", f"dist.bucket_mb={args.bucket_mb}",
             f"dist.first_bucket_mb={args.bucket_mb}"] + ([f"data.train={args.text}"] if args.text else [])
@@ -193,6 +199,21 @@ def _parameters(n_layer: int, d: int, context: int, vocab: int = 256) -> int:
     return (vocab + context) * d + n_layer * (12 * d * d + 13 * d) + 2 * d
 
 
+def print_offload(offload, ranks, args) -> None:
+    """Part 3's table."""
+    print(f"\nOptimizer offload (dist.offload = optimizer), computed for a CUDA device at {ranks} rank(s), "
+          f"{args.config}, recompute none (measuring needs a GPU): parameters, gradients and optimizer state "
+          f"per rank on the device, and in host memory\n")
+    print("| zero | offload | params MB | grads MB | optimizer MB (device) | device MB | vs no offload | "
+          "host state MB | host MB (state, masters, gradients) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    kept = {r["zero"]: r["device_states"] for r in offload if r["offload"] == "none"}
+    for r in offload:
+        print(f"| {r['zero']} | {r['offload']} | {r['params'] / 1e6:.2f} | {r['grads'] / 1e6:.2f} | "
+              f"{r['optimizer'] / 1e6:.2f} | {r['device_states'] / 1e6:.2f} | "
+              f"{r['device_states'] / kept[r['zero']]:.3f} | {r['host_state'] / 1e6:.2f} | {r['host'] / 1e6:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="examples/gpt.toml")
@@ -209,6 +230,8 @@ def main() -> None:
                         "alike) or size (--bucket-mb; without zero 3 variants)")
     p.add_argument("--bucket-mb", type=float, default=0.25,
                    help="dist.bucket_mb (and first_bucket_mb) of part 1 with --bucket-split size")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="train.precision of every run and count (part 3, offload, only with fp32)")
     p.add_argument("--mpirun-args", default="--oversubscribe")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", default="runs/bench/memory.json")
@@ -249,7 +272,8 @@ def main() -> None:
                 g["step_vs_baseline"] = g["step_ms"] / base["step_ms"]
             rows += got
     print(f"\nPer-rank memory and step time, {args.config} ({platform.node()}, {os.cpu_count()} cores, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}; {args.steps} steps, median after {args.skip}, median of {args.repeats} "
+          f"{time.strftime('%Y-%m-%d %H:%M')}; train.precision {args.precision}; {args.steps} steps, median after "
+          f"{args.skip}, median of {args.repeats} "
           f"alternating runs (range in brackets); dist.allreduce ring, "
           f"{'layer buckets' if args.bucket_split == 'layers' else f'buckets of {args.bucket_mb:g} MB'}; every "
           f"variant ended on the same loss and parameters):\n")
@@ -291,7 +315,8 @@ def main() -> None:
                   f"{g['step_vs_baseline']:.3f} (target <= 1.35: {'met' if g['step_vs_baseline'] <= 1.35 else 'NOT met'})")
     largest = largest_within(args.budget_gb * 1e9, max(args.ranks), args)
     print(f"\nThe deepest GPT of GPT-2 small's proportions (d_model = 64 n_layer) whose computed bytes fit "
-          f"{args.budget_gb:g} GB per rank at {max(args.ranks)} rank(s) (float32, AdamW, context {cfg.model.context}, "
+          f"{args.budget_gb:g} GB per rank at {max(args.ranks)} rank(s) (train.precision {args.precision}, AdamW, "
+          f"context {cfg.model.context}, "
           f"the config's micro-batch; CPU attention, which keeps T x T):\n")
     print("| zero | recompute | d_model | n_layer | parameters | vs zero 0 | GB per rank | of which parameters, "
           "gradients and optimizer state |")
@@ -308,23 +333,17 @@ def main() -> None:
             vs = t["parameters"] / zero0["blocks"]
             print(f"\n  zero 3's largest GPT at {max(args.ranks)} rank(s): {vs:.2f}x zero 0's parameters (target >= 3 "
                   f"at 4 ranks: {'met' if vs >= 3 else 'NOT met'})")
-    offload = offload_rows(max(args.ranks), args)
-    print(f"\nOptimizer offload (dist.offload = optimizer), computed for a CUDA device at {max(args.ranks)} rank(s), "
-          f"{args.config}, recompute none (measuring needs a GPU): parameters, gradients and optimizer state "
-          f"per rank on the device, and in host memory\n")
-    print("| zero | offload | params MB | grads MB | optimizer MB (device) | device MB | vs no offload | "
-          "host state MB | host MB (state, masters, gradients) |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    kept = {r["zero"]: r["device_states"] for r in offload if r["offload"] == "none"}
-    for r in offload:
-        print(f"| {r['zero']} | {r['offload']} | {r['params'] / 1e6:.2f} | {r['grads'] / 1e6:.2f} | "
-              f"{r['optimizer'] / 1e6:.2f} | {r['device_states'] / 1e6:.2f} | "
-              f"{r['device_states'] / kept[r['zero']]:.3f} | {r['host_state'] / 1e6:.2f} | {r['host'] / 1e6:.2f} |")
+    offload = offload_rows(max(args.ranks), args) if args.precision == "fp32" else []
+    if offload:
+        print_offload(offload, max(args.ranks), args)
+    else:
+        print(f"\nOptimizer offload: not counted under train.precision {args.precision} (offload keeps "
+              f"full-precision masters: run with --precision fp32)")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"machine": platform.node(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
                    "config": args.config, "steps": args.steps, "runs": rows, "largest": largest,
-                   "offload": offload, "budget_gb": args.budget_gb}, f, indent=1)
+                   "offload": offload, "budget_gb": args.budget_gb, "precision": args.precision}, f, indent=1)
     print(f"\nwrote {args.json}")
 
 

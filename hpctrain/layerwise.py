@@ -119,7 +119,7 @@ class LARS(LayerWise):
             self.ratios[j] = ratio
             step = self._lr * ratio   # folded into the gradient and the decay: v = m v + step (g + b w)
             self._scale.append(step)
-            rows.append(sgd.hyperparameters(self.flat.data.dtype, 1.0, c.momentum, decay * step))
+            rows.append(sgd.hyperparameters(self.flat.dtype, 1.0, c.momentum, decay * step))
         self._slot_hyper = self.device.upload(np.stack(rows), "lars scalars")
 
     def _slot_step(self, j, s):
@@ -148,7 +148,7 @@ class LAMB(LayerWise):
     def begin_step(self, step, lr):
         self.t += 1
         self._lr = lr
-        c, dtype = self.cfg, self.flat.data.dtype
+        c, dtype = self.cfg, self.flat.dtype
         self._direction_hyper = self.device.upload(np.stack([
             lamb.hyperparameters(dtype, self.t, c.beta1, c.beta2, c.eps, decay) for decay in (0.0, c.weight_decay)]),
             "lamb direction scalars")
@@ -170,7 +170,7 @@ class LAMB(LayerWise):
             w, r = math.sqrt(w2), math.sqrt(r2)
             ratio = w / r if w > 0 and r > 0 and not self.excluded[j] else 1.0
             self.ratios[j] = ratio
-            rows.append(adamw.hyperparameters(self.flat.data.dtype, self.t, self._lr * ratio, c.beta1, c.beta2, c.eps,
+            rows.append(adamw.hyperparameters(self.flat.dtype, self.t, self._lr * ratio, c.beta1, c.beta2, c.eps,
                                               decay))
         self._slot_hyper = self.device.upload(np.stack(rows), "lamb scalars")
 

@@ -71,7 +71,7 @@ class SGD(FlatOptimizer):
         self.momentum_buf = device.zeros(self.state_size)
 
     def _hyper(self, lr, weight_decay):
-        return sgd.hyperparameters(self.flat.data.dtype, lr, self.cfg.momentum, weight_decay)
+        return sgd.hyperparameters(self.flat.dtype, lr, self.cfg.momentum, weight_decay)
 
     def _kernel(self, s, hyper):
         self.device.ops.sgd_update(self._param(s), self._grad(s), self.momentum_buf[self._state(s)], hyper,
@@ -113,7 +113,7 @@ class AdamW(FlatOptimizer):
 
     def _hyper(self, lr, weight_decay):
         c = self.cfg
-        return adamw.hyperparameters(self.flat.data.dtype, self.t, lr, c.beta1, c.beta2, c.eps, weight_decay,
+        return adamw.hyperparameters(self.flat.dtype, self.t, lr, c.beta1, c.beta2, c.eps, weight_decay,
                                      self.frozen_at)
 
     def _kernel(self, s, hyper):

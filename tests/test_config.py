@@ -272,7 +272,6 @@ def test_target_accuracy_needs_an_eval_file():
     (["dist.zero=2", "dist.allreduce=ring", "dist.compress=topk(0.01)"], "dist.zero=2 with dist.compress="),
     (["dist.zero=4"], "dist.zero=4: choose one of 0, 1, 2, 3"),
     (["dist.zero=3", "dist.compress=fp16"], "dist.zero=3 with dist.compress='fp16' is not supported"),
-    (["dist.zero=3", "train.precision=bf16"], "ZeRO-3 gathers full-precision parameters only"),
     (["model.kind=gpt", "dist.zero=3", "dist.pipeline_parallel=2"], "a pipeline stage already holds only its layers"),
     (["dist.zero=3", 'dist.bucket_split="size"'], "gathers the parameters a bucket at a time, one layer unit each"),
     (['dist.bucket_split="rows"'], "dist.bucket_split='rows': choose one of auto, size, layers"),
@@ -286,6 +285,14 @@ def test_zero_settings_that_cannot_run_are_one_clear_error(overrides, expect):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert expect in str(err.value)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zero_3_runs_in_16_bits(precision):
+    from hpctrain.training.config_load import load_config
+
+    cfg = load_config(None, ["dist.zero=3", f"train.precision={precision}"])
+    assert cfg.dist.zero == 3 and cfg.train.precision == precision
 
 
 MOMENTUM_OK = ["dist.compress='topk(0.01)'", "dist.compress_momentum=true", "optim.name='adamw'",

@@ -114,6 +114,42 @@ def test_zero_3_trains_like_zero_2_bit_for_bit_and_like_zero_0(world, data, opti
         assert three.result["eval"] == runs[2].result["eval"]
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_16_bit_precision_gathers_rounded_copies_and_trains_like_zero_2(world, mpi_text_data, precision):
+    """Under bf16 or fp16 the pool is in the compute dtype: each rank rounds its float32 chunk into
+    the slot and the gathers move 16-bit values, half the bytes; the layers read the rounded copy a
+    whole 16-bit buffer would hold, so zero 3 ends on zero 2's bits (parameters, optimizer state,
+    evaluation, loss scale). fp16 starts from a loss scale that overflows: those steps are skipped
+    and the scale halves at zero 3 as at zero 2."""
+    from hpctrain.observe import memory
+
+    runs = {}
+    for zero in (2, 3):
+        cfg = _config("gpt", mpi_text_data, "adamw", "ring", zero, steps=6, accum=2, eval_tokens=256)
+        cfg.train.dtype, cfg.train.precision = "float32", precision
+        cfg.train.loss_scale = 2.0 ** 24   # fp16: the first steps overflow
+        runs[zero] = _train(cfg.validate(), world)
+    two, three = runs[2], runs[3]
+    slots, flat = three.plan.param_slots, three.model.flat
+    assert slots.buffer.dtype == three.plan.precision.compute and slots.buffer.itemsize == 2
+    assert slots.owned.dtype == np.float32 and flat.data is slots.buffer and flat.dtype == np.float32
+    p2, s2 = _whole(two)
+    p3, s3 = _whole(three)
+    assert p3.dtype == np.float32
+    assert np.array_equal(p3, p2) and all(np.array_equal(s3[k], s2[k]) for k in s2)
+    assert three.result["eval"] == two.result["eval"]
+    drawn = dict(three.model.initial_values(three.cfg.train.seed))
+    initial = np.concatenate([drawn[x.name].reshape(-1) for x in flat.slots])
+    assert np.abs(p3 - initial).max() > 1e-4   # trained (fp16: once the scale stopped overflowing)
+    m, k = three.stepper.comm_metrics(), three.plan.micro_batches
+    assert all(v.nbytes == 2 * b.size for v, b in zip(slots.views, slots.buckets))   # what a gather moves
+    assert 2 * slots.total <= m["param_gather_bytes"] <= 2 * k * 2 * slots.total
+    computed = memory.computed(three.model, three.optimizer, three.plan.device, 8, three.plan.grad_slots, 1, slots)
+    assert computed["params"] == slots.buffer.nbytes + slots.owned.nbytes == 2 * slots.size + 4 * slots.owned.size
+    if precision == "fp16":
+        assert three.state.loss_scale.scale == two.state.loss_scale.scale < 2.0 ** 24   # overflowed, halved
+
+
 def test_a_rank_keeps_its_share_and_a_few_slots(world, mpi_text_data):
     """The parameter bytes a rank holds are its chunks plus the pool, the trainer's arrays as the
     plan counts them (the start-up line), and the chunks are 1/N of the model to one element per

@@ -65,7 +65,8 @@ def plan_zero(stage: int, dist, buckets, model, device, world):
     forward = list(getattr(model, "forward_groups", []))
     return shards, slots, ParameterSlots(buckets, shards, model.flat, [*forward, *model.backward_groups], device,
                                          overlap=dist.overlap, resident=resident,
-                                         orders=(forward, model.backward_groups))
+                                         orders=(forward, model.backward_groups),
+                                         dtype=getattr(model.device, "dtype", None))   # the compute dtype
 
 
 def place_gradients(strategy, model, slots, device) -> None:

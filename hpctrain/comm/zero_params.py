@@ -41,6 +41,11 @@ them, and nothing is fetched ahead.
 On a GPU a gather copies through the staging path, which first waits for the device's queued work
 (the part computing now included): there the gathers do not overlap compute yet.
 
+Under a 16-bit ``train.precision`` the pool is in the compute dtype (bf16 or fp16, as FSDP's
+``MixedPrecision(param_dtype=...)``): a gather rounds this rank's float32 chunk into the slot and
+moves 16-bit values, half the bytes, and the layers read the rounded copy they would read from
+a whole 16-bit buffer (rounding is elementwise: the same bits). The chunks stay the float32 masters.
+
 Memory per rank: the owned chunks (about P / N) and the pool: K slots of the largest matrix bucket
 (for the GPT 2 x 4 C^2, two thirds of a block, or 2 T C when the position table is larger: a context
 above 4 C), every bucket of vectors and the last bucket. ZeRO-2's
@@ -68,15 +73,19 @@ class ParameterSlots:
     weights and moves the model onto the pool; ``gatherer`` (ZeRO-1's parameter all-gather strategy,
     its ``allgather(buf)`` filling every chunk of a bucket from its owner) is set by :meth:`connect`."""
 
-    def __init__(self, buckets, shards, flat, groups, device, overlap: bool = True, resident=(), orders=((), ())):
+    def __init__(self, buckets, shards, flat, groups, device, overlap: bool = True, resident=(), orders=((), ()),
+                 dtype=None):
         layout = SlotLayout(buckets, flat, groups, resident)
         # without dist.overlap the gathers run on the main thread, when needed (no second thread calls MPI)
         self.overlap = overlap
         self.layout, self.buckets, self.shards, self.device = layout, list(buckets), shards, device
         self.total = flat.size   # the whole parameter count
         self.size, self.offsets, self.bucket_of = layout.size, layout.offsets, layout.bucket_of
-        self.buffer = device.zeros(self.size)
+        # the pool in the compute dtype (``dtype``; the masters' by default): under a 16-bit precision
+        # each rank rounds its chunk into the slot and the gather moves 16-bit values, half the bytes
+        self.buffer = device.zeros(self.size, dtype) if dtype is not None else device.zeros(self.size)
         self.owned = device.zeros(shards.owned)
+        self._narrowed = np.dtype(self.buffer.dtype) != np.dtype(self.owned.dtype)
         self.views = [self.buffer[b:b + bk.size] for b, bk in zip(layout.base, self.buckets)]
         self._holds: list = [None] * layout.count   # slot -> the bucket it holds (or is being filled with)
         self._order: list = []      # the buckets each fetch of the last training step wanted, in order
@@ -287,7 +296,11 @@ class ParameterSlots:
         bucket, view = self.buckets[i], self.views[i]
         lo, hi, at = self.shards.pieces[i]
         if hi > lo:
-            self.device.ops.residual_backward(self.owned[at:at + hi - lo], view[lo - bucket.lo:hi - bucket.lo],
-                                              None, False)
-        self.gatherer.allgather(view)
+            mine, into = self.owned[at:at + hi - lo], view[lo - bucket.lo:hi - bucket.lo]
+            if self._narrowed:   # the masters rounded to the compute dtype (elementwise: as rounding them whole)
+                self.device.ops.narrow(mine, into)
+            else:
+                self.device.ops.residual_backward(mine, into, None, False)
+        # a gather moves numbers: 16-bit values as their bits (MPI has no bf16 or fp16 type of its own)
+        self.gatherer.allgather(view.view(np.uint16) if self._narrowed else view)
         self.device.synchronize()   # the layers read the slot next, from the main thread

@@ -10,8 +10,9 @@ Under a 16-bit ``train.precision`` (a :class:`~hpctrain.precision.MixedDevice`) 
 which the layers read; otherwise ``compute`` is ``data`` itself.
 
 Under ZeRO-3 (:mod:`hpctrain.comm.zero_params`) no buffer holds every parameter: ``data`` and
-``compute`` become a small pool of reused slots where each layer's parameters are gathered before it
-runs (:meth:`use_param_layout`), and the masters are this rank's packed share, outside this class.
+``compute`` become one small pool of reused slots, in the compute dtype, where each layer's
+parameters are gathered before it runs (:meth:`use_param_layout`), and the masters are this rank's
+packed share, outside this class. ``dtype`` is always the masters'.
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ class FlatParams:
 
     def use_param_layout(self, buf, offsets):
         """ZeRO-3: the parameters are read from ``buf`` at ``offsets`` (name -> first element, every
-        parameter) from now on; ``buf`` is both ``data`` and ``compute`` (full precision only), and
-        the whole parameter buffer is dropped. Layers must bind again (the models' ``use_param_buffer``)."""
-        if self.compute is not self.data:
-            raise ValueError("ZeRO-3 gathers full-precision parameters only (train.precision = fp32)")
+        parameter) from now on; ``buf``, in the compute dtype (16 bits under a 16-bit precision: the
+        gathers round the masters), is both ``data`` and ``compute``, and the whole parameter
+        buffers are dropped (the masters are the rank's share, outside this class). Layers must bind
+        again (the models' ``use_param_buffer``)."""
         self.data = self.compute = buf
         self.param_offsets, self.sharded = dict(offsets), True
 

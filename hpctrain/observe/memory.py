@@ -58,9 +58,10 @@ def computed(model, optimizer, device, rows: int, grad_slots=None, in_flight: in
     flat = model.flat
     per_rows = getattr(model, "activation_bytes", None)
     grads = flat.size if grad_slots is None else grad_slots.size + grad_slots.owned.size
-    params = (flat.size if param_slots is None else param_slots.size + param_slots.owned.size) * item
+    params = flat.size * item if param_slots is None else _nbytes(param_slots.buffer) + _nbytes(param_slots.owned)
     compute = getattr(flat, "compute", None)
     if compute is not None and compute is not getattr(flat, "data", None):   # 16-bit: masters + compute copy
+        # (ZeRO-3's pool is both, in the compute dtype: counted above)
         params += flat.size * np.dtype(compute.dtype).itemsize
     state = (len(optimizer.state()) + getattr(optimizer, "work_arrays", 0)) * optimizer.state_size * item
     return {"params": params, "grads": grads * item,
@@ -70,6 +71,10 @@ def computed(model, optimizer, device, rows: int, grad_slots=None, in_flight: in
             "host": state + 2 * optimizer.state_size * item if offload else 0,
             "activations": None if per_rows is None else per_rows(rows) if in_flight == 1 else per_rows(rows, in_flight),
             "in_flight": in_flight}
+
+
+def _nbytes(a) -> int:
+    return a.size * np.dtype(a.dtype).itemsize
 
 
 def describe(b: dict, zero: int, size: int) -> str:
@@ -109,13 +114,14 @@ def _slot_advice(plan, flat, slots, zero: int, what: str, reuser: str, how: str)
     if slots is None or slots.size + slots.owned.size < flat.size:
         return None
     item, d = plan.device.dtype.itemsize, plan.cfg.dist
+    held = _nbytes(slots.buffer) + _nbytes(slots.owned)
     if getattr(plan, "by_layers", False):   # a bucket per layer unit: only a larger model has slots to reuse
-        return (f"dist.zero={zero} keeps {(slots.size + slots.owned.size) * item / 1e6:,.2f} MB of {what} per rank, "
+        return (f"dist.zero={zero} keeps {held / 1e6:,.2f} MB of {what} per rank, "
                 f"no less than the {flat.size * item / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} "
                 f"layer bucket(s) are too few for the reused slots and shares to hold less than the whole model; "
                 + ("use dist.bucket_split = size with smaller dist.bucket_mb, or " if zero == 2 else "use ")
                 + f"dist.zero={zero - 1}")
-    return (f"dist.zero={zero} keeps {(slots.size + slots.owned.size) * item / 1e6:,.2f} MB of {what} per rank, no "
+    return (f"dist.zero={zero} keeps {held / 1e6:,.2f} MB of {what} per rank, no "
             f"less than the {flat.size * item / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} bucket(s) "
             f"leave {reuser} no slot to reuse; lower dist.bucket_mb and dist.first_bucket_mb (now "
             f"{d.bucket_mb:g} and {d.first_bucket_mb:g}) {how}, or use dist.zero={zero - 1}")

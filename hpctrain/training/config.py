@@ -264,8 +264,8 @@ class DistConfig:
                    "are cut from each tensor rank's own pieces, over its data group | 3 = and of the "
                    "parameters only that share: each layer's buckets all-gathered into a few reused slots "
                    "before it runs, forward and backward, the next one ahead on a thread (ZeRO-3, as FSDP; "
-                   "the GPT's tied table stays gathered from its first use to the update; train.precision = "
-                   "fp32, no pipeline)",
+                   "the GPT's tied table stays gathered from its first use to the update; under bf16 / fp16 the "
+                   "slots hold the rounded 16-bit copy, half the bytes gathered; no pipeline)",
                    choices=(0, 1, 2, 3))
     offload: str = _f("none", "optimizer = the optimizer's state and update in host memory, on the CPU "
                       "(ZeRO-Offload: each bucket's gradient copied to the host as it is reduced, updated there "

@@ -60,10 +60,6 @@ def _check_min_lr(cfg) -> None:
 
 def _check_zero3(cfg) -> None:
     """What ``dist.zero = 3`` does not run with, refused before anything is built."""
-    if cfg.train.precision != "fp32":
-        raise ConfigError(f"dist.zero=3 with train.precision={cfg.train.precision!r}: ZeRO-3 gathers "
-                          f"full-precision parameters only (no 16-bit compute copy of the gathered slots "
-                          f"yet); use train.precision = fp32, or dist.zero = 2 (which keeps every parameter)")
     if cfg.dist.bucket_split == "size":
         raise ConfigError("dist.zero=3 with dist.bucket_split='size': ZeRO-3 gathers the parameters a bucket at a "
                           "time, one layer unit each (a block's vectors, its attention's matrices, each MLP "
