@@ -28,7 +28,7 @@ model's ``activation_bytes`` and ZeRO's shares and slot plans do the counting.
 fp16 zero 0-2 hold the float32 masters and a 16-bit compute copy of every parameter, zero 3 its
 float32 chunks and 16-bit slots.
 
-Part 3, computed (fp32 only: offload keeps full-precision masters): optimizer offload (``dist.offload = optimizer``) at each zero stage on a CUDA
+Part 3, computed: optimizer offload (``dist.offload = optimizer``) at each zero stage on a CUDA
 device, counted on paper at the largest ``--ranks`` (no GPU needed to count; measuring its bytes and
 step time needs one): the device's bytes with and without it, and the host's.
 
@@ -202,7 +202,7 @@ def _parameters(n_layer: int, d: int, context: int, vocab: int = 256) -> int:
 def print_offload(offload, ranks, args) -> None:
     """Part 3's table."""
     print(f"\nOptimizer offload (dist.offload = optimizer), computed for a CUDA device at {ranks} rank(s), "
-          f"{args.config}, recompute none (measuring needs a GPU): parameters, gradients and optimizer state "
+          f"{args.config}, train.precision {args.precision}, recompute none (measuring needs a GPU): parameters, gradients and optimizer state "
           f"per rank on the device, and in host memory\n")
     print("| zero | offload | params MB | grads MB | optimizer MB (device) | device MB | vs no offload | "
           "host state MB | host MB (state, masters, gradients) |")
@@ -231,7 +231,7 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=0.25,
                    help="dist.bucket_mb (and first_bucket_mb) of part 1 with --bucket-split size")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="train.precision of every run and count (part 3, offload, only with fp32)")
+                   help="train.precision of every run and count")
     p.add_argument("--mpirun-args", default="--oversubscribe")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", default="runs/bench/memory.json")
@@ -333,12 +333,8 @@ def main() -> None:
             vs = t["parameters"] / zero0["blocks"]
             print(f"\n  zero 3's largest GPT at {max(args.ranks)} rank(s): {vs:.2f}x zero 0's parameters (target >= 3 "
                   f"at 4 ranks: {'met' if vs >= 3 else 'NOT met'})")
-    offload = offload_rows(max(args.ranks), args) if args.precision == "fp32" else []
-    if offload:
-        print_offload(offload, max(args.ranks), args)
-    else:
-        print(f"\nOptimizer offload: not counted under train.precision {args.precision} (offload keeps "
-              f"full-precision masters: run with --precision fp32)")
+    offload = offload_rows(max(args.ranks), args)
+    print_offload(offload, max(args.ranks), args)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"machine": platform.node(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),

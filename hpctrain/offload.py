@@ -20,6 +20,10 @@ back after each update. :class:`OffloadedOptimizer` wraps the optimizer ``optim.
 those host arrays: it offers what the step, clipping, the trust ratios and checkpoints use of an
 optimizer, so the rest of the trainer does not know the difference.
 
+Under a 16-bit ``train.precision`` the host masters are the float32 masters, as ZeRO-Offload keeps
+them; written back to the device's float32 parameters (ZeRO-3: its float32 chunks), from which the
+layers' 16-bit copy is rounded as without offload (the device keeps that float32 copy too).
+
 The CPU kernels compute the same formulas as the CUDA ones: on numba's CUDA simulator an offloaded
 run gives the bits of one that is not (tested); on a GPU the CUDA kernels may contract a
 multiply-add where the CPU's do not.
@@ -52,7 +56,8 @@ class OffloadedOptimizer:
         self.host_params = cuda.pinned_array(size, dtype=dtype)   # the masters of what this rank updates
         self.host_grads = cuda.pinned_array(size, dtype=dtype)    # their averaged gradients, copied in
         self.host_device = CpuDevice(dtype)
-        host_flat = types.SimpleNamespace(slots=flat.slots, size=flat.size, data=self.host_params, grad=None)
+        host_flat = types.SimpleNamespace(slots=flat.slots, size=flat.size, data=self.host_params, grad=None,
+                                          dtype=self.host_params.dtype)
         self.inner = make(self.host_device, host_flat, shards, self.host_grads, self.host_params)
         self._masters_fresh = False   # the host masters equal the device's (set at the first update)
         self._grads_here = False      # this step's gradients are all on the host already (prepare)
@@ -196,9 +201,6 @@ def check(cfg) -> None:
     if cfg.train.device == "cpu":
         raise ConfigError(f"dist.offload={mode!r} with train.device='cpu': the optimizer already runs in host "
                           f"memory, there is nothing to offload from; use dist.offload = none")
-    if cfg.train.precision != "fp32":
-        raise ConfigError(f"dist.offload={mode!r} with train.precision={cfg.train.precision!r}: offload keeps "
-                          f"full-precision masters only for now; use train.precision = fp32")
     if cfg.dist.compress != "none":
         raise ConfigError(f"dist.offload={mode!r} with dist.compress={cfg.dist.compress!r}: compression's "
                           f"momentum and residuals stay on the device; use one or the other")

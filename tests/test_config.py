@@ -276,7 +276,6 @@ def test_target_accuracy_needs_an_eval_file():
     (["dist.zero=3", 'dist.bucket_split="size"'], "gathers the parameters a bucket at a time, one layer unit each"),
     (['dist.bucket_split="rows"'], "dist.bucket_split='rows': choose one of auto, size, layers"),
     (["dist.offload=optimizer", "train.device=cpu"], "there is nothing to offload from"),
-    (["dist.offload=optimizer", "train.precision=bf16"], "full-precision masters only"),
     (["dist.offload=host"], "dist.offload='host': choose one of none, optimizer"),
 ])
 def test_zero_settings_that_cannot_run_are_one_clear_error(overrides, expect):

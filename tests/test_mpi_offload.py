@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
               pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
 
 
-def _run(text, world, zero, offload, steps=2, ckpt_dir="", resume="", optim="adamw", clip=0.0):
+def _run(text, world, zero, offload, steps=2, ckpt_dir="", resume="", optim="adamw", clip=0.0, precision="fp32"):
     from hpctrain.observe.log import Log
     from hpctrain.training.trainer import Trainer
     from test_gpt_cuda_step import _config
@@ -31,6 +31,8 @@ def _run(text, world, zero, offload, steps=2, ckpt_dir="", resume="", optim="ada
     cfg.optim.name, cfg.optim.clip_grad_norm = optim, clip
     cfg.dist.zero, cfg.dist.offload, cfg.dist.allreduce = zero, offload, "ring"
     cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001   # several buckets, each cut in shares
+    if precision != "fp32":   # 16-bit compute over float32 masters; zero 3 on its layer buckets
+        cfg.train.precision, cfg.train.dtype, cfg.dist.bucket_split = precision, "float32", "layers"
     if ckpt_dir:
         cfg.checkpoint.dir, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last = ckpt_dir, 1, 0
     cfg.checkpoint.resume = resume
@@ -79,6 +81,28 @@ def test_offloaded_optimizer_gives_the_bits_of_the_device_one(mpi_text_data, mpi
         assert np.array_equal(p, p0), zero
         assert all(np.array_equal(s[k], s0[k]) for k in s0), zero
     assert np.abs(p0).max() > 0 and np.abs(s0["exp_avg"]).max() > 0
+
+
+def test_a_bf16_run_offloads_its_float32_masters(mpi_text_data, mpi_shared_dir):
+    """train.precision = bf16: the host keeps the float32 masters and the state, the device the float32
+    parameters written back and the 16-bit copy the layers read; at zero 0 and 3 (its 16-bit slots
+    gathered from the written-back chunks) against bf16 on the device at zero 0."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.size != 2:
+        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
+    from hpctrain.offload import OffloadedOptimizer
+    from hpctrain.runtime import init_world
+
+    world = init_world()
+    _, _, p0, s0 = _run(mpi_text_data, world, 0, "none", precision="bf16")
+    assert p0.dtype == np.float32
+    for zero in (0, 3):
+        trainer, _, p, s = _run(mpi_text_data, world, zero, "optimizer", precision="bf16")
+        assert isinstance(trainer.optimizer, OffloadedOptimizer) and trainer.optimizer.host_params.dtype == np.float32
+        assert np.array_equal(p, p0), zero
+        assert all(np.array_equal(s[k], s0[k]) for k in s0), zero
+    assert np.abs(s0["exp_avg"]).max() > 0
 
 
 def test_lamb_with_clipping_offloaded_at_zero_2(mpi_text_data, mpi_shared_dir):
