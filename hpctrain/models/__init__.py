@@ -1,7 +1,8 @@
 """Model families behind one small interface the trainer uses; ``model.kind`` picks one.
 
   mlp.py   a multi-layer perceptron classifier on the tabular format (/x, /y)
-  gpt.py   a GPT-2 language model on the token format (/train, /val byte streams)
+  gpt.py   a GPT-2 language model on the token format (/train, /val byte streams; its open_data
+           in gpt_data.py, its layers' lanes and pipeline stages in gpt_layers.py)
 
 A family module offers two functions, both called on every rank:
 
