@@ -287,11 +287,13 @@ def test_zero_settings_that_cannot_run_are_one_clear_error(overrides, expect):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_zero_3_runs_in_16_bits(precision):
+def test_zero_3_and_offload_run_in_16_bits(precision):
     from hpctrain.training.config_load import load_config
 
     cfg = load_config(None, ["dist.zero=3", f"train.precision={precision}"])
     assert cfg.dist.zero == 3 and cfg.train.precision == precision
+    cfg = load_config(None, ["dist.offload=optimizer", "train.device=cuda", f"train.precision={precision}"])
+    assert cfg.dist.offload == "optimizer" and cfg.train.precision == precision
 
 
 MOMENTUM_OK = ["dist.compress='topk(0.01)'", "dist.compress_momentum=true", "optim.name='adamw'",

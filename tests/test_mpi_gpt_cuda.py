@@ -65,40 +65,6 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
         np.testing.assert_array_equal(other, gathered[0])
 
 
-def test_zero_3_in_bf16_on_cuda_gathers_rounded_copies_like_zero_2(mpi_text_data):
-    """train.precision = bf16 under zero 3 on the device: the gather thread rounds this rank's float32
-    chunk into a 16-bit device slot and moves its bits through pinned buffers; the layers read what
-    zero 2's whole 16-bit copy holds, so one step of two micro-batches ends on zero 2's bits."""
-    from mpi4py import MPI
-
-    if MPI.COMM_WORLD.size != 2:
-        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
-    from hpctrain.observe.log import Log
-    from hpctrain.runtime import init_world
-    from hpctrain.training.trainer import Trainer
-    from test_gpt_cuda_step import _config
-
-    world = init_world()
-    runs = {}
-    for zero in (2, 3):
-        cfg = _config(mpi_text_data, "cuda", steps=1)
-        cfg.train.dtype, cfg.train.precision, cfg.train.global_batch = "float32", "bf16", 4 * world.size
-        cfg.dist.zero, cfg.dist.allreduce, cfg.train.grad_accum_steps = zero, "ring", 2
-        cfg.dist.bucket_split, cfg.model.n_layer = "layers", 2
-        trainer = Trainer(cfg.validate(), world, Log(False))
-        loss = trainer.train_step()
-        slots = trainer.plan.param_slots
-        if zero == 3:
-            assert trainer.plan.staging.mode == "pinned" and slots.buffer.dtype == np.uint16
-            params = slots.whole(trainer.plan.dp.comm)
-        else:
-            params = trainer.device.to_host(trainer.model.flat.data).copy()
-        runs[zero] = loss, params
-        trainer.close()
-    assert runs[3][0] == runs[2][0]
-    np.testing.assert_array_equal(runs[3][1], runs[2][1])
-
-
 def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(mpi_text_data):
     """dist.tensor_parallel = 2 on the device: the row-split projections' partial outputs and the
     column-split layers' input gradients go through the tensor group's all-reduce (host staging),

@@ -33,6 +33,7 @@ def _run(text, world, zero, offload, steps=2, ckpt_dir="", resume="", optim="ada
     cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001   # several buckets, each cut in shares
     if precision != "fp32":   # 16-bit compute over float32 masters; zero 3 on its layer buckets
         cfg.train.precision, cfg.train.dtype, cfg.dist.bucket_split = precision, "float32", "layers"
+        cfg.train.loss_scale = 1024.0   # fp16: no overflow here, so every step updates
     if ckpt_dir:
         cfg.checkpoint.dir, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last = ckpt_dir, 1, 0
     cfg.checkpoint.resume = resume
@@ -83,10 +84,15 @@ def test_offloaded_optimizer_gives_the_bits_of_the_device_one(mpi_text_data, mpi
     assert np.abs(p0).max() > 0 and np.abs(s0["exp_avg"]).max() > 0
 
 
-def test_a_bf16_run_offloads_its_float32_masters(mpi_text_data, mpi_shared_dir):
-    """train.precision = bf16: the host keeps the float32 masters and the state, the device the float32
-    parameters written back and the 16-bit copy the layers read; at zero 0 and 3 (its 16-bit slots
-    gathered from the written-back chunks) against bf16 on the device at zero 0."""
+@pytest.mark.parametrize("precision, stages", [("bf16", (0, 3)), ("fp16", (3,))])
+def test_a_16_bit_run_offloads_its_float32_masters(mpi_text_data, mpi_shared_dir, precision, stages):
+    """train.precision = bf16 or fp16: the host keeps the float32 masters and the state, the device the
+    float32 parameters written back and the 16-bit copy the layers read; at zero 0 and 3 (its 16-bit
+    slots gathered from the written-back chunks; fp16: the update waits for each step's verdict)
+    against the same precision on the device at zero 0, bit for bit. At zero 3 this is also the
+    device's check of ZeRO-3's 16-bit gathers: the gather thread rounding a float32 chunk into a 16-bit
+    device slot (a narrowing kernel) and moving its bits through pinned buffers (fp16's float16 slot
+    viewed as uint16). (Against zero 2 on the CPU, at 1-4 ranks: tests/test_mpi_zero3.py.)"""
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.size != 2:
@@ -95,10 +101,10 @@ def test_a_bf16_run_offloads_its_float32_masters(mpi_text_data, mpi_shared_dir):
     from hpctrain.runtime import init_world
 
     world = init_world()
-    _, _, p0, s0 = _run(mpi_text_data, world, 0, "none", precision="bf16")
+    _, _, p0, s0 = _run(mpi_text_data, world, 0, "none", precision=precision)
     assert p0.dtype == np.float32
-    for zero in (0, 3):
-        trainer, _, p, s = _run(mpi_text_data, world, zero, "optimizer", precision="bf16")
+    for zero in stages:
+        trainer, _, p, s = _run(mpi_text_data, world, zero, "optimizer", precision=precision)
         assert isinstance(trainer.optimizer, OffloadedOptimizer) and trainer.optimizer.host_params.dtype == np.float32
         assert np.array_equal(p, p0), zero
         assert all(np.array_equal(s[k], s0[k]) for k in s0), zero

@@ -146,6 +146,9 @@ def test_a_16_bit_precision_gathers_rounded_copies_and_trains_like_zero_2(world,
     assert 2 * slots.total <= m["param_gather_bytes"] <= 2 * k * 2 * slots.total
     computed = memory.computed(three.model, three.optimizer, three.plan.device, 8, three.plan.grad_slots, 1, slots)
     assert computed["params"] == slots.buffer.nbytes + slots.owned.nbytes == 2 * slots.size + 4 * slots.owned.size
+    # against zero 2's 6 bytes a parameter (float32 masters and the 16-bit copy) ZeRO-3 saves memory even
+    # at one rank, where its float32 chunks are the whole model: no advice to go back to zero 2
+    assert computed["params"] < 6 * slots.total and memory.zero3_advice(three.plan, flat) is None
     if precision == "fp16":
         assert three.state.loss_scale.scale == two.state.loss_scale.scale < 2.0 ** 24   # overflowed, halved
 
@@ -205,9 +208,9 @@ def test_evaluation_with_unequal_chunk_counts_scores_like_zero_0(world, mpi_text
     """A forward gathers over the data group: a rank whose evaluation shard has fewer chunks (here the
     last rank's, one chunk dropped) runs the gathers alone (no hang), and the scores are zero 0's
     with the same chunks, bit for bit (ring, one micro-batch)."""
-    import hpctrain.models.gpt as gpt
+    import hpctrain.models.gpt_data as gpt_data
 
-    monkeypatch.setattr(gpt, "EVAL_WINDOWS_PER_CHUNK", 2)
+    monkeypatch.setattr(gpt_data, "EVAL_WINDOWS_PER_CHUNK", 2)
     counts = {}
 
     def fewer_on_the_last_rank(trainer):
@@ -259,19 +262,26 @@ def test_without_overlap_the_main_thread_gathers_the_same_bits(world, mpi_text_d
     assert np.array_equal(p0, p1) and all(np.array_equal(s0[k], s1[k]) for k in s1) and e0 == e1
 
 
-@pytest.mark.parametrize("saved, resumed", [(3, 0), (0, 3), (3, 1)])
-def test_a_zero_3_checkpoint_is_logical(world, mpi_text_data, mpi_shared_dir, saved, resumed):
+@pytest.mark.parametrize("saved, resumed, precision", [(3, 0, "fp32"), (0, 3, "fp32"), (3, 1, "fp32"),
+                                                       (3, 0, "bf16")])
+def test_a_zero_3_checkpoint_is_logical(world, mpi_text_data, mpi_shared_dir, saved, resumed, precision):
     """Saved at one stage, resumed at another: the continued run equals the uninterrupted one at the
-    resumed stage bit for bit (float64, naive with one micro-batch: zero 0, 1 and 3 give the same bits)."""
+    resumed stage bit for bit (float64, naive with one micro-batch: zero 0, 1 and 3 give the same bits;
+    bf16 over float32 masters: the file holds the masters, from which each stage rounds alike)."""
     import os
 
-    d = os.path.join(mpi_shared_dir, f"z3-{saved}-{resumed}-{world.size}")
-    _train(_config("gpt", mpi_text_data, "adamw", "naive", saved, steps=3, accum=1, ckpt_dir=d), world)
+    def config(zero, steps, **kw):
+        cfg = _config("gpt", mpi_text_data, "adamw", "naive", zero, steps=steps, accum=1, **kw)
+        if precision != "fp32":
+            cfg.train.dtype, cfg.train.precision = "float32", precision
+        return cfg.validate()
+
+    d = os.path.join(mpi_shared_dir, f"z3-{saved}-{resumed}-{precision}-{world.size}")
+    _train(config(saved, 3, ckpt_dir=d), world)
     world.comm.Barrier()
-    cont = _train(_config("gpt", mpi_text_data, "adamw", "naive", resumed, steps=5, accum=1, ckpt_dir=d,
-                          resume="auto"), world, resumed_at=3)
+    cont = _train(config(resumed, 5, ckpt_dir=d, resume="auto"), world, resumed_at=3)
     assert cont.state.step == 5
-    straight = _train(_config("gpt", mpi_text_data, "adamw", "naive", resumed, steps=5, accum=1), world)
+    straight = _train(config(resumed, 5), world)
     pc, sc = _whole(cont)
     ps, ss = _whole(straight)
     assert np.array_equal(pc, ps) and all(np.array_equal(sc[k], ss[k]) for k in ss)

@@ -111,18 +111,26 @@ def zero3_advice(plan, flat) -> str | None:
 
 def _slot_advice(plan, flat, slots, zero: int, what: str, reuser: str, how: str) -> str | None:
     """ZeRO-``zero``'s warning that its ``slots`` (of ``what``) keep no less than the stage below."""
-    if slots is None or slots.size + slots.owned.size < flat.size:
+    if slots is None:
         return None
-    item, d = plan.device.dtype.itemsize, plan.cfg.dist
+    d = plan.cfg.dist
     held = _nbytes(slots.buffer) + _nbytes(slots.owned)
+    # the stage below keeps the whole model's: its masters (and under a 16-bit precision, ZeRO-3's
+    # stage below also keeps every parameter's compute copy)
+    below = flat.size * plan.device.dtype.itemsize
+    precision = getattr(plan, "precision", None)
+    if zero == 3 and precision is not None and precision.mixed:
+        below += flat.size * np.dtype(precision.compute).itemsize
+    if held < below:
+        return None
     if getattr(plan, "by_layers", False):   # a bucket per layer unit: only a larger model has slots to reuse
         return (f"dist.zero={zero} keeps {held / 1e6:,.2f} MB of {what} per rank, "
-                f"no less than the {flat.size * item / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} "
+                f"no less than the {below / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} "
                 f"layer bucket(s) are too few for the reused slots and shares to hold less than the whole model; "
                 + ("use dist.bucket_split = size with smaller dist.bucket_mb, or " if zero == 2 else "use ")
                 + f"dist.zero={zero - 1}")
     return (f"dist.zero={zero} keeps {held / 1e6:,.2f} MB of {what} per rank, no "
-            f"less than the {flat.size * item / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} bucket(s) "
+            f"less than the {below / 1e6:,.2f} MB of zero {zero - 1}: its {len(plan.buckets)} bucket(s) "
             f"leave {reuser} no slot to reuse; lower dist.bucket_mb and dist.first_bucket_mb (now "
             f"{d.bucket_mb:g} and {d.first_bucket_mb:g}) {how}, or use dist.zero={zero - 1}")
 
