@@ -48,7 +48,7 @@ CPU_OPS = SimpleNamespace(
     softmax_xent_fused_add=softmax_xent.softmax_xent_fused_add,
     sgd_update=sgd.sgd_update, adamw_update=adamw.adamw_update, lamb_direction=lamb.lamb_direction,
     scale=scale.scale, all_finite=finite.all_finite,
-    sum_squares=sum_squares.sum_squares, narrow=lowp.narrow, widen=lowp.widen, fill=ef.fill,
+    sum_squares=sum_squares.sum_squares, sum_squares_each=sum_squares.sum_squares_each, narrow=lowp.narrow, widen=lowp.widen, fill=ef.fill,
     # the GPT's ops
     embedding_forward=embedding.embedding_forward, embedding_backward=embedding.embedding_backward,
     layernorm_forward=layernorm.layernorm_forward, layernorm_backward=layernorm.layernorm_backward,
@@ -143,6 +143,7 @@ class CudaDevice:
             lamb_direction=p(lamb.lamb_direction_cuda, **s),
             scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s, scratch=self.scratch),
             sum_squares=p(sum_squares.sum_squares_cuda, **s, scratch=self.scratch),
+            sum_squares_each=p(sum_squares.sum_squares_each_cuda, **s, scratch=self.scratch),
             narrow=p(lowp.narrow_cuda, **s), widen=p(lowp.widen_cuda, **s), fill=p(ef.fill_cuda, **s),
             # the GPT's ops
             embedding_forward=p(embedding.embedding_forward_cuda, **s),

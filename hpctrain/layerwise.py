@@ -27,8 +27,8 @@ the existing kernels: LARS scales the gradient (``scale``) and takes the momentu
 lr = 1 (``sgd_update``: v = m v + c (g + b w), w -= v, with c = lr local folded into the gradient
 and the decay); LAMB writes r (``lamb_direction``, kernels/lamb.py) for its norm, then takes
 AdamW's step with lr ||w|| / ||r|| (``adamw_update``: w (1 - lr wd) - lr m/(...) is w - lr r).
-The norms are read on the host (on a GPU, two waits for the device per parameter a step), so these
-optimizers' updates are not captured as CUDA graphs.
+The norms are read on the host (on a GPU, every parameter's two in one copy and one wait for the
+device a step: ``sum_squares_each``), so these optimizers' updates are not captured as CUDA graphs.
 """
 
 from __future__ import annotations
@@ -76,14 +76,13 @@ class LayerWise(FlatOptimizer):
         return [(max(a, lo), min(b, hi)) for a, b in self.owned() if max(a, lo) < min(b, hi)]
 
     def _partial_sums(self, second) -> np.ndarray:
-        """(slots, 2): per parameter this rank's sums of squares of the weights and of ``second(a, b)``."""
-        ops, out = self.device.ops, np.zeros((len(self.slot_ranges), 2))
+        """(slots, 2): per parameter this rank's sums of squares of the weights and of ``second(a, b)``
+        (on a GPU: every one of them read back at once, one wait)."""
+        groups = []
         for j in range(len(self.slot_ranges)):
             pieces = self._pieces(j)
-            if pieces:
-                out[j, 0] = ops.sum_squares([self._param(slice(a, b)) for a, b in pieces])
-                out[j, 1] = ops.sum_squares([second(a, b) for a, b in pieces])
-        return out
+            groups += [[self._param(slice(a, b)) for a, b in pieces], [second(a, b) for a, b in pieces]]
+        return np.array(self.device.ops.sum_squares_each(groups), np.float64).reshape(len(self.slot_ranges), 2)
 
     def update(self, lo: int = 0, hi: int | None = None):
         """The step of the flat range [lo, hi), parameter by parameter, with :meth:`prepare`'s scalars."""

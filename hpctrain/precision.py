@@ -60,7 +60,7 @@ WRITES = {
 }
 # ops on the master dtype's flat buffers (the optimizer, the gradient's checks), the conversions
 # themselves, and the table's plain attributes: used as they are
-UNCHANGED = ("sgd_update", "adamw_update", "lamb_direction", "scale", "all_finite", "sum_squares", "narrow", "widen", "fill",
+UNCHANGED = ("sgd_update", "adamw_update", "lamb_direction", "scale", "all_finite", "sum_squares", "sum_squares_each", "narrow", "widen", "fill",
              "attention_state_shapes", "attention_max_head_size", "attention_saved_kind")
 
 

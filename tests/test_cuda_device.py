@@ -285,7 +285,7 @@ def test_simulator_shared_arrays_are_one_array_per_call_site_for_every_thread():
 # communication side, its norm for clipping in the optimizer phase, the precision conversions, which
 # a 16-bit model's ops run inside their own times): train.op_times leaves them out of its families
 UNTIMED = {"attention_state_shapes", "attention_max_head_size", "attention_saved_kind", "scale", "all_finite",
-           "sum_squares", "narrow", "widen",   # these two: train.precision's conversions
+           "sum_squares", "sum_squares_each", "narrow", "widen",   # these two: train.precision's conversions
            "fill"}   # a pipeline's first stage clears its tied-table gradient
 
 

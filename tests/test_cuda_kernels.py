@@ -361,6 +361,30 @@ def test_sum_squares_matches_the_cpu_twin_and_float64(dtype):
     assert dev.ops.sum_squares([up(dev, x[:1])]) == float(x[0]) ** 2 and dev.ops.sum_squares([]) == 0.0
 
 
+def test_sum_squares_each_gives_each_groups_bits_with_one_wait(monkeypatch):
+    """LAMB's and LARS's norms per parameter: every group's sum as sum_squares gives it alone (the same
+    partial sums, added in the same order), with one copy to the host and one wait for all of them."""
+    from numba import cuda
+
+    from hpctrain.kernels.sum_squares import sum_squares_each
+
+    dev = CudaDevice("float32")
+    x = rng_for(11).standard_normal(1300).astype(np.float32)
+    groups = [[x[:1], x[1:700]], [], [x[700:]], [x[5:9], x[900:], x[:600]]]
+    alone = [dev.ops.sum_squares([up(dev, p) for p in g]) for g in groups]
+    staged = [[up(dev, p) for p in g] for g in groups]
+    dev.synchronize()
+    waits = []
+    for owner in (cuda, dev.stream):   # a wait for the device, whichever way the op takes it
+        real = owner.synchronize
+        monkeypatch.setattr(owner, "synchronize", lambda real=real: waits.append(1) or real())
+    got = dev.ops.sum_squares_each(staged)
+    assert got == alone and got[1] == 0.0 and len(waits) == 1
+    assert got == sum_squares_each(groups) or all(math.isclose(a, b, rel_tol=1e-13)
+                                                  for a, b in zip(got, sum_squares_each(groups)))
+    assert dev.ops.sum_squares_each([]) == [] and dev.ops.sum_squares_each([[], []]) == [0.0, 0.0]
+
+
 def test_gradient_clipping_on_the_device_matches_numpy():
     import types
 

@@ -47,6 +47,12 @@ def sum_squares(bufs) -> float:
     return total
 
 
+def sum_squares_each(groups) -> list[float]:
+    """:func:`sum_squares` of each list of buffers in ``groups``, in a list (LAMB's and LARS's norms per
+    parameter: on a GPU all of them with one copy to the host and one wait)."""
+    return [sum_squares(bufs) for bufs in groups]
+
+
 # ---- CUDA kernel -------------------------------------------------------------------
 @cuda.jit
 def _sum_squares_kernel(buf, partials):
@@ -76,9 +82,17 @@ def sum_squares_cuda(bufs, *, stream=0, scratch=None) -> float:
     partial sums, then one copy to the host and one wait for the stream (the answer goes to the
     host), the rows added in turn. ``scratch``: the device's lender of the partial sums (None: a
     new array per call)."""
-    bufs = list(bufs)
+    return sum_squares_each_cuda([bufs], stream=stream, scratch=scratch)[0]
+
+
+def sum_squares_each_cuda(groups, *, stream=0, scratch=None) -> list[float]:
+    """:func:`sum_squares_each` of device buffers: every buffer of every group launched into its own
+    row of partial sums, one copy to the host and one wait for all of them; each group's rows added
+    in turn (the bits of :func:`sum_squares_cuda` per group)."""
+    groups = [list(bufs) for bufs in groups]
+    bufs = [buf for group in groups for buf in group]
     if not bufs:
-        return 0.0
+        return [0.0] * len(groups)
     shape = (len(bufs), BLOCKS)
     partials = (cuda.device_array(shape, np.float64, stream=stream) if scratch is None
                 else scratch("sum_squares_partials", shape, np.float64))
@@ -89,7 +103,11 @@ def sum_squares_cuda(bufs, *, stream=0, scratch=None) -> float:
         used.append(blocks)
     host = partials.copy_to_host(stream=stream)
     stream.synchronize() if stream else cuda.synchronize()
-    total = 0.0
-    for row, blocks in enumerate(used):
-        total += float(np.add.reduce(host[row, :blocks]))
-    return total
+    out, row = [], 0
+    for group in groups:
+        total = 0.0
+        for _ in group:
+            total += float(np.add.reduce(host[row, :used[row]]))
+            row += 1
+        out.append(total)
+    return out
