@@ -20,6 +20,8 @@ EXEMPT = {
     "tests/test_cuda_test_lists.py": "this file",
     "tests/test_benchmarks.py::test_train_throughput_cuda_without_gpu_is_one_clear_error": "hides every GPU",
     "tests/test_cli.py::test_cuda_device_without_a_gpu": "hides every GPU",
+    "tests/test_config.py::test_zero_3_and_offload_run_in_16_bits":
+        "loads a config naming train.device = cuda (offload's check); makes no CUDA device",
     "tests/test_mpi_zero.py::test_info_refuses_the_head_size_a_cuda_run_refuses":
         "plans train.device = cuda on the memory planner's stand-in device; makes no CUDA device",
     "tests/test_transfers.py::test_staging_copies_a_fenced_bucket_on_the_threads_stream":

@@ -22,7 +22,10 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
     added (two micro-batches) on the communication thread while backward writes the next slots; and
     the parameters' chunks on the device, each layer part's bucket gathered into reused device slots
     through pinned buffers on the gather thread before it runs (slots reused: checked), two steps so
-    that the second fetches ahead in the first one's recorded order."""
+    that the second fetches ahead in the first one's recorded order. The gathers are fenced: the
+    gather thread waits for its slot's event, never for the device's whole stream (checked)."""
+    import threading
+
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.size != 2:
@@ -49,8 +52,15 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
             assert trainer.plan.grad_slots.rotating < len(trainer.plan.buckets) - 1
         if zero == 3:
             assert trainer.plan.param_slots.layout.rotating < len(trainer.plan.buckets) - 1
+        waits = []   # the threads that waited for the device's whole stream
+        if device == "cuda":
+            whole = trainer.device.stream.synchronize
+            trainer.device.stream.synchronize = lambda: waits.append(threading.current_thread().name) or whole()
         losses = [trainer.train_step() for _ in range(cfg.train.steps)]
         slots = trainer.plan.param_slots
+        if device == "cuda" and zero == 3:
+            assert slots._fence is not None and all(e is not None for e in slots._slot_events)
+            assert "hpctrain-zero3-gather" not in waits and "MainThread" in waits, set(waits)
         runs[device] = losses, (trainer.device.to_host(trainer.model.flat.data).copy() if slots is None
                                 else slots.whole(trainer.plan.dp.comm))
         trainer.close()

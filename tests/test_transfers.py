@@ -183,3 +183,62 @@ def test_pinned_uploads_take_two_buffers_in_turn_and_wait_for_the_copy_two_uploa
     assert log == [("host waits for event", "e0"), ("record", "e0", "device"),
                    ("host waits for event", "e1"), ("record", "e1", "device"),
                    ("host waits for event", "e0"), ("record", "e0", "device")]
+
+
+def test_a_zero_3_gather_waits_for_its_slots_event_and_copies_on_the_threads_stream():
+    """ZeRO-3 on a GPU: queuing a gather records an event on the device's stream (after the slot's
+    last readers and the masters' update); the gather thread waits for that event only, copies its
+    chunk into the slot and stages the slot on its own stream, and the device's stream waits for the
+    copy back. Never a wait for the device's whole stream on the gather thread."""
+    from hpctrain.comm.zero import ZeroShards
+    from hpctrain.comm.zero_params import ParameterSlots
+    from hpctrain.nn.flat import FlatParams
+
+    fence, log = _fence()
+    threads = set()
+
+    class Buf(np.ndarray):
+        def copy_to_host(self, host, stream):
+            log.append(("to host", stream.name))
+            host[...] = self
+
+        def copy_to_device(self, host, stream):
+            log.append(("to device", stream.name))
+            self[...] = host
+
+    def copy(src, dst, db, accumulate, stream=None):   # the chunk into its slot (residual_backward's copy)
+        log.append(("chunk copy", stream.name if stream is not None else "device"))
+        threads.add(threading.current_thread().name)
+        dst[...] = src
+
+    dev = types.SimpleNamespace(name="cuda", fence=fence, dtype=np.dtype(np.float64),
+                                zeros=lambda n, dtype=None: np.zeros(n, dtype or np.float64).view(Buf),
+                                ops=types.SimpleNamespace(residual_backward=copy),
+                                synchronize=lambda: log.append(("host waits for stream", "device")))
+    flat = FlatParams(dev, [("a", (4,)), ("b", (4,))], allocate=False)
+    buckets = [Bucket(0, 4, 8, ("b",)), Bucket(1, 0, 4, ("a",))]
+    shards = ZeroShards(buckets, 0, 2, lambda rank, size: rank)   # this rank: the first half of each
+    slots = ParameterSlots(buckets, shards, flat, [("a",), ("b",)], dev, overlap=True)
+    slots.owned[:] = [1.0, 2.0, 3.0, 4.0]   # bucket 0's chunk, then bucket 1's
+
+    class Gatherer:
+        staging = Staging(dev, "off")
+
+        def allgather(self, buf):   # the other rank's half arrives on the host
+            with self.staging.host_view(buf, slot="zero") as host:
+                host[host.size // 2:] = -1.0
+    Gatherer.staging._pinned_for = lambda buf, slot: np.zeros(buf.shape, buf.dtype)
+    slots.connect(Gatherer())
+    try:
+        slots.fetch(("b",), forward=True)
+    finally:
+        slots.close()
+    record = log.index(("record", "e0", "device"))   # the slot's event, recorded as the gather was queued
+    after = log[record + 1:]
+    own = next(entry[1] for entry in after if entry[0] == "chunk copy")
+    assert own not in ("device",) and threads == {"hpctrain-zero3-gather"}
+    assert after.index(("host waits for event", "e0")) < after.index(("chunk copy", own)) \
+        < after.index(("to host", own)) < after.index(("to device", own))
+    assert after[-1] == ("stream waits for event", "device", "e1")   # the device's stream waits for the copy back
+    assert ("host waits for stream", "device") not in after
+    np.testing.assert_array_equal(slots.views[0], [1.0, 2.0, -1.0, -1.0])

@@ -38,8 +38,14 @@ recorded order), on a duplicate communicator of the data group (ZeRO-1's paramet
 one thread, so they pair up. Without ``dist.overlap`` they run on the main thread when a part needs
 them, and nothing is fetched ahead.
 
-On a GPU a gather copies through the staging path, which first waits for the device's queued work
-(the part computing now included): there the gathers do not overlap compute yet.
+On a GPU a gather is fenced, as ZeRO-2's reductions are (:class:`~hpctrain.transfers.StreamFence`):
+when the main thread queues it, an event is recorded on the device's stream after everything queued
+so far, the slot's last readers and the masters' last update among them (a part's kernels are
+queued after its fetch, so not the part about to run). The gather thread waits for that event only,
+rounds or copies this rank's chunk into the slot on a stream of its own, stages the slot through
+pinned host memory there, and the device's stream waits for the copy back before its next kernel.
+So a bucket's gather runs while the part before it computes. Without ``dist.overlap`` the main
+thread gathers after the device's queued work.
 
 Under a 16-bit ``train.precision`` the pool is in the compute dtype (bf16 or fp16, as FSDP's
 ``MixedPrecision(param_dtype=...)``): a gather rounds this rank's float32 chunk into the slot and
@@ -97,6 +103,12 @@ class ParameterSlots:
                          for fwd, order in zip((True, False), orders)}
         self._cursor = {True: 0, False: 0}
         self._ready: dict = {}     # bucket -> an Event set once its gather is done
+        # on a GPU (a fence with a stream), with overlap: per slot an event, recorded on the device's
+        # stream as a gather into it is queued (what the gather thread waits for), made once
+        fence = getattr(device, "fence", None)
+        self._fence = fence if overlap and getattr(fence, "stream", None) is not None else None
+        self._slot_events: list = [None] * layout.count
+        self._free: dict = {}      # bucket -> the event its gather waits for (fenced gathers only)
         self._error = None
         self._tasks = queue.Queue()
         self._thread = None
@@ -245,6 +257,10 @@ class ParameterSlots:
         self._holds[slot] = i
         self.gathers += 1
         self.bytes += self.views[i].nbytes
+        if self._fence is not None:   # after every kernel queued so far: the slot's readers, the masters' update
+            event = self._slot_events[slot] or self._fence.new_event()
+            self._slot_events[slot] = event
+            self._free[i] = self._fence.record(event)   # (re-recorded only once the slot's last gather is done)
         done = self._ready[i] = threading.Event()
         if not self.overlap:
             try:
@@ -292,15 +308,32 @@ class ParameterSlots:
                     done.set()
 
     def _gather(self, i: int) -> None:
-        """Bucket ``i`` whole in its slot: this rank's chunk copied in, the others all-gathered."""
+        """Bucket ``i`` whole in its slot: this rank's chunk copied in, the others all-gathered. Fenced
+        (a GPU, with overlap; the module docstring): after the event :meth:`_start` recorded, on this
+        thread's own stream; else after the device's queued work."""
+        fence, event = self._fence, self._free.pop(i, None)
+        if fence is None or event is None:
+            self._fill(i, None)
+            self.device.synchronize()   # the layers read the slot next, from the main thread
+            return
+        with fence.fenced(event):
+            event.synchronize()   # the slot's last reader done, the masters updated (the device's stream goes on)
+            self._fill(i, fence.transfer_stream())
+        # (the staging's copy back is queued on this thread's stream; the device's waits for it: transfer_done)
+
+    def _fill(self, i: int, stream) -> None:
+        """Bucket ``i``'s slot: this rank's chunk rounded or copied in (queued on ``stream``, or the
+        device's), then every chunk all-gathered."""
         bucket, view = self.buckets[i], self.views[i]
         lo, hi, at = self.shards.pieces[i]
         if hi > lo:
             mine, into = self.owned[at:at + hi - lo], view[lo - bucket.lo:hi - bucket.lo]
+            on = {} if stream is None else {"stream": stream}
             if self._narrowed:   # the masters rounded to the compute dtype (elementwise: as rounding them whole)
-                self.device.ops.narrow(mine, into)
+                self.device.ops.narrow(mine, into, **on)
             else:
-                self.device.ops.residual_backward(mine, into, None, False)
+                self.device.ops.residual_backward(mine, into, None, False, **on)
+        if stream is not None:
+            stream.synchronize()   # the chunk in place before the staging reads the slot
         # a gather moves numbers: 16-bit values as their bits (MPI has no bf16 or fp16 type of its own)
         self.gatherer.allgather(view.view(np.uint16) if self._narrowed else view)
-        self.device.synchronize()   # the layers read the slot next, from the main thread
