@@ -13,6 +13,7 @@ import threading
 import types
 
 import numpy as np
+import pytest
 
 from hpctrain.comm.buckets import Bucket, BucketedAllreduce
 from hpctrain.comm.staging import Staging
@@ -185,9 +186,11 @@ def test_pinned_uploads_take_two_buffers_in_turn_and_wait_for_the_copy_two_uploa
                    ("host waits for event", "e0"), ("record", "e0", "device")]
 
 
-def test_a_zero_3_gather_waits_for_its_slots_event_and_copies_on_the_threads_stream():
-    """ZeRO-3 on a GPU: queuing a gather records an event on the device's stream (after the slot's
-    last readers and the masters' update); the gather thread waits for that event only, copies its
+@pytest.mark.parametrize("pool", ["float64", "uint16"])
+def test_a_zero_3_gather_waits_for_its_slots_event_and_copies_on_the_threads_stream(pool):
+    """ZeRO-3 on a GPU: queuing a gather records an event on the device's stream, on the main thread,
+    after the kernels queued so far (the slot's last readers, the masters' update); the gather thread
+    waits for that event only, copies (float64 pool) or rounds (a 16-bit pool, bf16's uint16) its
     chunk into the slot and stages the slot on its own stream, and the device's stream waits for the
     copy back. Never a wait for the device's whole stream on the gather thread."""
     from hpctrain.comm.zero import ZeroShards
@@ -206,34 +209,44 @@ def test_a_zero_3_gather_waits_for_its_slots_event_and_copies_on_the_threads_str
             log.append(("to device", stream.name))
             self[...] = host
 
-    def copy(src, dst, db, accumulate, stream=None):   # the chunk into its slot (residual_backward's copy)
+    def copy(src, dst, db=None, accumulate=False, stream=None):   # the chunk into its slot (copy or narrow)
         log.append(("chunk copy", stream.name if stream is not None else "device"))
         threads.add(threading.current_thread().name)
         dst[...] = src
 
+    recorded_on = []
+    record = fence.record
+
+    def record_where(event):
+        recorded_on.append(threading.current_thread().name)
+        return record(event)
+    fence.record = record_where
     dev = types.SimpleNamespace(name="cuda", fence=fence, dtype=np.dtype(np.float64),
                                 zeros=lambda n, dtype=None: np.zeros(n, dtype or np.float64).view(Buf),
-                                ops=types.SimpleNamespace(residual_backward=copy),
+                                ops=types.SimpleNamespace(residual_backward=copy, narrow=copy),
                                 synchronize=lambda: log.append(("host waits for stream", "device")))
     flat = FlatParams(dev, [("a", (4,)), ("b", (4,))], allocate=False)
     buckets = [Bucket(0, 4, 8, ("b",)), Bucket(1, 0, 4, ("a",))]
     shards = ZeroShards(buckets, 0, 2, lambda rank, size: rank)   # this rank: the first half of each
-    slots = ParameterSlots(buckets, shards, flat, [("a",), ("b",)], dev, overlap=True)
+    slots = ParameterSlots(buckets, shards, flat, [("a",), ("b",)], dev, overlap=True, dtype=np.dtype(pool))
     slots.owned[:] = [1.0, 2.0, 3.0, 4.0]   # bucket 0's chunk, then bucket 1's
 
     class Gatherer:
         staging = Staging(dev, "off")
 
-        def allgather(self, buf):   # the other rank's half arrives on the host
+        def allgather(self, buf):   # the other rank's half arrives on the host (a 16-bit pool: as its bits)
+            assert buf.dtype == np.dtype(pool if pool == "float64" else np.uint16)
             with self.staging.host_view(buf, slot="zero") as host:
-                host[host.size // 2:] = -1.0
+                host[host.size // 2:] = 9
     Gatherer.staging._pinned_for = lambda buf, slot: np.zeros(buf.shape, buf.dtype)
     slots.connect(Gatherer())
+    log.append(("kernel", "device"))   # a kernel queued before the fetch (the slot's last reader, say)
     try:
         slots.fetch(("b",), forward=True)
     finally:
         slots.close()
     record = log.index(("record", "e0", "device"))   # the slot's event, recorded as the gather was queued
+    assert log.index(("kernel", "device")) < record and recorded_on == ["MainThread"]
     after = log[record + 1:]
     own = next(entry[1] for entry in after if entry[0] == "chunk copy")
     assert own not in ("device",) and threads == {"hpctrain-zero3-gather"}
@@ -241,4 +254,4 @@ def test_a_zero_3_gather_waits_for_its_slots_event_and_copies_on_the_threads_str
         < after.index(("to host", own)) < after.index(("to device", own))
     assert after[-1] == ("stream waits for event", "device", "e1")   # the device's stream waits for the copy back
     assert ("host waits for stream", "device") not in after
-    np.testing.assert_array_equal(slots.views[0], [1.0, 2.0, -1.0, -1.0])
+    np.testing.assert_array_equal(slots.views[0], [1, 2, 9, 9])
