@@ -53,6 +53,20 @@ def fake_cuda(log):
                                  pinned_array=lambda shape, dtype: np.zeros(shape, dtype))
 
 
+def recording_buffer(log):
+    """An ndarray subclass standing in for a device array: its copies to and from the host are
+    appended to ``log`` as ("to host" | "to device", the stream's name)."""
+    class Buf(np.ndarray):
+        def copy_to_host(self, host, stream):
+            log.append(("to host", stream.name))
+            host[...] = self
+
+        def copy_to_device(self, host, stream):
+            log.append(("to device", stream.name))
+            self[...] = host
+    return Buf
+
+
 def _fence():
     log = Log()
     return StreamFence(fake_cuda(log), FakeStream(log, "device")), log
@@ -102,15 +116,7 @@ def test_staging_copies_a_fenced_bucket_on_the_threads_stream():
     on the thread's stream, and the device's stream waits for the copy back."""
     fence, log = _fence()
     copies = []
-
-    class Buf(np.ndarray):
-        def copy_to_host(self, host, stream):
-            copies.append(("to host", stream.name))
-            host[...] = self
-
-        def copy_to_device(self, host, stream):
-            copies.append(("to device", stream.name))
-            self[...] = host
+    Buf = recording_buffer(copies)
     dev = types.SimpleNamespace(name="cuda", fence=fence)
     staging = Staging(dev, "off")
     staging._pinned_for = lambda buf, slot: np.zeros(buf.shape, buf.dtype)
@@ -199,15 +205,7 @@ def test_a_zero_3_gather_waits_for_its_slots_event_and_copies_on_the_threads_str
 
     fence, log = _fence()
     threads = set()
-
-    class Buf(np.ndarray):
-        def copy_to_host(self, host, stream):
-            log.append(("to host", stream.name))
-            host[...] = self
-
-        def copy_to_device(self, host, stream):
-            log.append(("to device", stream.name))
-            self[...] = host
+    Buf = recording_buffer(log)
 
     def copy(src, dst, db=None, accumulate=False, stream=None):   # the chunk into its slot (copy or narrow)
         log.append(("chunk copy", stream.name if stream is not None else "device"))

@@ -108,7 +108,6 @@ class ParameterSlots:
         fence = getattr(device, "fence", None)
         self._fence = fence if overlap and getattr(fence, "stream", None) is not None else None
         self._slot_events: list = [None] * layout.count
-        self._free: dict = {}      # bucket -> the event its gather waits for (fenced gathers only)
         self._error = None
         self._tasks = queue.Queue()
         self._thread = None
@@ -258,9 +257,8 @@ class ParameterSlots:
         self.gathers += 1
         self.bytes += self.views[i].nbytes
         if self._fence is not None:   # after every kernel queued so far: the slot's readers, the masters' update
-            event = self._slot_events[slot] or self._fence.new_event()
-            self._slot_events[slot] = event
-            self._free[i] = self._fence.record(event)   # (re-recorded only once the slot's last gather is done)
+            event = self._slot_events[slot] = self._slot_events[slot] or self._fence.new_event()
+            self._fence.record(event)   # (re-recorded only once the slot's last gather is done)
         done = self._ready[i] = threading.Event()
         if not self.overlap:
             try:
@@ -311,11 +309,12 @@ class ParameterSlots:
         """Bucket ``i`` whole in its slot: this rank's chunk copied in, the others all-gathered. Fenced
         (a GPU, with overlap; the module docstring): after the event :meth:`_start` recorded, on this
         thread's own stream; else after the device's queued work."""
-        fence, event = self._fence, self._free.pop(i, None)
-        if fence is None or event is None:
+        fence = self._fence
+        if fence is None:
             self._fill(i, None)
             self.device.synchronize()   # the layers read the slot next, from the main thread
             return
+        event = self._slot_events[self.layout.slot_of[i]]   # recorded as this gather was queued
         with fence.fenced(event):
             event.synchronize()   # the slot's last reader done, the masters updated (the device's stream goes on)
             self._fill(i, fence.transfer_stream())
