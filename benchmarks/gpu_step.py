@@ -90,7 +90,8 @@ class Hpctrain:
     def __init__(self, dev, shape, seed=1, graphs=False, precision="fp32"):
         from hpctrain.models.gpt import GPT
         from hpctrain.optim import make_optimizer
-        from hpctrain.precision import on_device, policy
+        from hpctrain.device import on_device
+        from hpctrain.precision import policy
         from hpctrain.training.cuda_graphs import StepGraphs
 
         layers, d, heads, context, vocab, rows = shape

@@ -15,7 +15,7 @@ each run's final loss must be finite and every fp32 run must learn (loss below i
 or the row says FAILED and the exit code is 1.
 
 The CPU run of a 16-bit precision is its correctness path: every op converts its 16-bit operands
-to float32 and back (hpctrain/precision.py), so it is slower than fp32 here, and the tokens/s are
+to float32 and back (hpctrain/device/mixed.py), so it is slower than fp32 here, and the tokens/s are
 stated, not targeted. The speed targets of bf16 are a GPU's (tensor-core GEMMs), measured by
 scripts/gpu-check.sh when a GPU is lent.
 """
@@ -56,7 +56,7 @@ def train_once(config: str, precision: str, seed: int, steps: int, out: str) -> 
         rows = -(-cfg.train.global_batch // cfg.train.grad_accum_steps)
         activations = trainer.model.activation_bytes(rows)
         result = trainer.run()
-        # a 16-bit model's float32 work arrays (hpctrain.precision.MixedDevice), after training
+        # a 16-bit model's float32 work arrays (hpctrain.device.mixed.MixedDevice), after training
         work = getattr(trainer.model.device, "work_bytes", lambda: 0)()
     finally:
         trainer.close()

@@ -85,9 +85,19 @@ def _parser() -> argparse.ArgumentParser:
     from .data.cli import add_data_parser
 
     add_data_parser(sub)
-    from .sample import add_sample_parser
-
-    add_sample_parser(sub)
+    s = sub.add_parser("sample", help="generate text from a GPT checkpoint (no MPI launcher needed)",
+                       description="Generate text from a GPT checkpoint, read and verified as a resume reads it. "
+                                   "Example: python -m hpctrain sample "
+                                   "--checkpoint runs/gpt/ckpt/ckpt-00001500.h5 --prompt 'def ' --tokens 300")
+    s.add_argument("--checkpoint", required=True, metavar="FILE", help="a checkpoint of a model.kind = \"gpt\" run")
+    s.add_argument("--prompt", default="\n", help="text the sample continues (default: a newline)")
+    s.add_argument("--tokens", type=int, default=300, help="tokens (bytes) to generate (default 300)")
+    s.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature; 0 = greedy, the most likely token every time (default 0.8)")
+    s.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="draw only among the K most likely tokens; 0 = all (default 0)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    s.set_defaults(func=cmd_sample)
 
     c = sub.add_parser("ckpt", help="list, verify or inspect checkpoints (no MPI needed)")
     csub = c.add_subparsers(dest="ckpt_command", required=True, metavar="action")
@@ -186,6 +196,43 @@ def cmd_train(args) -> int:
         trainer.close(code)
     stop.ignore_late()  # nothing left to stop: a late SIGUSR1/SIGTERM must not change the exit code
     return code
+
+
+def cmd_sample(args) -> int:
+    """Under a launcher only rank 0 samples and prints; the checkpoint is read in a child process,
+    every checksum checked, and the model rebuilt on the CPU from the config stored in it."""
+    import os
+
+    import numpy as np
+    from mpi4py import MPI  # every rank of a launch initialises MPI, or mpirun calls it a failure
+
+    from .ckpt.read import load_checkpoint
+    from .errors import UserError
+    from .models.sample import generate, gpt_from_checkpoint
+    from .runtime import init_world
+    from .training.config_load import load_config_text
+
+    if args.tokens < 0 or args.top_k < 0 or not args.temperature >= 0:
+        raise UserError("sample: --tokens and --top-k must be >= 0 and --temperature >= 0 (0 = greedy)")
+    if launched_rank() != 0:
+        return 0  # one sample per launch, from rank 0
+    if not os.path.isfile(args.checkpoint):
+        raise UserError(f"--checkpoint {args.checkpoint!r}: no such file; list a run's checkpoints with "
+                        f"'python -m hpctrain ckpt ls DIR'")
+    loaded = load_checkpoint(args.checkpoint, init_world(MPI.COMM_SELF))  # verified; raises CorruptCheckpoint
+    cfg = load_config_text(str(loaded.attrs.get("config", "")), f"{args.checkpoint} (its stored config)")
+    model = gpt_from_checkpoint(loaded, cfg.model)
+    prompt = np.frombuffer(args.prompt.encode("utf-8"), np.uint8)
+    if len(prompt) == 0:
+        raise UserError("sample: --prompt is empty; give at least one character (the default is a newline)")
+    if prompt.max() >= model.vocab:
+        raise UserError(f"sample: the prompt's bytes go up to {prompt.max()}, beyond the model's vocabulary of "
+                        f"{model.vocab} tokens")
+    out = generate(model, prompt, args.tokens, args.temperature, args.top_k, np.random.default_rng(args.seed))
+    sys.stdout.write(bytes(out.astype(np.uint8)).decode("utf-8", "replace"))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
 
 
 def _ckpt(name, args) -> int:

@@ -146,9 +146,9 @@ def test_chunks_hold_as_many_heads_as_the_budget_allows_along_the_cheaper_axis()
 
 
 def test_gemm_attention_without_cublas_on_a_gpu_is_a_config_error(monkeypatch):
-    import hpctrain.device as device
+    import hpctrain.device.cuda as cuda_device
 
-    monkeypatch.setattr(device, "simulated", lambda: False)   # as on a real GPU with train.gemm = numba
+    monkeypatch.setattr(cuda_device, "simulated", lambda: False)   # as on a real GPU with train.gemm = numba
     with pytest.raises(ConfigError, match="model.attention='gemm' runs its GEMMs on cuBLAS"):
         CudaDevice("float32", 0, "numba", "gemm")
     auto = CudaDevice("float32", 0, "numba", "auto")           # auto: the flash kernels, their head limit

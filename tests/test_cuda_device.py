@@ -23,7 +23,7 @@ def test_gpu_is_local_rank_modulo_visible_gpus(local_rank, n_gpus, expected):
 
 
 def test_auto_is_cpu_without_gpu(monkeypatch):
-    monkeypatch.setattr(device_mod, "cuda_status", lambda: (0, "no driver"))
+    monkeypatch.setattr(device_mod.choose, "cuda_status", lambda: (0, "no driver"))
     assert isinstance(make_device("auto", "float32"), CpuDevice)
 
 
@@ -35,7 +35,7 @@ def test_auto_never_picks_the_simulator():
 
 
 def test_cuda_without_gpu_is_a_config_error_naming_the_fix(monkeypatch):
-    monkeypatch.setattr(device_mod, "cuda_status", lambda: (0, "numba.cuda finds no usable GPU or driver"))
+    monkeypatch.setattr(device_mod.choose, "cuda_status", lambda: (0, "numba.cuda finds no usable GPU or driver"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(ConfigError, match=r"train.device='cuda' but no GPU.*CUDA_VISIBLE_DEVICES=''.*'auto' or 'cpu'"):
         make_device("cuda", "float32")
@@ -132,7 +132,7 @@ def test_pinned_staging_leaves_the_device_buffer_alone_when_mpi_fails():
 
 @needs_cuda
 def test_fenced_staging_in_a_thread_reads_the_fenced_writes_and_the_stream_sees_the_copy_back():
-    """The communication thread's path (hpctrain/transfers.py) on real streams: a buffer written
+    """The communication thread's path (hpctrain/device/transfers.py) on real streams: a buffer written
     before the fence's event is copied out inside fenced(event) on the thread's stream, changed on
     the host (as an MPI receive would) and copied back; a kernel the device's stream runs next sees
     the change. On a GPU, with 100 passes over 1 GiB queued behind the event, the thread's copies

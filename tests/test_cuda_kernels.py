@@ -19,7 +19,7 @@ import math
 import numpy as np
 import pytest
 
-from hpctrain.device import CpuDevice, CudaDevice, cuda_status, simulated
+from hpctrain.device import CpuDevice, CudaDevice, cuda_status
 from hpctrain.kernels import adamw, bias_act, linear, scale, sgd, softmax_xent
 from conftest import up
 from gelu_float32 import assert_gelu_float32

@@ -8,7 +8,7 @@ import pytest
 
 from hpctrain.device import CpuDevice
 from hpctrain.models.gpt import GPT
-from hpctrain.flat_optimizer import decay_runs
+from hpctrain.optim.flat import decay_runs
 
 TINY = dict(vocab=11, context=5, n_layer=2, n_head=2, d_model=8)
 

@@ -1,4 +1,4 @@
-"""LAMB and LARS (hpctrain/layerwise.py) against NumPy references written from the papers' update
+"""LAMB and LARS (hpctrain/optim/layerwise.py) against NumPy references written from the papers' update
 rules (You et al. 2017, Algorithm 1; You et al. 2019, Algorithm 2 with Adam's bias corrections),
 on one rank in float64, and LAMB's direction kernel on its own (CPU twin against NumPy; the CUDA
 kernel, on the simulator, against the twin). The sharded and split runs are

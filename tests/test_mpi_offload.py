@@ -70,7 +70,7 @@ def test_offloaded_optimizer_gives_the_bits_of_the_device_one(mpi_text_data, mpi
 
     if MPI.COMM_WORLD.size != 2:
         pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
-    from hpctrain.offload import OffloadedOptimizer
+    from hpctrain.optim.offload import OffloadedOptimizer
     from hpctrain.runtime import init_world
 
     world = init_world()
@@ -97,7 +97,7 @@ def test_a_16_bit_run_offloads_its_float32_masters(mpi_text_data, mpi_shared_dir
 
     if MPI.COMM_WORLD.size != 2:
         pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
-    from hpctrain.offload import OffloadedOptimizer
+    from hpctrain.optim.offload import OffloadedOptimizer
     from hpctrain.runtime import init_world
 
     world = init_world()

@@ -223,7 +223,7 @@ def test_cuda_device_carries_the_note(monkeypatch):
     assert device_mod.CpuDevice("float32").gemm_note is None
     if device_mod.simulated():
         assert device_mod.CudaDevice("float32", gemm="auto").gemm_note is None
-        monkeypatch.setattr(device_mod, "simulated", lambda: False)  # from here as on a GPU
+        monkeypatch.setattr(device_mod.cuda, "simulated", lambda: False)  # from here as on a GPU
     monkeypatch.setattr(cublas, "cupy_status", lambda gpu=0: (False, "CuPy is not installed"))
     dev = device_mod.CudaDevice("float32", gemm="auto")
     assert dev.gemm == "numba" and "CuPy is not installed" in dev.gemm_note
@@ -306,7 +306,7 @@ def test_trainer_logs_the_device_note_once_on_rank_0(monkeypatch, small_data, tm
 
     if device_mod.cuda_status()[0] == 0:
         pytest.skip("numba.cuda unusable")
-    monkeypatch.setattr(device_mod, "gemm_fallback_warning",
+    monkeypatch.setattr(device_mod.cuda, "gemm_fallback_warning",
                         lambda choice, *args, **kw: "NOTE" if choice == "auto" else None)
     world = init_world(MPI.COMM_SELF)
     for device, warnings in (("cuda", 1), ("cpu", 0)):

@@ -1,4 +1,4 @@
-"""Host <-> GPU copies and their order against the device's stream (hpctrain/transfers.py).
+"""Host <-> GPU copies and their order against the device's stream (hpctrain/device/transfers.py).
 
 numba's simulator runs every copy at once and its events and streams wait for nothing, so a
 missing wait could not fail there. These tests drive the classes with a recording stand-in for
@@ -17,7 +17,7 @@ import pytest
 
 from hpctrain.comm.buckets import Bucket, BucketedAllreduce
 from hpctrain.comm.staging import Staging
-from hpctrain.transfers import PinnedUpload, StreamFence
+from hpctrain.device.transfers import PinnedUpload, StreamFence
 
 
 class Log(list):

@@ -37,7 +37,7 @@ NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 GROUPS = ("model", "optim", "compress", "data", "rng")
 PER_RANK_GROUPS = ("rng", "compress")  # arrays of one row per saved rank (ckpt/state.py); the rest are replicated
 # what every training run's checkpoint holds besides /model/* (ckpt/state.py training_state), and the
-# /optim/<state>/* groups of each optim.name (hpctrain/optim.py state()); the readers check both are there
+# /optim/<state>/* groups of each optim.name (hpctrain/optim state()); the readers check both are there
 TRAINER_DATASETS = ("/data/position", "/optim/step_count", "/rng/pcg64")
 # their dtypes, and those of /compress (float32 residuals, int64 lengths); /model and /optim/<state>
 # hold train.dtype (the root attribute dtype). A flipped bit can turn a float type into an integer

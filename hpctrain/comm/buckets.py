@@ -14,7 +14,7 @@ Iallreduce barely progresses unless some thread keeps calling into MPI.
 On a GPU the thread waits for the bucket's own gradients, not for everything
 queued: mark_ready records an event on the device's stream when a bucket's last
 gradient is queued, and the thread reduces the bucket fenced by it
-(:class:`~hpctrain.transfers.StreamFence`), its copies on a stream of its own, so
+(:class:`~hpctrain.device.transfers.StreamFence`), its copies on a stream of its own, so
 they run while backward's later kernels do.
 The optimizer then waits for each bucket in turn and updates that slice, so it
 waits only for what it needs. The last bucket is ready only when backward
@@ -140,7 +140,7 @@ class BucketedAllreduce:
     """
 
     def __init__(self, strategy, grad, buckets, device, overlap: bool = True, compression=None,
-                 check_finite: bool = False, shards=None):
+                 check_finite: bool = False, shards=None, tracer=None, trace_args=None, ranges=None):
         self.strategy, self.grad, self.buckets, self.device = strategy, grad, buckets, device
         self.shards = shards  # a zero.ZeroShards: reduce-scatter, each rank scales and tests its chunk only
         self.overlap = overlap
@@ -162,8 +162,8 @@ class BucketedAllreduce:
         self._may_inline = bool(buckets) and (one_core or self._views[-1].nbytes <= INLINE_MAX_BYTES)
         self.comm_s = self.exposed_s = 0.0
         self.bytes = sum(v.nbytes for v in self._views)
-        self.tracer, self.trace_args = None, {}  # set by the trainer when tracing (hpctrain.observe.trace)
-        self.ranges = None  # NVTX ranges (hpctrain.observe.nvtx), set by the trainer with train.nvtx
+        self.tracer, self.trace_args = tracer, trace_args or {}  # train.trace: spans (hpctrain.observe.trace)
+        self.ranges = ranges  # train.nvtx: NVTX ranges (hpctrain.observe.nvtx)
 
     claim = None         # ZeRO-2's hook before backward writes gradients (hpctrain.comm.zero_grads)
     every_micro = False  # True: backward feeds the buckets in every micro-batch, each writing afresh

@@ -13,7 +13,7 @@ In every mode MPI never reads a buffer a kernel is still writing: each view firs
 device's writes (``device.fence.wait_for_writes()``: the whole stream, or, on the communication
 thread inside ``device.fence.fenced(event)``, only the event recorded when the bucket was ready),
 and the pinned copies go on ``device.fence.transfer_stream()`` (that thread's own stream, so a
-bucket's copies do not queue behind backward's later kernels; hpctrain.transfers).
+bucket's copies do not queue behind backward's later kernels; hpctrain.device.transfers).
 
 Strategies that reduce on the host (ring, rhd) need host memory even where MPI
 is CUDA-aware: :meth:`Staging.host_view` yields the buffer itself on the CPU

@@ -38,7 +38,7 @@ recorded order), on a duplicate communicator of the data group (ZeRO-1's paramet
 one thread, so they pair up. Without ``dist.overlap`` they run on the main thread when a part needs
 them, and nothing is fetched ahead.
 
-On a GPU a gather is fenced, as ZeRO-2's reductions are (:class:`~hpctrain.transfers.StreamFence`):
+On a GPU a gather is fenced, as ZeRO-2's reductions are (:class:`~hpctrain.device.transfers.StreamFence`):
 when the main thread queues it, an event is recorded on the device's stream after everything queued
 so far, the slot's last readers and the masters' last update among them (a part's kernels are
 queued after its fetch, so not the part about to run). The gather thread waits for that event only,

@@ -54,7 +54,7 @@ F32 = np.float32
 
 
 class DeviceCompressedSum(CompressedSum):
-    """CompressedSum over a :class:`~hpctrain.device.CudaDevice` bucket. Collective."""
+    """CompressedSum over a :class:`~hpctrain.device.cuda.CudaDevice` bucket. Collective."""
 
     def __init__(self, comm, compressor, device):
         if not isinstance(compressor, (NoCompression, Fp16, Bf16, RandK, TopK, Sign)) \

@@ -5,7 +5,7 @@
 
 ``lamb_direction`` writes r into ``out`` and leaves p, m and v as they are: LAMB scales each
 parameter's step by a trust ratio, ||p|| / ||r||, which needs r's norm before any element moves.
-The step itself is then AdamW's with the learning rate times that ratio (hpctrain/optim.py):
+The step itself is then AdamW's with the learning rate times that ratio (hpctrain/optim/elementwise.py):
 AdamW's p (1 - lr wd) - lr m'/(...) is p - lr r, with the same m' and v' computed from the same m,
 v and g. (AdamW folds lr / (1 - b1^t) into one factor, so its step may differ from lr r in the last
 bit; only r's norm is taken from here.)

@@ -5,7 +5,7 @@ kernel over P elements, the all-reduce sends one buffer (later: slices of it as
 buckets), and a checkpoint writes it without gathering pieces. Parameters are
 laid out in layer order; gradient buckets walk it backwards.
 
-Under a 16-bit ``train.precision`` (a :class:`~hpctrain.precision.MixedDevice`) ``data`` and
+Under a 16-bit ``train.precision`` (a :class:`~hpctrain.device.mixed.MixedDevice`) ``data`` and
 ``grad`` are the float32 masters and ``compute`` is the parameters rounded to the compute dtype,
 which the layers read; otherwise ``compute`` is ``data`` itself.
 

@@ -27,7 +27,7 @@ def check_across_sections(cfg) -> None:
     if cfg.dist.zero == 3:
         _check_zero3(cfg)
     if cfg.dist.offload != "none":
-        from ..offload import check
+        from ..optim.offload import check
 
         check(cfg)
     if cfg.dist.pipeline_parallel > 1 or cfg.dist.pipeline_stages:

@@ -9,7 +9,7 @@ and the buckets' communication.
 
 How: the first call of each key runs eagerly, which compiles every kernel and allocates every
 buffer and scratch array; the second is captured on the device's stream
-(:meth:`~hpctrain.device.CudaDevice.capture`: CuPy's stream capture, which records numba's
+(:meth:`~hpctrain.device.cuda.CudaDevice.capture`: CuPy's stream capture, which records numba's
 launches and cuBLAS's calls on that stream) and then run eagerly (a capture runs nothing); the
 third is replayed and checked against the same work run eagerly from the same state (what each
 array changed by, within 1e-3 of the eager change; else the run goes on eagerly and says so),
@@ -70,7 +70,7 @@ class StepGraphs:
     """A micro-batch's forward and backward (:meth:`run`) and the optimizer's update of a range
     (:meth:`update`), each as a CUDA graph per key, replayed.
 
-    ``device``: a :class:`~hpctrain.device.CudaDevice` (its ``capture`` and ``replay``);
+    ``device``: a :class:`~hpctrain.device.cuda.CudaDevice` (its ``capture`` and ``replay``);
     ``model``: the model; ``log``: where a failed capture is said once.
 
     Per key: the first call runs eagerly (compiling and allocating); the second is captured, then

@@ -31,7 +31,8 @@ from ..comm.zero import param_gatherer
 from ..comm.zero_grads import plan_zero
 from ..device import make_device
 from ..observe import memory
-from ..precision import on_device, policy
+from ..device import on_device
+from ..precision import policy
 
 
 @dataclass

@@ -191,7 +191,7 @@ class Step:
 
     def _prepare(self, step) -> None:
         """LAMB and LARS: each parameter's trust ratio, from its norms over every rank that holds a
-        part of it (hpctrain/layerwise.py); nothing for the other optimizers."""
+        part of it (hpctrain/optim/layerwise.py); nothing for the other optimizers."""
         optimizer = self.state.optimizer
         if getattr(optimizer, "whole_gradient", False):
             with self.timers("optimizer"), self.watchdog.watch("trust-ratio norms all-gather", f"step {step}", step):

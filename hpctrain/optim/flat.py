@@ -1,6 +1,6 @@
 """The optimizer over the flat parameter buffer that SGD, AdamW, LAMB and LARS build on: the update
 split into runs of equal weight decay, ZeRO's packed state and gradients, and the per-step scalars
-uploaded once (:mod:`hpctrain.optim` says why; :mod:`hpctrain.layerwise` for LAMB and LARS)."""
+uploaded once (:mod:`hpctrain.optim.elementwise` says why; :mod:`hpctrain.optim.layerwise` for LAMB and LARS)."""
 
 from __future__ import annotations
 

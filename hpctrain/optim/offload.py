@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import types
 
-from .device import CpuDevice
+from ..device import CpuDevice
 
 MODES = ("none", "optimizer")
 
@@ -193,7 +193,7 @@ class OffloadedOptimizer:
 
 def check(cfg) -> None:
     """:class:`~hpctrain.errors.ConfigError` for a ``dist.offload`` this configuration cannot run."""
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     mode = cfg.dist.offload
     if mode == "none":

@@ -37,8 +37,8 @@ import math
 
 import numpy as np
 
-from .kernels import adamw, lamb, sgd
-from .flat_optimizer import FlatOptimizer
+from ..kernels import adamw, lamb, sgd
+from .flat import FlatOptimizer
 
 
 class LayerWise(FlatOptimizer):

@@ -1,107 +1,19 @@
-"""Devices: who owns array memory, host<->device copies and the kernel table.
-
-The rest of hpctrain never asks "am I on a GPU?": layers call ``device.ops.<op>``
-and allocate through ``device.empty``/``device.zeros``. Both devices offer:
-
-  name, dtype, ops           the kernel table (same op names and signatures)
-  empty/zeros(shape)         arrays in the device's memory
-  from_host(array)           a new device array holding a host array
-  upload(array, slot)        the same into a buffer reused per slot (no allocation per step; on a GPU
-                             an asynchronous copy from pinned memory, so the host does not wait)
-  copy_from_host(dst, src)   fill an existing device array
-  to_host(array)             a host NumPy array (waits for the device)
-  synchronize()              wait until every queued kernel has finished
-  fence                      orders the communication thread's copies against the device's queue
-                             (hpctrain.transfers.StreamFence; HostFence on the CPU: no queue)
-  thread_context()           (cuda only) a context manager making the device current in a new thread
-  describe()                 one line for logs
-  gemm_note                  the warning to log once at start-up when train.gemm = auto fell back to
-                             the numba GEMMs on a GPU (CuPy missing or unusable), else None
-  attention_note             (cuda) likewise when model.attention = auto left the cuBLAS attention,
-                             which failed its start-up check
-
-``model.attention`` (auto | flash | gemm) picks the CUDA attention (:mod:`.kernels.attention_gemm`);
-the CPU twin is always NumPy's BLAS GEMMs around a numba softmax, whatever it says.
-"""
+"""The CUDA device (numba device arrays on one GPU, one stream), and what a GPU run chooses at
+start-up: its GEMMs (``train.gemm``: numba's kernels or cuBLAS through CuPy) and its attention
+(``model.attention``: the flash kernels or batched GEMMs, :mod:`hpctrain.kernels.attention_gemm`)."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import math
-import os
 from types import SimpleNamespace
 
 import numpy as np
 
-from .transfers import HostFence, PinnedUpload, StreamFence
-from .kernels import (adamw, attention, attention_cuda, bias_act, bias_act_cuda, cuda_support, ef, embedding,
-                      finite, lamb, layernorm, layernorm_cuda, linear, lowp, residual, scale, sgd, softmax_xent,
-                      sum_squares)
-
-CPU_OPS = SimpleNamespace(
-    linear_forward=linear.linear_forward, linear_backward=linear.linear_backward,
-    tied_head_forward=linear.tied_head_forward, tied_head_backward=linear.tied_head_backward,
-    bias_act_forward=bias_act.bias_act_forward, bias_act_backward=bias_act.bias_act_backward,
-    softmax_xent_forward=softmax_xent.softmax_xent_forward,
-    softmax_xent_backward=softmax_xent.softmax_xent_backward, softmax_xent_fused=softmax_xent.softmax_xent_fused,
-    softmax_xent_fused_add=softmax_xent.softmax_xent_fused_add,
-    sgd_update=sgd.sgd_update, adamw_update=adamw.adamw_update, lamb_direction=lamb.lamb_direction,
-    scale=scale.scale, all_finite=finite.all_finite,
-    sum_squares=sum_squares.sum_squares, sum_squares_each=sum_squares.sum_squares_each, narrow=lowp.narrow, widen=lowp.widen, fill=ef.fill,
-    # the GPT's ops
-    embedding_forward=embedding.embedding_forward, embedding_backward=embedding.embedding_backward,
-    layernorm_forward=layernorm.layernorm_forward, layernorm_backward=layernorm.layernorm_backward,
-    residual_layernorm_forward=layernorm.residual_layernorm_forward,
-    attention_forward=attention.attention_forward, attention_backward=attention.attention_backward,
-    attention_state_shapes=attention.attention_state_shapes,
-    attention_saved_kind="probabilities",   # what the saved state is (a 16-bit compute dtype keeps it so)
-    attention_max_head_size=None,   # the twin takes any head size
-    residual_forward=residual.residual_forward, residual_backward=residual.residual_backward,
-)
-
-
-class CpuDevice:
-    """NumPy arrays in host memory; GEMM through NumPy's BLAS, elementwise ops in numba."""
-
-    name = "cpu"
-    ops = CPU_OPS
-    gemm_note = None  # NumPy's BLAS: nothing to warn about
-
-    def __init__(self, dtype="float32"):
-        self.dtype = np.dtype(dtype)
-        self.accum_dtype = self.dtype   # what ops save in full precision (hpctrain.precision)
-
-    def empty(self, shape, dtype=None):
-        return np.empty(shape, dtype=dtype or self.dtype)
-
-    def zeros(self, shape, dtype=None):
-        return np.zeros(shape, dtype=dtype or self.dtype)
-
-    def from_host(self, array, dtype=None):
-        """A device array holding ``array`` (cast to the compute dtype unless ``dtype`` is given)."""
-        return np.ascontiguousarray(array, dtype=dtype or self.dtype)
-
-    def upload(self, array, slot, dtype=None):
-        return self.from_host(array, dtype)  # host memory already: no copy unless a cast is needed
-
-    def copy_from_host(self, dst, src):
-        dst[...] = src
-
-    def to_host(self, array):
-        return np.asarray(array)
-
-    def synchronize(self):
-        """Nothing queued on the CPU."""
-
-    def launches(self) -> None:
-        """None: the CPU launches no kernels (a GPU's count goes in the metrics)."""
-        return None
-
-    fence = HostFence()
-
-    def describe(self) -> str:
-        return f"cpu ({self.dtype.name})"
+from ..kernels import attention_cuda, cuda_support
+from .ops import GEMM_OPS, OPS, cuda_ops
+from .transfers import PinnedUpload, StreamFence
 
 
 class CudaDevice:
@@ -116,7 +28,7 @@ class CudaDevice:
     def __init__(self, dtype="float32", gpu: int = 0, gemm: str = "numba", attention: str = "flash"):
         from numba import cuda
 
-        from .kernels.cuda_support import make_simulator_thread_safe
+        from ..kernels.cuda_support import make_simulator_thread_safe
 
         make_simulator_thread_safe()  # simulator: one launch at a time, shared arrays shared; a GPU is untouched
         self._cuda = cuda
@@ -130,55 +42,28 @@ class CudaDevice:
         self._uploads: dict = {}
         self.gemm, why = gemm_backend(gemm, gpu)
         self.gemm_note = gemm_fallback_warning(gemm, self.gemm == "cublas", simulated(), why, gpu)
-        s = dict(stream=self.stream)
-        p = functools.partial
-        self.ops = SimpleNamespace(
-            bias_act_forward=p(bias_act_cuda.bias_act_forward_cuda, **s),
-            bias_act_backward=p(bias_act_cuda.bias_act_backward_cuda, **s, scratch=self.scratch),
-            softmax_xent_forward=p(softmax_xent.softmax_xent_forward_cuda, **s, scratch=self.scratch),
-            softmax_xent_backward=p(softmax_xent.softmax_xent_backward_cuda, **s),
-            softmax_xent_fused=p(softmax_xent.softmax_xent_fused_cuda, **s, scratch=self.scratch),
-            softmax_xent_fused_add=p(softmax_xent.softmax_xent_fused_add_cuda, **s, scratch=self.scratch),
-            sgd_update=p(sgd.sgd_update_cuda, **s), adamw_update=p(adamw.adamw_update_cuda, **s),
-            lamb_direction=p(lamb.lamb_direction_cuda, **s),
-            scale=p(scale.scale_cuda, **s), all_finite=p(finite.all_finite_cuda, **s, scratch=self.scratch),
-            sum_squares=p(sum_squares.sum_squares_cuda, **s, scratch=self.scratch),
-            sum_squares_each=p(sum_squares.sum_squares_each_cuda, **s, scratch=self.scratch),
-            narrow=p(lowp.narrow_cuda, **s), widen=p(lowp.widen_cuda, **s), fill=p(ef.fill_cuda, **s),
-            # the GPT's ops
-            embedding_forward=p(embedding.embedding_forward_cuda, **s),
-            embedding_backward=p(embedding.embedding_backward_cuda, **s, scratch=self.scratch),
-            layernorm_forward=p(layernorm_cuda.layernorm_forward_cuda, **s),
-            residual_layernorm_forward=p(layernorm_cuda.residual_layernorm_forward_cuda, **s),
-            layernorm_backward=p(layernorm_cuda.layernorm_backward_cuda, **s, scratch=self.scratch),
-            attention_state_shapes=attention_cuda.attention_state_shapes,
-            attention_saved_kind="lse",   # one log-sum-exp per row: kept in float32 under a 16-bit compute dtype
-            residual_forward=p(residual.residual_forward_cuda, **s),
-            residual_backward=p(residual.residual_backward_cuda, **s),
-        )
+        self.ops = cuda_ops(self.stream, self.scratch)
         self.attention = attention
         self._install_gemms()
-
-    GEMM_OPS = ("linear_forward", "linear_backward", "tied_head_forward", "tied_head_backward")
 
     def _install_gemms(self):
         """The GEMM ops of ``self.gemm``: cuBLAS through CuPy, or the numba kernels."""
         if self.gemm == "cublas":
-            from .kernels.cublas import CublasLinear
+            from ..kernels.cublas import CublasLinear
 
             fast = CublasLinear(self.stream, self.gpu)
-            for op in self.GEMM_OPS:
+            for op in GEMM_OPS:
                 setattr(self.ops, op, getattr(fast, op))
         else:
-            for op in self.GEMM_OPS:
-                setattr(self.ops, op, functools.partial(getattr(linear, f"{op}_cuda"), stream=self.stream))
+            for op in GEMM_OPS:
+                setattr(self.ops, op, functools.partial(OPS[op].cuda, stream=self.stream))
         self._install_attention()
 
     def _install_attention(self):
         """The attention ops of ``self.attention`` (model.attention): flash kernels, batched GEMMs
         (cuBLAS; NumPy on the simulator), or per shape. The GEMM path needs cuBLAS on a GPU."""
-        from .errors import ConfigError
-        from .kernels import attention_gemm, batched_gemm
+        from ..errors import ConfigError
+        from ..kernels import attention_gemm, batched_gemm
 
         self.attention_note = None
         if self.gemm == "cublas":
@@ -286,7 +171,7 @@ class CudaDevice:
         real GPU."""
         if simulated():
             return False, "numba's CUDA simulator has no graphs"
-        from .kernels.cublas import cupy_found
+        from ..kernels.cublas import cupy_found
 
         version, why = cupy_found()
         return (True, "") if version else (False, why)
@@ -326,12 +211,12 @@ class CudaDevice:
                 f"attention {self.attention})")
 
 
-# ---- choosing a device -------------------------------------------------------------
+# ---- what the GPU's run uses ---------------------------------------------------------
 def gemm_backend(choice: str, gpu: int = 0) -> tuple[str, str]:
     """``train.gemm`` resolved: ("cublas", "") or ("numba", why not cuBLAS). auto takes cuBLAS
     when CuPy's cuBLAS multiplies on GPU ``gpu`` (never on the simulator, which CuPy cannot run
     on); cublas without it is a ConfigError."""
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     if choice not in ("auto", "numba", "cublas"):
         raise ConfigError(f"train.gemm={choice!r}: choose auto, numba or cublas")
@@ -339,7 +224,7 @@ def gemm_backend(choice: str, gpu: int = 0) -> tuple[str, str]:
         return "numba", "train.gemm = numba"
     if choice == "auto" and simulated():
         return "numba", "the numba CUDA simulator is active"
-    from .kernels.cublas import CUPY_FIX, cupy_status
+    from ..kernels.cublas import CUPY_FIX, cupy_status
 
     ok, why = (False, "the numba CUDA simulator is active") if simulated() else cupy_status(gpu)
     if ok:
@@ -357,33 +242,16 @@ def gemm_fallback_warning(choice: str, cupy_ok: bool, on_simulator: bool, why: s
     chose numba, when cuBLAS runs, and on the simulator (where CuPy can never run)."""
     if choice != "auto" or cupy_ok or on_simulator:
         return None
-    from .kernels.cublas import CUPY_FIX
+    from ..kernels.cublas import CUPY_FIX
 
     return (f"train.gemm = auto: GPU {gpu} uses the numba GEMM kernels (0.21-0.34x cuBLAS's speed) because "
             f"{why or 'CuPy is unusable'}. To fix: {CUPY_FIX}. train.gemm = numba silences this.")
 
 
-def cuda_status() -> tuple[int, str]:
-    """(number of usable GPUs, why not when 0). The simulator counts as one GPU."""
-    try:
-        from numba import cuda
-
-        if not cuda.is_available():
-            return 0, "numba.cuda finds no usable GPU or driver"
-        return len(cuda.gpus), ""
-    except Exception as exc:  # noqa: BLE001 - a broken driver is a status, not a crash
-        return 0, f"{type(exc).__name__}: {exc}"
-
-
 def simulated() -> bool:
-    from .kernels.cuda_support import simulated as sim
+    from ..kernels.cuda_support import simulated as sim
 
     return sim()
-
-
-def gpu_for_rank(local_rank: int, n_gpus: int) -> int:
-    """GPU index of a rank: local_rank modulo the visible GPUs (CUDA_VISIBLE_DEVICES renumbers them)."""
-    return local_rank % n_gpus
 
 
 def gpu_name(index: int) -> str:
@@ -393,28 +261,3 @@ def gpu_name(index: int) -> str:
 
     name = cuda.gpus[index].name
     return name.decode() if isinstance(name, bytes) else str(name)
-
-
-def make_device(name: str, dtype: str, world=None, gemm: str = "auto", attention: str = "auto"):
-    """The device a rank computes on.
-
-    ``auto`` is cuda when a real GPU is visible (never the simulator: it is a
-    test tool, thousands of times slower than the CPU), else cpu. ``cuda``
-    takes GPU ``local_rank % n_visible`` and fails clearly when there is none.
-    """
-    from .errors import ConfigError
-
-    if name not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device={name!r}: choose auto, cpu or cuda")
-    if name == "cpu":
-        return CpuDevice(dtype)
-    n_gpus, why = cuda_status()
-    if name == "auto" and (n_gpus == 0 or simulated()):
-        return CpuDevice(dtype)
-    if n_gpus == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-        raise ConfigError(f"train.device='cuda' but no GPU is usable{hint}: {why}; "
-                          f"use train.device='auto' or 'cpu', or run on a GPU node")
-    local_rank = world.local_rank if world is not None else 0
-    return CudaDevice(dtype, gpu_for_rank(local_rank, n_gpus), gemm, attention)

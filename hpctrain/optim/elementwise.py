@@ -1,5 +1,5 @@
-"""Optimizers over the flat parameter buffer, and the learning-rate schedule (LAMB and LARS, whose
-steps need each parameter's norms first: hpctrain/layerwise.py).
+"""SGD and AdamW: elementwise updates over the flat parameter buffer (LAMB and LARS, whose steps
+need each parameter's norms first: optim/layerwise.py).
 
 Each optimizer owns flat state buffers of P elements (momentum; Adam moments)
 and runs one device kernel per step, or one per gradient bucket: ``begin_step(step, lr)``
@@ -20,47 +20,13 @@ Weight decay applies to the parameters the model does not list in
 cut into runs of equal decay once, and an update over [lo, hi) runs the
 kernel once per run it overlaps (a GPT lays each block's matrices out before
 its vectors, so a block is two runs). That machinery is the base class,
-:class:`~hpctrain.flat_optimizer.FlatOptimizer`.
+:class:`~hpctrain.optim.flat.FlatOptimizer`.
 """
 
 from __future__ import annotations
 
-import math
-
-from .flat_optimizer import FlatOptimizer
-from .kernels import adamw, sgd
-from .layerwise import LAMB, LARS
-
-
-def peak_lr(cfg_optim, global_batch: int) -> float:
-    """The configured lr, times global_batch / base_batch under the linear scaling rule."""
-    if cfg_optim.scale_lr:
-        return cfg_optim.lr * global_batch / cfg_optim.base_batch
-    return cfg_optim.lr
-
-
-class LRSchedule:
-    """Linear warmup from 0 to ``peak`` over ``warmup_steps``, then cosine, step or constant.
-
-    ``lr(step)`` takes the 0-based index of the step about to run, so step 0
-    of a warmup uses peak / warmup_steps (never exactly 0).
-    """
-
-    def __init__(self, cfg_optim, peak: float, total_steps: int):
-        self.cfg, self.peak, self.total = cfg_optim, peak, max(1, total_steps)
-
-    def lr(self, step: int) -> float:
-        c = self.cfg
-        if step < c.warmup_steps:
-            return self.peak * (step + 1) / c.warmup_steps
-        if c.schedule == "constant":
-            return self.peak
-        if c.schedule == "step":
-            return self.peak * c.gamma ** ((step - c.warmup_steps) // c.step_size)
-        # cosine from peak (first step after warmup) to min_lr (last step, total - 1)
-        span = max(1, self.total - 1 - c.warmup_steps)
-        progress = min(1.0, (step - c.warmup_steps) / span)
-        return c.min_lr + 0.5 * (self.peak - c.min_lr) * (1.0 + math.cos(math.pi * progress))
+from ..kernels import adamw, sgd
+from .flat import FlatOptimizer
 
 
 class SGD(FlatOptimizer):
@@ -123,40 +89,3 @@ class AdamW(FlatOptimizer):
 
     def state(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-
-
-def build_optimizer(device, flat, cfg, no_decay=frozenset(), shards=None, grads=None, velocity_from=0, params=None):
-    """The run's optimizer: :func:`make_optimizer` for ``cfg.optim`` on ``device``, or under
-    ``dist.offload = "optimizer"`` the same over pinned host arrays, wrapped to feed and be fed from
-    the device (:class:`~hpctrain.offload.OffloadedOptimizer`)."""
-    if cfg.dist.offload == "none":
-        return make_optimizer(device, flat, cfg.optim, no_decay, shards, grads, velocity_from, params)
-    from .offload import OffloadedOptimizer
-
-    if device.name != "cuda":
-        from .errors import ConfigError
-
-        raise ConfigError(f"dist.offload={cfg.dist.offload!r} on the {device.name} device (train.device="
-                          f"{cfg.train.device!r} found no GPU): the optimizer already runs in host memory, there "
-                          f"is nothing to offload from; use dist.offload = none")
-
-    def make(host, host_flat, host_shards, host_grads, host_params):
-        return make_optimizer(host, host_flat, cfg.optim, no_decay, host_shards, host_grads, velocity_from,
-                              host_params)
-
-    return OffloadedOptimizer(device, flat, make, shards, grads, params)
-
-
-def make_optimizer(device, flat, cfg_optim, no_decay=frozenset(), shards=None, grads=None, velocity_from=0,
-                   params=None):
-    """The optimizer ``optim.name`` over ``flat``; parameters named in ``no_decay`` get no weight decay;
-    with ``shards`` (ZeRO) it keeps state for this rank's chunks only, with ``grads`` (ZeRO-2) it reads
-    their gradient from there, with ``params`` (ZeRO-3) it updates their parameters there;
-    ``velocity_from`` (AdamW only): see :class:`AdamW`."""
-    if cfg_optim.name != "adamw" and velocity_from:
-        raise ValueError(f"velocity_from: {cfg_optim.name} has no velocity mode (dist.compress_momentum needs adamw)")
-    if cfg_optim.name == "sgd":
-        return SGD(device, flat, cfg_optim, no_decay, shards, grads, params)
-    if cfg_optim.name in ("lamb", "lars"):
-        return (LAMB if cfg_optim.name == "lamb" else LARS)(device, flat, cfg_optim, no_decay, shards, grads, params)
-    return AdamW(device, flat, cfg_optim, no_decay, shards, grads, velocity_from, params)

@@ -1,0 +1,50 @@
+"""Which device a rank computes on: ``train.device`` (auto, cpu, cuda) and the GPUs this node shows."""
+
+from __future__ import annotations
+
+import os
+
+from .cpu import CpuDevice
+from .cuda import CudaDevice, simulated
+
+
+def cuda_status() -> tuple[int, str]:
+    """(number of usable GPUs, why not when 0). The simulator counts as one GPU."""
+    try:
+        from numba import cuda
+
+        if not cuda.is_available():
+            return 0, "numba.cuda finds no usable GPU or driver"
+        return len(cuda.gpus), ""
+    except Exception as exc:  # noqa: BLE001 - a broken driver is a status, not a crash
+        return 0, f"{type(exc).__name__}: {exc}"
+
+
+def gpu_for_rank(local_rank: int, n_gpus: int) -> int:
+    """GPU index of a rank: local_rank modulo the visible GPUs (CUDA_VISIBLE_DEVICES renumbers them)."""
+    return local_rank % n_gpus
+
+
+def make_device(name: str, dtype: str, world=None, gemm: str = "auto", attention: str = "auto"):
+    """The device a rank computes on.
+
+    ``auto`` is cuda when a real GPU is visible (never the simulator: it is a
+    test tool, thousands of times slower than the CPU), else cpu. ``cuda``
+    takes GPU ``local_rank % n_visible`` and fails clearly when there is none.
+    """
+    from ..errors import ConfigError
+
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device={name!r}: choose auto, cpu or cuda")
+    if name == "cpu":
+        return CpuDevice(dtype)
+    n_gpus, why = cuda_status()
+    if name == "auto" and (n_gpus == 0 or simulated()):
+        return CpuDevice(dtype)
+    if n_gpus == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise ConfigError(f"train.device='cuda' but no GPU is usable{hint}: {why}; "
+                          f"use train.device='auto' or 'cpu', or run on a GPU node")
+    local_rank = world.local_rank if world is not None else 0
+    return CudaDevice(dtype, gpu_for_rank(local_rank, n_gpus), gemm, attention)
