@@ -66,15 +66,23 @@ def worker(args) -> None:
             print(f"train_throughput: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
 
+    def one_step():
+        """The run loop's step: the batch read (the data phase), the judged step, the step advanced."""
+        with trainer.timers("data"):
+            x, y = trainer.data.reader.batch(trainer.step)
+        result = trainer.stepper.run(trainer.step, x, y)
+        trainer.step += 1
+        return result
+
     losses, splits = [], []
     for _ in range(args.warmup):  # JIT compilation, first-touch allocation
-        trainer.train_step()
-    trainer.timers.pop()
+        one_step()
     world.comm.Barrier()
     t0 = MPI.Wtime()
     for _ in range(args.steps):
-        losses.append(trainer.train_step()[0])
-        splits.append(trainer.timers.pop())
+        result = one_step()
+        losses.append(result.loss)
+        splits.append(result.phases)   # seconds per phase, popped by the step
     world.comm.Barrier()
     wall = MPI.Wtime() - t0
 

@@ -16,6 +16,7 @@ from hpctrain.ckpt.state import fresh_rng, rng_from_array, rng_to_array
 from hpctrain.training.config import Config
 from hpctrain.device import cuda_status
 from hpctrain.errors import UserError
+from steps import train_step
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,7 +105,7 @@ def test_save_paths_round_trip(small_data, tmp_path, monkeypatch, mode):
         monkeypatch.setattr(write, "mpi_hdf5", lambda: False)
     t = _trainer(_config(small_data[0], str(tmp_path), collective=mode == "collective"), out)
     for _ in range(3):
-        t.train_step()
+        train_step(t)
     path = t.checkpoints.save(t.state)
     assert verify_file(path)["step"] == 3
     assert ("lacks MPI support" in out.getvalue()) == (mode == "serial-fallback")
@@ -119,14 +120,14 @@ def test_cuda_checkpoint_resumes_on_cpu_and_continues_alike(small_data, tmp_path
     and both continue to the same parameters (float64 twins agree to rounding)."""
     gpu = _trainer(_config(small_data[0], str(tmp_path), device="cuda"))
     for _ in range(2):
-        gpu.train_step()
+        train_step(gpu)
     path = gpu.checkpoints.save(gpu.state)
     cpu = _trainer(_config(small_data[0], str(tmp_path), device="cpu", resume=path))
     _assert_same(_host_state(cpu), _host_state(gpu))
     gpu_again = _trainer(_config(small_data[0], str(tmp_path), device="cuda", resume=path))
     _assert_same(_host_state(gpu_again), _host_state(gpu))  # and back onto the device
     for t in (gpu, cpu):
-        t.train_step()
+        train_step(t)
     np.testing.assert_allclose(_host_state(cpu)["params"], _host_state(gpu)["params"], rtol=1e-10, atol=1e-13)
 
 

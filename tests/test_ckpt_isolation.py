@@ -16,6 +16,7 @@ from conftest import REPO
 from hpctrain.ckpt import isolated, read, share
 from hpctrain.ckpt.format import attrs_crc32
 from hpctrain.ckpt.read import CorruptCheckpoint, load_checkpoint, verify_file
+from steps import train_step
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,7 +29,7 @@ def saved(small_data, tmp_path_factory):
     folder = tmp_path_factory.mktemp("isolation")
     t = _trainer(_config(small_data[0], str(folder)))
     for _ in range(3):
-        t.train_step()
+        train_step(t)
     path = t.checkpoints.save(t.state)
     with h5py.File(path, "r") as f:
         arrays = {}

@@ -19,6 +19,7 @@ from hpctrain.compress.device import DeviceCompressedSum
 from hpctrain.compress.reducer import CompressedSum
 from hpctrain.compress.sparse import INDEX_BLOCK
 from hpctrain.device import CudaDevice, cuda_status
+from steps import train_step
 
 pytestmark = [pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}"),
               pytest.mark.timeout(300)]
@@ -227,7 +228,7 @@ def test_trainer_on_cuda_compresses_on_the_device_like_the_host_path(small_data,
         if path == "host":                # the staging copies and the host compressor, as before
             c._sum, c.on_device = CompressedSum(world.comm, c.compressor), False
         for _ in range(2):
-            t.train_step()
+            train_step(t)
         params[path] = t.device.to_host(t.model.flat.data), {k: v.copy() for k, v in c.state().items()}
     (p_dev, s_dev), (p_host, s_host) = params["device"], params["host"]
     assert same_bits(p_dev, p_host)
@@ -255,7 +256,7 @@ def test_trainer_on_cuda_with_momentum_correction_equals_the_cpu_trainer(small_d
         t = Trainer(cfg.validate(), world, Log(False))
         assert not t.compression.on_device and t.optimizer.velocity_from == 1
         for _ in range(4):
-            t.train_step()
+            train_step(t)
         assert t.optimizer.velocity
         out[device] = t.device.to_host(t.model.flat.data), {k: v.copy() for k, v in t.compression.state().items()}
     (p_gpu, s_gpu), (p_cpu, s_cpu) = out["cuda"], out["cpu"]

@@ -18,6 +18,7 @@ import pytest
 
 from hpctrain.device import CudaDevice, cuda_status, simulated
 from hpctrain.training.cuda_graphs import StepGraphs, why_not
+from steps import train_step
 
 pytestmark = [pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}"),
               pytest.mark.timeout(600)]
@@ -105,8 +106,8 @@ def _train(text, steps, graphs, attention="flash", accumulate=2):
     cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001
     trainer = Trainer(cfg, init_world(MPI.COMM_SELF), Log(False))
     try:
-        losses = [trainer.train_step() for _ in range(steps)]
-        return losses, trainer.device.to_host(trainer.model.flat.data).copy(), trainer.stepper.graphs
+        losses = [train_step(trainer) for _ in range(steps)]
+        return losses, trainer.device.to_host(trainer.model.flat.data).copy(), getattr(trainer.stepper.runner, "graphs", None)
     finally:
         trainer.close()
 

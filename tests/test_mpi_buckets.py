@@ -13,6 +13,7 @@ import pytest
 
 from hpctrain.training.config import Config
 from hpctrain.errors import UserError
+from steps import train_step
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -173,7 +174,7 @@ def test_buckets_are_reduced_on_the_thread_while_backward_still_runs(mpi_small_d
         steps[overlap] = []
         for _ in range(2):
             events.clear()
-            trainer.train_step()
+            train_step(trainer)
             steps[overlap].append(([e[1] for e in events if e[0] == "backward"],
                                    {e[1]: e[2:] for e in events if e[0] == "reduce"}))
         trainer.close(0)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from hpctrain.training.config import Config
+from steps import train_step
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -47,7 +48,7 @@ def _trainer(cfg, world):
 def _steps(trainer, k):
     """Train ``k`` steps of the configured run (its LR schedule spans train.steps)."""
     for _ in range(k):
-        trainer.train_step()
+        train_step(trainer)
 
 
 def _state_bytes(trainer) -> dict:
@@ -85,10 +86,10 @@ def test_signal_then_resume_is_bit_exact(world, mpi_small_data, optim):
     first = _trainer(_config(mpi_small_data[0], d, world.size, n_steps, optim), world)
     compute_step = first.stepper.run
 
-    def step_with_signal(at, x, y, update):
+    def step_with_signal(at, x, y, votes=None):
         if first.step == k - 1 and world.rank == 0:
             os.kill(os.getpid(), signal.SIGUSR1)  # arrives mid-step, on one rank only
-        return compute_step(at, x, y, update)
+        return compute_step(at, x, y, votes)
     first.stepper.run = step_with_signal
     result = first.run()
     assert result["stopped_by"] is not None and first.step == k  # every rank stopped at the same step

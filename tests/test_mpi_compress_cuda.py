@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hpctrain.device import cuda_status
+from steps import train_step
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
               pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}")]
@@ -95,7 +96,7 @@ def test_trainer_on_cuda_with_fp16_on_the_device_equals_the_host_path(mpi_small_
         if path == "host":
             c._sum, c.on_device = CompressedSum(world.comm, c.compressor), False
         for _ in range(2):
-            t.train_step()
+            train_step(t)
         params[path] = t.device.to_host(t.model.flat.data)
         _identical(world.comm, params[path])
     np.testing.assert_array_equal(params["device"], params["host"])

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tiny_gpt import gpt_config
+from steps import train_step
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
@@ -30,7 +31,7 @@ def _trainer(cfg, world):
 
 
 def _steps(trainer, n):
-    losses = [trainer.world.comm.allreduce(trainer.train_step()[0]) for _ in range(n)]
+    losses = [train_step(trainer)[0] for _ in range(n)]
     params = trainer.model.flat.data.copy()
     if hasattr(trainer.plan.allreduce, "close"):
         trainer.plan.allreduce.close()  # shm windows are freed collectively (the pytest ranks run on)
@@ -117,7 +118,7 @@ def test_before_compress_start_step_a_run_is_an_uncompressed_run(node_world, mpi
     compressing = world.size > 1 and (scope == "all" or world.n_nodes > 1) and warm.compression._sum is not None
     verdicts = []
     for step in range(4):
-        plain.train_step(), warm.train_step()
+        train_step(plain), train_step(warm)
         same = np.array_equal(plain.model.flat.data, warm.model.flat.data)
         c = warm.compression
         if step < 3:  # the strategy's own sum, and the bytes of it

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hpctrain.training.config import Config
+from steps import train_step
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -72,7 +73,7 @@ def test_resume_at_another_world_size_starts_every_rank_from_the_mean_state(worl
         d = fresh_shared_dir(world, f"resize-down-{spec}")
         saver = _trainer(_config(data, d, spec, momentum), world)
         for _ in range(K):
-            saver.train_step()
+            train_step(saver)
         saver.checkpoints.save(saver.state)
         states = world.comm.allgather(saver.compression.state())
         assert any(k.startswith("residual/") for k in states[0])
@@ -106,7 +107,7 @@ def test_resume_at_another_world_size_starts_every_rank_from_the_mean_state(worl
     if world.rank == 0:
         solo = _trainer(_config(data, d1, spec, momentum), init_world(MPI.COMM_SELF))
         for _ in range(K):
-            solo.train_step()
+            train_step(solo)
         solo.checkpoints.save(solo.state)
         solo_state = {k: np.array(v, np.float32) for k, v in solo.compression.state().items()}
     solo_state = world.comm.bcast(solo_state)

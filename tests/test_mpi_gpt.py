@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hpctrain.training.config import Config
+from steps import train_step
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
@@ -146,7 +147,7 @@ def test_resume_is_bit_exact(world, mpi_text_data):
     d = _fresh_dir(world, "exact")
     first = _trainer(_config(mpi_text_data, steps=10, dtype="float32", ckpt_dir=d), world)
     for _ in range(4):
-        first.train_step()
+        train_step(first)
     first.checkpoints.save(first.state)
     resumed = _trainer(_config(mpi_text_data, steps=10, dtype="float32", ckpt_dir=d, resume="auto"), world)
     assert resumed.step == 4
@@ -166,7 +167,7 @@ def test_resume_at_another_world_size(world, mpi_text_data):
     d = _fresh_dir(world, "reshard")
     saver = _trainer(_config(mpi_text_data, steps=8, ckpt_dir=d), world)
     for _ in range(3):
-        saver.train_step()
+        train_step(saver)
     saver.checkpoints.save(saver.state)
     for m in range(1, world.size):
         sub = world.comm.Split(0 if world.rank < m else MPI.UNDEFINED, key=world.rank)
@@ -190,11 +191,11 @@ def test_rollback_recovers_parameters_gone_bad_on_one_rank(world, mpi_text_data)
     compute_step = trainer.stepper.run
     poisoned = []
 
-    def poison_once(at, x, y, update):
+    def poison_once(at, x, y, votes=None):
         if trainer.step == 5 and not poisoned and world.rank == world.size - 1:
             trainer.model.flat.data[7] = np.nan
             poisoned.append(True)
-        return compute_step(at, x, y, update)
+        return compute_step(at, x, y, votes)
     trainer.stepper.run = poison_once
     result = trainer.run()
     assert result["bad_steps"] == 1 and trainer.step == 8

@@ -105,7 +105,7 @@ def test_pipeline_trains_like_data_parallel(world, mpi_text_data, p, t, schedule
     world.comm.Barrier()
     grid = piped.plan.grid
     assert grid.p == p and piped.plan.dp.size == world.size // (p * t)
-    assert piped.stepper.pipe.lanes == (4 if schedule == "gpipe" else min(p - grid.stage, 4))
+    assert piped.stepper.runner.stage.lanes == (4 if schedule == "gpipe" else min(p - grid.stage, 4))
     got, want = _whole(piped), _whole(flat_)
     assert set(got) == set(want)
     for name in want:

@@ -266,11 +266,11 @@ def test_skip_on_each_device_in_process(small_data, tmp_path, monkeypatch, devic
     before, kept = [], []
     compute = t.stepper.run
 
-    def recording(at, x, y, update):
+    def recording(at, x, y, votes=None):
         before.append(t.device.to_host(t.model.flat.data).copy())
         if t.compression is not None:
             kept.append({k: np.array(v, copy=True) for k, v in t.compression.state().items()})
-        return compute(at, x, y, update)
+        return compute(at, x, y, votes)
     t.stepper.run = recording
     result = t.run()
     assert result["steps"] == 4 and result["bad_steps"] == 1

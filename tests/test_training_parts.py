@@ -2,8 +2,9 @@
 
 * the plan (hpctrain/training/plan.py): the grid, groups, buckets and ZeRO shares of a config,
   placed for real on one rank and on paper for a rank of a larger world;
-* the step (hpctrain/training/step.py): a batch in, the statistics out, the update exactly SGD
-  on the averaged gradient, micro-batches adding up to the whole batch's gradient;
+* the step (hpctrain/training/step.py): a batch in, a StepResult out, the update exactly SGD
+  on the averaged gradient where the update policy applies it and none where it does not,
+  micro-batches adding up to the whole batch's gradient;
 * the run loop (hpctrain/training/loop.py) over a stand-in step, data and checkpoints: which steps
   it saves, what the numeric guard does to a bad step, a stop signal.
 """
@@ -24,10 +25,11 @@ from hpctrain.reliability.numeric_guard import NumericGuard
 from hpctrain.reliability.progress import Progress
 from hpctrain.runtime import World
 from hpctrain.training.config import Config
-from hpctrain.training.loop import RunLoop
+from hpctrain.training.loop import Reporting, RunLoop, Watching
 from hpctrain.training.plan import on_paper, place
 from hpctrain.training.state import TrainingState
-from hpctrain.training.step import Step, StepStats
+from hpctrain.training.step import Step, StepResult
+from hpctrain.training.update_policy import APPLIED, SKIPPED, UpdatePolicy
 
 
 def _config(data: str, **train) -> Config:
@@ -37,6 +39,7 @@ def _config(data: str, **train) -> Config:
     cfg.optim.name, cfg.optim.lr, cfg.optim.momentum, cfg.optim.weight_decay = "sgd", 0.1, 0.0, 0.0
     cfg.optim.warmup_steps, cfg.optim.schedule, cfg.optim.scale_lr = 0, "constant", False
     cfg.dist.bucket_mb, cfg.dist.first_bucket_mb, cfg.dist.allreduce = 0.0005, 0.0005, "mpi"
+    cfg.guard.nonfinite = "skip"   # a bad step's update is dropped, and the step says so
     for key, value in train.items():
         setattr(cfg.train, key, value)
     return cfg.validate()
@@ -109,7 +112,8 @@ def _step(cfg, small_data):
     plan.connect(Log(False))
     optimizer = make_optimizer(plan.device, model.flat, cfg.optim, model.no_decay)
     state = TrainingState(model, optimizer, data.sampler, np.random.default_rng(0))
-    step = Step(plan, state, LRSchedule(cfg.optim, cfg.optim.lr, cfg.train.steps), Timers())
+    policy = UpdatePolicy(NumericGuard(cfg.guard, Log(False)))
+    step = Step(plan, state, LRSchedule(cfg.optim, cfg.optim.lr, cfg.train.steps), policy, Timers())
     return step, state, data
 
 
@@ -122,17 +126,33 @@ def test_a_step_takes_a_batch_and_returns_its_statistics_and_the_sgd_update(smal
         before = model.flat.data.copy()
         # the statistics are the model's own on this batch
         loss_ref, correct_ref = model.forward(x, y)
-        stats = step.run(0, x, y, update=False)
-        assert isinstance(stats, StepStats) and not stats.loss_nonfinite and not stats.grad_nonfinite
-        assert stats.loss_sum == loss_ref and stats.correct == correct_ref
-        assert np.array_equal(model.flat.data, before)  # no update until asked
+        result = step.run(0, x, y, votes=lambda: [3, 0])
+        assert isinstance(result, StepResult) and not result.bad_loss_ranks and not result.bad_grad_ranks
+        assert result.loss_sum == loss_ref and result.correct == correct_ref and result.predictions == len(y)
+        assert result.outcome == APPLIED and result.votes == (3, 0) and result.lr == 0.1
         grad = model.flat.grad.copy()
         assert np.abs(grad).max() > 0
-        step.apply_update(0)  # plain SGD, lr 0.1: p - lr g, bit for bit in float64
+        # plain SGD, lr 0.1: p - lr g, bit for bit in float64 (the skip policy waited for the verdict)
         np.testing.assert_array_equal(model.flat.data, before - 0.1 * grad)
         assert state.step == 0  # the step never advances the state: the loop does
-        metrics = step.comm_metrics()
-        assert metrics["bytes_reduced"] == 8 * model.flat.size and metrics["allreduce"] == "mpi"
+        assert result.comm["bytes_reduced"] == 8 * model.flat.size and result.comm["allreduce"] == "mpi"
+        record = result.metrics()
+        assert record["loss"] == loss_ref / len(y) and not record["skipped"] and "t_forward" in record
+    finally:
+        data.close()
+
+
+def test_a_step_the_policy_refuses_leaves_the_parameters_as_they_were(small_data):
+    cfg = _config(small_data[0])
+    step, state, data = _step(cfg, small_data)
+    try:
+        x, y = data.reader.batch(0)
+        x = np.array(x, copy=True)
+        x[0, 0] = np.nan
+        before = state.model.flat.data.copy()
+        result = step.run(0, x, y)
+        assert result.outcome == SKIPPED and "NaN/Inf" in result.reason and result.metrics()["skipped"]
+        np.testing.assert_array_equal(state.model.flat.data, before)   # no update applied
     finally:
         data.close()
 
@@ -143,7 +163,7 @@ def test_micro_batches_add_up_to_the_whole_batch_gradient(small_data):
         step, state, data = _step(_config(small_data[0], grad_accum_steps=k), small_data)
         try:
             x, y = data.reader.batch(0)
-            step.run(0, x, y, update=False)
+            step.run(0, x, y)
             grads.append(state.model.flat.grad.copy())
         finally:
             data.close()
@@ -157,8 +177,8 @@ def test_a_poisoned_batch_is_reported_not_finite(small_data):
         x, y = data.reader.batch(0)
         x = np.array(x, copy=True)
         x[0, 0] = np.nan
-        stats = step.run(0, x, y, update=False)
-        assert stats.grad_nonfinite and not np.isfinite(state.model.flat.grad).all()
+        result = step.run(0, x, y)
+        assert result.bad_grad_ranks == 1 and not np.isfinite(state.model.flat.grad).all()
     finally:
         data.close()
 
@@ -171,41 +191,38 @@ def test_a_clipped_step_reports_a_non_finite_norm_without_the_bucket_test(small_
     step, state, data = _step(cfg.validate(), small_data)
     try:
         x, y = data.reader.batch(0)
-        stats = step.run(0, x, y, update=False)
-        assert not stats.grad_nonfinite and step.clip.norm > 0.1 and step.clip.coefficient < 1.0
+        result = step.run(0, x, y)
+        assert not result.bad_grad_ranks and step.clip.norm > 0.1 and step.clip.coefficient < 1.0
+        assert result.clip["grad_norm"] == step.clip.norm
         x = np.array(x, copy=True)
         x[0, 0] = np.nan
-        stats = step.run(1, x, y, update=False)
-        assert stats.grad_nonfinite and math.isnan(step.clip.norm) and step.clip.coefficient == 1.0
+        result = step.run(1, x, y)
+        assert result.bad_grad_ranks == 1 and math.isnan(step.clip.norm) and step.clip.coefficient == 1.0
     finally:
         data.close()
 
 
 # ---- the run loop ------------------------------------------------------------------------
 class FakeStep:
-    """A step whose loss is given per step (NaN for a bad one); records its updates."""
+    """A step whose loss is given per step (NaN for a bad one), judged by the real update policy
+    over the loop's guard; records its runs and the updates the policy applied."""
 
-    def __init__(self, losses, schedule):
-        self.losses, self.schedule, self.updates, self.runs = losses, schedule, [], []
+    runner, op_times = None, None
 
-    def run(self, step, x, y, update=True):
+    def __init__(self, losses, schedule, policy, device):
+        self.losses, self.schedule, self.policy, self.device, self.updates, self.runs = \
+            losses, schedule, policy, device, [], []
+
+    def run(self, step, x, y, votes=None):
+        launched = self.device.launches()
         self.runs.append(step)
-        if update:
-            self.updates.append(step)
         loss = self.losses.get(step, 1.0)
-        return StepStats(loss * len(y), len(y) // 2, not math.isfinite(loss), False)
-
-    def apply_update(self, step):
-        self.updates.append(step)
-
-    def comm_metrics(self):
-        return {"comm_time": 0.0}
-
-    def clip_metrics(self):
-        return {}
-
-    def pipeline_metrics(self):
-        return {}
+        outcome, reason = self.policy.decide(step, loss, int(not math.isfinite(loss)), 0)
+        if outcome == APPLIED:
+            self.updates.append(step)
+        return StepResult(step, outcome, reason, loss * len(y), len(y) // 2, len(y), int(not math.isfinite(loss)),
+                          0, tuple(int(v) for v in (votes() if votes else ())), self.schedule.lr(step), None,
+                          comm={"comm_time": 0.0}, launches=self.device.launches() - launched)
 
 
 class FakeCheckpoints:
@@ -259,21 +276,21 @@ def _loop(tmp_path, losses=None, nonfinite="skip", steps=7, signal_at=None):
     state = TrainingState(model, optimizer, sampler, np.random.default_rng(0))
     reader = SimpleNamespace(batch=lambda step: (np.zeros((4, 2), np.float32), np.zeros(4, np.int64)))
     data = SimpleNamespace(reader=reader, eval_shard=None, units="samples", describe="stand-in", info={})
-    step = FakeStep(losses or {}, SimpleNamespace(lr=lambda s: 0.1))
+    out, metrics = io.StringIO(), tmp_path / "metrics.jsonl"
+    guard = NumericGuard(cfg.guard, Log(True, out))
+    step = FakeStep(losses or {}, SimpleNamespace(lr=lambda s: 0.1), UpdatePolicy(guard), device)
     stop = SimpleNamespace(received=None)
     if signal_at is not None:  # the signal arrives during step signal_at
         run = step.run
 
-        def signalled(at, x, y, update=True):
+        def signalled(at, x, y, votes=None):
             if at == signal_at:
                 stop.received = "SIGUSR1"
-            return run(at, x, y, update)
+            return run(at, x, y, votes)
         step.run = signalled
-    out, metrics = io.StringIO(), tmp_path / "metrics.jsonl"
     ckpts = FakeCheckpoints(every=3)
-    loop = RunLoop(plan, state, step, data, ckpts, NumericGuard(cfg.guard, Log(True, out)), log=Log(True, out),
-                   metrics=Metrics(str(metrics), True), timers=Timers(), watchdog=FakeWatchdog(),
-                   progress=Progress(False), stop_signal=stop)
+    loop = RunLoop(plan, state, step, data, ckpts, guard, Reporting(Log(True, out), Metrics(str(metrics), True), Timers()),
+                   Watching(FakeWatchdog(), Progress(False), stop))
     return loop, step, ckpts, state, out, metrics
 
 

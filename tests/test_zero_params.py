@@ -55,20 +55,19 @@ def test_parts_read_the_pool_and_every_fetch_after_the_first_step_was_gathered_a
             late[-1].append((sorted(wanted), forward))
         slots.fetch(names, forward)
 
-    model.fetch = watched
     try:
         for step in range(3):
             late.append([])
             slots.begin_step()
-            loss = model.forward(x, y)
-            model.backward()
+            loss = model.forward(x, y, fetch=watched)
+            model.backward(fetch=watched)
             slots.end_step()
             gathers.append(slots.last_step[0])
             assert loss == want_loss
             np.testing.assert_array_equal(model.flat.grad, want_grad)
             slots.stale()   # as an update would: every bucket gathered again next step
         late.append([])   # an evaluation's forward, outside a step: the model's own order
-        assert model.forward(x, y) == want_loss
+        assert model.forward(x, y, fetch=watched) == want_loss
     finally:
         slots.close()
     # every fetch but the first (the embedding's tables) finds its matrix bucket queued ahead: the

@@ -1,4 +1,5 @@
-"""The process grid of tensor parallelism: who splits a layer with whom, who averages with whom.
+"""The process grid (data x tensor x pipeline): who splits a layer with whom, who averages with
+whom, who passes activations to whom. Every group is built here.
 
 With ``dist.tensor_parallel = t`` the world's ranks form groups of t consecutive ranks, the
 *tensor groups* (ranks 0..t-1, t..2t-1, ...): consecutive so that a group stays inside a node
@@ -32,8 +33,10 @@ from .collectives import sub_world
 
 @dataclass
 class Grid:
-    """This rank's two groups. ``tensor``: the t ranks that split each block (None when t = 1);
-    ``data``: the ranks it averages gradients with (the world itself when t = 1)."""
+    """This rank's groups. ``tensor``: the t ranks that split each block (None when t = 1);
+    ``data``: the ranks it averages gradients with (the world itself when t = p = 1);
+    ``pipeline``: the p ranks of its place in every stage (None when p = 1); ``embedding``: that
+    group's first and last stage, on those two stages only."""
 
     t: int
     tensor: World | None

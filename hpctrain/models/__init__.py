@@ -7,11 +7,14 @@
 A family module offers two functions, both called on every rank:
 
   open_data(cfg, world, device) -> TrainingData   this rank's view of the training and evaluation data
-  build(cfg, device, data, tensor=None, stage=0) -> model   the model, parameters zeroed (``init``
-                       draws them); ``tensor``: the TensorGroup that splits its layers
-                       (dist.tensor_parallel > 1); ``stage``: the pipeline stage this rank holds
-                       (dist.pipeline_parallel > 1, GPT only: a stage model also offers
-                       ``span``, ``lane(k)`` and ``stream_grad(shape)``, hpctrain.models.gpt_layers)
+  build(cfg, device, data, tensor=None, stage=0, *, row_weight=None, tracer=None, ranges=None) -> model
+                       the model, parameters zeroed (``init`` draws them); ``tensor``: the TensorGroup
+                       that splits its layers (dist.tensor_parallel > 1); ``stage``: the pipeline stage
+                       this rank holds (dist.pipeline_parallel > 1, GPT only: a stage model also offers
+                       ``span``, ``lane(k)`` and ``stream_grad(shape)``, hpctrain.models.gpt_layers);
+                       ``row_weight``: the loss's weight of one batch row where ranks' shares differ
+                       (None: the mean over each call's rows); ``tracer`` (hpctrain.observe.trace) and
+                       ``ranges`` (hpctrain.observe.nvtx): spans per layer, or None
 
 and its model offers (the trainer, checkpoints and optimizer use nothing else):
 
@@ -23,13 +26,15 @@ and its model offers (the trainer, checkpoints and optimizer use nothing else):
   use_param_buffer(buf, offsets)   read the parameters from ``buf`` at ``offsets`` per name (ZeRO-3's
                        gathered slots)
   separate_layers()    optional: from then on each layer reads only its own parameters (ZeRO-3)
-  fetch                None, or ZeRO-3's ``fetch(names, forward)``: forward and backward call it before
-                       a layer reads the parameters ``names`` (it may wait for their all-gather)
-  forward(inputs, targets) -> (loss_sum, correct)   summed over this rank's predictions
-  backward(accumulate, ready, claim)   d(mean loss)/d(params) into flat.grad (or added, with accumulate);
-                       ``claim(names)`` before a layer writes the gradients of ``names`` (it may wait
-                       until their memory is free), ``ready(name)`` for each parameter as soon as its
-                       gradient is final
+  forward(inputs, targets, totals=None, accumulate=False, *, loss_scale=1.0, fetch=None)
+                       -> (loss_sum, correct) summed over this rank's predictions (with ``totals``:
+                       kept on the device); ``loss_scale`` multiplies the loss's gradient (fp16);
+                       ``fetch(names, forward)``, ZeRO-3's: called before a layer reads the parameters
+                       ``names`` (it may wait for their all-gather)
+  backward(accumulate, ready, claim, fetch)   d(mean loss)/d(params) into flat.grad (or added, with
+                       accumulate); ``claim(names)`` before a layer writes the gradients of ``names`` (it
+                       may wait until their memory is free), ``ready(name)`` for each parameter as soon
+                       as its gradient is final
   backward_groups      the name tuples backward claims, in order
   forward_groups       the name tuples forward fetches (ZeRO-3), in order
   layer_units          the name tuples of the buckets under dist.bucket_split = "layers" (ZeRO-3's gather
@@ -42,8 +47,6 @@ and its model offers (the trainer, checkpoints and optimizer use nothing else):
   flops_per_row        model FLOPs of one row's forward + backward (for MFU), or 0 when not counted
   activation_bytes(rows)   bytes of the activations a micro-batch of ``rows`` rows keeps for backward
   checkpoint_hint(shapes)  the fix to print when a checkpoint's parameter shapes do not fit
-  tracer               an hpctrain.observe.trace.Tracer or None (spans per layer)
-  ranges               an hpctrain.observe.nvtx.NvtxRanges or None (NVTX ranges per layer or block)
   tensor_layout        a TensorLayout (split parameters and their logical arrays) or None: optional
 """
 

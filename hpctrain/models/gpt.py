@@ -36,11 +36,14 @@ __all__ = ["open_data", "build", "GPT", "stage_blocks", "TENSOR_SPLITS"]
 GPT_OPS = ("embedding_forward", "attention_forward", "layernorm_forward", "residual_forward")
 
 
-def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0) -> "GPT":
+def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0, *, row_weight=None, tracer=None,
+          ranges=None) -> "GPT":
     """``tensor``: the :class:`~hpctrain.nn.tensor_parallel.TensorGroup` that splits each block
     (``dist.tensor_parallel`` > 1), or None; ``stage``: this rank's pipeline stage of
-    ``dist.pipeline_parallel`` (its blocks from ``dist.pipeline_stages``, or balanced). Under
-    ``dist.zero = 3`` the model gets no whole parameter or gradient buffer (ZeRO-3 gives it its pools)."""
+    ``dist.pipeline_parallel`` (its blocks from ``dist.pipeline_stages``, or balanced);
+    ``row_weight``, ``tracer``, ``ranges``: as the family interface says (:mod:`hpctrain.models`).
+    Under ``dist.zero = 3`` the model gets no whole parameter or gradient buffer (ZeRO-3 gives it
+    its pools)."""
     m = cfg.model
     missing = [op for op in GPT_OPS if not hasattr(device.ops, op)]
     if missing:
@@ -55,7 +58,8 @@ def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0) -> "GPT"
     vocab, p = data.info["vocab_size"], cfg.dist.pipeline_parallel
     counts = stage_blocks(m, p, cfg.dist.pipeline_stages, vocab, cfg.dist.pipeline_balance)
     return GPT(device, vocab, m.context, m.n_layer, m.n_head, m.d_model, m.recompute, tensor,
-               StageSpan.of(counts, stage), allocate=cfg.dist.zero != 3)
+               StageSpan.of(counts, stage), allocate=cfg.dist.zero != 3, row_weight=row_weight, tracer=tracer,
+               ranges=ranges)
 
 
 def stage_blocks(m, p: int, counts: list, vocab: int, by: str = "parameters") -> list[int]:
@@ -108,7 +112,8 @@ class GPT:
     input_dtype = np.int64  # token ids
 
     def __init__(self, device, vocab: int, context: int, n_layer: int, n_head: int, d_model: int,
-                 recompute: str = "none", tensor=None, span: StageSpan | None = None, allocate: bool = True):
+                 recompute: str = "none", tensor=None, span: StageSpan | None = None, allocate: bool = True,
+                 row_weight: float | None = None, tracer=None, ranges=None):
         if d_model % n_head:
             raise ConfigError(f"model.n_head={n_head} does not divide model.d_model={d_model}")
         if tensor is not None and n_head % tensor.size:
@@ -123,9 +128,10 @@ class GPT:
             raise ConfigError(f"pipeline stage {self.span.index} would hold blocks {self.span.lo}..{self.span.hi - 1} "
                               f"of model.n_layer={n_layer}: every stage holds at least one block")
         self.tensor = tensor
-        self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per block in forward and backward
-        self.ranges = None  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
-        self.fetch = None   # ZeRO-3: fetch(names, forward) before a layer reads its parameters (comm.zero_params)
+        self.tracer = tracer  # an hpctrain.observe.trace.Tracer: a span per block in forward and backward
+        self.ranges = ranges  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
+        # the loss's weight of one prediction: a row's weight shared by its context's predictions
+        self.prediction_weight = None if row_weight is None else row_weight / context
         self._workspace = {}  # backward's attention work array, one for all blocks and lanes
         # with recompute = "blocks", one block's arrays for all blocks (and lanes), rebuilt in backward
         self._shared = {} if recompute == "blocks" else None
@@ -173,7 +179,7 @@ class GPT:
         whole = GPT.__new__(GPT)
         whole.device, whole.vocab, whole.context, whole.d_model, whole.n_head = (
             self.device, self.vocab, self.context, self.d_model, self.n_head)
-        whole.span, whole.tensor = StageSpan(0, 1, 0, self.n_layer), None
+        whole.span, whole.tensor, whole.prediction_weight = StageSpan(0, 1, 0, self.n_layer), None, None
         return GPTLayers(whole, {}, None).specs()
 
     @property
@@ -280,27 +286,27 @@ class GPT:
         return full if self.tensor_layout is None else self.tensor_layout.local(name, full)
 
     # ---- forward / backward (the whole model: one stage) -----------------------------
-    def logits(self, tokens):
+    def logits(self, tokens, fetch=None):
         """(B*T, V) logits of every position of ``tokens`` (B, T), T <= context."""
         B, T = tokens.shape
         if T > self.context:
             raise ValueError(f"{T} positions, more than the model's context {self.context}")
         self.flat.refresh_compute()   # a 16-bit precision's parameter copy, from this step's masters
-        return self._lanes[0].forward(tokens, B, T)
+        return self._lanes[0].forward(tokens, B, T, fetch)
 
-    def forward(self, tokens, targets, totals=None, accumulate=False):
+    def forward(self, tokens, targets, totals=None, accumulate=False, *, loss_scale: float = 1.0, fetch=None):
         """(loss_sum, correct) over the B*T next-token predictions of ``tokens`` (B, T); with
         ``totals``, kept on the device as :meth:`~hpctrain.nn.layers.SoftmaxCrossEntropy.forward` says."""
-        logits = self.logits(tokens)
-        return self.loss.forward(logits, targets.reshape(-1), totals, accumulate)
+        logits = self.logits(tokens, fetch)
+        return self.loss.forward(logits, targets.reshape(-1), totals, accumulate, loss_scale)
 
-    def backward(self, accumulate=False, ready=None, claim=None):
+    def backward(self, accumulate=False, ready=None, claim=None, fetch=None):
         """d(mean loss)/d(params) into ``flat.grad`` (added with ``accumulate``); ``ready(name)``
         per parameter once final: ln_f, then the blocks top down, then wte and wpe last (the
         tied table gets its second contribution from the embedding). ``claim(names)`` before each
         layer writes gradients: the head (wte), ln_f, each block (under ZeRO-3 each block's parts,
         c_proj first: :attr:`backward_groups`), the embedding (wte, wpe)."""
-        self._lanes[0].backward(self.stream_grad(self.ln_f.x.shape), accumulate, ready, claim)
+        self._lanes[0].backward(self.stream_grad(self.ln_f.x.shape), accumulate, ready, claim, fetch)
 
     def stream_grad(self, shape):
         """The residual stream's gradient (N, C), one array per shape, updated in place block by

@@ -67,9 +67,7 @@ class GPTLayers:
         for block, after in zip(self.blocks, [*(b.ln_1 for b in self.blocks[1:]), self.ln_f]):
             block.next_norm = after  # each block's output add fused into the LayerNorm that reads it
         self.head = TiedHead(dev, self.table) if span.last else None
-        # every stage has one, so the trainer's row weight and the step's loss scale have a place to
-        # go; only the last stage's computes anything
-        self.loss = SoftmaxCrossEntropy(dev)
+        self.loss = SoftmaxCrossEntropy(dev, model.prediction_weight) if span.last else None
         self.by_part = False   # ZeRO-3 (separate): blocks fetch and claim part by part
 
     def separate(self) -> None:
@@ -112,17 +110,18 @@ class GPTLayers:
         for layer in self.holders:
             layer.bind(flat)
 
-    def forward(self, inp, B: int, T: int):
+    def forward(self, inp, B: int, T: int, fetch=None):
         """The span's forward of one micro-batch: ``inp`` the tokens (B, T) on the first stage, else
         the residual stream (B*T, C) the stage before sent. Returns the logits (B*T, V) on the last
-        stage, else the residual stream to send on (an array of this lane's own)."""
-        tr, rg, fetch = self.model.tracer, self.model.ranges, self.model.fetch
+        stage, else the residual stream to send on (an array of this lane's own). ``fetch``: ZeRO-3's,
+        called before a layer reads the parameters it names (None: they are all here)."""
+        tr, rg = self.model.tracer, self.model.ranges
         if self.embedding is not None:
             _fetch(fetch, self.embedding.params, True)
             x = self.embedding.forward(inp)
         else:
             x = inp
-        before, _ = self._part_hooks()
+        before, _ = self._part_hooks(fetch=fetch)
         for block in self.blocks:
             t0 = tr and time.perf_counter()
             if before is None:
@@ -142,14 +141,15 @@ class GPTLayers:
         _fetch(fetch, (("wte", None),), True)
         return self.head.forward(x)
 
-    def backward(self, dres, accumulate=False, ready=None, claim=None):
+    def backward(self, dres, accumulate=False, ready=None, claim=None, fetch=None):
         """The span's backward of the micro-batch of this lane's last forward; ``dres`` (N, C), in the
         device's full precision: written here on the last stage (the loss's gradient through the
         head and ln_f), else holding the gradient of the span's output; on return it holds the
         gradient of the span's input (what a stage sends back). Parameter gradients are written, or
         added with ``accumulate``. ``ready(name)`` per parameter once final: ln_f, the blocks top
-        down, the table(s) last; ``claim(names)`` before each layer writes gradients."""
-        tr, rg, fetch = self.model.tracer, self.model.ranges, self.model.fetch
+        down, the table(s) last; ``claim(names)`` before each layer writes gradients; ``fetch`` as in
+        :meth:`forward`."""
+        tr, rg = self.model.tracer, self.model.ranges
         if self.head is not None:
             _claim(claim, (("wte", None),))
             _fetch(fetch, (("wte", None),), False)
@@ -158,7 +158,7 @@ class GPTLayers:
             _fetch(fetch, self.ln_f.params, False)
             self.ln_f.backward(dxf, dres, accumulate, add_dx=False)
             _ready(ready, self.ln_f.params)
-        before, after = self._part_hooks(claim, ready)
+        before, after = self._part_hooks(claim, ready, fetch)
         for block in reversed(self.blocks):
             t0 = tr and time.perf_counter()
             if before is None:
@@ -183,12 +183,11 @@ class GPTLayers:
             _ready(ready, self.table.params if self.embedding is None else self.embedding.params)
         return dres
 
-    def _part_hooks(self, claim=None, ready=None):
+    def _part_hooks(self, claim=None, ready=None, fetch=None):
         """(before, after) for the blocks' parts under ZeRO-3 (:attr:`by_part`; else (None, None): the
         caller fetches, claims and releases whole blocks): ``before(params, forward)`` fetches a
         part's parameters, and in backward first claims their gradients; ``after(params)`` says they
         are final (``ready``, when given)."""
-        fetch = self.model.fetch
         if not self.by_part:
             return None, None
 

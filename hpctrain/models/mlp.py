@@ -49,12 +49,14 @@ def open_data(cfg, world, device) -> TrainingData:
                         info={"dim": train.dim, "n_classes": train.n_classes}, close=close)
 
 
-def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0) -> "MLP":
+def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0, *, row_weight=None, tracer=None,
+          ranges=None) -> "MLP":
     """``tensor``, ``stage``: unused (the config refuses dist.tensor_parallel > 1 and
-    dist.pipeline_parallel > 1 for the MLP). Under ``dist.zero = 3`` the model gets no whole
+    dist.pipeline_parallel > 1 for the MLP); ``row_weight``, ``tracer``, ``ranges``: as the family
+    interface says (:mod:`hpctrain.models`). Under ``dist.zero = 3`` the model gets no whole
     parameter or gradient buffer (ZeRO-3 gives it its pools)."""
     return MLP(device, data.info["dim"], cfg.model.hidden, data.info["n_classes"], cfg.model.activation,
-               allocate=cfg.dist.zero != 3)
+               allocate=cfg.dist.zero != 3, row_weight=row_weight, tracer=tracer, ranges=ranges)
 
 
 class MLP:
@@ -71,20 +73,20 @@ class MLP:
     matrix_parts: dict = {}  # every weight is one matrix
     flops_per_row = 0        # no MFU: the MLP's step is latency-bound, and the start-up GEMM timing costs 0.2 s
 
-    def __init__(self, device, n_in, hidden, n_classes, activation="relu", allocate: bool = True):
+    def __init__(self, device, n_in, hidden, n_classes, activation="relu", allocate: bool = True,
+                 row_weight: float | None = None, tracer=None, ranges=None):
         self.device = device
         widths = [n_in, *hidden, n_classes]
         last = len(widths) - 2
         self.layers = [Linear(device, f"fc{i}", widths[i], widths[i + 1],
                               activation=activation if i < last else "identity", needs_dx=i > 0)
                        for i in range(len(widths) - 1)]
-        self.loss = SoftmaxCrossEntropy(device)
+        self.loss = SoftmaxCrossEntropy(device, row_weight)   # one label per row
         self.flat = FlatParams(device, [p for layer in self.layers for p in layer.params], allocate)
         for layer in self.layers:
             layer.bind(self.flat)
-        self.tracer = None  # an hpctrain.observe.trace.Tracer: a span per layer in forward and backward
-        self.ranges = None  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
-        self.fetch = None   # ZeRO-3: fetch(names, forward) before a layer reads its parameters (comm.zero_params)
+        self.tracer = tracer  # an hpctrain.observe.trace.Tracer: a span per layer in forward and backward
+        self.ranges = ranges  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
 
     def activation_bytes(self, rows: int) -> int:
         """Bytes of the activation arrays a micro-batch of ``rows`` rows keeps from forward to
@@ -130,13 +132,13 @@ class MLP:
         for layer in self.layers:
             yield from zip((name for name, _ in layer.params), layer.init_host(rng))
 
-    def forward(self, x, y, totals=None, accumulate=False):
+    def forward(self, x, y, totals=None, accumulate=False, *, loss_scale: float = 1.0, fetch=None):
         tr, rg = self.tracer, self.ranges
         self.flat.refresh_compute()   # a 16-bit precision's parameter copy, from this step's masters
         for layer in self.layers:
             t0 = tr and time.perf_counter()
-            if self.fetch is not None:
-                self.fetch([name for name, _ in layer.params], True)
+            if fetch is not None:
+                fetch([name for name, _ in layer.params], True)
             if rg is not None:
                 rg.push(f"forward {layer.name}")
             x = layer.forward(x)
@@ -145,7 +147,7 @@ class MLP:
             if tr is not None:
                 tr.complete(f"forward {layer.name}", t0, "layer", sync=True)
         t0 = tr and time.perf_counter()
-        out = self.loss.forward(x, y, totals, accumulate)
+        out = self.loss.forward(x, y, totals, accumulate, loss_scale)
         if tr is not None:
             tr.complete("forward loss", t0, "layer", sync=True)
         return out
@@ -165,7 +167,7 @@ class MLP:
         """The parameter names each ``claim`` of :meth:`backward` names, in its order."""
         return [tuple(n for n, _ in layer.params) for layer in reversed(self.layers)]
 
-    def backward(self, accumulate=False, ready=None, claim=None):
+    def backward(self, accumulate=False, ready=None, claim=None, fetch=None):
         """Gradients into ``flat.grad``; ``claim(names)`` before a layer writes its parameters'
         gradients, ``ready(name)`` for each parameter as soon as its gradient is final (the
         bucketed all-reduce starts on it)."""
@@ -178,8 +180,8 @@ class MLP:
             t0 = tr and time.perf_counter()
             if claim is not None:
                 claim([name for name, _ in layer.params])
-            if self.fetch is not None:
-                self.fetch([name for name, _ in layer.params], False)
+            if fetch is not None:
+                fetch([name for name, _ in layer.params], False)
             if rg is not None:
                 rg.push(f"backward {layer.name}")
             dout = layer.backward(dout, accumulate)

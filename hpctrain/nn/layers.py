@@ -92,27 +92,25 @@ class SoftmaxCrossEntropy(Layer):
     which nothing reads after the loss (the head's and the last Linear's backward read their
     input and weights): no probabilities are kept, and backward returns that buffer."""
 
-    def __init__(self, device):
+    def __init__(self, device, row_weight: float | None = None):
         self.device = device
         # d loss / d (one row's loss) in backward; None = 1/B, the mean over this call's B rows.
-        # The trainer sets it when ranks' shares differ (then size k / (G predictions per row)).
-        self.row_weight = None
-        # fp16's loss scale (hpctrain.training.loss_scale): multiplies the gradient, not the loss
-        self.loss_scale = 1.0
+        # Where ranks' shares differ the trainer gives size k / (G predictions per row).
+        self.row_weight = row_weight
 
     @staticmethod
     def activation_shapes(n, classes) -> list:
         """Nothing of its own: the gradient it keeps for backward is written over the logits."""
         return []
 
-    def forward(self, logits, labels, totals=None, accumulate=False):
+    def forward(self, logits, labels, totals=None, accumulate=False, loss_scale: float = 1.0):
         """(loss_sum, correct) on the host; or, given ``totals`` (a float64 device array of 2), the
         two written into it (added with ``accumulate``) on the device, without waiting for it:
-        a step reads them once (training), an evaluation per batch."""
+        a step reads them once (training), an evaluation per batch. ``loss_scale``: fp16's loss
+        scale (hpctrain.training.loss_scale), which multiplies the gradient, not the loss."""
         # 1/B: the mean over this rank's rows; the all-reduce averages over ranks
         scale = 1.0 / logits.shape[0] if self.row_weight is None else self.row_weight
-        if self.loss_scale != 1.0:
-            scale *= self.loss_scale
+        scale *= loss_scale
         self.dlogits = logits
         if totals is not None:
             return self.device.ops.softmax_xent_fused_add(logits, labels, scale, logits, totals, accumulate)

@@ -13,7 +13,7 @@ both named by metadata events.
 Clock: ``time.perf_counter`` (CLOCK_MONOTONIC on Linux, the clock of
 :class:`~hpctrain.observe.log.Timers`, immune to NTP steps). Every rank reads it right
 after leaving one ``MPI_Barrier`` when the trainer is built, and timestamps are
-microseconds since then: ranks share a time base up to the barrier's exit skew
+microseconds since then (:meth:`Tracer.start`): ranks share a time base up to the barrier's exit skew
 (microseconds on one node, tens of microseconds across nodes). Each file also
 records ``time.time()`` at that instant (``otherData.t0_unix``).
 
@@ -47,7 +47,8 @@ PHASE_NAMES = {"allreduce": "allreduce wait"}  # the timer phase is the exposed 
 
 
 class Tracer:
-    """Events of one rank, kept in memory and written by :meth:`save`. Collective to build."""
+    """Events of one rank, kept in memory and written by :meth:`save`; :meth:`start` (collective)
+    sets the time base the ranks share."""
 
     def __init__(self, directory: str, world, sync=None, max_events: int = MAX_EVENTS):
         self.directory, self.rank, self.size = directory, world.rank, world.size
@@ -56,7 +57,13 @@ class Tracer:
         self.events: list[tuple] = []  # (ph, name, cat, tid, start_s, dur_s, args)
         self._tids: dict[int, int] = {}
         self._names: dict[int, str] = {}
-        world.comm.Barrier()  # the common time base: every rank leaves it at about the same instant
+        self.t0 = time.perf_counter()
+        self.t0_unix = time.time()
+
+    def start(self, comm) -> None:
+        """The common time base: every rank of ``comm`` leaves one barrier at about the same instant
+        and reads its clock. Collective; before any event is recorded."""
+        comm.Barrier()
         self.t0 = time.perf_counter()
         self.t0_unix = time.time()
 

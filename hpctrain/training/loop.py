@@ -1,74 +1,226 @@
 """The run loop: many steps, each judged; checkpoints, evaluation, progress, stop signals.
 
 :meth:`RunLoop.run` is collective, on every rank. Per step: read this rank's rows of the batch,
-run the :class:`~hpctrain.training.step.Step` (the update too unless the numeric guard defers
-it), one small all-reduce of the step's statistics (loss, accuracy, NaN/Inf seen, checkpoint
-due, stop signals received) that every rank then judges alike, the update or the guard's policy,
-then saves, metrics and the progress line. The stall watchdog watches the whole run.
-
-The loop takes its parts explicitly: the plan and the training state, the step, the data, the
-checkpoints, the numeric guard, and what it reports to and is watched by (log, metrics, timers,
-watchdog, progress marks, stop signal, fault hooks; a tracer, per-op times and the GEMM peak when
-asked for). :meth:`RunLoop.run` starts and stops the watchdog, installs the stop signal around
-the steps when ``own_signal`` says it is its to install, and closes the metrics and progress
-files at the end; everything else stays with whoever built it.
+run the :class:`~hpctrain.training.step.Step` (which judges and applies its own update and returns
+a :class:`~hpctrain.training.step.StepResult`), then roll back, save, evaluate, write the metrics
+record and the progress line as the result and the schedule say. Whether a checkpoint is due by
+time and which stop signals arrived travel with the step's statistics all-reduce (its ``votes``),
+so every rank takes the same branch. The stall watchdog watches the whole run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-
-import numpy as np
+from dataclasses import dataclass
 
 from .. import __version__
 from ..errors import EXIT_CHECKPOINTED
 from ..observe import memory
 from ..observe.log import format_eta
 from ..reliability.signals import STOP_SIGNALS
+from .evaluation import Evaluation, describe_eval, verdicts
 from .plan import memory_of
+from .update_policy import ROLLBACK, SKIPPED
 
 
-def _shares(global_batch: int, size: int) -> str:
-    """How the global batch splits over ranks, for the start-up line."""
-    b, extra = divmod(global_batch, size)
-    if not extra:
-        return f"{b} x {size}"
-    return f"{b + 1} x {extra} + {b} x {size - extra} (uneven shares, gradients weighted by share)"
+@dataclass
+class Reporting:
+    """Where a run reports: the rank-0 ``log``, the ``metrics`` file, the phase ``timers``; when
+    asked, a ``tracer`` (train.trace), NVTX ``ranges`` (train.nvtx) and this machine's GEMM peak
+    over all ranks (``peak_flops``, FLOP/s: MFU)."""
+
+    log: object
+    metrics: object
+    timers: object
+    tracer: object = None
+    ranges: object = None
+    peak_flops: float | None = None
+
+
+@dataclass
+class Watching:
+    """What watches a run: the stall ``watchdog``, the ``progress`` marks a supervising launcher
+    reads, the ``stop_signal`` (installed by the loop for its duration when ``own_signal``; the CLI
+    installs it before anything else) and the tests' fault hooks (``faults``, or None)."""
+
+    watchdog: object
+    progress: object
+    stop_signal: object
+    own_signal: bool = False
+    faults: object = None
 
 
 class RunLoop:
     """Trains ``state`` to ``train.steps`` (or a stop signal) with ``stepper`` (a
-    :class:`~hpctrain.training.step.Step`), as ``plan`` lays it out. ``own_signal``: install
-    ``stop_signal`` (a :class:`~hpctrain.reliability.signals.StopSignal`) around the steps; False
-    when the caller installed it already (the CLI does, before anything else)."""
+    :class:`~hpctrain.training.step.Step`) as ``plan`` lays it out, on ``data``, saving through
+    ``checkpoints``; ``guard``: the numeric guard (its rollback's batches are stepped over)."""
 
-    def __init__(self, plan, state, stepper, data, checkpoints, guard, *, log, metrics, timers, watchdog, progress,
-                 stop_signal, own_signal=False, faults=None, tracer=None, op_times=None, peak_flops=None,
-                 ranges=None):
+    def __init__(self, plan, state, stepper, data, checkpoints, guard, report: Reporting, watch: Watching):
         self.plan, self.state, self.stepper, self.data = plan, state, stepper, data
-        self.checkpoints, self.guard = checkpoints, guard
-        self.log, self.metrics, self.timers, self.watchdog = log, metrics, timers, watchdog
-        self.progress, self.stop_signal, self.own_signal, self.faults = progress, stop_signal, own_signal, faults
-        self.tracer, self.op_times, self.peak_flops = tracer, op_times, peak_flops
-        self.ranges = ranges  # NVTX (train.nvtx): a range per step
+        self.checkpoints, self.guard, self.report, self.watch = checkpoints, guard, report, watch
+        self.log, self.timers, self.watchdog = report.log, report.timers, watch.watchdog
+        self.evaluation = Evaluation(plan, data, stepper.runner, watch.watchdog, stepper.op_times)
+        self._nvtx = report.ranges or (lambda name: contextlib.nullcontext())
 
     def run(self) -> dict:
         """Train to ``train.steps`` or a stop signal; the result: steps, seconds, throughput,
         ``stopped_by``, the final evaluation and whether the targets were met. Collective."""
         self.watchdog.start()
         try:
-            return self._loop()
+            with self.watch.stop_signal if self.watch.own_signal else contextlib.nullcontext():
+                return self._loop()
         finally:
-            self.metrics.close()  # after the final evaluation's line
-            self.progress.close()
+            if self.report.tracer is not None:
+                self.report.tracer.save()
+            self.report.metrics.close()  # after the final evaluation's line
+            self.watch.progress.close()
             self.watchdog.stop()
+
+    def evaluate(self, whole: bool = False) -> dict:
+        """The evaluation set's scores at the current step (:class:`~.evaluation.Evaluation`). Collective."""
+        return self.evaluation.run(self.state.step, whole)
+
+    def _loop(self) -> dict:
+        state, tc, guard = self.state, self.plan.cfg.train, self.guard
+        self._start_up_lines()
+        progress = _Window(state.step, tc.steps)
+        if guard.policy == "rollback" and self.checkpoints.saved_step is None and state.step < tc.steps:
+            self._save(", for guard.nonfinite=rollback")  # something to roll back to
+        final, stopped_by = None, None
+        while state.step < tc.steps:
+            if state.step in guard.skip_steps:
+                self._step_over()
+                continue
+            t0 = time.perf_counter()
+            with self._nvtx(f"step {state.step + 1}"):   # train.nvtx: a range per step
+                result = self.stepper.run(state.step, *self._batch(state.step), votes=self._votes)
+            if result.outcome == ROLLBACK:
+                with self.watchdog.watch("checkpoint load", f"rollback from step {result.step}", result.step, 10):
+                    self.checkpoints.rollback(state)
+                continue
+            state.step += 1
+            self.watch.progress.mark("step", state.step)
+            signalled = {n: c for n, c in zip(STOP_SIGNALS, result.votes[1:]) if c}
+            saved = self._save_if_due(bool(signalled or result.votes[0]))
+            record = {"step_time": time.perf_counter() - t0, **saved}
+            if self.report.tracer is not None:
+                self.report.tracer.complete("step", t0, "step", {"step": state.step})  # as in the metrics
+            scores = self._evaluate_if_due(signalled, progress)
+            final = scores if state.step == tc.steps else None
+            if result.outcome != SKIPPED:
+                progress.add(result)
+            self._write_metrics(result, record, scores)
+            if signalled and state.step < tc.steps:  # at the last step: finished, exit normally
+                stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
+                self.log.info(f"stopping at step {state.step}: {stopped_by}; checkpoint saved; exit code "
+                              f"{EXIT_CHECKPOINTED} (resume with --resume auto)")
+                break
+            self._progress_line(progress, result)
+            if scores and state.step < tc.steps:
+                self.log.info(f"eval at step {state.step}: {describe_eval(scores)}")
+        return self._result(progress, stopped_by, final)
+
+    # ---- the parts of a step's iteration ------------------------------------------------
+    def _batch(self, step: int):
+        """This rank's rows of global step ``step`` (the ``data`` phase), through the fault hooks."""
+        faults = self.watch.faults
+        if faults is not None:
+            faults.pace()  # a test's slow step, outside the timed phases
+        with self.timers("data"):
+            x_all, y_all = self.data.reader.batch(step)
+            if faults is not None:
+                x_all = faults.before_step(step, x_all)
+        return x_all, y_all
+
+    def _votes(self) -> list:
+        """What every rank must learn with the step's statistics (asked for as they are summed, so a
+        signal that arrives during the step counts): rank 0's "checkpoint.every_minutes is due", then
+        per stop signal whether this rank received it."""
+        stop = self.watch.stop_signal
+        return [self.plan.world.is_root and self.checkpoints.time_due(),
+                *(stop.received == name for name in STOP_SIGNALS)]
+
+    def _step_over(self) -> None:
+        """A batch the guard's rollback found bad: consumed without a step (saved where one is due)."""
+        state, tc = self.state, self.plan.cfg.train
+        self.log.info(f"guard: stepping over the batch of step {state.step} (bad before the rollback)")
+        state.step += 1
+        self.watch.progress.mark("step", state.step)
+        if self.checkpoints.step_due(state.step) or (tc.steps == state.step and self.plan.cfg.checkpoint.save_final):
+            self._save()
+            self.report.metrics.sync()
 
     def _save(self, why: str = "") -> None:
         step = self.state.step
         with self.watchdog.watch("checkpoint save", f"step {step}{why}", step, 10):
             self.checkpoints.save(self.state)
+
+    def _save_if_due(self, asked: bool) -> dict:
+        """Save when ``asked`` (a signal, or checkpoint.every_minutes), at checkpoint.every_steps, or
+        at the last step with checkpoint.save_final; its time as the metrics' ``t_checkpoint``."""
+        cfg, step = self.plan.cfg, self.state.step
+        if not (asked or self.checkpoints.step_due(step) or cfg.train.steps == step and cfg.checkpoint.save_final):
+            return {}
+        with self.timers("checkpoint"):
+            self._save()
+        return {"saved": True, **{f"t_{k}": v for k, v in self.timers.pop().items()}}
+
+    def _evaluate_if_due(self, signalled: dict, progress: "_Window") -> dict | None:
+        """The evaluation at train.eval_every and at the last step (not on the way out after a
+        signal); its seconds do not count in the training rates."""
+        step, tc = self.state.step, self.plan.cfg.train
+        if not self.data.eval_shard or not (step == tc.steps or not signalled and tc.eval_every
+                                            and step % tc.eval_every == 0):
+            return None
+        t0 = time.perf_counter()
+        scores = self.evaluate(whole=step == tc.steps)
+        progress.exclude(time.perf_counter() - t0)
+        return scores
+
+    def _write_metrics(self, result, record: dict, scores: dict | None) -> None:
+        """The step's record; synced to disk with a checkpoint (the records of the steps the
+        checkpoint holds survive a crash)."""
+        state, tc = self.state, self.plan.cfg.train
+        saved = record.pop("saved", False)
+        self.report.metrics.write(
+            step=state.step, epoch=state.sampler.position(state.step - 1)[0], **result.metrics(), **record,
+            **_rates(tc.global_batch, state.model.targets_per_row, state.model.flops_per_row,
+                     self.report.peak_flops, record["step_time"]),
+            bad_steps=self.guard.bad_steps, **memory.measured(self.plan.device),
+            **({f"val_{k}": v for k, v in scores.items()} if scores else {}))
+        if saved:
+            self.report.metrics.sync()
+
+    def _progress_line(self, progress: "_Window", result) -> None:
+        step, tc, model, peak = self.state.step, self.plan.cfg.train, self.state.model, self.report.peak_flops
+        if not (step % tc.log_every == 0 or step == tc.steps) or not progress.predictions:
+            return
+        rate, eta = progress.take(step)   # predictions per second: samples or tokens
+        mfu = f" | MFU {100 * rate * model.flops_per_row / model.targets_per_row / peak:.1f}%" if peak else ""
+        self.log.progress(f"step {step:>6}/{tc.steps} | loss {progress.loss:.4f} | acc {100 * progress.accuracy:5.1f}% "
+                          f"| {rate:,.0f} {self.data.units}/s{mfu} | lr {result.lr:.4g} | ETA {format_eta(eta)}")
+        progress.clear()
+
+    def _result(self, progress: "_Window", stopped_by, final) -> dict:
+        state, tc, units = self.state, self.plan.cfg.train, self.data.units
+        elapsed = progress.training_seconds()
+        result = {"steps": state.step, "seconds": elapsed, "stopped_by": stopped_by, "eval": None,
+                  "samples_per_s": (state.step - progress.first) * tc.global_batch / elapsed if elapsed else 0.0,
+                  "bad_steps": self.guard.bad_steps, "targets_met": True}
+        result[f"{units}_per_s"] = result["samples_per_s"] * state.model.targets_per_row
+        if stopped_by is not None:
+            return result
+        self.log.info(f"done: {state.step} steps in {elapsed:.1f} s ({result[f'{units}_per_s']:,.0f} {units}/s)"
+                      + (f", {self.guard.bad_steps} bad step(s) ({self.guard.policy})" if self.guard.bad_steps else ""))
+        if self.data.eval_shard:
+            # the last step's evaluation; a run resumed at its last step evaluates here
+            result["eval"] = final or self.evaluate(whole=True)
+            result["targets_met"], line = verdicts(tc, self.data, result["eval"])
+            self.log.info(line)
+        elif tc.target_accuracy or tc.target_val_bpb or tc.target_bpb_vs_bigram:
+            result["targets_met"] = False
+        return result
 
     def _start_up_lines(self) -> None:
         plan, cfg, world, log, state = self.plan, self.plan.cfg, self.plan.world, self.log, self.state
@@ -102,256 +254,57 @@ class RunLoop:
         advice = memory.zero3_advice(plan, model.flat) if cfg.dist.zero == 3 else memory.zero2_advice(plan, model.flat)
         if advice:
             log.warn(advice)
-        peak = self.peak_flops  # this machine's GEMM peak over all ranks (FLOP/s), or None: no MFU
+        peak = self.report.peak_flops  # this machine's GEMM peak over all ranks (FLOP/s), or None: no MFU
         if peak:
             log.info(f"MFU is model FLOPs/s over the GEMM peak measured at start-up: {peak / 1e9:,.1f} GFLOP/s "
                      f"over {world.size} rank(s) ({model.flops_per_row / model.targets_per_row / 1e6:,.2f} MFLOP "
                      f"per {data.units[:-1]} for forward + backward)")
 
-    def _loop(self) -> dict:
-        plan, state, cfg, log, guard = self.plan, self.state, self.plan.cfg, self.log, self.guard
-        tc, data, ckpt = cfg.train, self.data, self.checkpoints
-        per_row = state.model.targets_per_row  # predictions per row: the loss is their mean
-        units, peak = data.units, self.peak_flops
-        self._start_up_lines()
-        window = np.zeros(3)  # loss_sum, correct, predictions since the last progress line
-        t_start = t_window = time.perf_counter()
-        eval_total, final_scores = 0.0, None
-        first_step, stopped_by = state.step, None
-        if guard.policy == "rollback" and ckpt.saved_step is None and state.step < tc.steps:
-            self._save(", for guard.nonfinite=rollback")  # something to roll back to
-        try:
-            with self.stop_signal if self.own_signal else contextlib.nullcontext():
-                while state.step < tc.steps:
-                    t0, launches0 = time.perf_counter(), plan.device.launches()
-                    if state.step in guard.skip_steps:
-                        log.info(f"guard: stepping over the batch of step {state.step} (bad before the rollback)")
-                        state.step += 1
-                        self.progress.mark("step", state.step)
-                        if ckpt.step_due(state.step) or (tc.steps == state.step and cfg.checkpoint.save_final):
-                            self._save()
-                            self.metrics.sync()
-                        continue
-                    if self.ranges is None:
-                        stats = self._step_and_judge()
-                    else:
-                        with self.ranges(f"step {state.step + 1}"):
-                            stats = self._step_and_judge()
-                    if stats is None:  # rolled back
-                        continue
-                    bad = stats.bad
-                    if bad is None:
-                        window += stats.sums[:3]
-                    # fp16: the scale this step's gradient was computed with, and whether it overflowed
-                    scaled = {} if state.loss_scale is None else {"loss_scale": state.model.loss.loss_scale,
-                                                                  "overflow": stats.overflow}
-                    state.step += 1
-                    self.progress.mark("step", state.step)
-                    signalled = stats.signalled
-                    saved = bool(signalled or stats.time_due or ckpt.step_due(state.step)
-                                 or tc.steps == state.step and cfg.checkpoint.save_final)
-                    if saved:
-                        with self.timers("checkpoint"):
-                            self._save()
-                    split = self.timers.pop()
-                    tensor = plan.tensor.take() if plan.tensor is not None else {}  # this step's, before evaluation
-                    op_split = self.op_times.pop() if self.op_times else {}  # before evaluation's ops
-                    # a GPU's host-side launches this step (before evaluation's): kernels, cuBLAS, graphs
-                    launched = {} if launches0 is None else {"launches": plan.device.launches() - launches0}
-                    step_time = time.perf_counter() - t0
-                    rate = _rates(tc.global_batch, per_row, state.model.flops_per_row, peak, step_time)
-                    if self.tracer is not None:
-                        self.tracer.complete("step", t0, "step", {"step": state.step})  # as in the metrics
-                    scores = None  # evaluated at eval_every and at the last step (not on the way out after a signal)
-                    if data.eval_shard and (state.step == tc.steps or not signalled and tc.eval_every
-                                            and state.step % tc.eval_every == 0):
-                        t_eval = time.perf_counter()
-                        scores = self.evaluate(whole=state.step == tc.steps)
-                        final_scores = scores if state.step == tc.steps else None
-                        eval_s = time.perf_counter() - t_eval
-                        if plan.tensor is not None:
-                            plan.tensor.take()  # evaluation's forward all-reduces are not a step's
-                        t_window, eval_total = t_window + eval_s, eval_total + eval_s  # rates count training only
-                    sums = stats.sums
-                    self.metrics.write(step=state.step, epoch=state.sampler.position(state.step - 1)[0],
-                                       loss=sums[0] / sums[2], accuracy=sums[1] / sums[2],
-                                       lr=self.stepper.schedule.lr(state.step - 1), step_time=step_time,
-                                       **self.stepper.comm_metrics(), **self.stepper.clip_metrics(),
-                                       **self.stepper.pipeline_metrics(),
-                                       **tensor, **rate,
-                                       bad_steps=guard.bad_steps, skipped=bad is not None or stats.overflow,
-                                       **scaled,
-                                       **memory.measured(plan.device),
-                                       **{f"t_{k}": v for k, v in split.items()},
-                                       **op_split, **launched,
-                                       **({f"val_{k}": v for k, v in scores.items()} if scores else {}))
-                    if saved:  # the records of the steps the checkpoint holds survive a crash
-                        self.metrics.sync()
-                    if signalled and state.step < tc.steps:  # at the last step: finished, exit normally
-                        stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
-                        log.info(f"stopping at step {state.step}: {stopped_by}; checkpoint saved; exit code "
-                                 f"{EXIT_CHECKPOINTED} (resume with --resume auto)")
-                        break
-                    if (state.step % tc.log_every == 0 or state.step == tc.steps) and window[2]:
-                        now = time.perf_counter()
-                        rate = window[2] / (now - t_window)  # predictions per second: samples or tokens
-                        eta = (now - t_start) / max(1, state.step - first_step) * (tc.steps - state.step)
-                        mfu = f" | MFU {100 * rate * state.model.flops_per_row / per_row / peak:.1f}%" if peak else ""
-                        log.progress(f"step {state.step:>6}/{tc.steps} | loss {window[0] / window[2]:.4f} | "
-                                     f"acc {100 * window[1] / window[2]:5.1f}% | {rate:,.0f} {units}/s{mfu} | "
-                                     f"lr {self.stepper.schedule.lr(state.step - 1):.4g} | ETA {format_eta(eta)}")
-                        window[:] = 0
-                        t_window = now
-                    if scores and state.step < tc.steps:
-                        log.info(f"eval at step {state.step}: {describe_eval(scores)}")
-        finally:
-            if self.tracer is not None:
-                self.tracer.save()
-        elapsed = time.perf_counter() - t_start - eval_total
-        result = {"steps": state.step, "seconds": elapsed, "stopped_by": stopped_by, "eval": None,
-                  "samples_per_s": (state.step - first_step) * tc.global_batch / elapsed if elapsed else 0.0,
-                  "bad_steps": guard.bad_steps, "targets_met": True}
-        result[f"{units}_per_s"] = result["samples_per_s"] * per_row
-        if stopped_by is not None:
-            return result
-        log.info(f"done: {state.step} steps in {elapsed:.1f} s ({result[f'{units}_per_s']:,.0f} {units}/s)"
-                 + (f", {guard.bad_steps} bad step(s) ({guard.policy})" if guard.bad_steps else ""))
-        if data.eval_shard:
-            # the last step's evaluation; a run resumed at its last step evaluates here
-            result["eval"] = final_scores or self.evaluate(whole=True)
-            result["targets_met"] = self._final_verdicts(result["eval"])
-        elif tc.target_accuracy or tc.target_val_bpb or tc.target_bpb_vs_bigram:
-            result["targets_met"] = False
-        return result
 
-    def _step_and_judge(self):
-        """Step ``state.step`` and judge it from its global statistics: the update, the guard's skip
-        (the compressors' state undone too), or a rollback (returns None then; abort raises)."""
-        plan, state, guard, wd = self.plan, self.state, self.guard, self.watchdog
-        step = state.step
-        if self.faults is not None:
-            self.faults.pace()  # a test's slow step, outside the timed phases
-        with self.timers("data"):
-            x_all, y_all = self.data.reader.batch(step)
-            if self.faults is not None:
-                x_all = self.faults.before_step(step, x_all)
-        scaler = state.loss_scale  # fp16: an overflowing step is the loss scale's to skip, so updates wait
-        own = self.stepper.run(step, x_all, y_all, update=not guard.deferred and scaler is None)
-        judged = _Judged.gather(plan, self.stop_signal, self.checkpoints, own, state.sampler.batch
-                                * state.model.targets_per_row, wd, step)
-        if scaler is not None and scaler.judge(not judged.sums[4], not judged.sums[5]):
-            judged.overflow = True   # not applied; the scale halved (every rank judged the same sums;
-            return judged            # fp16 runs without compression, whose residuals would need undoing)
-        judged.bad = guard.verdict(step, judged.sums[0] / judged.sums[2], judged.sums[4], judged.sums[5])
-        if judged.bad is not None and guard.bad_step(step, judged.bad) == "rollback":  # abort raises
-            self.timers.pop()
-            if self.op_times:
-                self.op_times.pop()  # the rolled-back step's kernels are no step's split
-            if plan.tensor is not None:
-                plan.tensor.take()  # nor its tensor all-reduces
-            with wd.watch("checkpoint load", f"rollback from step {step}", step, 10):
-                self.checkpoints.rollback(state)
-            return None
-        if judged.bad is None:
-            if guard.deferred or scaler is not None:
-                self.stepper.apply_update(step)
-            if scaler is not None:
-                scaler.applied()
-        elif state.compression is not None:
-            state.compression.undo_step()  # residuals (and velocities) hold the bad gradient too
-        return judged
+class _Window:
+    """The progress line's figures since it was last printed (loss, correct and predictions of the
+    steps that were not skipped, their seconds without evaluation), and the run's own clock."""
 
-    def _final_verdicts(self, scores: dict) -> bool:
-        """Log the final evaluation against the targets; whether every target was met."""
-        tc, data, met_all, verdicts = self.plan.cfg.train, self.data, True, []
-        if tc.target_accuracy:
-            met = scores["accuracy"] >= tc.target_accuracy
-            verdicts.append(f"target {100 * tc.target_accuracy:.1f}%: {'reached' if met else 'NOT reached'}")
-            met_all &= met
-        bigram = data.info.get("bigram_bpb")
-        bpb_targets = [t for t in (tc.target_val_bpb, tc.target_bpb_vs_bigram * (bigram or 0)) if t]
-        if bpb_targets:  # both set: the stricter one
-            target = min(bpb_targets)
-            met = scores.get("bpb", float("inf")) <= target
-            verdicts.append(f"target {target:.4f} bpb: {'reached' if met else 'NOT reached'}")
-            met_all &= met
-        if "bpb" in scores and bigram:  # the honest yardstick, beside any target
-            verdicts.append(f"the corpus's bigram baseline is {bigram:.4f} bpb: {scores['bpb'] / bigram:.3f}x of it")
-        self.log.info(f"final eval {describe_eval(scores)}" + (f" ({'; '.join(verdicts)})" if verdicts else ""))
-        return met_all
+    def __init__(self, first_step: int, steps: int):
+        self.first, self.steps = first_step, steps
+        self.t_start = self.t_window = time.perf_counter()
+        self.eval_seconds = 0.0
+        self.clear()
 
-    def evaluate(self, whole: bool = False) -> dict:
-        """Loss, accuracy (and for byte tokens bits per byte) on the evaluation set (all of it with
-        ``whole``, else the family's subset), each rank scoring its shard; forward only, no gradient
-        or optimizer state touched. Collective."""
-        plan = self.plan
-        totals = np.zeros(3)  # loss_sum, correct, predictions
-        # a data group's tensor ranks score the same shard: each counts it once in the world's
-        # sums below, loss and predictions alike, so the means are those of the data groups
-        # (a pipeline's stages pass each chunk along; only the last stage's scores count)
-        step = self.state.step
-        chunks = self.data.eval_shard(plan.dp.rank, plan.dp.size, whole)
-        if getattr(plan, "param_slots", None) is None:
-            for x_host, y_host in chunks:
-                totals += self.stepper.score(x_host, y_host)
-        else:   # ZeRO-3: a forward gathers over the data group, whose shards may hold unequal chunk
-            while True:   # counts: every rank runs as many forwards (without a chunk, gathers only)
-                chunk = next(chunks, None)
-                with self.watchdog.watch("evaluation chunk count", f"step {step}", step, 10):
-                    more = plan.dp.comm.allreduce(chunk is not None, op=_logical_or())
-                if not more:
-                    break
-                if chunk is None:
-                    self.stepper.gather_only()
-                else:
-                    totals += self.stepper.score(*chunk)
-        with self.watchdog.watch("evaluation all-reduce", f"step {step}", step, 10):
-            plan.world.comm.Allreduce(_in_place(), totals)
-        if self.op_times:
-            self.op_times.pop()  # evaluation's forward passes are not part of a training step's split
-        loss = float(totals[0] / totals[2])
-        out = {"loss": loss, "accuracy": float(totals[1] / totals[2])}
-        if self.data.bits_per_byte:
-            out["bpb"] = loss / math.log(2)
-        return out
+    def clear(self) -> None:
+        self.loss_sum = self.correct = self.predictions = 0.0
+
+    def add(self, result) -> None:
+        self.loss_sum += result.loss_sum
+        self.correct += result.correct
+        self.predictions += result.predictions
+
+    def exclude(self, seconds: float) -> None:
+        """Evaluation's seconds: not training's, in the rates and the ETA."""
+        self.t_window += seconds
+        self.eval_seconds += seconds
+
+    loss = property(lambda self: self.loss_sum / self.predictions)
+    accuracy = property(lambda self: self.correct / self.predictions)
+
+    def take(self, step: int) -> tuple[float, float]:
+        """(predictions per second since the last line, seconds left to the last step)."""
+        now = time.perf_counter()
+        rate = self.predictions / (now - self.t_window)
+        eta = (now - self.t_start) / max(1, step - self.first) * (self.steps - step)
+        self.t_window = now
+        return rate, eta
+
+    def training_seconds(self) -> float:
+        return time.perf_counter() - self.t_start - self.eval_seconds
 
 
-class _Judged:
-    """A step's statistics summed over the world (``sums``: loss_sum, correct, predictions, rank 0's
-    "every_minutes is due", the ranks whose loss held a NaN or Inf, those that found one in their
-    share of the averaged gradient, then per stop signal the ranks that got it: agreement at no
-    extra collective), and the guard's verdict (``bad``: None for a good step)."""
-
-    def __init__(self, sums):
-        self.sums, self.bad = sums, None
-        self.overflow = False   # fp16: skipped by the loss scale (not a bad step)
-
-    @classmethod
-    def gather(cls, plan, stop_signal, checkpoints, own, predictions: int, watchdog, step: int) -> "_Judged":
-        world = plan.world
-        sums = np.array([own.loss_sum, own.correct, predictions, world.is_root and checkpoints.time_due(),
-                         own.loss_nonfinite, own.grad_nonfinite,
-                         *(stop_signal.received == name for name in STOP_SIGNALS)], np.float64)
-        if not plan.grid.scores:  # a data group's tensor ranks computed the same loss on the same rows;
-            sums[:3] = 0.0        # a pipeline's earlier stages none
-        with watchdog.watch("step statistics all-reduce", f"step {step}", step):
-            world.comm.Allreduce(_in_place(), sums)  # global loss/accuracy of this step
-        return cls(sums)
-
-    @property
-    def time_due(self) -> bool:
-        return bool(self.sums[3])
-
-    @property
-    def signalled(self) -> dict:
-        return {n: int(c) for n, c in zip(STOP_SIGNALS, self.sums[6:]) if c}
-
-
-def describe_eval(scores: dict) -> str:
-    """'accuracy 93.10%' for a classifier; 'loss 1.2345, 1.7810 bpb, accuracy 61.2%' for bytes."""
-    if "bpb" in scores:
-        return f"loss {scores['loss']:.4f}, {scores['bpb']:.4f} bpb, next-byte accuracy {100 * scores['accuracy']:.1f}%"
-    return f"accuracy {100 * scores['accuracy']:.2f}%"
+def _shares(global_batch: int, size: int) -> str:
+    """How the global batch splits over ranks, for the start-up line."""
+    b, extra = divmod(global_batch, size)
+    if not extra:
+        return f"{b} x {size}"
+    return f"{b + 1} x {extra} + {b} x {size - extra} (uneven shares, gradients weighted by share)"
 
 
 def _rates(global_batch: int, per_row: int, flops_per_row: int, peak, step_time: float) -> dict:
@@ -362,15 +315,3 @@ def _rates(global_batch: int, per_row: int, flops_per_row: int, peak, step_time:
     if peak:
         out["mfu"] = global_batch * flops_per_row / step_time / peak
     return out
-
-
-def _in_place():
-    from mpi4py import MPI
-
-    return MPI.IN_PLACE
-
-
-def _logical_or():
-    from mpi4py import MPI
-
-    return MPI.LOR

@@ -71,12 +71,13 @@ def in_flight(instrs) -> int:
 
 
 class PipelineStage:
-    """This rank's stage of the pipeline ``plan`` lays out, over ``model`` (a GPT stage). Builds a
-    duplicate of the pipeline group's communicator (collective over the pipeline group)."""
+    """This rank's stage of the pipeline ``plan`` lays out, over ``model`` (a GPT stage); ``fetch``:
+    ZeRO-3's parameter gathers (:meth:`~hpctrain.comm.zero_params.ParameterSlots.fetch`), or None.
+    Builds a duplicate of the pipeline group's communicator (collective over the pipeline group)."""
 
-    def __init__(self, plan, model, timers, watchdog):
+    def __init__(self, plan, model, timers, watchdog, fetch=None):
         grid, cfg = plan.grid, plan.cfg
-        self.plan, self.model, self.timers, self.watchdog = plan, model, timers, watchdog
+        self.plan, self.model, self.timers, self.watchdog, self.fetch = plan, model, timers, watchdog, fetch
         self.p, self.stage, self.m = grid.p, grid.stage, plan.micro_batches
         self.instrs = stage_schedule(cfg.dist.pipeline_schedule, self.stage, self.p, self.m)
         self.lanes = in_flight(self.instrs)   # = plan.in_flight
@@ -90,18 +91,17 @@ class PipelineStage:
         self.bytes_sent = 0        # this rank's bytes of the last step: point-to-point, and the tied table's sum
         self.busy = self.wall = 0.0   # the last step's seconds in forward and backward, first to last instruction
 
-    def run(self, step: int, x_all, y_all, totals, ready, claim, every_micro: bool = False) -> None:
+    def run(self, step: int, x_all, y_all, totals, ready, claim, every_micro: bool = False,
+            loss_scale: float = 1.0) -> None:
         """The stage's forwards and backwards of global step ``step`` (this data rank's rows ``x_all``,
         ``y_all``, host arrays; each stage reads the same and uses what it needs). The last stage adds
-        each micro-batch's (loss_sum, correct) to ``totals``; ``ready``/``claim``: the gradient
-        reducer's, passed to the last backward (every backward with ``every_micro``, ZeRO-2)."""
+        each micro-batch's (loss_sum, correct) to ``totals``, its loss's gradient times ``loss_scale``;
+        ``ready``/``claim``: the gradient reducer's, passed to the last backward (every backward with
+        ``every_micro``, ZeRO-2)."""
         model, dev, t = self.model, self.plan.device, self.timers
         first, last = self.stage == 0, self.stage == self.p - 1
         parts = [slice(*shard_range(len(y_all), i, self.m)) for i in range(self.m)]
         model.flat.refresh_compute()   # a 16-bit precision's parameter copy, from this step's masters
-        for k in range(self.lanes):    # the trainer's row weight and the step's loss scale, on every lane
-            lane = model.lane(k)
-            lane.loss.row_weight, lane.loss.loss_scale = model.loss.row_weight, model.loss.loss_scale
         self.bytes_sent = 0
         shape_of = lambda i: ((parts[i].stop - parts[i].start) * y_all.shape[1], model.d_model)  # noqa: E731
         self._pending, self._posted, self._pinned_free = sorted(self.posts), {}, {}
@@ -127,10 +127,10 @@ class PipelineStage:
                     else:
                         B, T = parts[i].stop - parts[i].start, y_all.shape[1]
                         inp = self._inputs[k, (B * T, model.d_model)]
-                    out = lane.forward(inp, B, T)
+                    out = lane.forward(inp, B, T, self.fetch)
                     if last:
                         y = dev.upload(y_all[parts[i]], f"y{k}", np.int64)
-                        lane.loss.forward(out, y.reshape(-1), totals, accumulate=i > 0)
+                        lane.loss.forward(out, y.reshape(-1), totals, i > 0, loss_scale)
                     else:
                         self._outputs[k] = out
                 busy += time.perf_counter() - t0
@@ -144,7 +144,7 @@ class PipelineStage:
                     dres = self._buffer(self._grads, k, shape)
                     final = backwards == self.m - 1
                     lane.backward(dres, accumulate=backwards > 0 and not every_micro,
-                                  ready=ready if final or every_micro else None, claim=claim)
+                                  ready=ready if final or every_micro else None, claim=claim, fetch=self.fetch)
                 busy += time.perf_counter() - t0
                 backwards += 1
             elif x.kind == "send_bwd":
@@ -154,6 +154,18 @@ class PipelineStage:
         for key in list(self._sends):
             self._wait(*key)
         self.busy, self.wall = busy, time.perf_counter() - t_start
+
+    def sum_tied(self, grad, step: int) -> None:
+        """The tied table's gradient ``grad`` (this rank's part of it, averaged over its data group)
+        summed with the other end's: the first stage's (from the embedding) and the last's (from the
+        head). The sum of two is the same bits on both, so their copies of the table stay equal.
+        Collective over the embedding group (the first and last stage)."""
+        from mpi4py import MPI
+
+        with self.timers("allreduce"), self.watchdog.watch("embedding-group all-reduce", f"wte, step {step}", step):
+            with self.staging.mpi_view(grad, "tied") as view:
+                self.plan.grid.embedding.comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
+        self.bytes_sent += grad.nbytes   # to the other end of the embedding group
 
     def held_activation_bytes(self) -> int:
         """Bytes of the activations this stage holds for its micro-batches in flight: the lanes'
@@ -187,7 +199,7 @@ class PipelineStage:
         else:
             inp = self._buffer(self._inputs, "eval", shape)
             self._receive(inp, "evaluation activations")
-        out = model.lane(0).forward(inp, B, T)
+        out = model.lane(0).forward(inp, B, T, self.fetch)
         if self.stage < self.p - 1:
             with self.staging.send_view(out, "eval") as view:
                 self.comm.Send(view, dest=self.stage + 1, tag=0)

@@ -1,19 +1,18 @@
 """The plan: what runs where, decided once from the configuration and the world.
 
-A :class:`Plan` is pure data plus the communicators: the process grid (data x tensor x
-pipeline), this rank's groups, the device
-and its compute dtype, the gradient buckets, the ZeRO shares and gradient slots, the all-reduce
-strategy and ZeRO-1's parameter gatherer. The trainer, the step and the checkpoints read it;
-nothing in it changes after start-up. Built in three stages, because the buckets follow the
-model's flat parameter layout and an all-reduce strategy may measure while it is built:
+A :class:`Plan` holds the process grid (data x tensor x pipeline) and this rank's groups, the
+device and precision, the gradient buckets, the ZeRO shares and slots, the all-reduce strategy and
+ZeRO-1's parameter gatherer. Its layout is fixed at start-up; the objects it holds (communicators,
+ZeRO-3's parameter slots, the tensor group's counters) carry their own per-step state. Built in
+three stages, because the buckets follow the model's flat parameter layout and an all-reduce
+strategy may measure while it is built:
 
     plan = place(cfg, world)      grid, groups, device, staging   (collective: communicator splits)
     plan.divide(model)            buckets, ZeRO shares and slots  (local)
-    plan.connect(log)             all-reduce strategy, gatherer   (collective; only once every rank
+    plan.connect(log, watchdog)   all-reduce strategy, gatherer   (collective; only once every rank
                                                                     is known to have built the rest)
 
-:func:`on_paper` makes the same plan without communicators or memory (this rank's place in the
-grid as numbers, an :class:`~hpctrain.observe.memory.Unallocated` device): what ``info --config``
+:func:`on_paper` makes the same plan without communicators or memory: what ``info --config``
 prints, and the bytes :func:`planned_memory` counts, for a configuration at any world size.
 """
 
@@ -105,9 +104,10 @@ class Plan:
         self.shards, self.grad_slots, self.param_slots = plan_zero(d.zero, d, self.buckets, model, self.device,
                                                                    self.dp)
 
-    def connect(self, log) -> None:
-        """The all-reduce strategy (``auto`` measures here) and ZeRO-1's parameter gatherer.
-        Collective over the data group (and the tensor group, which aligns ``auto``'s choices)."""
+    def connect(self, log, watchdog=None) -> None:
+        """The all-reduce strategy (``auto`` measures here) and ZeRO-1's parameter gatherer (ZeRO-3's
+        gathers watched by ``watchdog``). Collective over the data group (and the tensor group, which
+        aligns ``auto``'s choices)."""
         d = self.cfg.dist
         self.allreduce = make_allreduce(d.allreduce, self.dp, self.device, self.staging, inner=d.hierarchical_inner,
                                         cache_path=d.auto_cache, log=log)
@@ -116,7 +116,7 @@ class Plan:
             self.param_gather = param_gatherer(d.allreduce, self.allreduce, self.dp, self.device,
                                                Staging(self.device, d.cuda_aware_mpi), d.hierarchical_inner)
         if self.param_slots is not None:   # ZeRO-3 gathers before use, on its own thread, with that gatherer
-            self.param_slots.connect(self.param_gather)
+            self.param_slots.connect(self.param_gather, watchdog)
 
     def tied_share(self):
         """On a pipeline's first or last stage: (its pipeline group's first rank, the [lo, hi) of the tied

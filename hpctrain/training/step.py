@@ -1,41 +1,76 @@
-"""One optimizer step: the batch in, the statistics out.
+"""One optimizer step: the batch in, a :class:`StepResult` out.
 
-On every rank: this rank's rows of the global batch (read by the caller) -> k micro-batches of
-forward and backward into the flat gradient -> the gradient averaged over the data group, bucket
-by bucket, by the communication thread -> the optimizer update of each bucket as it arrives.
+On every rank: this rank's rows of the global batch -> the runner's forward and backward
+(:mod:`.runners`: eager, CUDA graphs or a pipeline stage) into the flat gradient -> the gradient
+averaged over the data group, bucket by bucket, by the communication thread -> clipping -> the
+step's statistics summed over the world in one small all-reduce -> the update policy's verdict
+(:mod:`.update_policy`) -> the optimizer's update. The update follows the buckets as they arrive
+where nothing can drop it, else it waits for the verdict; either way it runs through one path.
 Because every rank starts from rank 0's parameters and applies the same averaged gradient, N ranks
 with batch b train like one rank with batch N*b (up to floating-point summation order).
 
-:class:`Step` is where a CUDA-graph replay or a pipeline schedule (:mod:`.pipeline`) replaces the eager sequence:
-it needs only the plan, the training state, the learning-rate schedule, the timers and the
-watchdog, and it returns :class:`StepStats`. It does not advance ``state.step``: the run loop
-does, after judging the statistics.
+The step does not advance ``state.step``: the run loop does, after reading the result.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..comm.zero import traffic_halves
 from ..comm.zero_grads import make_reducer
-from ..data.sampler import shard_range
 from .clip import GradClip
-from .cuda_graphs import StepGraphs, why_not
-from .pipeline import PipelineStage
+from .cuda_graphs import why_not
+from .runners import make_runner
+from .update_policy import APPLIED, SKIPPED
 
 
 @dataclass
-class StepStats:
-    """This rank's share of one step: the loss summed over its predictions, the correct ones, and
-    whether its loss or (its share of) the averaged gradient held a NaN or Inf."""
+class StepResult:
+    """What one step did, for the run loop's verdicts and the metrics record. The sums are over the
+    world's whole batch (each prediction counted once), the same on every rank."""
 
-    loss_sum: float
-    correct: int
-    loss_nonfinite: bool
-    grad_nonfinite: bool
+    step: int                  # the global step (0-based) this was
+    outcome: str               # applied, skipped (the guard), overflow (fp16's loss scale) or rollback
+    reason: str | None         # the guard's reason for a bad step
+    loss_sum: float            # the loss summed over the global batch's predictions
+    correct: float             # predictions that were right (a classifier's accuracy)
+    predictions: float         # the global batch's predictions
+    bad_loss_ranks: int        # ranks whose loss held a NaN or Inf
+    bad_grad_ranks: int        # ranks that found one in (their share of) the averaged gradient
+    votes: tuple               # the caller's votes (:meth:`Step.run`), summed over the world
+    lr: float                  # the learning rate of this step
+    loss_scale: float | None   # fp16: the scale this step's gradient was computed with
+    clip: dict = field(default_factory=dict)       # grad_norm and clip_coef (optim.clip_grad_norm)
+    comm: dict = field(default_factory=dict)       # times and bytes of the gradient's reduction
+    pipeline: dict = field(default_factory=dict)   # every stage's busy and idle time, bytes held and sent
+    tensor: dict = field(default_factory=dict)     # the tensor group's all-reduces
+    phases: dict = field(default_factory=dict)     # seconds per phase since the last step ended
+    op_times: dict = field(default_factory=dict)   # train.op_times: seconds per op family
+    launches: int | None = None                    # a GPU's host-side launches (kernels, cuBLAS, graphs)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.predictions
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.predictions
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome == APPLIED
+
+    def metrics(self) -> dict:
+        """The step's fields of a metrics record (hpctrain.observe.log.Metrics)."""
+        out = {"loss": self.loss, "accuracy": self.accuracy, "lr": self.lr, **self.comm, **self.clip,
+               **self.pipeline, **self.tensor, "skipped": not self.applied}
+        if self.loss_scale is not None:
+            out.update(loss_scale=self.loss_scale, overflow=self.outcome == "overflow")
+        return {**out, **{f"t_{k}": v for k, v in self.phases.items()}, **self.op_times,
+                **({} if self.launches is None else {"launches": self.launches})}
 
 
 class _Unwatched:
@@ -50,122 +85,120 @@ class _Unwatched:
 class Step:
     """One optimizer step of ``state`` (model, optimizer, compression) as ``plan`` lays it out.
 
-    ``schedule``: the learning rate per step; ``timers``: a :class:`~hpctrain.observe.log.Timers`
-    (data, forward, backward, allreduce, optimizer, allgather); ``watchdog``: the run's stall
-    watchdog (None: unwatched). Builds the gradient reducer (the communication thread) over the
-    plan's buckets; collective calls happen only inside :meth:`run` and :meth:`apply_update`.
+    ``schedule``: the learning rate per step; ``policy``: the
+    :class:`~hpctrain.training.update_policy.UpdatePolicy` that says whether an update applies;
+    ``timers``: a :class:`~hpctrain.observe.log.Timers` (popped at the end of every step);
+    ``watchdog``: the run's stall watchdog (None: unwatched); ``log``: where a failed CUDA graph
+    capture is said; ``tracer``, ``ranges``: spans and NVTX ranges of the communication thread, or
+    None; ``op_times``: an :class:`~hpctrain.observe.op_times.OpTimes`, popped every step, or None.
+    Builds the gradient reducer (the communication thread) over the plan's buckets and the runner;
+    collective calls happen only inside :meth:`run`.
     """
 
-    def __init__(self, plan, state, schedule, timers, watchdog=None, log=None):
+    def __init__(self, plan, state, schedule, policy, timers, watchdog=None, log=None, tracer=None, ranges=None,
+                 op_times=None):
         cfg = plan.cfg
-        self.plan, self.state, self.schedule, self.timers = plan, state, schedule, timers
-        self.watchdog = watchdog or _Unwatched()
+        self.plan, self.state, self.schedule, self.policy, self.timers = plan, state, schedule, policy, timers
+        self.watchdog, self.op_times = watchdog or _Unwatched(), op_times
         self.reducer = make_reducer(plan.allreduce, state.model.flat.grad, plan.buckets, plan.device, plan.shards,
                                     plan.grad_slots, plan.micro_batches, overlap=cfg.dist.overlap,
                                     compression=state.compression,
                                     # fp16's loss scale needs to see every overflow
-                                    check_finite=cfg.guard.check_grads or state.loss_scale is not None)
+                                    check_finite=cfg.guard.check_grads or policy.scaler is not None,
+                                    tracer=tracer, ranges=ranges,
+                                    trace_args={"strategy": cfg.dist.allreduce, "compress": cfg.dist.compress})
         self._bucket_names = plan.bucket_names()
+        self._ranges = [self._range(b) for b in plan.buckets]
         # [loss_sum, correct] of a step, summed on the device over its micro-batches and read once
         self._totals = plan.device.zeros((2,), np.float64)
-        # train.cuda_graphs: forward and backward replayed as graphs, or "" and why not
-        self.graphs_off = why_not(cfg, plan.device, plan)
-        self.graphs = None if self.graphs_off else StepGraphs(plan.device, state.model, log)
-        # dist.zero = 3: each layer's parameters gathered before it runs (the model calls fetch)
+        # dist.zero = 3: each layer's parameters gathered before it runs
         self.params = plan.param_slots
-        if self.params is not None:
-            self.params.watchdog = self.watchdog
-            state.model.fetch = self.params.fetch
-        # dist.pipeline_parallel: this rank's stage runs the schedule's micro-batches
-        self.pipe = None if plan.pipeline == 1 else PipelineStage(plan, state.model, timers, self.watchdog)
+        fetch = None if self.params is None else self.params.fetch
+        # train.cuda_graphs: "" where forward and backward replay as graphs, else why not
+        self.graphs_off = why_not(cfg, plan.device, plan)
+        self.runner = make_runner(plan, state.model, timers, self.watchdog, self.graphs_off, fetch, log)
         # the tied table's bucket on a pipeline's first and last stage: summed over the embedding group
         self._tied = next((b.index for b in plan.buckets if b.slots == ("wte",)), None) \
             if plan.grid.embedding is not None else None
         # optim.clip_grad_norm: the global norm once every bucket is reduced, before any update
         self.clip = None if not cfg.optim.clip_grad_norm else GradClip(
-            plan, state.model, lambda lo, hi: self.state.optimizer.grad_of(lo, hi),
-            [self._range(b) for b in plan.buckets], cfg.optim.clip_grad_norm)
+            plan, state.model, lambda lo, hi: self.state.optimizer.grad_of(lo, hi), self._ranges,
+            cfg.optim.clip_grad_norm)
+        self.last: StepResult | None = None   # the last step's result
 
-    def run(self, step: int, x_all, y_all, update: bool = True) -> StepStats:
-        """Forward, backward and all-reduce of global step ``step`` on this rank's rows ``x_all``,
-        ``y_all`` (host arrays), and with ``update`` the optimizer step too (without it, the
-        run loop calls :meth:`apply_update` once the step is judged). Collective over the plan's groups.
-
-        With k = train.grad_accum_steps, the rows are k micro-batches whose gradients add up
-        locally; only the last backward feeds the buckets (ZeRO-2: every backward,
-        hpctrain.comm.zero_grads), and the sum over ranks and micro-batches is scaled once by
-        1 / (size k). Where shares differ, each loss is weighted so that the result is still the
-        mean over the whole global batch (the trainer sets the loss's row weight).
-        """
-        plan, model, t, wd = self.plan, self.state.model, self.timers, self.watchdog
-        k, device, reducer = plan.micro_batches, plan.device, self.reducer
-        scaler = self.state.loss_scale   # fp16: the loss's gradient times S, the average divided by S
-        loss_scale = 1.0 if scaler is None else scaler.scale
-        model.loss.loss_scale = loss_scale
-        reducer.start(scale=1.0 / (plan.dp.size * k * loss_scale), step=step)
+    def run(self, step: int, x_all, y_all, votes=None) -> StepResult:
+        """Global step ``step`` on this rank's rows ``x_all``, ``y_all`` (host arrays), judged and
+        (where the policy lets it) applied. ``votes()``: numbers of the caller's that every rank needs
+        summed (a checkpoint due, stop signals), asked for just before the step's statistics
+        all-reduce, which carries them. Collective over the plan's groups."""
+        launched = self.plan.device.launches()
+        optimizer, reducer, lr = self.state.optimizer, self.reducer, self.schedule.lr(step)
+        scale = self.policy.loss_scale   # fp16: the loss's gradient times S, the average divided by S
+        reducer.start(scale=1.0 / (self.plan.dp.size * self.plan.micro_batches * scale), step=step)
         if self.params is not None:
             self.params.begin_step()
-        totals, graphs = self._totals, self.graphs
-        if self.pipe is not None:
-            self.pipe.run(step, x_all, y_all, totals, reducer.mark_ready, reducer.claim, reducer.every_micro)
-        for micro in range(k if self.pipe is None else 0):
-            last = micro == k - 1
-            with t("data"):
-                part = slice(*shard_range(len(y_all), micro, k))  # k equal parts, or differing by one row
-                x = device.upload(x_all[part], "x", model.input_dtype)
-                y = device.upload(y_all[part], "y", np.int64)
-            fresh = micro == 0 or reducer.every_micro  # ZeRO-2 reduces every micro-batch: it overwrites
-            if graphs is not None:  # forward and backward in one graph (a replay, once captured)
-                with t("forward"):
-                    graphs.run(x, y, totals, micro > 0, not fresh)
-                continue
-            with t("forward"):  # the loss statistics stay on the device: no wait for the GPU here
-                model.forward(x, y, totals=totals, accumulate=micro > 0)
-            with t("backward"):
-                model.backward(accumulate=not fresh, ready=reducer.mark_ready if last or reducer.every_micro
-                               else None, claim=reducer.claim)
-        if graphs is not None:
-            with t("backward"):  # the buckets, in backward's order, once the replay is queued
-                for name in graphs.ready_order:
-                    reducer.mark_ready(name)
-        # the optimizer waits for each bucket in turn and updates just its slice
-        # ("allreduce" is the exposed wait; the overlapped part hides in backward)
-        if update:
-            self.state.optimizer.begin_step(step, self.schedule.lr(step))
-        # a step that captures or checks an update graph first waits for every bucket: a capture
-        # records every launch on the stream, the communication thread's too
-        # (and clipping needs the whole gradient's norm before any update, LAMB and LARS each parameter's)
-        whole = getattr(self.state.optimizer, "whole_gradient", False)
-        later = self.clip is not None or whole or update and graphs is not None and any(
-            graphs.settling(graphs.update_key(self.state.optimizer, *self._range(b))) for b in plan.buckets)
+        self.runner.forward_backward(step, x_all, y_all, self._totals, reducer, scale)
+        # the update follows the buckets as they are reduced unless something needs all of them first:
+        # the verdict (the policy waits), clipping's norm, LAMB's and LARS's per-parameter norms, or a
+        # graph capture (it records every launch on the stream, the communication thread's too)
+        following = not self.policy.waits
+        if following:
+            optimizer.begin_step(step, lr)
+            following = not (self.clip is not None or getattr(optimizer, "whole_gradient", False)
+                             or self.runner.update_waits(optimizer, self._ranges))
+        self._reduce(step, following)
+        if self.clip is not None:   # before the update: the gradient is clipped once
+            with self.timers("optimizer"), self.watchdog.watch("gradient norm all-reduce", f"step {step}", step):
+                self.clip.apply()
+        sums = self._judge(step, votes)
+        outcome, reason = self.policy.decide(step, sums[0] / sums[2], int(sums[3]), int(sums[4]))
+        if outcome == APPLIED and not following:
+            if self.policy.waits:
+                optimizer.begin_step(step, lr)
+            self._prepare(step)
+            self._update_all(step)
+        elif outcome == SKIPPED and self.state.compression is not None:
+            self.state.compression.undo_step()   # residuals (and velocities) hold the bad gradient too
+        if self.params is not None:
+            self.params.end_step()
+        self.last = StepResult(
+            step, outcome, reason, float(sums[0]), float(sums[1]), float(sums[2]), int(sums[3]), int(sums[4]),
+            tuple(int(v) for v in sums[5:]), lr, None if self.policy.scaler is None else scale,
+            clip={} if self.clip is None else self.clip.metrics(), comm=self._comm_metrics(),
+            pipeline=self.runner.metrics(), tensor={} if self.plan.tensor is None else self.plan.tensor.take(),
+            phases=self.timers.pop(), op_times=self.op_times.pop() if self.op_times else {},
+            launches=None if launched is None else self.plan.device.launches() - launched)
+        return self.last
+
+    def _reduce(self, step: int, following: bool) -> None:
+        """Wait for every bucket's reduction (the ``allreduce`` phase is the exposed wait; the
+        overlapped part hides in backward); a pipeline's tied table summed between its two stages;
+        with ``following``, each bucket's update as soon as it is reduced."""
         behind = None   # an offloaded optimizer's: the bucket whose update waits for the next one's copy
-        for bucket, name in zip(plan.buckets, self._bucket_names):
-            with t("allreduce"), wd.watch("gradient all-reduce", f"{name}, step {step}", step):
-                reducer.wait(bucket)
+        for bucket, name in zip(self.plan.buckets, self._bucket_names):
+            with self.timers("allreduce"), self.watchdog.watch("gradient all-reduce", f"{name}, step {step}", step):
+                self.reducer.wait(bucket)
             if bucket.index == self._tied:
-                self._sum_tied(step, bucket)
-            if update and not later:
+                self.runner.stage.sum_tied(self.state.optimizer.grad_of(*self._range(bucket)), step)
+            if following:
                 behind = self._update_next(step, bucket, name, behind)
         if behind is not None:
             self._update(step, *behind)
-        if self.clip is not None:   # before the update, deferred or not: the gradient is clipped once
-            with t("optimizer"), wd.watch("gradient norm all-reduce", f"step {step}", step):
-                self.clip.apply()
-        if update and later:
-            self._prepare(step)
-            self._update_all(step)
-        if self.params is not None:
-            self.params.end_step()
-        loss_sum, correct = device.to_host(totals)   # the step's one read of its statistics
-        grad_nonfinite = reducer.nonfinite or (self.clip is not None and not math.isfinite(self.clip.norm))
-        return StepStats(float(loss_sum), int(correct), not math.isfinite(loss_sum), grad_nonfinite)
 
-    def apply_update(self, step: int) -> None:
-        """The optimizer step of judged step ``step`` whose buckets are all reduced (the numeric
-        guard's deferred policies)."""
-        self.state.optimizer.begin_step(step, self.schedule.lr(step))
-        self._prepare(step)
-        self._update_all(step)
+    def _judge(self, step: int, votes) -> np.ndarray:
+        """This rank's statistics (read from the device once), then their sums over the world:
+        loss_sum, correct, predictions, the ranks whose loss held a NaN or Inf, those that found one
+        in their share of the averaged gradient, then ``votes()``. One all-reduce, collective."""
+        world, model = self.plan.world, self.state.model
+        loss_sum, correct = self.plan.device.to_host(self._totals)   # the step's one read of its statistics
+        grad_nonfinite = self.reducer.nonfinite or (self.clip is not None and not math.isfinite(self.clip.norm))
+        sums = np.array([loss_sum, correct, self.state.sampler.batch * model.targets_per_row,
+                         not math.isfinite(loss_sum), grad_nonfinite, *(votes() if votes else ())], np.float64)
+        if not self.plan.grid.scores:   # a data group's tensor ranks computed the same loss on the same rows;
+            sums[:3] = 0.0               # a pipeline's earlier stages none
+        with self.watchdog.watch("step statistics all-reduce", f"step {step}", step):
+            world.comm.Allreduce(_in_place(), sums)
+        return sums
 
     def _update_all(self, step) -> None:
         """The optimizer on every bucket, all reduced (and clipped), in order."""
@@ -216,66 +249,24 @@ class Step:
         """The optimizer on ``bucket`` (ZeRO-1 and 2: on this rank's chunk, then the bucket's parameters
         all-gathered, while the communication thread reduce-scatters the next buckets; ZeRO-3: on this
         rank's chunk, gathered when a layer next needs it)."""
-        plan, optimizer = self.plan, self.state.optimizer
+        plan = self.plan
         lo, hi = self._range(bucket)
         with self.timers("optimizer"):
             if self.params is not None:   # ZeRO-3: the bucket's gathered copy is stale from here on
                 self.params.stale(bucket.index)
-            if self.graphs is None:
-                optimizer.update(lo, hi)
-            else:   # the same launches every step: replayed as a graph per range
-                self.graphs.update(optimizer, lo, hi)
+            self.runner.update(self.state.optimizer, lo, hi)
         if plan.shards is None or self.params is not None:   # (ZeRO-3 gathers before the next use)
             return
         with self.timers("allgather"), self.watchdog.watch("parameter all-gather", f"{name}, step {step}", step):
             plan.param_gather.allgather(self.state.model.flat.data[bucket.lo:bucket.hi])
 
-    def _sum_tied(self, step, bucket) -> None:
-        """A pipeline's tied table: the first stage's gradient (from the embedding) and the last's
-        (from the head), each averaged over its data group, summed between the two stages. The
-        sum of two is the same bits on both, so their copies of the table stay equal."""
-        from mpi4py import MPI
-
-        grad = self.state.optimizer.grad_of(*self._range(bucket))
-        with self.timers("allreduce"), self.watchdog.watch("embedding-group all-reduce", f"wte, step {step}", step):
-            with self.plan.staging.mpi_view(grad, "tied") as view:
-                self.plan.grid.embedding.comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
-        self.pipe.bytes_sent += grad.nbytes   # to the other end of the embedding group
-
-    def score(self, x_host, y_host) -> tuple:
-        """(loss_sum, correct, predictions) of evaluation rows ``x_host``, ``y_host`` on this rank: a
-        forward only; under pipeline parallelism through every stage, counted on the last."""
-        if self.pipe is not None:
-            loss_sum, correct = self.pipe.score(x_host, y_host)
-            return loss_sum, correct, y_host.size if self.plan.grid.last_stage else 0
-        plan, model = self.plan, self.state.model
-        x = plan.device.upload(x_host, "eval_x", model.input_dtype)
-        y = plan.device.upload(y_host, "eval_y", np.int64)
-        loss_sum, correct = model.forward(x, y)
-        return loss_sum, correct, y_host.size
-
-    def gather_only(self) -> None:
-        """ZeRO-3: the parameter gathers of a forward without computing it (a rank with no evaluation
-        chunk left, while the others of its data group score theirs). Collective over the data group."""
-        for names in self.state.model.forward_groups:
-            self.params.fetch(names, True)
-
     def _range(self, bucket) -> tuple[int, int]:
         """The flat range the optimizer updates for ``bucket`` (ZeRO: this rank's chunk of it)."""
         return (bucket.lo, bucket.hi) if self.plan.shards is None else self.plan.shards.pieces[bucket.index][:2]
 
-    def clip_metrics(self) -> dict:
-        """The last step's gradient norm and clip coefficient (optim.clip_grad_norm), or nothing."""
-        return {} if self.clip is None else self.clip.metrics()
-
-    def pipeline_metrics(self) -> dict:
-        """The last step's pipeline figures (:meth:`.pipeline.PipelineStage.metrics`; collective over
-        the pipeline group), or nothing without one."""
-        return {} if self.pipe is None else self.pipe.metrics()
-
-    def comm_metrics(self) -> dict:
-        """The last step's communication for the metrics: times, bytes reduced and, per rank, bytes
-        sent against the dense all-reduce's (2 (p-1)/p of the buckets), with the compressor's figures."""
+    def _comm_metrics(self) -> dict:
+        """The step's communication for the metrics: times, bytes reduced and, per rank, bytes sent
+        against the dense all-reduce's (2 (p-1)/p of the buckets), with the compressor's figures."""
         cfg, reducer, c = self.plan.cfg, self.reducer, self.state.compression
         out = {"comm_time": reducer.comm_s, "exposed_comm_time": reducer.exposed_s, "bytes_reduced": reducer.bytes,
                "allreduce": cfg.dist.allreduce}
@@ -300,3 +291,9 @@ def _ordered_sum(parts):
     for part in parts:
         total = total + part
     return total
+
+
+def _in_place():
+    from mpi4py import MPI
+
+    return MPI.IN_PLACE

@@ -4,16 +4,15 @@
     trainer.run()                      # RunLoop(...).run(): steps, verdicts, saves, evaluation
     trainer.close()
 
-Start-up builds, in order: the :class:`~hpctrain.training.plan.Plan`'s grid, groups and device
-(``place``), the data and the model, the plan's buckets and ZeRO shares (``divide``), the
-optimizer and the :class:`~hpctrain.training.state.TrainingState` (model, optimizer, sampler,
-RNG), the checks every rank must pass alike, the all-reduce strategy (``plan.connect``), the
-compressors (the state's compressor state), the :class:`~hpctrain.training.step.Step`, the
-initial weights' broadcast, the GEMM peak for MFU, the tracer, the checkpoint manager and the
-resume from a checkpoint. Each collective runs in a watched region, so a rank that stops
-during start-up ends the job with a report. The model and its data come
-from the family ``model.kind`` (:mod:`hpctrain.models`); the trainer knows them only through
-that interface.
+Start-up builds, in order, each part with what it depends on: the
+:class:`~hpctrain.training.plan.Plan`'s grid, groups and device (``place``), what observes the run
+(NVTX ranges, the tracer, per-op timers), the data and the model, the plan's buckets and ZeRO
+shares (``divide``), the optimizer and the :class:`~hpctrain.training.state.TrainingState`, the
+checks every rank must pass alike, the all-reduce strategy (``plan.connect``), the compressors,
+the update policy and the :class:`~hpctrain.training.step.Step`, the initial weights' broadcast,
+the GEMM peak for MFU, the tracer's common clock, the checkpoint manager and the resume. Each
+collective runs in a watched region, so a rank that stops during start-up ends the job with a
+report. The model and its data come from the family ``model.kind`` (:mod:`hpctrain.models`).
 """
 
 from __future__ import annotations
@@ -38,10 +37,11 @@ from ..reliability.progress import Progress
 from ..reliability.signals import StopSignal
 from ..reliability.watchdog import Watchdog
 from ..runtime import oversubscribed_note
-from .loop import RunLoop
+from .loop import Reporting, RunLoop, Watching
 from .plan import place
 from .state import TrainingState
 from .step import Step
+from .update_policy import UpdatePolicy
 
 
 class Trainer:
@@ -49,7 +49,7 @@ class Trainer:
 
     ``plan``: what runs where; ``state``: what a checkpoint holds; ``stepper``: one optimizer step;
     ``checkpoints``, ``guard`` (the numeric guard), ``data``; what the run reports to (``log``,
-    ``metrics``, ``timers``, ``tracer``, ``op_times``) and is watched by (``watchdog``,
+    ``metrics``, ``timers``, ``tracer``, ``ranges``, ``op_times``) and is watched by (``watchdog``,
     ``progress``, ``stop_signal``, ``faults``). ``stop_signal``: an already installed
     :class:`StopSignal` (the CLI installs one before anything else, so a signal during start-up
     is not fatal); by default :meth:`run` installs its own for its duration.
@@ -82,7 +82,7 @@ class Trainer:
         with wd.watch("start-up", "checking the data and the bucket layout on every rank", slack=10):
             # Set-up checks may fail on some ranks only (a file missing on one node):
             # agree() makes every rank raise the same error instead of hanging.
-            agree(world, self._build)
+            model, optimizer, scaler = agree(world, self._build)
             plan = self.plan
             if plan.device.gemm_note:  # train.gemm = auto on a GPU without a usable CuPy: slow GEMMs, say why once
                 self.log.warn(plan.device.gemm_note)
@@ -111,24 +111,29 @@ class Trainer:
         with wd.watch("start-up", f"all-reduce set-up (dist.allreduce={cfg.dist.allreduce})", slack=10):
             # strategies may run collectives while being built (auto measures), so
             # only once every rank is known to have built everything else
-            plan.connect(self.log)
-            place_gradients(plan.allreduce, self.model, plan.grad_slots, plan.device)
-            if cfg.dist.compress != "none":
-                self.state.compression = agree(
-                    world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, plan.dp, plan.staging,
-                    plan.allreduce, plan.buckets, self.model.flat, cfg.train.seed, self.log,
-                    cfg.dist.compress_start_step, cfg.optim.beta1 if cfg.dist.compress_momentum else 0.0,
-                    keep_undo=cfg.guard.nonfinite == "skip", matrix_parts=getattr(self.model, "matrix_parts", None))
+            plan.connect(self.log, wd)
+            place_gradients(plan.allreduce, model, plan.grad_slots, plan.device)
+            compression = None if cfg.dist.compress == "none" else agree(
+                world, GradientCompression, cfg.dist.compress, cfg.dist.compress_scope, plan.dp, plan.staging,
+                plan.allreduce, plan.buckets, model.flat, cfg.train.seed, self.log,
+                cfg.dist.compress_start_step, cfg.optim.beta1 if cfg.dist.compress_momentum else 0.0,
+                keep_undo=cfg.guard.nonfinite == "skip", matrix_parts=getattr(model, "matrix_parts", None))
+        # per-rank generator for anything stochastic per rank (saved under /rng)
+        self.state = TrainingState(model, optimizer, self.data.sampler, fresh_rng(cfg.train.seed, world.rank),
+                                   compression, loss_scale=scaler)
         self.guard = NumericGuard(cfg.guard, self.log)
-        # waiting at each phase end serialises the GPU: only when asked (or tracing, below)
-        self.ranges = make_ranges(cfg.train.nvtx)  # NVTX ranges per step, phase, layer and bucket, or None
-        self.timers = Timers(sync=plan.device.synchronize if cfg.train.sync_phases else None, ranges=self.ranges)
-        self.stepper = Step(plan, self.state, self.schedule, self.timers, self.watchdog, self.log)
+        if self.tracer is not None:   # each phase also a span
+            from ..observe.trace import TracedTimers
+
+            self.timers = TracedTimers(self.tracer, sync=plan.device.synchronize, ranges=self.ranges)
+        else:   # waiting at each phase end serialises the GPU: only when asked
+            self.timers = Timers(sync=plan.device.synchronize if cfg.train.sync_phases else None, ranges=self.ranges)
+        self.stepper = Step(plan, self.state, self.schedule, UpdatePolicy(self.guard, self.state.loss_scale),
+                            self.timers, self.watchdog, self.log, self.tracer, self.ranges, self.op_times)
         if plan.device.name == "cuda" and cfg.train.cuda_graphs != "off" and self.stepper.graphs_off:
             # a GPU run that keeps its launches eager: say why once
             (self.log.warn if cfg.train.cuda_graphs == "on" else self.log.info)(
                 f"train.cuda_graphs = {cfg.train.cuda_graphs}: the steps run eagerly: {self.stepper.graphs_off}")
-        self.model.ranges = self.stepper.reducer.ranges = self.ranges
         if plan.param_slots is None:   # (ZeRO-3's ranks drew the same weights, one array at a time)
             with wd.watch("start-up", "broadcast of the initial weights", slack=10):
                 # data parallelism starts from identical weights: its rank 0's (under tensor parallelism
@@ -141,15 +146,8 @@ class Trainer:
 
                 self.peak_flops = world_peak_flops(world, plan.device)
         with wd.watch("start-up", "trace clock and checkpoint directory", slack=10):
-            self.tracer = None  # hpctrain.observe.trace.Tracer when train.trace is set: spans per phase, layer, bucket
-            if cfg.train.trace:
-                from ..observe.trace import TracedTimers, Tracer
-
-                self.tracer = Tracer(cfg.train.trace, world, sync=plan.device.synchronize)
-                self.timers = self.stepper.timers = TracedTimers(self.tracer, sync=plan.device.synchronize,
-                                                                 ranges=self.ranges)
-                self.model.tracer = self.stepper.reducer.tracer = self.tracer
-                self.stepper.reducer.trace_args = {"strategy": cfg.dist.allreduce, "compress": cfg.dist.compress}
+            if self.tracer is not None:
+                self.tracer.start(world.comm)   # the ranks' common time base
             self.checkpoints = CheckpointManager(plan, self.log, hooks=self.faults)
         with self.watchdog.watch("checkpoint load", "resume", slack=10):
             self.checkpoints.resume(self.state)  # may restore parameters, optimizer state, step and RNG
@@ -157,12 +155,20 @@ class Trainer:
         self.progress.mark("ready", self.step)
 
     def _build(self):
-        """The plan, the data, the model and the training state; the checks of their arithmetic. Local
+        """The plan, what observes the run, the data, the model and its optimizer (and fp16's loss
+        scale); the checks of their arithmetic. Returns (model, optimizer, loss scaler or None). Local
         but for the grid's communicator splits."""
         cfg, world = self.cfg, self.world
         # tensor groups of dist.tensor_parallel ranks split the model; data groups across them
         # average gradients: everything data-parallel runs over plan.dp
         self.plan = plan = place(cfg, world)
+        self.ranges = make_ranges(cfg.train.nvtx)  # NVTX ranges per step, phase, layer and bucket, or None
+        self.tracer = None  # train.trace: spans per phase, layer and bucket (hpctrain.observe.trace.Tracer)
+        if cfg.train.trace:
+            from ..observe.trace import Tracer, make_trace_dir
+
+            make_trace_dir(cfg.train.trace)
+            self.tracer = Tracer(cfg.train.trace, world, sync=plan.device.synchronize)
         self.op_times = None
         if cfg.train.op_times:
             from ..observe.op_times import OpTimes
@@ -170,7 +176,13 @@ class Trainer:
             self.op_times = OpTimes(plan.device, plan.model_device)  # wraps the devices' kernel tables
         models = family(cfg.model.kind)
         self.data = models.open_data(cfg, plan.dp, plan.device)  # tensor ranks of a data group read the same rows
-        model = models.build(cfg, plan.model_device, self.data, tensor=plan.tensor, stage=plan.grid.stage)
+        sampler, k = self.data.sampler, plan.micro_batches
+        # Shares (and micro-batches) that differ: every row's loss gets the same weight, size k / G,
+        # instead of 1 / (the rows of its micro-batch), so the sum over ranks scaled by 1 / (size k)
+        # is the whole batch's mean. Even shares keep 1/B.
+        row_weight = None if sampler.even and sampler.batch % k == 0 else plan.dp.size * k / cfg.train.global_batch
+        model = models.build(cfg, plan.model_device, self.data, tensor=plan.tensor, stage=plan.grid.stage,
+                             row_weight=row_weight, tracer=self.tracer, ranges=self.ranges)
         if model.flat.data is not None:   # (ZeRO-3's model has no whole buffer: it takes its shares below)
             model.init(cfg.train.seed)
         self.faults.check_inputs(model.input_dtype)
@@ -183,13 +195,11 @@ class Trainer:
                                     plan.grad_slots and plan.grad_slots.owned,
                                     cfg.dist.compress_start_step if cfg.dist.compress_momentum else 0,
                                     params=plan.param_slots and plan.param_slots.owned)
-        # per-rank generator for anything stochastic per rank (saved under /rng)
-        self.state = TrainingState(model, optimizer, self.data.sampler, fresh_rng(cfg.train.seed, world.rank))
+        scaler = None
         if cfg.train.precision == "fp16":
             from .loss_scale import LossScaler
 
-            self.state.loss_scale = LossScaler(cfg.train.loss_scale, cfg.train.loss_scale_window)
-        sampler, k = self.data.sampler, plan.micro_batches
+            scaler = LossScaler(cfg.train.loss_scale, cfg.train.loss_scale_window)
         if cfg.train.exact_shares and sampler.batch % k:
             raise ConfigError(f"train.grad_accum_steps={k} does not divide the per-rank batch "
                               f"{sampler.batch} (global {cfg.train.global_batch} / {plan.dp.size} data-parallel "
@@ -198,23 +208,14 @@ class Trainer:
         if sampler.batch < k:
             raise ConfigError(f"train.grad_accum_steps={k} exceeds this rank's {sampler.batch} rows per step "
                               f"(global {cfg.train.global_batch} over {plan.dp.size} data-parallel ranks); lower it")
-        # Shares (and micro-batches) that differ: every prediction's loss gets the same weight,
-        # size k / (G predictions per row), instead of 1 / (the rows of its micro-batch), so the
-        # sum over ranks scaled by 1 / (size k) is the whole batch's mean. Even shares keep 1/B.
-        self.uneven = not sampler.even or sampler.batch % k != 0
-        if self.uneven:
-            model.loss.row_weight = (plan.dp.size * k) / (cfg.train.global_batch * model.targets_per_row)
         if cfg.optim.schedule == "cosine" and cfg.optim.min_lr > peak:
             raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds the peak lr {peak:g} "
                               f"(after the linear scaling rule); lower optim.min_lr")
         check_writable(cfg.checkpoint.dir)
-        if cfg.train.trace:
-            from ..observe.trace import make_trace_dir
-
-            make_trace_dir(cfg.train.trace)
         # opened here so an unwritable path is an agreed user error, not an abort; emptied
         # after the resume unless a checkpoint was loaded (a resumed run appends to its metrics)
         self.metrics = Metrics(cfg.train.metrics, world.is_root)
+        return model, optimizer, scaler
 
     # ---- the parts most callers reach for --------------------------------------------
     @property
@@ -245,22 +246,9 @@ class Trainer:
     # ---- steps and the run -----------------------------------------------------------
     def loop(self) -> RunLoop:
         """The run loop over this trainer's parts."""
-        return RunLoop(self.plan, self.state, self.stepper, self.data, self.checkpoints, self.guard, log=self.log,
-                       metrics=self.metrics, timers=self.timers, watchdog=self.watchdog, progress=self.progress,
-                       stop_signal=self.stop_signal, own_signal=self._own_signal, faults=self.faults,
-                       tracer=self.tracer, op_times=self.op_times, peak_flops=self.peak_flops, ranges=self.ranges)
-
-    def train_step(self) -> tuple[float, int]:
-        """Run global step ``step`` whole (update included, no verdict; the fault hooks as in the
-        run loop) and advance; returns this rank's (loss_sum, correct). The run loop judges each
-        step first instead."""
-        self.faults.pace()
-        with self.timers("data"):
-            x_all, y_all = self.data.reader.batch(self.step)
-            x_all = self.faults.before_step(self.step, x_all)
-        stats = self.stepper.run(self.step, x_all, y_all, update=True)
-        self.step += 1
-        return stats.loss_sum, stats.correct
+        return RunLoop(self.plan, self.state, self.stepper, self.data, self.checkpoints, self.guard,
+                       Reporting(self.log, self.metrics, self.timers, self.tracer, self.ranges, self.peak_flops),
+                       Watching(self.watchdog, self.progress, self.stop_signal, self._own_signal, self.faults))
 
     def evaluate(self, whole: bool = False) -> dict:
         """The evaluation set's loss and accuracy (see :meth:`RunLoop.evaluate`). Collective."""
