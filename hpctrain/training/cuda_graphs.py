@@ -1,36 +1,17 @@
 """CUDA graphs of a step's work (``train.cuda_graphs = auto | on | off``): a micro-batch's forward
-and backward, and the optimizer's update of each bucket's range.
+and backward, and the optimizer's update of each bucket's range, each recorded once and replayed
+with one call, so the host's calls per step no longer grow with the layers.
 
-A GPT step on a GPU issues hundreds of kernel launches, each costing the host tens of
-microseconds in Python and numba; at the example GPT's size the GPU waits on the host. A
-graph records the launches once and replays them with one call, so the host's calls per step
-no longer grow with the layers: one replay per micro-batch and one per bucket, plus the uploads
-and the buckets' communication.
-
-How: the first call of each key runs eagerly, which compiles every kernel and allocates every
-buffer and scratch array; the second is captured on the device's stream
-(:meth:`~hpctrain.device.cuda.CudaDevice.capture`: CuPy's stream capture, which records numba's
-launches and cuBLAS's calls on that stream) and then run eagerly (a capture runs nothing); the
-third is replayed and checked against the same work run eagerly from the same state (what each
-array changed by, within 1e-3 of the eager change; else the run goes on eagerly and says so),
-and every later one is replayed. A micro-batch's key is the batch's shapes and the two
-accumulate flags; an update's is its range and what else its launches take by value (AdamW's
-velocity mode). Replays read the same device buffers, so everything that changes per step
-reaches them in device memory, uploaded before the replay (outside the graph): the batch, and
-the optimizer's learning rate, step count and bias corrections (``hpctrain.optim``). The loss
-statistics go to the step's device array; every kernel argument is the same on each replay.
-
-Kept out of the graphs: the uploads and the communication (the reducer starts on every bucket
-after backward, when the replay is queued, so backward and the all-reduce do not overlap).
-
-Where graphs cannot run, the step is eager and the reason is said once (rank 0's log):
-not a GPU (the CPU, numba's simulator) or no CuPy; tracing, per-op timing or synchronised
-phases (each waits for the GPU inside forward and backward); tensor parallelism (its
-all-reduces run inside forward and backward); ZeRO-2 (it reduces every micro-batch as backward
-claims the slots); a capture that raised (the error is said and the step runs eagerly from
-then on). ``auto`` also leaves a data-parallel run of several ranks eager, where backward's
-overlap with the all-reduce is worth more than the launches (not yet measured); ``on`` takes
-graphs there too.
+Per key (a micro-batch's shapes and accumulate flags; an update's range and ``graph_key()``): the
+first call runs eagerly (compiling and allocating), the second is captured on the device's stream
+(:meth:`~hpctrain.device.cuda.CudaDevice.capture`) and then run eagerly, the third is replayed and
+checked against the same work run eagerly from the same state (within 1e-3; else graphs stop for
+the run, said once), and every later one is replayed. Everything that changes per step reaches the
+graphs in device memory, uploaded outside them: the batch, and the optimizer's scalars. The uploads
+and the communication stay outside. :func:`why_not` names why a run keeps its steps eager (not a
+GPU or no CuPy; tracing, per-op times or synchronised phases; tensor or pipeline parallelism;
+ZeRO-2 and 3; offload; LAMB and LARS; a 16-bit precision; several data-parallel ranks under
+``auto``). docs/gpu.md says more.
 """
 
 from __future__ import annotations

@@ -96,29 +96,21 @@ class RunLoop:
             with self._nvtx(f"step {state.step + 1}"):   # train.nvtx: a range per step
                 result = self.stepper.run(state.step, *self._batch(state.step), votes=self._votes)
             if result.outcome == ROLLBACK:
-                with self.watchdog.watch("checkpoint load", f"rollback from step {result.step}", result.step, 10):
-                    self.checkpoints.rollback(state)
+                self._roll_back(result.step)
                 continue
             state.step += 1
             self.watch.progress.mark("step", state.step)
             signalled = {n: c for n, c in zip(STOP_SIGNALS, result.votes[1:]) if c}
-            saved = self._save_if_due(bool(signalled or result.votes[0]))
-            record = {"step_time": time.perf_counter() - t0, **saved}
-            if self.report.tracer is not None:
-                self.report.tracer.complete("step", t0, "step", {"step": state.step})  # as in the metrics
+            record = self._save_if_due(bool(signalled or result.votes[0]), t0)
             scores = self._evaluate_if_due(signalled, progress)
             final = scores if state.step == tc.steps else None
             if result.outcome != SKIPPED:
                 progress.add(result)
             self._write_metrics(result, record, scores)
             if signalled and state.step < tc.steps:  # at the last step: finished, exit normally
-                stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
-                self.log.info(f"stopping at step {state.step}: {stopped_by}; checkpoint saved; exit code "
-                              f"{EXIT_CHECKPOINTED} (resume with --resume auto)")
+                stopped_by = self._stopping(signalled)
                 break
-            self._progress_line(progress, result)
-            if scores and state.step < tc.steps:
-                self.log.info(f"eval at step {state.step}: {describe_eval(scores)}")
+            self._progress_line(progress, result, scores)
         return self._result(progress, stopped_by, final)
 
     # ---- the parts of a step's iteration ------------------------------------------------
@@ -156,15 +148,30 @@ class RunLoop:
         with self.watchdog.watch("checkpoint save", f"step {step}{why}", step, 10):
             self.checkpoints.save(self.state)
 
-    def _save_if_due(self, asked: bool) -> dict:
+    def _roll_back(self, step: int) -> None:
+        """The guard's rollback of bad step ``step``: the newest checkpoint loaded again."""
+        with self.watchdog.watch("checkpoint load", f"rollback from step {step}", step, 10):
+            self.checkpoints.rollback(self.state)
+
+    def _save_if_due(self, asked: bool, t0: float) -> dict:
         """Save when ``asked`` (a signal, or checkpoint.every_minutes), at checkpoint.every_steps, or
-        at the last step with checkpoint.save_final; its time as the metrics' ``t_checkpoint``."""
-        cfg, step = self.plan.cfg, self.state.step
-        if not (asked or self.checkpoints.step_due(step) or cfg.train.steps == step and cfg.checkpoint.save_final):
-            return {}
-        with self.timers("checkpoint"):
-            self._save()
-        return {"saved": True, **{f"t_{k}": v for k, v in self.timers.pop().items()}}
+        at the last step with checkpoint.save_final. The step's record so far: its time since ``t0``
+        (perf_counter) with the save's (``t_checkpoint``); the tracer's span of it."""
+        cfg, step, record = self.plan.cfg, self.state.step, {}
+        if asked or self.checkpoints.step_due(step) or cfg.train.steps == step and cfg.checkpoint.save_final:
+            with self.timers("checkpoint"):
+                self._save()
+            record = {"saved": True, **{f"t_{k}": v for k, v in self.timers.pop().items()}}
+        if self.report.tracer is not None:
+            self.report.tracer.complete("step", t0, "step", {"step": step})  # as in the metrics
+        return {"step_time": time.perf_counter() - t0, **record}
+
+    def _stopping(self, signalled: dict) -> str:
+        """Says why the run stops at this step (a stop signal); what the run result calls it."""
+        stopped_by = ", ".join(f"{n} received on {c} rank(s)" for n, c in signalled.items())
+        self.log.info(f"stopping at step {self.state.step}: {stopped_by}; checkpoint saved; exit code "
+                      f"{EXIT_CHECKPOINTED} (resume with --resume auto)")
+        return stopped_by
 
     def _evaluate_if_due(self, signalled: dict, progress: "_Window") -> dict | None:
         """The evaluation at train.eval_every and at the last step (not on the way out after a
@@ -192,15 +199,18 @@ class RunLoop:
         if saved:
             self.report.metrics.sync()
 
-    def _progress_line(self, progress: "_Window", result) -> None:
+    def _progress_line(self, progress: "_Window", result, scores: dict | None) -> None:
+        """Every train.log_every steps and at the last: the progress line; an evaluation's line."""
         step, tc, model, peak = self.state.step, self.plan.cfg.train, self.state.model, self.report.peak_flops
-        if not (step % tc.log_every == 0 or step == tc.steps) or not progress.predictions:
-            return
-        rate, eta = progress.take(step)   # predictions per second: samples or tokens
-        mfu = f" | MFU {100 * rate * model.flops_per_row / model.targets_per_row / peak:.1f}%" if peak else ""
-        self.log.progress(f"step {step:>6}/{tc.steps} | loss {progress.loss:.4f} | acc {100 * progress.accuracy:5.1f}% "
-                          f"| {rate:,.0f} {self.data.units}/s{mfu} | lr {result.lr:.4g} | ETA {format_eta(eta)}")
-        progress.clear()
+        if (step % tc.log_every == 0 or step == tc.steps) and progress.predictions:
+            rate, eta = progress.take(step)   # predictions per second: samples or tokens
+            mfu = f" | MFU {100 * rate * model.flops_per_row / model.targets_per_row / peak:.1f}%" if peak else ""
+            self.log.progress(f"step {step:>6}/{tc.steps} | loss {progress.loss:.4f} | acc "
+                              f"{100 * progress.accuracy:5.1f}% | {rate:,.0f} {self.data.units}/s{mfu} | lr "
+                              f"{result.lr:.4g} | ETA {format_eta(eta)}")
+            progress.clear()
+        if scores and step < tc.steps:
+            self.log.info(f"eval at step {step}: {describe_eval(scores)}")
 
     def _result(self, progress: "_Window", stopped_by, final) -> dict:
         state, tc, units = self.state, self.plan.cfg.train, self.data.units

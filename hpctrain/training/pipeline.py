@@ -1,34 +1,18 @@
 """A pipeline stage's micro-batches: the schedule's instructions run with MPI point-to-point.
 
 With ``dist.pipeline_parallel = p`` each rank holds one stage of the GPT (:mod:`hpctrain.models.gpt_layers`)
-and :class:`PipelineStage` runs its list of instructions for the step
-(:func:`~hpctrain.training.schedules.stage_schedule`, GPipe or 1F1B, ``m = train.grad_accum_steps``
-micro-batches) in place of the plain loop over micro-batches:
-
-- ``forward i`` runs micro-batch i through the stage on lane i mod L (L: the most micro-batches the
-  schedule keeps in flight on this stage; each lane is a set of the stage's layers with its own
-  activations), the first stage from the tokens, the others from the residual stream received;
-  the last stage adds the loss to the step's totals;
-- ``backward i`` runs the lane's backward, the last stage from the loss, the others from the
-  gradient received; the gradients of the stage's parameters add up over the micro-batches and
-  the last backward feeds the gradient buckets (every backward under ZeRO-2), as without a pipeline;
-- sends are non-blocking (``MPI_Isend`` from the lane's own buffer, waited for before that buffer
-  is written again); so are receives: each is posted (``MPI_Irecv``) as soon as no instruction still
-  uses the lane buffer it fills (:func:`receive_posts`; a gradient buffer's send tested for
-  completion at each instruction), each neighbour's in instruction order and, through pinned host
-  buffers, two at a time at most, ahead of the instruction that needs it, and that instruction
-  waits for it inside a watchdog region that names the stage waited for. A message that arrives
-  while the stage computes is matched at once, and its data moves as soon as the transport
-  progresses it: at once with an RDMA or CUDA-aware transport, else in the rank's next MPI call
-  (the tests of pending sends at each instruction included). Every message is tagged with its
-  micro-batch, on the pipeline group's own communicator.
-
-Device buffers reach MPI through the one staging path (:class:`~hpctrain.comm.staging.Staging`:
-directly with a CUDA-aware MPI, else through pinned host copies). The ``pipeline`` phase of the
-timers is the step's time in messages: receives (waiting for a neighbour: the bubble), posting
-sends (with their copies through pinned memory) and waiting for them to complete. The compute
-time each stage spent (``busy``) is measured by the host's clock: on a GPU it is the launches',
-unless ``train.sync_phases`` makes each phase wait for the device.
+and :class:`PipelineStage` runs its instruction list for the step (:func:`~.schedules.stage_schedule`,
+GPipe or 1F1B over m = ``train.grad_accum_steps`` micro-batches): ``forward i`` on lane i mod L (L:
+the most micro-batches the schedule keeps in flight here; each lane holds its own activations),
+``backward i`` the other way (the last backward feeds the gradient buckets; every backward under
+ZeRO-2), sends and receives between neighbouring stages. Sends are ``MPI_Isend`` from the lane's
+own buffer, waited for before it is written again; receives are ``MPI_Irecv`` posted as soon as no
+instruction still uses the buffer they fill (:func:`receive_posts`), each neighbour's in order and
+through pinned host buffers two at a time at most, and waited for, watched, where their data is
+needed. Messages are tagged by micro-batch on the pipeline group's own communicator; device buffers
+reach MPI through :class:`~hpctrain.comm.staging.Staging`. The ``pipeline`` phase of the timers is
+the step's time in messages (the bubble); ``busy`` is the stage's compute by the host's clock
+(docs/pipeline.md).
 """
 
 from __future__ import annotations
