@@ -1,30 +1,19 @@
 """``train.precision``: which dtype each kind of array has, and the device that computes in them.
 
-A :class:`Precision` names, in one place, the dtypes of a run (the design's precision policy):
+A :class:`Precision` names, in one place, the dtypes of a run (:func:`policy`):
 
   master    the parameters the optimizer updates, their gradients, and checkpoints: train.dtype
   state     the optimizer's state: the master dtype
-  reduce    gradients on the wire between ranks: the master dtype
-  compute   activations, their gradients and the parameters' compute copy: bf16 / fp16 (16-bit
-            storage), or the master dtype for fp32
-  accum     inside every op: sums of products (GEMMs), LayerNorm statistics, softmax, the loss:
-            float32, kept in float32 arrays where an op saves them for backward
+  reduce    gradients on the wire: the master dtype, or ``dist.reduce_dtype``'s 16-bit format
+  compute   activations, their gradients and the parameters' compute copy: bf16 / fp16, or the
+            master dtype for fp32
+  accum     inside every op (GEMM sums, LayerNorm statistics, softmax, the loss): float32 under
+            bf16 / fp16, the master dtype under fp32
 
-With bf16 or fp16 the model's layers run on a :class:`~hpctrain.device.mixed.MixedDevice`: arrays they allocate are in
-the compute dtype unless they ask for ``accum_dtype`` (the GPT's residual stream and its gradient,
-LayerNorm statistics, a GPU attention's log-sum-exps, work arrays), and each op reads its 16-bit
-operands as float32 (exactly: widening loses nothing), runs the float32 kernel, and rounds the
-16-bit arguments it writes to nearest even. These are the rounding points of PyTorch's autocast:
-GEMM, activation and attention outputs in 16 bits, the residual stream and everything inside an
-op in float32 (docs/precision.md says where they differ). Gradients of parameters are float32
-(the master dtype) and are never rounded. The parameters' compute copy is the masters rounded at
-the start of every forward (:meth:`~hpctrain.nn.flat.FlatParams.refresh_compute`).
-
-What this costs: the 16-bit arrays halve the memory of most activations kept for backward; each
-op converts its 16-bit operands into float32 work arrays pooled by size and shared by every op
-and layer (:meth:`~hpctrain.device.mixed.MixedDevice.work_bytes`). The float32 kernels do the arithmetic, so bf16 is a
-correctness and memory path, not yet a faster one: tensor-core GEMMs on 16-bit inputs are the
-next step on a GPU (docs/precision.md).
+With bf16 or fp16 the layers run on a :class:`~hpctrain.device.mixed.MixedDevice`: each op reads its
+16-bit operands as float32 (exactly), runs the float32 kernel and rounds what it writes to nearest
+even, at PyTorch autocast's rounding points; parameter gradients stay float32 and the compute copy
+is the masters rounded at the start of every forward (docs/precision.md: where, and what it costs).
 """
 
 from __future__ import annotations

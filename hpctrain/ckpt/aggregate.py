@@ -1,24 +1,15 @@
 """Write aggregation: a few writer ranks per node write the other local ranks' slices.
 
-As ROMIO's collective buffering does with ``cb_nodes``, but for independent
-writes: the local ranks of a node form ``writers_per_node`` groups of
-consecutive local ranks, and the first rank of each group (its *writer*)
-receives the others' row pieces over the node communicator (shared memory)
-and writes them, one piece at a time into one reused buffer, so fewer
-processes write into the one file. Every rank still produces its own rows and
-computes their CRC, so the checksums are combined exactly as without
-aggregation (:mod:`.write`).
-
-Who writes what is a pure function of the topology (``node_rank``,
-``local_rank`` of every rank, all-gathered once per save) and the datasets'
-shapes, so a writer knows which pieces to expect from each member and in which
-order. A member that cannot produce its rows sends one ``TAG_FAILED`` message
-instead of the piece and nothing after it; a writer whose own write failed
-keeps receiving (and drops) what its members send. So nobody waits for a
-message that never comes, and the error is agreed afterwards as without
-aggregation. With ``collective`` every rank makes the same number of transfer
-calls per dataset (the most any writer needs); members make only empty ones,
-and send each piece just before the call in which their writer writes it.
+As ROMIO's collective buffering does with ``cb_nodes``, for independent writes: a node's local
+ranks form ``writers_per_node`` groups of consecutive local ranks; the first of each (its *writer*)
+receives the others' row pieces over the node communicator, one at a time into one reused buffer,
+and writes them. Every rank still computes the CRC of its own rows, so checksums combine as without
+aggregation (:mod:`.write`). Who writes what is a pure function of the topology (all-gathered once
+per save) and the datasets' shapes. A member that cannot produce its rows sends one ``TAG_FAILED``
+message and nothing after it; a writer whose own write failed still receives (and drops) its
+members' pieces; so nobody waits for a message that never comes, and the error is agreed afterwards.
+With ``collective`` every rank makes as many transfer calls per dataset as the busiest writer
+(members' empty), and a member sends each piece just before the call that writes it.
 """
 
 from __future__ import annotations

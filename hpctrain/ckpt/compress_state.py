@@ -1,30 +1,17 @@
 """The compressors' per-rank state in a checkpoint (/compress), and back.
 
-Error feedback's residuals, PowerSGD's Q and momentum correction's velocities are
-per rank: row r of each /compress/<key> dataset is rank r's. Restoring them:
+Error feedback's residuals, PowerSGD's Q and momentum correction's velocities are per rank: row r of
+each /compress/<key> dataset is rank r's. :func:`restore_compression` first zeroes the state, then:
 
-  * same world size, and the same ``dist.compress`` / ``compress_scope`` /
-    ``tensor_parallel`` / ``compress_momentum``: each rank takes its own row, so
-    a resumed run continues bit for bit;
-  * another world size, the same settings, ``compress_scope = "all"`` and no
-    tensor parallelism: each of the N' ranks takes the mean of the N saved rows
-    (summed in float64, rounded once to float32). The compressed all-reduce
-    applies the mean over ranks of what each rank sends, so what the update
-    still owes, (1/N) sum_i r_i for residuals (and the mean velocity under
-    momentum correction), is what it was: (1/N') sum_j r'_j = (1/N) sum_i r_i.
-    PowerSGD's Q is the same on every rank, and its mean is itself.
-    Residuals and velocities are sums of ``train.grad_accum_steps`` (k)
-    micro-batches' gradients, scaled by 1 / (N k) only after the all-reduce: at
-    another k they are multiplied by k_now / k_saved, which keeps the owed update
-    (1 / (N k)) sum_i r_i at any world size and k (factor 1, no rounding, at the same k).
-    With scope "inter" a row is a rank's share of the cross-node chunks, laid
-    out by the saved job's nodes; with tensor parallelism rows hold different
-    pieces of the split matrices: neither has a mean that means anything;
-  * otherwise (another compressor or setting, another bucket layout, or the cases just named) the
-    state starts from zero, with a log line: the unsent remainder of the last
-    steps is dropped, and with momentum correction the gathered first moment.
-    So does a rollback to a file that holds none (saved before compression
-    started).
+  * same ``dist.compress`` / ``compress_scope`` / ``tensor_parallel`` / ``compress_momentum`` and
+    bucket layout, same world size: each rank takes its own row (a bit-exact continuation);
+  * the same at another world size, with scope "all" and no tensor parallelism: every rank takes
+    the mean of the saved rows (float64, rounded once to float32), which keeps the update the
+    residuals still owe, (1/N') sum_j r'_j = (1/N) sum_i r_i; Q is the same on every rank;
+  * anything else keeps the zeros, with a log line (a rollback to a file saved before
+    compression started too).
+Residuals and velocities are sums over ``train.grad_accum_steps`` (k) micro-batches, so a restored
+row is multiplied by k_now / k_saved. Why the mean is right: docs/checkpoint-format.md, "Resharding".
 """
 
 from __future__ import annotations

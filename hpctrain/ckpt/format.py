@@ -1,18 +1,14 @@
 """The checkpoint file format: names, layout constants and checksums (docs/checkpoint-format.md).
 
-One HDF5 file per checkpoint, ``ckpt-<step:08d>.h5``, written as
-``.ckpt-<step:08d>.h5.tmp`` and renamed when complete, so a name that matches
-:data:`NAME_RE` is a finished write (a crash leaves only a dot-file).
+One HDF5 file per checkpoint, ``ckpt-<step:08d>.h5``, written as ``.ckpt-<step:08d>.h5.tmp`` and
+renamed when complete, so a name that matches :data:`NAME_RE` is a finished write (a crash leaves
+only a dot-file).
 
-Checksums: every dataset carries ``crc32``, the CRC-32 (zlib's) of the array's
-bytes in C order as stored (little-endian). Ranks write disjoint row slices, so
-each computes the CRC of its own slice and the slices' CRCs are joined with
-:func:`crc32_combine` (the GF(2) shift of zlib's ``crc32_combine``), which
-equals ``zlib.crc32`` of the whole array without any rank reading all of it.
-
-The CRC is computed with ISA-L (the ``isal`` package: the same CRC-32, ~28
-GB/s with carry-less multiply, measured here) when it is installed, else with
-zlib (~4 GB/s): on a 64 MB save zlib's CRC cost ~20 ms of a rank's one core.
+Every dataset carries ``crc32``, zlib's CRC-32 of the array's bytes in C order as stored
+(little-endian). Ranks write disjoint row slices, so each computes its slice's CRC and the slices'
+CRCs are joined with :func:`crc32_combine` (the GF(2) shift of zlib's ``crc32_combine``), equal to
+``zlib.crc32`` of the whole array without any rank reading all of it. The CRC is computed with
+ISA-L (the ``isal`` package: the same CRC-32, several times faster) when installed, else with zlib.
 """
 
 from __future__ import annotations

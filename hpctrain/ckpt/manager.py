@@ -4,15 +4,14 @@
 methods that touch files or MPI are collective); what it saves and loads is a
 :class:`~hpctrain.training.state.TrainingState`:
 
-  * ``resume(state)``: ``checkpoint.resume`` = "" (fresh start), "auto" (the
-    newest checkpoint in ``checkpoint.dir`` that verifies; corrupt or truncated
-    ones are skipped with a warning; no checkpoint means a fresh start, but if
-    there are some and none verifies the run stops rather than lose them) or a
-    path;
+  * ``resume(state)``: ``checkpoint.resume`` = "" (fresh start), "auto" (the newest checkpoint in
+    ``checkpoint.dir`` that verifies, corrupt ones skipped with a warning; none at all is a fresh
+    start, but if there are some and none verifies the run stops rather than lose them) or a path;
   * ``step_due(step)``: every ``every_steps`` steps; ``time_due()``: ``every_minutes``,
     judged by rank 0's clock and agreed in the run loop's per-step all-reduce;
   * ``save(state)``: an atomic parallel write (:mod:`.write`), then rank 0
-    deletes checkpoints older than it beyond ``keep_last`` (never newer ones).
+    deletes checkpoints older than it beyond ``keep_last`` (never newer ones);
+  * ``rollback(state)``: the newest checkpoint this run saved or loaded, again (``guard.nonfinite``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """What a checkpoint holds: the training state as named logical arrays, and back.
 
-Every array is an :class:`Entry`: a path in the file, its full (logical)
-shape and dtype, and a function giving rows [lo, hi) as a host array. Two kinds:
+Every array is an :class:`Entry`: a path in the file, its full (logical) shape and dtype, and a
+function giving rows [lo, hi) as a host array. Two kinds:
 
-  * replicated (``per_rank=False``): identical on every rank (parameters,
-    optimizer state, data position). Written as disjoint row slices by all
-    ranks; on resume every rank gets the whole array, whatever the world size.
-  * per-rank (``per_rank=True``): a leading world dimension, row r belonging to
-    rank r (RNG state; compressor state under /compress). Resharding rule for
-    the RNG: at a new world size rank r takes saved row r when r < saved world
-    size and starts fresh otherwise (a generator seeded from (train.seed, rank,
-    step)); rows of ranks that no longer exist are dropped, with a log line.
-    Compressor state (/compress: residuals, PowerSGD's Q, momentum correction's
-    velocities) has its own rule (:mod:`.compress_state`): at another world size
-    every rank takes the mean of the saved rows, where that mean means something.
+  * replicated (``per_rank=False``): identical on every rank (parameters, optimizer state, data
+    position); written as disjoint row slices by all ranks, read whole at any world size.
+  * per-rank (``per_rank=True``): a leading world dimension, row r rank r's. The RNG at a new world
+    size: rank r takes saved row r when r < the saved world size, else a fresh generator
+    (:func:`fresh_rng`, seeded from (train.seed, rank, step)); rows of ranks that no longer exist
+    are dropped, with a log line. /compress has its own rule (:mod:`.compress_state`).
 """
 
 from __future__ import annotations

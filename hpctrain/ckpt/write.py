@@ -1,34 +1,19 @@
 """Writing a checkpoint: every rank writes its slices in parallel, then an atomic commit.
 
-Protocol (collective over ``world.comm``):
-  1. rank 0 makes the directory; every rank opens ``.ckpt-<step>.h5.tmp`` with
-     h5py's ``mpio`` driver and creates every dataset (metadata calls are
-     collective in parallel HDF5, so all ranks make the same calls);
-  2. each rank writes its rows of every replicated array (``row_range``) and its
-     own row of every per-rank array, or sends them to a writer rank of its node
-     (:mod:`.aggregate`); the disk starts on each piece at once (``start_writeback``);
-     a failing write is caught and reported in step 4; every stage with
-     collective calls (open, create, attributes, close) starts only after the
-     ranks agreed on the stage before, so one rank's exception never leaves the
-     others waiting;
-  3. each rank computes the CRC-32 of its own rows; the CRCs are
-     all-gathered and combined per dataset (identical on every rank), set as
-     attributes, the file is closed, and one rank per node fsyncs it: data and
-     the metadata the close wrote in one flush (MPI_File_close does not sync
-     in ROMIO or ompio; a node's ranks share its page cache or file-system
-     client);
-  4. the ranks agree on the outcome; on success rank 0 renames the file to
-     ``ckpt-<step>.h5`` and fsyncs the directory, then a barrier. On failure
-     rank 0 deletes the temporary file and every rank raises the same error.
-
-A crash at any point leaves only a dot-file that no reader takes for a
-checkpoint, and the previous checkpoints untouched. Without an MPI-enabled
-h5py the same file is written by rank 0 alone (per-rank rows gathered to it),
-with one warning.
-
-Test hooks enter through ``hooks`` (a :class:`~hpctrain.reliability.faults.Faults`, the one
-seam that reads them): ``before_commit(step)`` between the data writes and the commit, and
-``before_close(step)`` just before the file's collective close (each rank's hooks know their rank).
+Protocol (collective over ``world.comm``; docs/checkpoint-format.md, "Saving"):
+  1. rank 0 makes the directory; every rank opens ``.ckpt-<step>.h5.tmp`` with h5py's ``mpio``
+     driver and creates every dataset (HDF5's metadata calls are collective);
+  2. each rank writes its rows of every replicated array and its own row of every per-rank one
+     (:mod:`.slices`), or sends them to its node's writer rank (:mod:`.aggregate`);
+  3. each rank computes the CRC-32 of its rows; the CRCs are all-gathered, combined per dataset and
+     set as attributes, the file is closed, and one rank per node fsyncs it;
+  4. the ranks agree on the outcome: rank 0 renames the file to ``ckpt-<step>.h5`` and fsyncs the
+     directory, or deletes it, and every rank raises the same :class:`CheckpointWriteError`.
+Every stage with collective calls starts only after the ranks agreed on the one before, so one
+rank's exception never leaves the others waiting; a crash leaves only a dot-file. Without an
+MPI-enabled h5py rank 0 writes the file alone (rows gathered to it), with one warning. Test hooks
+enter through ``hooks`` (:class:`~hpctrain.reliability.faults.Faults`): ``before_commit(step)``
+after the data writes, ``before_close(step)`` before the collective close.
 """
 
 from __future__ import annotations

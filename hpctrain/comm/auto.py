@@ -1,30 +1,16 @@
 """``auto`` strategy: per message size, the strategy an alpha-beta model says is fastest.
 
-At start-up every candidate strategy is timed on the real world at a few
-message sizes (collectively, the slowest rank's time counts). Between each
-pair of neighbouring probe sizes the model is the line t(n) = alpha + beta * n
-(alpha: latency, beta: seconds per byte) through the two measurements; below
-the first and above the last probe the nearest segment extends. One line over
-all sizes was tried first and chose badly: MPI libraries switch algorithms
-with the message size, so no single alpha and beta fit both ends. A call runs
-the strategy with the smallest predicted time for ``buf.nbytes``. Rank 0 fits and broadcasts, so every rank
-picks the same strategy for the same size (they must: a mismatch would
-deadlock). The fit is cached in a JSON file, one entry per key of everything it
-depends on (world shape, dtype, device, MPI library, candidates), so jobs of
-several sizes sharing one file each find their own (updates are atomic and
-locked: no entry is lost to a concurrent writer), and logged once. A checkpoint
-stores the fits its run used (:meth:`AutoAllreduce.choices`); a resume at the
-same layout takes them back (:meth:`AutoAllreduce.restore_choices`), so it
-reduces as the saved run did whatever the cache holds by then.
-
-``shm`` is a candidate where every rank shares one machine (dropped, on every
-rank alike, elsewhere). Its cost depends on where the buffer lives, so on a
-CPU device it is fitted twice: ``shm zero-copy`` on slices of a shared window
-(what :meth:`AutoAllreduce.allocate` returns, and where the trainer keeps its
-gradients) and ``shm`` on plain arrays, which it copies in and out. A call
-chooses among the fits that apply to its buffer, so every rank must pass the
-same kind of buffer (a window slice everywhere, or a plain array everywhere),
-as with ``shm`` itself; the trainer does.
+At start-up (collective) every candidate is timed on the real world at :data:`PROBE_BYTES` (the
+slowest rank's time, median of :data:`REPEATS` interleaved calls). Between neighbouring probe sizes
+the model is the line t(n) = alpha + beta * n through the two measurements, extended beyond the
+ends: piecewise, because MPI libraries switch algorithms with the message size and no single line
+fits both ends. A call runs the candidate with the smallest predicted time for ``buf.nbytes``.
+Rank 0 loads or fits and broadcasts, so every rank picks the same strategy for a size (a mismatch
+would deadlock). Fits are cached in ``dist.auto_cache`` (JSON, one entry per layout key, updated
+under a lock) and a checkpoint stores the ones its run used (:meth:`AutoAllreduce.choices`,
+:meth:`~AutoAllreduce.restore_choices`). ``shm`` is a candidate where every rank shares one machine;
+on a CPU device it is fitted twice, ``shm zero-copy`` on slices of its window (:meth:`allocate`)
+and ``shm`` on plain arrays, so every rank must pass the same kind of buffer.
 """
 
 from __future__ import annotations

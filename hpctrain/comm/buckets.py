@@ -1,35 +1,18 @@
-"""Gradient buckets reduced on a communication thread while backward runs.
+"""Gradient buckets reduced on a communication thread while backward runs (docs/dist.md).
 
-The flat gradient buffer is cut into buckets of about ``bucket_mb`` (the first
-one only ``first_bucket_mb``, so communication starts early) walking the
-parameters in reverse layer order, the order backward produces them. Buckets
-are slices of the flat buffer: nothing is copied to build them.
-
-During backward the model reports each parameter whose gradient is final
-(:meth:`BucketedAllreduce.mark_ready`); when a bucket's last parameter
-arrives, the bucket is queued, and the communication thread all-reduces
-it (any strategy) while the main thread computes the layers below. Open MPI
-grants MPI_THREAD_MULTIPLE, and a thread is needed: a nonblocking
-Iallreduce barely progresses unless some thread keeps calling into MPI.
-On a GPU the thread waits for the bucket's own gradients, not for everything
-queued: mark_ready records an event on the device's stream when a bucket's last
-gradient is queued, and the thread reduces the bucket fenced by it
-(:class:`~hpctrain.device.transfers.StreamFence`), its copies on a stream of its own, so
-they run while backward's later kernels do.
-The optimizer then waits for each bucket in turn and updates that slice, so it
-waits only for what it needs. The last bucket is ready only when backward
-ends; if by then the thread has finished every earlier bucket, the main thread
-reduces it itself when the optimizer waits for it, saving two thread hand-offs
-per step (a median 0.05 ms of a 0.7 ms step with one bucket at 2 ranks;
-docs/dist.md). It does so only where the thread could not overlap much
-anyway: a last bucket of at most INLINE_MAX_BYTES, or a rank with one core.
-Otherwise (thread still busy, or a large last bucket and cores to spare) the
-last bucket queues on the thread as usual, and its reduction overlaps the
-optimizer's updates of the earlier buckets.
-
-Every rank must reduce the same buckets in the same order, or the collectives
-pair up wrongly and hang: :func:`layout_signature` is compared across ranks
-before the first step.
+:func:`plan_buckets` cuts the flat gradient buffer into slices (nothing copied) walking the
+parameters in reverse layer order, the order backward produces them: buckets of about
+``bucket_mb`` (the first ``first_bucket_mb``, so communication starts early), or one per layer unit
+(``dist.bucket_split = "layers"``). During backward the model reports each final gradient
+(:meth:`BucketedAllreduce.mark_ready`); a bucket whose last parameter arrives is queued, and the
+communication thread reduces it while the main thread computes the layers below (a thread, because
+a nonblocking Iallreduce barely progresses unless some thread keeps calling into MPI). On a GPU
+mark_ready records an event, and the thread waits for that bucket's gradients only, copying on a
+stream of its own (:class:`~hpctrain.device.transfers.StreamFence`). The optimizer waits for each
+bucket in turn. When the thread has finished every earlier bucket, the main thread reduces the last
+one itself if it is at most :data:`INLINE_MAX_BYTES` or the rank has one core. Every rank must reduce
+the same buckets in the same order, or collectives pair up wrongly and hang: the trainer compares
+:func:`layout_signature` across ranks before the first step.
 """
 
 from __future__ import annotations

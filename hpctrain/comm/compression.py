@@ -1,47 +1,19 @@
 """Compressed gradient buckets: ``dist.compress`` and ``dist.compress_scope`` (docs/dist.md).
 
-``GradientCompression.reduce(view, index, step)`` sums one gradient bucket
-(a slice of the flat device buffer) over ranks: before ``dist.compress_start_step``
-exactly, through the all-reduce strategy (compression's warm-up), then through
-the compressor:
+``GradientCompression.reduce(view, index, step)`` sums one gradient bucket (a slice of the flat
+device buffer) over ranks; collective. Before ``dist.compress_start_step`` it sums exactly through
+the all-reduce strategy (compression's warm-up), then through the compressor:
 
-  * scope "all": the whole bucket is compressed on every rank and summed over
-    ``world.comm`` by a :class:`~hpctrain.compress.reducer.CompressedSum`;
-    the all-reduce strategy is not used for the bucket;
-  * scope "inter" (hierarchical only): the intra-node reduce-scatter and
-    all-gather stay exact, and only each rank's chunk crossing the node
-    boundary is compressed (hierarchical's phase 2). On one node nothing
-    crosses a node: no compression at all, which the log says.
+  * scope "all": the whole bucket, over ``world.comm``, instead of the strategy; on a CUDA device
+    on the device (:class:`~hpctrain.compress.device.DeviceCompressedSum`), else on the host in
+    float32 (:class:`~hpctrain.compress.reducer.CompressedSum`);
+  * scope "inter" (hierarchical only): only each rank's chunk crossing the node boundary
+    (hierarchical's phase 2), on the host; on one node nothing is compressed.
 
-Where it runs (``on_device``):
-
-  * cpu device: on the host, in float32 (:class:`CompressedSum`);
-  * cuda device, scope "all": on the device
-    (:class:`~hpctrain.compress.device.DeviceCompressedSum`): error feedback,
-    encoding and decoding run as kernels, residuals stay in device memory,
-    and only the payload is copied to the host for MPI. Results equal the
-    host path's bit for bit (PowerSGD: to float32 rounding, its GEMMs sum
-    in another order);
-  * cuda device, scope "inter": still on the host. The hierarchical strategy
-    stages the bucket to the host for its intra-node phases anyway, and
-    hands the compressor a host chunk of it; a device path there would
-    need a device-side hierarchical strategy first.
-
-With ``dist.compress_momentum`` (momentum correction, compress/base.py) each
-rank's velocities are summed instead of its gradients, on the host path
-everywhere (a CUDA bucket is staged to the host for it, as scope "inter"
-does), since the device kernels keep no velocity.
-
-With ``keep_undo`` (``guard.nonfinite = "skip"``) ``begin_step`` keeps a copy of
-the per-rank state and ``undo_step`` puts it back, so a step the guard skips
-leaves the residuals, velocities and PowerSGD's Q as they were before it, as
-a rollback to the last save would. It costs one more copy of that state in
-memory (device memory on the device path), and one copy of it per step.
-
-A float64 run's gradients are rounded to float32 for the wire on either
-path. Per-rank state (error-feedback residuals, PowerSGD's Q) is exposed by
-``state()`` for checkpoints, as host arrays under the same keys on every
-path, so a checkpoint written on one path resumes on the other.
+Momentum correction (``dist.compress_momentum``) always takes the host path: the device kernels
+keep no velocity. With ``keep_undo`` (``guard.nonfinite = "skip"``) ``begin_step`` copies the
+per-rank state and ``undo_step`` puts it back. ``state()`` gives that state (residuals, PowerSGD's Q,
+velocities) as host arrays under the same keys on either path, so checkpoints move between them.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """An all-reduce's two halves, reduce-scatter and all-gather, as ZeRO (:mod:`.zero`) uses them.
 
-A strategy with shares provides ``reduce_scatter(buf)`` (the sum over ranks of
-``buf``, a gradient bucket, lands in this rank's chunk of it, in place; the other
-chunks are left undefined), ``allgather(buf)`` (every chunk of ``buf`` becomes its
-owner's) and ``owned_chunk(rank, size)`` (which chunk a rank owns). Chunks are
-:func:`~.ring.chunk_offsets`'s. Both run on the host copy of the buffer
-(:func:`~.ring.host_halves`, through ``Staging.host_view``: the buffer itself on
-the CPU, a pinned copy of a GPU's), as ring and rhd do. Collective over the
-strategy's communicator. Here: the MPI library's halves (mpi), and
-:class:`WholeSumHalves` for the strategies without halves of their own. ``native_halves`` says
-which a strategy has (for the traffic count and the parameter all-gathers).
+A strategy with halves provides ``reduce_scatter(buf)`` (the sum over ranks of ``buf``, a gradient
+bucket, lands in this rank's chunk of it, in place; the other chunks are left undefined),
+``allgather(buf)`` (every chunk of ``buf`` becomes its owner's) and ``owned_chunk(rank, size)``.
+Chunks are :func:`~.ring.chunk_offsets`'s. Collective over the strategy's communicator. Here: the
+MPI library's halves (MPI_Reduce_scatter, MPI_Allgatherv, for ``mpi``: on the host copy,
+:func:`~.ring.host_halves`) and :class:`WholeSumHalves` for strategies without halves of their
+own, whose reduce-scatter is their whole all-reduce (op sum) and all-gather MPI_Allgatherv.
+``native_halves`` says which a strategy has (for the traffic count and the parameter all-gathers).
 """
 
 from __future__ import annotations

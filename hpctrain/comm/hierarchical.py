@@ -1,33 +1,18 @@
 """``hierarchical`` strategy: inside the node, then across nodes, then inside again.
 
-  1. intra-node reduce-scatter: local rank c (c < L) ends with the node's sum
-     of chunk c, by a ring over shared memory (Open MPI's own Reduce_scatter
-     measured 2x slower than a whole MPI_Allreduce here);
-  2. inter-node all-reduce: every local rank c < L all-reduces its chunk over
-     ``cross_comm`` (the ranks with local rank c on every node), all L in
-     parallel, with any flat inner strategy (``inner``: mpi, ring, rhd, ...);
+  1. intra-node reduce-scatter: local rank c (c < L) ends with the node's sum of chunk c, by a
+     ring over the node's communicator (not MPI's Reduce_scatter, which was slower: docs/dist.md);
+  2. inter-node all-reduce: each local rank c < L all-reduces its chunk over ``cross_comm`` (the
+     ranks with local rank c on every node), all in parallel, with the ``inner`` strategy;
   3. intra-node all-gather: a ring passes every chunk to every rank of the node.
 
-Only 1/L of the buffer crosses the slow link per rank, instead of a flat ring's
-every hop.
-
-L is the smallest node size in the job, so nodes of unequal size
-(3 ranks as 2 + 1) work: local ranks >= L own an empty chunk, receive their
-node's result in phase 3, and sit out phase 2 (their ``cross_comm`` does not
-reach every node). Chunk boundaries depend only on (n, L), identical on every
-node, so chunk c means the same elements everywhere. On a single node there
-is no slow link: the inner strategy runs on the node directly.
-
-Pipelined: a buffer over ``segment_bytes`` (default 512 KB) runs in segments
-of about that size, each through all three phases. With the ``mpi`` inner
-strategy phase 2 of a segment is a nonblocking ``Iallreduce`` that proceeds
-while this rank runs the next segment's intra-node reduce-scatter and the
-previous one's all-gather (Open MPI advances pending requests inside every
-blocking call, so those Sendrecv calls keep it moving): the slow link stays
-busy while the node works. Other inner strategies are blocking and run
-segment after segment. Measured on the emulated 1 Gbit/s cluster (4 ranks,
-2 per node): 512 KB segments with one pending took 16 MB in 173 ms and 64 MB
-in 719 ms, against 282 ms and 1178 ms unsegmented (docs/dist.md).
+So only 1/L of the buffer crosses the slow link per rank. Reductions run on the host copy. L is the
+smallest node's size: local ranks >= L own an empty chunk, sit out phase 2 and get their node's
+result in phase 3; chunk boundaries depend only on (n, L), so chunk c is the same elements on every
+node. On one node the inner strategy runs directly. A buffer over ``segment_bytes`` runs in segments,
+each through all three phases; with the ``mpi`` inner strategy a segment's phase 2 is a nonblocking
+``Iallreduce`` that progresses while the node works on the next segment (:data:`PIPELINE_DEPTH`
+pending). With ``compress_scope = "inter"`` phase 2 goes through a compressor, unsegmented.
 """
 
 from __future__ import annotations

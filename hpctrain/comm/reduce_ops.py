@@ -1,15 +1,13 @@
 """Reduction ops of the all-reduce strategies: names, MPI handles, compiled host kernels.
 
-Ops are named "sum", "mean", "max", "min". A strategy reduces with the sum for
-"mean" and then scales once by 1/size (:func:`reduce_kind` maps one to the other).
+Ops are "sum", "mean", "max", "min"; "mean" reduces as the sum (:func:`reduce_kind`) and is then
+scaled once by 1/size. :func:`sum_scaled` averages a gradient bucket (sum, one scale, optional
+NaN/Inf test), in one pass where the strategy has its own. ``reduce_into(dst, src, op)`` is the
+host reduction ring and rhd apply to each received chunk, compiled by numba.
 
-``reduce_into(dst, src, op)`` is the host reduction that ring and rhd apply to
-each received chunk: ``dst = dst <op> src`` element-wise, compiled by numba.
-
-NaN: a NaN on any rank makes the result NaN for every op (as ``numpy.maximum``
-and IEEE 754-2019 ``maximum`` do), on every rank alike. Open MPI's MAX/MIN are
-``a > b ? a : b``, so whether its result is NaN depends on the order in which
-ranks are combined; the sum propagates NaN in every implementation.
+NaN: a NaN on any rank makes the result NaN for every op (as ``numpy.maximum`` and IEEE 754-2019
+``maximum`` do), on every rank alike. Open MPI's MAX/MIN are ``a > b ? a : b``, so whether its
+result is NaN depends on the order in which ranks are combined.
 """
 
 import numpy as np

@@ -1,32 +1,17 @@
 """``shm`` strategy: the ranks of one machine reduce through memory they all map, no messages.
 
-An *arena* is an MPI shared window (``MPI_Win_allocate_shared``) of p slots
-of n elements, slot j being rank j's buffer. A reduction of elements
-[a, b) of every slot is: agree (one small all-reduce, which is also the
-barrier that says every rank's data is in place), then rank r folds the r-th
-1/p of [a, b) over the slots in slot order 0..p-1 and writes the result back
-into *every* slot, then a barrier. Per rank that reads n and writes n
-elements, with 2 synchronisations; a ring sends 2(p-1) messages that a
-shared-memory transport copies in and out again. Every element is reduced
-once, by one rank, in one order, so every rank ends with the same bytes.
+An *arena* is an MPI shared window (``MPI_Win_allocate_shared``) of p slots of n elements, slot j
+rank j's. Reducing elements [a, b) of every slot: agree (one small all-reduce, which is also the
+barrier after which every rank's data is in place), then rank r folds the r-th 1/p of [a, b) over
+the slots in slot order and writes the result into every slot, then a barrier. Every element is
+reduced once, by one rank, in one order, so every rank ends with the same bytes.
 
-Two ways in:
-
-  * zero copy: :meth:`ShmAllreduce.allocate` (collective) makes an arena and
-    returns this rank's slot; the trainer keeps its flat gradient buffer
-    there (``dist.allreduce = "shm"`` on a CPU device), so reducing a bucket
-    (a slice of it) touches no other memory. Ranks must pass the same slice
-    (same offset and length in their slot; bucket layouts are agreed before
-    training); a mismatch is detected by the agreement and raises ValueError
-    on every rank;
-  * any other buffer (a CUDA buffer's host copy, a user's array) is copied
-    into a scratch arena of ``segment_bytes`` per slot, segment by segment,
-    reduced there and copied out: the same algorithm plus 2n of copies.
-
-Only for worlds whose ranks all share one machine (every rank must map the
-window); across nodes use ``hierarchical``. Construction raises
-:class:`~hpctrain.errors.LaunchError` (the same on every rank) elsewhere. The arena's pages belong to rank 0's allocation (one contiguous
-window), which is first touched by each slot's owner.
+Zero copy: :meth:`ShmAllreduce.allocate` (collective) returns this rank's slot of a new arena; the
+trainer keeps its CPU gradient buffer there, and a slice of it is reduced in place (``sum_scaled``
+scales and tests for NaN/Inf inside the fold, each rank its own share). Ranks must pass the same
+slice; a mismatch raises ValueError on every rank. Any other buffer is copied through a scratch
+arena of ``segment_bytes`` per slot. Every rank must share one machine; elsewhere construction
+raises :class:`~hpctrain.errors.LaunchError` on every rank (use ``hierarchical``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
-"""The one place that decides how a device buffer reaches MPI.
+"""The one place that decides how a device buffer reaches MPI (docs/gpu.md, "MPI staging").
 
 Three modes, chosen once per device by :func:`staging_mode`:
 
   host    CPU arrays: MPI reads and writes them as they are.
-  device  a CUDA-aware MPI: device arrays go to MPI directly (mpi4py reads
-          ``__cuda_array_interface__``).
-  pinned  any other MPI with a GPU: the buffer is copied into a pinned host
-          buffer (allocated once per buffer and reused), MPI works on that,
-          and the result is copied back.
+  device  a CUDA-aware MPI: device arrays go to MPI directly (``__cuda_array_interface__``).
+  pinned  any other MPI with a GPU: MPI works on a pinned host copy (one per buffer, reused).
 
-In every mode MPI never reads a buffer a kernel is still writing: each view first waits for the
-device's writes (``device.fence.wait_for_writes()``: the whole stream, or, on the communication
-thread inside ``device.fence.fenced(event)``, only the event recorded when the bucket was ready),
-and the pinned copies go on ``device.fence.transfer_stream()`` (that thread's own stream, so a
-bucket's copies do not queue behind backward's later kernels; hpctrain.device.transfers).
-
-Strategies that reduce on the host (ring, rhd) need host memory even where MPI
-is CUDA-aware: :meth:`Staging.host_view` yields the buffer itself on the CPU
-and a pinned host copy of a CUDA buffer in every mode.
+MPI never reads a buffer a kernel is still writing: every view first waits for the device's
+writes (``device.fence.wait_for_writes()``: the whole stream; the first wait inside
+``device.fence.fenced(event)``, on the communication thread, only for the bucket's event), and
+pinned copies go on ``device.fence.transfer_stream()``. Strategies that reduce on the
+host (ring, rhd) use :meth:`Staging.host_view`: the buffer itself on the CPU, a pinned copy of a
+CUDA buffer in every mode.
 """
 
 from __future__ import annotations

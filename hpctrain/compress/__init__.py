@@ -1,21 +1,18 @@
 """Gradient compressors with error feedback (docs/dist.md, "Gradient compression").
 
-  base      the interface, error feedback, payload sizes
+  base      the interface, error feedback, momentum correction, payload sizes
   quantize  fp16, bf16
   sparse    topk(ratio), randk(ratio)
   sign      1-bit sign with a scale per chunk
   powersgd  powersgd(rank, start_step)
   reducer   CompressedSum: a host bucket summed over ranks through a compressor
-  device    DeviceCompressedSum: the same for a CUDA bucket, error feedback, encoding
-            and decoding as kernels (hpctrain/kernels: quantize16, sign_pack,
-            topk_threshold, gather_scatter, ef), only payloads on the host;
-            simulator-tested, compiled for sm_90
+  device    DeviceCompressedSum: the same for a CUDA bucket, error feedback, encoding and
+            decoding as kernels (hpctrain/kernels), only payloads on the host
 
-:func:`make_compressor` builds one from its config text, e.g. ``"topk(0.01)"``;
-``reducer.CompressedSum`` (or ``device.DeviceCompressedSum``) sums a bucket
-over ranks through one, and :mod:`hpctrain.comm.compression` applies it to
-the gradient buckets (``dist.compress``, ``dist.compress_scope``) and picks
-the path: the device one for CUDA buckets with scope "all", else the host one.
+:func:`make_compressor` builds one from its config text, e.g. ``"topk(0.01)"``.
+:mod:`hpctrain.comm.compression` applies it to the gradient buckets (``dist.compress``,
+``dist.compress_scope``) and picks the path: the device one for CUDA buckets with scope "all" and
+no momentum correction, else the host one.
 """
 
 from __future__ import annotations

@@ -1,35 +1,18 @@
 """The compressor interface, error feedback and the payload's size.
 
-A compressor turns one bucket of gradients (a host float32 vector of n
-elements) into a *payload* (a dict of small numpy arrays) and back:
+A compressor turns one bucket (a host float32 vector of n elements, not modified) into a
+*payload*, a dict of small numpy arrays, and back: ``c.compress(x, ctx)``,
+``c.decompress(payload, n, ctx)``. Its ``combine`` says how the ranks' payloads meet: "sum" (they
+add elementwise and are all-reduced: fp16, bf16, random-k), "gather" (all-gathered and decoded one
+by one: top-k's indices differ per rank, sign's bits do not add) or "lowrank" (PowerSGD's own two
+all-reduces).
 
-    payload = c.compress(x, ctx)        # x is not modified
-    y       = c.decompress(payload, n, ctx)
-
-How payloads of several ranks combine is the compressor's ``combine``:
-
-  * "sum": payloads of all ranks add elementwise (fp16, bf16, random-k values
-    at indices every rank draws alike), so they can be all-reduced directly;
-  * "gather": payloads must be all-gathered and decoded one by one (top-k's
-    indices differ per rank; sign's packed bits do not add);
-  * "lowrank": PowerSGD's own two all-reduces (of P and Q), see powersgd.py.
-
-Error feedback (:class:`ErrorFeedback`) keeps, per rank and bucket, what
-compression dropped and adds it to the next step's gradient, so nothing is
-lost, only delayed: over any number of steps, the sum of what was sent plus
-the final residual equals the sum of the gradients (to rounding).
-
-Momentum correction (``momentum`` beta > 0; Lin et al.'s Deep Gradient
-Compression, ``dist.compress_momentum``): each rank keeps a velocity
-u <- beta u + (1 - beta) g of its own gradients, and error feedback works on u
-instead of g, so the optimizer receives the sum of the ranks' velocities,
-which is the sum of their Adam first moments (the optimizer then adds only its
-decayed first moment from before compression, see hpctrain/kernels/adamw.py).
-What a compressor selects it also masks in u (``mask_sent``: top-k's and
-random-k's sent entries are zeroed, DGC's momentum-factor masking), so a
-value that went out does not keep pushing through a stale velocity; dense
-compressors (fp16, bf16, sign) mask nothing, and then the sum of what is sent
-tracks Adam's exact first moment, only delayed by the residual.
+:class:`ErrorFeedback` keeps, per rank and bucket, what compression dropped and adds it to the next
+step's input, so over any number of steps what was sent plus the final residual is the sum of the
+inputs (to rounding). With momentum correction (``momentum`` beta > 0, ``dist.compress_momentum``,
+Deep Gradient Compression) it works on a velocity u <- beta u + (1 - beta) g instead of g, and a
+compressor's ``mask_sent`` zeroes in u what it sent (top-k, random-k; dense ones mask nothing);
+the optimizer receives the ranks' velocities summed as its first moment (hpctrain/kernels/adamw.py).
 """
 
 from __future__ import annotations

@@ -1,37 +1,18 @@
 """The device path of the compressed sum: error feedback, encoding and decoding on the GPU.
 
-``DeviceCompressedSum(comm, compressor, device)(view, ctx, shapes)`` does to a
-CUDA device array (one gradient bucket, float32 or float64) what
-:class:`~hpctrain.compress.reducer.CompressedSum` does to a host vector, and
-writes the sum into ``view``. Residuals (and PowerSGD's Q) live on the device;
-only payloads cross to the host, where MPI moves them; every kernel and copy
-is queued on the device's stream, which is synchronised before each MPI call.
+``DeviceCompressedSum(comm, compressor, device)(view, ctx, shapes)`` does to a CUDA bucket (float32
+or float64) what :class:`~hpctrain.compress.reducer.CompressedSum` does to a host vector, and writes
+the sum into ``view``; collective over ``comm``. Residuals (and PowerSGD's Q) live on the device;
+only payloads cross to the host, where MPI moves them, and every kernel and copy is queued on the
+device's stream, synchronised before each MPI call. On the host remain what is the reduction
+itself or small: the 16-bit ring's per-hop sums (fp16, bf16), random-k's indices, top-k's exact
+pick among its at most 4k + 64 candidates and its index packing, PowerSGD's QR of P in float64.
+The per-compressor pipelines are tabled in docs/dist.md ("Where compression runs").
 
-  fp16, bf16  quantize16.encode_ef (x + r, encode, new r: one pass) -> bits to the
-              host -> the 16-bit ring (its per-hop partial sums are added on the
-              host: they are the reduction itself, as MPI_SUM would be) -> the
-              final bits to the device -> decode into the bucket
-  randk       indices from the shared generator (host) -> device; ef_correct,
-              sparse_take -> values to the host -> MPI_Allreduce -> device; the
-              bucket is zeroed and the sums scattered into it
-  topk        ef_correct; topk_threshold.topk_cuda (sampled threshold, atomic
-              compaction on the device; the k of at most 4k + 64 candidates are
-              picked on the host) -> indices to the device, sparse_take -> all-gather
-              of (16-bit offsets, block counts, values) -> each rank's indices rebuilt
-              on the host, and its payload scatter-added on the device, in rank order
-  sign        sign_pack.chunk_scales_ef, pack_ef -> bits and scales to the host ->
-              all-gather -> unpack_sum on the device
-  none        cast to float32 on the device -> host -> MPI_Allreduce -> device
-  powersgd    per layer: ef_correct; M Q and M^T P^ by linear.gemm_cuda; P and Q
-              all-reduced on the host; the QR of P (n x r, r small) on the host in
-              float64, as the host path; P^ Q^T by gemm_cuda; the residual on the device
-
-Results are bitwise those of the host path for every compressor but powersgd
-(the same float32 operations in the same order; NaN payload bits aside), which
-differs by the GEMMs' summation order (float32 rounding). ``state()`` copies
-the device state to the host under the host path's keys, and ``load_state()``
-keeps host arrays that are uploaded at first use, so checkpoints move between
-the two paths. ``Fp16.saturated`` (a host-path diagnostic) is not counted here.
+Results are bitwise the host path's for every compressor but powersgd (NaN payload bits aside),
+whose GEMMs sum in another order (float32 rounding). ``state()`` copies the device state to the
+host under the host path's keys and ``load_state()`` uploads host arrays at first use, so
+checkpoints move between the paths. ``Fp16.saturated`` (a host-path diagnostic) is not counted here.
 """
 
 from __future__ import annotations

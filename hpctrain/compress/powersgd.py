@@ -1,31 +1,19 @@
 """PowerSGD (Vogels et al. 2019): rank-r approximations of each layer's gradient matrix.
 
-For a layer's gradient M (n x m) on rank i, with error feedback
-(M_i = gradient + residual_i) and Q (m x r) kept from the previous step
-(warm start; the first Q is Gaussian, seeded alike on every rank):
+For a layer's M (n x m) on rank i, with error feedback (M_i = gradient + residual_i) and Q (m x r)
+kept from the previous step (the first Gaussian, seeded alike on every rank):
 
     P   = sum_i(M_i Q)             all-reduce of n x r
     P^  = orthonormal basis of P   (QR; identical on every rank)
     Q   = sum_i(M_i^T P^)          all-reduce of m x r
-    S~  = P^ Q^T                   approximates sum_i M_i, the same on every rank
+    S~  = P^ Q^T                   approximates sum_i M_i, the same on every rank (exactly when r >= its rank)
     residual_i = M_i - S~ / p      (the residuals add up to sum_i M_i - S~)
 
-So r (n + m) values travel instead of n m. A layer given as a 3-D array
-(n, k, c) is k matrices n x c side by side (the columns of an n x kc
-parameter, such as a fused QKV weight): each part gets its own P and Q as
-above, their P's travel in one all-reduce (n x kr) and their Q's in another
-(kc x r, the parts' Q stacked: one Q array per layer, as for a matrix), so
-k r (n + c) values travel. Vectors (biases) and matrices that
-rank r would not shrink (r (n + m) >= n m) are all-reduced uncompressed, and
-so is everything before ``start_step`` (no error feedback then: PowerSGD's
-usual warm-up of exact steps). With r >= rank(sum M), P^ spans the column
-space of sum(M), so S~ = sum(M) exactly.
-
-Momentum correction (``momentum`` beta > 0, see base.py): each layer's
-velocity u <- beta u + (1 - beta) g takes the gradient's place (M_i = u_i +
-residual_i, and uncompressed layers send u_i), and after the step the sent
-subspace is masked out of it: u_i -= P^ (P^T u_i), the projection's version
-of top-k's zeroed entries.
+A 3-D layer (n, k, c) is k matrices n x c side by side (a fused QKV weight): each part gets its own
+P and Q; their P's travel in one all-reduce (n x kr), their Q's stacked in another (kc x r).
+Vectors, matrices that rank r would not shrink (r (n + m) >= n m), and everything before
+``start_step`` are all-reduced uncompressed. With momentum correction (base.py) the velocity takes
+the gradient's place and the sent subspace is masked out of it: u_i -= P^ (P^T u_i).
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """Top-k and random-k sparsification, both with error feedback.
 
-topk(ratio): the k = ceil(ratio * n) entries of largest magnitude, sent as
-float32 values and their indices in 16 bits each: the bucket is cut into
-blocks of 65536 entries; the payload holds each index's offset in its block
-(uint16, ascending) and how many indices fall in each block (int32), so
-6k + 4 ceil(n / 65536) bytes instead of int32 indices' 8k. Indices differ
-per rank, so payloads are all-gathered ("gather"), whose bytes per rank grow
-with p - 1 (1/25 of a ring all-reduce's at 4 ranks with int32 indices, 1/33
-with these), and scattered-added. Selection is exact
-and the same on every target: larger |x| first, NaN above every number, equal
-|x| by smaller index (:func:`hpctrain.kernels.topk_threshold.topk_select`);
-both the host (``topk_host``, numba) and the device path
-(hpctrain/compress/device.py) find that set by a sampled threshold, a
-compaction and an exact selection among the candidates.
+topk(ratio): the k = ceil(ratio * n) entries of largest magnitude, as float32 values and 16-bit
+indices (a uint16 offset in its block of 65536 entries, ascending, plus an int32 count per block:
+6k + 4 ceil(n / 65536) bytes). Indices differ per rank, so payloads are all-gathered ("gather")
+and scatter-added. Selection is exact and the same on every target (larger |x| first, NaN above
+every number, equal |x| by smaller index: :func:`hpctrain.kernels.topk_threshold.topk_select`);
+the host (``topk_host``) and the device path find that set by a sampled threshold, a compaction
+and an exact pick among the candidates.
 
-randk(ratio): k entries at indices drawn from a generator seeded by
-(seed, step, bucket), the same on every rank, so only the float32 values
-travel (4k bytes) and payloads add elementwise ("sum"). Values are sent
-unscaled: with error feedback the unsent part waits in the residual, which
-is what makes the estimate converge (no n/k rescaling, which would inflate
-the residual).
+randk(ratio): k entries at indices drawn from a generator seeded by (seed, step, bucket), the same
+on every rank, so only the float32 values travel (4k bytes) and payloads add ("sum"). Values are
+sent unscaled (no n/k factor): the unsent part waits in the error-feedback residual.
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
 """One contiguous buffer for all parameters and one for all gradients.
 
-Layers hold reshaped *views*, so the optimizer updates everything with one
-kernel over P elements, the all-reduce sends one buffer (later: slices of it as
-buckets), and a checkpoint writes it without gathering pieces. Parameters are
-laid out in layer order; gradient buckets walk it backwards.
+Layers hold reshaped *views*, so the optimizer updates everything with one kernel over P elements,
+the gradient buckets are slices of one buffer, and a checkpoint writes it without gathering pieces.
+Parameters are laid out in layer order; gradient buckets walk it backwards.
 
 Under a 16-bit ``train.precision`` (a :class:`~hpctrain.device.mixed.MixedDevice`) ``data`` and
 ``grad`` are the float32 masters and ``compute`` is the parameters rounded to the compute dtype,
-which the layers read; otherwise ``compute`` is ``data`` itself.
-
-Under ZeRO-3 (:mod:`hpctrain.comm.zero_params`) no buffer holds every parameter: ``data`` and
-``compute`` become one small pool of reused slots, in the compute dtype, where each layer's
-parameters are gathered before it runs (:meth:`use_param_layout`), and the masters are this rank's
-packed share, outside this class. ``dtype`` is always the masters'.
+which the layers read; otherwise ``compute`` is ``data`` itself. ZeRO-2 keeps gradients in reused
+bucket slots (:meth:`use_grad_layout`). Under ZeRO-3 no buffer holds every parameter: ``data`` and
+``compute`` become one pool of reused slots in the compute dtype, where each layer's parameters are
+gathered before it runs (:meth:`use_param_layout`); the masters are this rank's packed share,
+outside this class. ``dtype`` is always the masters'.
 """
 
 from __future__ import annotations

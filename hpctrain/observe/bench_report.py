@@ -1,25 +1,16 @@
 """Tables and plots of ``benchmarks/scaling.py``, rebuilt from its JSON alone.
 
-``python -m hpctrain bench report DIR`` reads ``DIR/scaling.json`` (or joins
-``DIR/*/scaling.json``, e.g. one per task of a job array) and writes
-``DIR/scaling.md`` (the Markdown tables the benchmark printed) and, when
-matplotlib is installed (setup.cfg extra ``plot``), ``DIR/scaling.png``
-(throughput and speedup against ranks) and ``DIR/split.png`` (where each step's
-time goes; both drawn by :func:`plots`). Everything derived (speedup, efficiency, comm/compute, the
-hpctrain / PyTorch ratio, loss agreement) is computed here from the raw rows,
-so a report is the same whether printed by the run or rebuilt later.
+``python -m hpctrain bench report DIR`` reads ``DIR/scaling.json`` (or joins ``DIR/*/scaling.json``,
+e.g. one per task of a job array) and writes ``DIR/scaling.md`` (the benchmark's Markdown tables)
+and, with matplotlib (setup.cfg extra ``plot``), ``DIR/scaling.png`` and ``DIR/split.png``
+(:func:`plots`). Everything derived (speedup, efficiency, comm/compute, the hpctrain / PyTorch
+ratio, loss agreement) is computed here from the raw rows, so a report is the same whether printed
+by the run or rebuilt later.
 
-A row of ``scaling.json`` (one training run; times in ms, from the per-step
-metrics of rank 0, warm-up steps left out): trainer (hpctrain | torch_ddp | torch_gpt |
-independent), model, mode (weak | strong), ranks, global_batch, tokens_per_row (a GPT's
-context; 1 or absent for an MLP), step_ms {median, p10, p90, mean}, split_ms {data,
-forward, backward, exposed_comm, optimizer, checkpoint, other}, comm_ms (the
-communication thread's time, overlapped or not; hpctrain only), ops_ms (with
-``train.op_times``: ms per op family, e.g. gemm, attention, ..., the peer's
-comm_wait), losses (the first steps' global losses), rc. ``models`` maps a name
-to its kind (mlp: dim, hidden, classes; gpt: n_layer, d_model, n_head, context,
-vocab), params, batch (per rank, weak) and strong_batch (global); files from
-before the GPT have no kind (an MLP) and their batches in ``args``.
+The document: ``rows`` (one training run each: trainer, model, mode, ranks, global_batch,
+per_rank_batch, tokens_per_row, step_ms, split_ms, comm_ms, ops_ms, losses, rc), ``models`` (name ->
+kind, sizes, params, batches; older files keep the batches in ``args``), ``machine`` and ``args``.
+Every field and its unit: docs/benchmarks.md, "scaling.json".
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Only rank 0 writes anything; other ranks get no-op writers, so call sites
 need no ``if rank == 0``. On a terminal the progress line rewrites itself in
-place; in a batch log (non-TTY) it prints one full line every ``log_every``
-steps so ``tail -f slurm-*.out`` stays readable.
+place; in a batch log (non-TTY, or under a launcher, whose pseudo-terminal
+lies; ``HPCTRAIN_PROGRESS=tty|lines`` overrides) it prints one full line every
+``log_every`` steps so ``tail -f slurm-*.out`` stays readable.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Per-rank memory: what the trainer's arrays take (computed) and the peak the process reached (measured).
 
-Computed, per rank, in bytes: parameters and gradients (the flat buffers: every rank holds all of
-them; with ``dist.zero = 2`` the gradients are the reused bucket slots and this rank's chunks, from
-:mod:`hpctrain.comm.zero_grads`), optimizer state (zero 0: all of it; ``dist.zero >= 1``: this rank's
-share, the packed chunks of :mod:`hpctrain.comm.zero`) and activations (what the model keeps for backward for one
-micro-batch, from its ``activation_bytes(rows)``; None for a model that does not say). Measured:
-the process's peak resident set (``ru_maxrss``) and, on a GPU, the device memory in use.
-:func:`hpctrain.training.plan.planned_memory` computes the same bytes for a config without training or
-allocating (``info --config``), on an :class:`Unallocated` device.
+Computed (:func:`computed`), per rank, in bytes: parameters (the masters, plus their compute copy
+under a 16-bit precision; under ZeRO-3 the gathered slots and this rank's chunks) and gradients
+(the flat buffer; under ZeRO-2 the reused bucket slots and this rank's chunks,
+:mod:`hpctrain.comm.zero_grads`), optimizer state (all of it, or this rank's share under
+``dist.zero >= 1``; in host memory under ``dist.offload``) and activations (what the model keeps for
+backward for the micro-batches a pipeline stage holds at once, from its ``activation_bytes``; None
+for a model that does not say). Measured: the peak resident set (``ru_maxrss``) and, on a GPU, the
+device memory in use. :func:`hpctrain.training.plan.planned_memory` computes the same bytes for a
+config without training or allocating (``info --config``), on an :class:`Unallocated` device.
 """
 
 from __future__ import annotations

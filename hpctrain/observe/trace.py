@@ -1,29 +1,19 @@
 """Per-rank timelines in Chrome's trace-event format (open in Perfetto or chrome://tracing).
 
-``python -m hpctrain train --trace DIR`` (config ``train.trace``) makes every
-rank write ``DIR/trace-rank<r>.json`` when training ends; ``python -m hpctrain
-trace merge DIR -o FILE`` joins them into one file with a track per rank. Spans
-(``ph: "X"``): the step, its phases (data, forward, backward, ``allreduce wait``
-(the exposed wait) per bucket, optimizer per bucket, checkpoint), forward and
-backward per layer; on the communication thread, one per bucket reduced (args:
-strategy, compress, bytes); instant events (``ph: "i"``) when a bucket becomes
-ready. ``pid`` is the rank, ``tid`` a small number per thread (0 main, 1 comm),
-both named by metadata events.
+``train --trace DIR`` (``train.trace``) makes every rank write ``DIR/trace-rank<r>.json`` when
+training ends; ``python -m hpctrain trace merge DIR -o FILE`` joins them, a track per rank. Spans
+(``ph: "X"``): the step, its phases (data, forward, backward, ``allreduce wait`` and optimizer per
+bucket, checkpoint), forward and backward per layer, and one per bucket reduced (``comm bucket i``;
+args: strategy, compress, bytes); instant events (``ph: "i"``) when a bucket becomes ready.
+``pid`` is the rank, ``tid`` 0 for the main thread and 1 for the communication thread.
 
-Clock: ``time.perf_counter`` (CLOCK_MONOTONIC on Linux, the clock of
-:class:`~hpctrain.observe.log.Timers`, immune to NTP steps). Every rank reads it right
-after leaving one ``MPI_Barrier`` when the trainer is built, and timestamps are
-microseconds since then (:meth:`Tracer.start`): ranks share a time base up to the barrier's exit skew
-(microseconds on one node, tens of microseconds across nodes). Each file also
-records ``time.time()`` at that instant (``otherData.t0_unix``).
-
-Off (the default), the trainer holds no tracer and every hook is a single
-``if ... is not None``. On, a span costs about a microsecond (a tuple appended
-to a list, under the GIL from both threads); on a GPU the per-layer spans
-synchronise the device so that kernels are charged to their layer, which
-serialises the stream: trace to see where the time goes, not to time a run.
-Only the first ``max_events`` (500,000) events are kept (150-400 bytes each in memory);
-later ones are counted in ``otherData.dropped_events``.
+Clock: ``time.perf_counter`` (that of :class:`~hpctrain.observe.log.Timers`), in microseconds since
+every rank left one ``MPI_Barrier`` when the trainer was built (:meth:`Tracer.start`), so ranks share
+a time base up to that barrier's exit skew; ``otherData.t0_unix`` is ``time.time()`` then. Off, the
+trainer holds no tracer and each hook is one ``if ... is not None``; on a GPU the per-layer spans
+synchronise the device, so trace to see where time goes, not to time a run. Only the first
+``max_events`` events are kept; later ones are counted in ``otherData.dropped_events``.
+Costs: docs/design.md, "Timelines".
 """
 
 from __future__ import annotations

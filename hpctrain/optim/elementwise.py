@@ -1,26 +1,18 @@
-"""SGD and AdamW: elementwise updates over the flat parameter buffer (LAMB and LARS, whose steps
-need each parameter's norms first: optim/layerwise.py).
+"""SGD and AdamW: elementwise updates over the flat parameter buffer (LAMB and LARS, whose steps need
+each parameter's norms first: :mod:`hpctrain.optim.layerwise`).
 
-Each optimizer owns flat state buffers of P elements (momentum; Adam moments)
-and runs one device kernel per step, or one per gradient bucket: ``begin_step(step, lr)``
-then ``update(lo, hi)`` for element ranges as their buckets are reduced
-(the update is elementwise, so slices give the same result as the whole).
-``step(lr)`` does both for the whole buffer. State is exposed by ``state()``
-as named flat arrays so checkpoints can save and restore it.
+Each optimizer owns flat state buffers (momentum; Adam's moments) of P elements, or of this rank's
+ZeRO chunks. ``begin_step(step, lr)`` once per step, then ``update(lo, hi)`` for element ranges as
+their buckets are reduced (elementwise, so slices give the result of the whole); ``step(lr)`` does
+both for the whole buffer; ``state()`` names the arrays checkpoints save.
 
-What changes per step (the learning rate, Adam's step count and bias corrections) reaches the
-kernels in device memory: ``begin_step`` computes the step's scalars on the host in float64 and
-uploads them, rounded to the parameters' dtype, into one device array (:attr:`hyper`, a row per
-decay: no decay, decay), and every ``update`` launch reads them there. So the launches of an
-update are the same at every step, which lets a CUDA graph replay them (training/cuda_graphs.py);
-``graph_key()`` names what would still change them.
-
-Weight decay applies to the parameters the model does not list in
-``no_decay`` (a GPT's biases and LayerNorm parameters): the flat buffer is
-cut into runs of equal decay once, and an update over [lo, hi) runs the
-kernel once per run it overlaps (a GPT lays each block's matrices out before
-its vectors, so a block is two runs). That machinery is the base class,
-:class:`~hpctrain.optim.flat.FlatOptimizer`.
+The per-step scalars (learning rate, Adam's step count and bias corrections) are computed on the
+host in float64 by ``begin_step`` and uploaded, rounded to the parameters' dtype, into one device
+array (:attr:`hyper`, a row each for no decay and decay) that every ``update`` launch reads: the
+launches are then the same every step, so a CUDA graph can replay them (training/cuda_graphs.py);
+``graph_key()`` names what would still change them. Weight decay skips the model's ``no_decay``
+parameters: :class:`~hpctrain.optim.flat.FlatOptimizer` cuts the buffer into runs of equal decay
+once and runs the kernel once per run an update overlaps.
 """
 
 from __future__ import annotations

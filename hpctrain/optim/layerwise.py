@@ -1,34 +1,18 @@
 """The large-batch optimizers LAMB and LARS: each parameter's step scaled by a trust ratio.
 
-LARS (You, Gitman and Ginsburg 2017, "Large Batch Training of Convolutional Networks", Algorithm 1),
-per parameter w with gradient g, weight decay b, momentum m, trust coefficient eta and the
-schedule's learning rate lr:
+Per parameter w with gradient g (docs/optimizers.md has the papers and the choices):
 
-    local = eta ||w|| / (||g|| + b ||w||)
-    v = m v + lr local (g + b w);   w = w - v
+    LARS  local = eta ||w|| / (||g|| + b ||w||);  v = m v + lr local (g + b w);  w = w - v
+    LAMB  m, v as Adam's;  r = m^ / (sqrt(v^) + eps) + wd w;  w = w - lr (||w|| / ||r||) r
 
-LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76 Minutes",
-Algorithm 2, with Adam's bias corrections), per parameter:
-
-    m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
-    r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd w
-    w = w - lr (||w|| / ||r||) r
-
-A ratio is 1 where it is undefined (a zero weight norm, a fresh zero bias; LARS's zero denominator,
-LAMB's zero step), and for the parameters weight decay skips (biases and LayerNorm parameters: ``no_decay``), which are left
-unscaled and undecayed, as is usual (the 2019 paper's BERT runs; NVIDIA's and DeepSpeed's LAMB).
-
-The norms are of whole parameters, so the update waits until every bucket of the gradient is
-averaged (and clipped): :meth:`prepare` then sums each parameter's squares over what this rank
-updates, has ``sum_norms`` add the parts other ranks hold (ZeRO's shares over the data group; a
-tensor-parallel split's pieces over the tensor group; :class:`~hpctrain.training.step.Step` does
-that) and makes each parameter's scalars; :meth:`update` then runs per parameter. The steps are
-the existing kernels: LARS scales the gradient (``scale``) and takes the momentum SGD step with
-lr = 1 (``sgd_update``: v = m v + c (g + b w), w -= v, with c = lr local folded into the gradient
-and the decay); LAMB writes r (``lamb_direction``, kernels/lamb.py) for its norm, then takes
-AdamW's step with lr ||w|| / ||r|| (``adamw_update``: w (1 - lr wd) - lr m/(...) is w - lr r).
-The norms are read on the host (on a GPU, every parameter's two in one copy and one wait for the
-device a step: ``sum_squares_each``), so these optimizers' updates are not captured as CUDA graphs.
+A ratio is 1 where it is undefined (a zero norm or denominator) and for the ``no_decay``
+parameters, which are also not decayed. The norms are of whole parameters, so the update waits
+until every bucket is averaged (and clipped): :meth:`prepare` sums each parameter's squares over
+what this rank updates, has ``sum_norms`` add the parts other ranks hold (ZeRO's shares, a
+tensor-parallel split's pieces; the caller's collective) and makes the scalars; :meth:`update` then
+runs the existing kernels per parameter: LARS ``scale`` then ``sgd_update`` with lr = 1, LAMB
+``lamb_direction`` (r, for its norm) then ``adamw_update`` with lr ||w|| / ||r||. The norms are read
+on the host (one copy and one wait a step on a GPU), so these updates are not CUDA-graph captured.
 """
 
 from __future__ import annotations

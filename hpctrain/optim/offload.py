@@ -1,32 +1,17 @@
 """``dist.offload = "optimizer"``: the optimizer's state and its update in host memory (ZeRO-Offload).
 
-On a GPU the optimizer's state (AdamW's two moments, SGD's momentum: two or one P-element arrays,
-the largest part of a run's memory after the activations) moves to host memory, and its
-update runs there on the CPU, with the numba CPU kernels of the CPU device (threads as the rank's
-share of cores). The device keeps the parameters the layers read and the gradients.
-
-Per gradient bucket, as each is reduced (this rank's chunk of it under ZeRO):
-
-    the bucket's averaged gradient, device -> pinned host        queued (:meth:`OffloadedOptimizer.fetch_gradient`)
-                                                                  as soon as its reduction is waited for
-    the CPU update of the bucket before it                        main thread, while that copy runs; the
-                                                                  communication thread reduces the next
-    the updated masters, pinned host -> device                   queued on the device's stream
-    (the next bucket: its copy queued, then this bucket's update after waiting for its copy)
-
-The host keeps the *masters* of what this rank updates (all of them, or its ZeRO chunks packed), so
-the update reads and writes host memory only; the device's parameters are their copies, written
-back after each update. :class:`OffloadedOptimizer` wraps the optimizer ``optim.name`` built over
-those host arrays: it offers what the step, clipping, the trust ratios and checkpoints use of an
-optimizer, so the rest of the trainer does not know the difference.
-
-Under a 16-bit ``train.precision`` the host masters are the float32 masters, as ZeRO-Offload keeps
-them; written back to the device's float32 parameters (ZeRO-3: its float32 chunks), from which the
-layers' 16-bit copy is rounded as without offload (the device keeps that float32 copy too).
-
-The CPU kernels compute the same formulas as the CUDA ones: on numba's CUDA simulator an offloaded
-run gives the bits of one that is not (tested); on a GPU the CUDA kernels may contract a
-multiply-add where the CPU's do not.
+On a GPU the optimizer's state moves to host memory and its update runs there, with the CPU
+device's numba kernels; the device keeps the parameters the layers read and the gradients. The
+host keeps the *masters* of what this rank updates (all, or its ZeRO chunks packed; under a 16-bit
+``train.precision`` the float32 masters), so the update touches host memory only; the device's
+parameters are copies written back after each update. Per gradient bucket, as the step reduces it:
+:meth:`OffloadedOptimizer.fetch_gradient` queues its copy to pinned host memory, the CPU then
+updates the bucket before it (waiting only for that one's copy), and the updated masters are
+queued back on the device's stream (LAMB and LARS copy every gradient first, for their norms).
+:class:`OffloadedOptimizer` wraps the optimizer ``optim.name`` built over the host arrays and offers
+what the step, clipping, trust ratios and checkpoints use, so the rest of the trainer does not know
+the difference. The CPU kernels compute the CUDA kernels' formulas: SGD and AdamW give the same bits
+on numba's CUDA simulator, LAMB's norms sum in another order; on a GPU all agree to rounding.
 """
 
 from __future__ import annotations

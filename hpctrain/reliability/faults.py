@@ -1,36 +1,18 @@
 """Fault injection for the reliability tests: the one seam through which test hooks enter a run.
 
-Every hook is read from the environment here, once, when a trainer is built (no production
-path reads the environment for them); unset (the normal case) they cost one dictionary lookup
-per step and two method calls per checkpoint save.
+Every hook is read here, once, when a trainer is built; no production path reads them.
 
-``HPCTRAIN_FAULT=KIND:STEP[:RANK][,...]``: kinds, each acting on rank RANK (default 0) just
-before global step STEP's forward pass (STEP ``start``: at the start of the
-trainer's start-up, before its first collective; only raise, segv and hang; STEP
-``exit``: after the run, once its heartbeats said it is over, before MPI_Finalize;
-only hang and segv: a rank stuck or crashing in its exit):
+  HPCTRAIN_FAULT=KIND:STEP[:RANK][,...]  on rank RANK (default 0), just before global step STEP:
+      nan (a NaN feature in its batch), spike (its batch x1000; both float inputs only), raise,
+      segv (reads address 0), hang (sleeps in Python); STEP ``start`` (raise, segv, hang: before
+      start-up's first collective) or ``exit`` (hang, segv: after the run, before MPI_Finalize)
+  HPCTRAIN_STEP_DELAY_S=S        every rank sleeps S s before each step, outside its timed phases
+  HPCTRAIN_CKPT_WRITE_DELAY_S=S  a save sleeps between its data writes and its commit
+  HPCTRAIN_CKPT_STOP_RANK=R      rank R SIGSTOPs itself just before a save's collective close
+  HPCTRAIN_CKPT_DELAY_STEP=N     the two save hooks act only in the save of step N
 
-  nan    the rank's batch gets a NaN feature (poisoned input data; float inputs only)
-  spike  the rank's batch is scaled by 1000 (finite, but the loss jumps; float inputs only)
-  raise  the rank raises RuntimeError (a bug on one rank)
-  segv   the rank reads address 0 (a crash in native code: SIGSEGV)
-  hang   the rank sleeps in Python forever (busy elsewhere: the watchdog must
-         say "not in a collective")
-
-``HPCTRAIN_STEP_DELAY_S=S``: every rank sleeps S s before each step, outside its timed phases (so
-that a test's job outlasts a SLURM time limit with few, cheap steps; the arithmetic is unchanged,
-so the same run without the delay is its bit-exact reference; the step times exclude it).
-
-Checkpoint saves (:func:`hpctrain.ckpt.write.write_checkpoint` calls the two hooks):
-
-  HPCTRAIN_CKPT_WRITE_DELAY_S=S  sleep S s between a save's data writes and its commit (a save
-                                 held open, so a test can kill the job inside it)
-  HPCTRAIN_CKPT_STOP_RANK=R      rank R stops itself (SIGSTOP) just before the file's collective
-                                 close: a node lost mid-save, while the others wait in HDF5
-  HPCTRAIN_CKPT_DELAY_STEP=N     both act only in the save of step N (every save when unset)
-
-Killing or stopping a rank is otherwise done from outside by the tests (kill -9,
-SIGSTOP), as a real failure would be.
+:func:`hpctrain.ckpt.write.write_checkpoint` calls the save hooks. Killing or stopping a rank
+otherwise comes from outside (kill -9, SIGSTOP), as a real failure would (docs/reliability.md).
 """
 
 from __future__ import annotations

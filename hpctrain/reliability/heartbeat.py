@@ -1,29 +1,18 @@
-"""Heartbeats outside MPI: a supervising launcher hears every rank each second, and so notices a
-lost node in seconds, without waiting for a collective's timeout or for SLURM.
+"""Heartbeats outside MPI: a supervising launcher hears every rank each second, so a lost node is
+noticed in seconds, not at a collective's timeout or SLURM's (docs/reliability.md).
 
-Rank side (:class:`Beacon`): when ``python -m hpctrain launch`` started the job it sets
-``HPCTRAIN_LAUNCH_BEACON=HOST:PORT:START``; each rank then starts a small beacon process that
-sends one UDP datagram every :data:`PERIOD_S` (``rank node start``; ``node`` is SLURM's name for
-its node, else its host name; ``start`` the launch's start number, so a datagram from a job
-already given up on is ignored) for as long as its rank runs: it falls silent when the rank's
-process is stopped (SIGSTOP, a debugger), and with it when the node loses power or its network;
-when the rank's process dies on a node that lives, it says ``... gone`` and ends (the death is
-mpirun's or srun's to report; silence would make the node look lost). A process of its own, not a thread: a rank holding the GIL for seconds (numba compiling
-its kernels) must not look lost. Stopping it (the run is over) ends the beacon, and the rank
-sends a last ``... bye CODE`` itself (CODE: the exit code its run ends with), after which the
-listener no longer judges that rank for silence.
+Rank side (:class:`Beacon`, when ``HPCTRAIN_LAUNCH_BEACON=HOST:PORT:START`` is set): a small process
+of its own (a rank holding the GIL for seconds must not look lost) sends a UDP datagram
+``rank node start`` every :data:`PERIOD_S` while its rank runs; it falls silent when the rank is
+stopped or its node is lost, says ``... gone`` when the rank's process dies on a live node, and at
+the end of the run the rank sends ``... bye CODE`` (its exit code). ``start`` tells apart the
+datagrams of a start already given up on.
 
-Launcher side (:class:`Listener`): one UDP socket; :meth:`Listener.poll` drains what arrived and
-:meth:`Listener.silent` names the ranks heard before that have been silent for longer than the
-limit (``HPCTRAIN_DETECT_S``, default :data:`DETECT_S`). A rank never heard (still starting, or
-a job that fails at start-up) is not judged: the launcher's other means cover that time.
-Once a rank has said bye the run is ending, and silence no longer means lost: ranks then take
-their time in ``MPI_Finalize``, and a bye may be dropped. :meth:`Listener.all_done` says when
-the latest bye is older than a grace (``HPCTRAIN_EXIT_GRACE_S``, default :data:`EXIT_GRACE_S`;
-0: never) and no rank has beaten for that long: a job still running then is stuck in its exit
-(a rank stopped or hung after its run, the others waiting in ``MPI_Finalize``), and the
-launcher ends it with the exit code its ranks said.
-UDP may drop a datagram; the limit spans many beats, so a few lost ones never add up to it.
+Launcher side (:class:`Listener`): :meth:`~Listener.poll` drains the socket; :meth:`~Listener.silent`
+names ranks heard before and silent longer than ``HPCTRAIN_DETECT_S`` (:data:`DETECT_S`); ranks never
+heard, and ranks that said bye, are not judged for silence. :meth:`~Listener.all_done`: the latest bye
+is older than ``HPCTRAIN_EXIT_GRACE_S`` (:data:`EXIT_GRACE_S`; 0 never) and no rank has beaten since:
+the job is stuck in its exit. A limit spans many beats, so a few dropped datagrams never add up to it.
 """
 
 from __future__ import annotations

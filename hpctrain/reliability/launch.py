@@ -1,49 +1,18 @@
-"""``python -m hpctrain launch``: run a training job and restart it after a failure.
+"""``python -m hpctrain launch``: run a training job and restart it after a failure (docs/reliability.md).
 
     python -m hpctrain launch -n 4 [--max-failures 3] [mpirun options] -- train --config my.toml
     python -m hpctrain launch --srun [--max-failures 3] [srun options] -- train --config my.toml
 
-runs ``mpirun -n 4 [options] python -m hpctrain train ...`` (or, inside a SLURM
-allocation, ``srun --kill-on-bad-exit=1 [options] ...``: :mod:`hpctrain.reliability.launch_backends`);
-when the job fails it starts it again with ``--resume auto`` (the newest valid
-checkpoint in checkpoint.dir; a fresh start when there is none), up to
-``--max-failures`` times (default: ``HPCTRAIN_MAX_FAILURES``, else 3); under
-srun, on the allocation's nodes that still work. What ends a job decides:
-
-  0            finished: exit 0
-  75           stopped after saving a checkpoint (a signal): exit 75, no restart
-  2, 3, 5      a user error, a missed target, divergence: a restart cannot
-               change them; exit with the job's code
-  anything else (a rank killed or crashed, the watchdog's 4 for a stalled
-  rank, an abort): a failure; restart
-
-A job that fails twice in a row without completing a step (a crash at start-up,
-a bad node) is not transient: the launcher gives up instead of looping. Giving
-up exits :data:`~hpctrain.errors.EXIT_GAVE_UP` (6) with one ``hpctrain launch:
-error:`` line, as does a restart with no usable node left. SIGUSR1 and SIGTERM
-to the launcher reach the ranks as SIGUSR1 (mpirun and srun forward it; mpirun's
-own SIGTERM handling kills the ranks without a save): they save, exit 75, and
-nothing restarts.
-
-A lost node is noticed by heartbeats (:mod:`.heartbeat`): every rank beats once a second, and
-when ranks heard before stay silent for ``HPCTRAIN_DETECT_S`` seconds (default 5; 0 turns it
-off) the launcher ends the job itself (the back-end's ``tear_down``) instead of waiting for a
-collective's timeout (``dist.comm_timeout``) or for SLURM to declare the node down
-(``SlurmdTimeout``, 300 s by default). A node all of whose ranks fell silent is lost: a restart
-under srun leaves it out without probing it. Some ranks silent on a node whose others still beat
-(stopped, hung outside Python): the job restarts on every node. A job whose ranks have all said
-their run is over (the heartbeats' last datagram carries the rank's exit code) but which has not
-ended ``HPCTRAIN_EXIT_GRACE_S`` seconds later (default 60, 0 = never: a rank stopped or hung in its
-exit, the others waiting for it in ``MPI_Finalize``) is ended the same way and exits with that
-code. Once a rank has said so, silence is judged by that grace, not by ``HPCTRAIN_DETECT_S``; and
-a job that fails after every rank said its run was over (a crash in its exit) ends with the code
-they said, without a restart.
-
-Each restart is logged with its cause as observed (the heartbeats' silence, or the job's exit
-status), where it runs, and what it cost, phase by phase: detection and tear-down (heartbeats),
-the node probes (srun), the restarted run's start-up, checkpoint load and first step, and the
-steps redone since the checkpoint. The job reports its progress through
-``HPCTRAIN_LAUNCH_PROGRESS`` (:mod:`hpctrain.reliability.progress`).
+:class:`Supervisor` starts the job through a back-end (:mod:`.launch_backends`) and judges each end:
+0, 75 (saved after a signal), 2, 3 and 5 (user error, missed target, divergence) are final and
+become the launcher's exit code; anything else is a failure, restarted with ``--resume auto`` up to
+``--max-failures`` times (``HPCTRAIN_MAX_FAILURES``, else 3). Too many failures, two in a row before
+a completed step, or no usable node left: it gives up with :data:`~hpctrain.errors.EXIT_GAVE_UP`.
+SIGUSR1/SIGTERM to the launcher reach the job as SIGUSR1 (save, exit 75, no restart). Heartbeats
+(:mod:`.heartbeat`) end the job early: ranks silent for ``HPCTRAIN_DETECT_S`` (a restart, under srun
+without their lost nodes), or a job still running ``HPCTRAIN_EXIT_GRACE_S`` after every rank said its
+run was over (no restart: the code the ranks said). Each restart's cost is logged phase by phase
+from the job's marks (:mod:`.progress`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """Where ``python -m hpctrain launch`` starts each run: mpirun, or srun inside a SLURM allocation.
 
-A back-end turns "start the job (again)" into a command line and says where it runs, and ends
-a job the launcher's heartbeats found a node or rank of gone (``tear_down``):
+A back-end turns "start the job (again)" into a command line, says where it runs, and ends a job
+whose ranks the heartbeats found lost (``tear_down``):
 
   ``Mpirun(n, options)``  ``mpirun -n N [options] python -m hpctrain train ...``, every time.
-  ``Srun(options)``       inside ``sbatch --no-kill`` (jobs/requeue.sbatch): the first run is
-                          ``srun --kill-on-bad-exit=1 [options] python -m hpctrain train ...`` over
-                          the whole allocation. Before a restart it asks which nodes still work
-                          (SLURM's node states, then a one-task ``srun`` on each that passed, all
-                          at once, each with a time limit) and starts on those only, the same
-                          ranks per node: fewer nodes, fewer ranks, the same global batch (uneven
-                          shares where the new world size does not divide it). With ``--overlap``:
-                          the failed step keeps its CPUs until SLURM hears from every node it
-                          ran on, and a lost node is heard from only when SLURM declares it
-                          down (SlurmdTimeout, minutes). No usable node left: :class:`NoNodes`,
-                          and the launcher gives up.
+  ``Srun(options)``       inside ``sbatch --no-kill`` (jobs/requeue.sbatch): ``srun --kill-on-bad-exit=1
+                          [options] ...`` over the allocation; before a restart it keeps the nodes that
+                          still work (SLURM's node states, then a one-task probe on each, at once, with a
+                          time limit) at the same ranks per node, with ``--overlap`` (the failed step
+                          holds its CPUs until SLURM hears from a lost node). None left: :class:`NoNodes`.
 
-The batch script and the launcher run on the allocation's first node; when that node dies
-SLURM ends the job whatever ``--no-kill`` says, so a restart needs it alive.
+The launcher runs on the allocation's first node; if that node dies SLURM ends the job whatever
+``--no-kill`` says (docs/reliability.md, "Inside a SLURM allocation").
 """
 
 from __future__ import annotations

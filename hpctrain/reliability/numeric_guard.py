@@ -1,29 +1,19 @@
 """Numerical guard: what a step with a NaN/Inf loss or gradient (or a loss spike) does to the run.
 
-Policies (``guard.nonfinite``):
+:meth:`NumericGuard.verdict` judges a step from its global statistics only (the mean loss and the
+counts of ranks that saw a non-finite loss or averaged gradient, all-reduced), so every rank takes
+the same branch. Policies (``guard.nonfinite``):
 
-  abort     the run stops with exit code 5 before anything of that step is
-            saved; the last checkpoint is the state to go back to. Costs no
-            overlap: the optimizer still updates bucket by bucket as the
-            all-reduce delivers them, and the verdict comes with the step's
-            statistics all-reduce, before any save.
-  skip      the step's update is dropped (parameters and optimizer state stay
-            as they were, the batch is consumed, the step counts); gradient
-            compression's per-rank state (residuals, velocities), which
-            holds the bad gradient too, is put back as it was before the step.
-  rollback  the newest checkpoint this run saved or loaded is reloaded and the
-            offending batch is skipped when the run reaches it again, so a
-            bad step that already spoiled the optimizer state (a spike that
-            passed as finite) is undone. A run without one saves a checkpoint
-            before its first step.
+  abort     exit 5 (:class:`~hpctrain.errors.TrainingDiverged`) before anything of the step is saved;
+            the optimizer still follows the all-reduce bucket by bucket.
+  skip      the update is dropped (parameters, optimizer and compression state as before the step;
+            the batch is consumed and the step counts).
+  rollback  the newest checkpoint this run saved or loaded is reloaded and the bad batch is stepped
+            over on the replay (:attr:`skip_steps`); a run without one saves one before its first step.
 
-skip and rollback decide before the update, so the optimizer waits for every
-bucket instead of following the all-reduce (the overlap of optimizer and
-communication is lost). After ``guard.max_bad_steps`` bad steps in one run
-every policy aborts: the run diverges.
-
-A verdict uses only the step's global statistics (all-reduced, identical on
-every rank), so all ranks always take the same branch.
+skip and rollback decide before the update, so the update waits for every bucket (:attr:`deferred`).
+More than ``guard.max_bad_steps`` bad steps in one run: every policy exits 5. Costs and measurements:
+docs/reliability.md.
 """
 
 from __future__ import annotations

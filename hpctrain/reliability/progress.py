@@ -1,8 +1,8 @@
 """How far a run got, for the launcher that supervises it: ``HPCTRAIN_LAUNCH_PROGRESS=FILE``.
 
 Rank 0 writes one fixed-width line per phase into FILE (one ``pwrite`` at the
-phase's offset, no fsync: the reader is on the same machine, and a crash of
-the run does not lose what the kernel already has), at three moments:
+phase's offset, no fsync: a crash of the run does not lose what the kernel
+already has; under srun FILE is in the shared submit folder), at three moments:
 
   start  the trainer begins its start-up (MPI is up), step 0
   ready  the checkpoint is loaded, or the run starts fresh: the step it starts from

@@ -1,41 +1,18 @@
 """Stall watchdog: a collective that does not complete in ``dist.comm_timeout`` ends the job with a diagnostic.
 
-A rank that stops (SIGSTOP, a hung file system, a GPU fault, a deadlock in
-native code) leaves every other rank spinning inside an MPI collective, and the
-job burns its allocation silently. The trainer marks each blocking collective
-with :meth:`Watchdog.watch`; a daemon thread per rank ("hpctrain-watchdog")
-wakes every ``poll`` seconds and
-
-  * answers status queries of the other ranks' watchdogs (point-to-point on a
-    private duplicate of the job's communicator, so nothing the training loop
-    sends is ever matched by it);
-  * when this rank has waited in one collective longer than its limit, asks
-    every other rank where it is, waits ``grace`` seconds for the answers,
-    prints one diagnostic (the collective, step and bucket; which ranks wait in
-    it; which are elsewhere and where; which did not answer: stopped, dead or
-    hung outside Python) and calls ``MPI_Abort``, which ends every rank.
-
-A stop signal (SIGTERM, SIGUSR1) shortens the wait: the main thread cannot
-act on it while blocked, and a launcher that sends SIGTERM because a rank died
-(srun --kill-on-bad-exit) would otherwise leave the others in the collective
-until its kill (SLURM's KillWait, 30 s by default) or the limit. When this
-rank is still in the same collective :data:`SIGNAL_GRACE` seconds after the
-signal, it asks the others once; if one does not answer (dead, stopped), the
-save the signal asks for cannot happen, and it reports and aborts at once.
-Ranks that all answer are a slow but live collective: nothing happens.
-
-Regions that do real work besides waiting (checkpoint saves and loads,
-evaluation, start-up) get ``slack`` times the limit, but a rank that is gone
-should not cost that long: past the plain limit, every ``timeout`` seconds, the
-watchdog asks the others; one that does not answer within ``grace`` twice in a
-row (dead, stopped, its node lost) ends the job then, as after a stop signal.
-
-Only the lowest-numbered rank blocked in a collective prints; the others defer
-to it, and to a rank whose watchdog has reported already (it keeps answering,
-saying so, until the abort ends it), and abort on their own only if that
-abort does not arrive. Asking other ranks needs
-MPI_THREAD_MULTIPLE (requested by :mod:`hpctrain.runtime`); with a lower thread
-level the watchdog still aborts, reporting only this rank's view.
+The trainer marks each blocking collective with :meth:`Watchdog.watch` (regions that also do real
+work, such as saves, loads, evaluation and start-up, get ``slack`` times the limit). A daemon thread
+per rank ("hpctrain-watchdog") wakes every ``poll`` seconds, answers the other ranks' status queries
+(point-to-point on a private duplicate of the job's communicator, so nothing the training loop sends
+is matched by it) and, once this rank has waited past the limit, asks every rank where it is, waits
+``grace`` seconds, prints one report and calls ``MPI_Abort`` (exit 4). Only the lowest-numbered rank
+blocked in a collective reports; the others defer to it (or to a rank that already reported) and
+abort themselves only if its abort does not arrive. A rank that does not answer (dead, stopped)
+ends the job before the limit: asked once :data:`SIGNAL_GRACE` s after a stop signal (which the
+blocked main thread cannot act on), or, in a ``slack`` region, asked every ``timeout`` s past the
+plain limit and silent twice in a row. Asking needs MPI_THREAD_MULTIPLE (requested by
+:mod:`hpctrain.runtime`); with less, the watchdog still aborts with this rank's view only.
+Why and when: docs/reliability.md.
 """
 
 from __future__ import annotations
