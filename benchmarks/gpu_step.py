@@ -189,9 +189,9 @@ def timed(step, data, warmup, steps, sync):
 
 def count_launches(fn) -> int:
     """The host's launches while ``fn`` runs, as the trainer's metrics count them
-    (``hpctrain.kernels.cuda_support.launches``): numba kernels, cuBLAS calls (a GEMM that
+    (``hpctrain.kernels.support.cuda_support.launches``): numba kernels, cuBLAS calls (a GEMM that
     accumulates is two: the GEMM and CuPy's add into its output) and CUDA graph replays."""
-    from hpctrain.kernels import cuda_support
+    from hpctrain.kernels.support import cuda_support
 
     before = cuda_support.launches()
     fn()

@@ -1,4 +1,4 @@
-"""CPU ops split over threads (hpctrain/kernels/cpu_threads.py): the same bits at 1, 2 and 3 threads.
+"""CPU ops split over threads (hpctrain/kernels/support/cpu_threads.py): the same bits at 1, 2 and 3 threads.
 
 Every op the GPT and the MLP run on the CPU is computed with its rows split over 1, 2 and 3
 threads (the split forced even for these small arrays: MIN_SPLIT_NS = 0) and must give the same
@@ -14,7 +14,8 @@ import math
 import numpy as np
 import pytest
 
-from hpctrain.kernels import adamw, attention, bias_act, cpu_threads, layernorm, residual, sgd, softmax_xent
+from hpctrain.kernels import adamw, attention, bias_act, layernorm, residual, sgd, softmax_xent
+from hpctrain.kernels.support import cpu_threads
 
 THREADS = (1, 2, 3)
 

@@ -167,12 +167,12 @@ def test_fenced_staging_in_a_thread_reads_the_fenced_writes_and_the_stream_sees_
 
 
 def test_a_launch_geometry_is_configured_once_per_thread(monkeypatch):
-    """kernels/cuda_support.configured: numba's kernel[grid, block, stream] is made once per thread,
+    """kernels/support/cuda_support.configured: numba's kernel[grid, block, stream] is made once per thread,
     kernel, geometry and stream, then reused (a stand-in kernel counts the configurations; the
     simulator's own configure rewrites the kernel, so there it is made every time)."""
     import threading
 
-    from hpctrain.kernels import cuda_support
+    from hpctrain.kernels.support import cuda_support
 
     made = []
 
