@@ -410,6 +410,9 @@ def main(argv=None) -> int:
         p.error("--simulate goes with NUMBA_ENABLE_CUDASIM=1, and a real run with the simulator off")
     if args.simulate:
         args.validate, args.warmup, args.steps, args.op_steps = min(args.validate, 2), 0, 1, 1
+        from hpctrain.testing.simulator import make_thread_safe  # the test tool, opted into
+
+        make_thread_safe()
     shapes = args.shapes or (["tiny"] if args.simulate else ["example", "gpt2-small"])
     torch = None
     if not args.simulate:

@@ -342,6 +342,10 @@ def main() -> None:
               file=sys.stderr)
         sys.exit(2)
     warnings.filterwarnings("ignore", message="Simulator timings are bogus")
+    if sim:  # the test tool, opted into: the simulator safe for its shared arrays and barriers
+        from hpctrain.testing.simulator import make_thread_safe
+
+        make_thread_safe()
     dev = CudaDevice(args.dtype)
     step_dev = dev.with_gemm(args.gemm)  # same stream: one timer serves both
     print(dev.describe())

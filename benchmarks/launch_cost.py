@@ -73,6 +73,10 @@ def main() -> None:
 
     if cuda_status()[0] == 0:
         sys.exit("launch_cost.py: no GPU (or NUMBA_ENABLE_CUDASIM=1 for a smoke test)")
+    if simulated():  # the test tool, opted into: the simulator safe for its shared arrays and barriers
+        from hpctrain.testing.simulator import make_thread_safe
+
+        make_thread_safe()
     dev = CudaDevice("float32")
     print(dev.describe())
     for name, us in measure(dev, 20 if simulated() else 3000).items():

@@ -48,11 +48,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config):
-    """Tests launch kernels without a CudaDevice too: make the simulator's launches and
-    shared arrays thread-safe for them as CudaDevice does (nothing changes on a GPU)."""
-    from hpctrain.kernels.support.cuda_support import make_simulator_thread_safe
+    """Under the simulator, every test's kernels (with a CudaDevice or without one) run on a
+    simulator made safe for concurrent launches, shared arrays and barriers (the opt-in test tool
+    hpctrain.testing.simulator; production code patches nothing). Nothing changes on a GPU."""
+    from hpctrain.testing.simulator import make_thread_safe
 
-    make_simulator_thread_safe()
+    make_thread_safe()
 
 # small, fast datasets: 8 features, 4 classes
 SMALL = {"n": 2048, "dim": 8, "classes": 4}

@@ -21,7 +21,8 @@ class CudaDevice:
     """numba device arrays on one GPU; every kernel and copy is queued on one stream.
 
     Creating it selects the GPU (and so creates its CUDA context); nothing
-    happens at import time.
+    happens at import time. Under numba's CUDA simulator it runs as it is: the simulator's fixes
+    for concurrent launches are a test tool (hpctrain.testing.simulator), applied by the tests.
     """
 
     name = "cuda"
@@ -29,9 +30,6 @@ class CudaDevice:
     def __init__(self, dtype="float32", gpu: int = 0, gemm: str = "numba", attention: str = "flash"):
         from numba import cuda
 
-        from ..kernels.support.cuda_support import make_simulator_thread_safe
-
-        make_simulator_thread_safe()  # simulator: one launch at a time, shared arrays shared; a GPU is untouched
         self._cuda = cuda
         self.dtype = np.dtype(dtype)
         self.accum_dtype = self.dtype   # what ops save in full precision (hpctrain.precision)
