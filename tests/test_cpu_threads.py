@@ -84,6 +84,25 @@ def test_chunk_ranges_cover_every_chunk_once_in_one_call_per_thread():
     assert chunks == 6 and sorted(seen) == [(0, 2), (2, 4), (4, 6)]
 
 
+
+def test_the_thread_count_is_read_from_the_environment_once_until_reset(monkeypatch):
+    """An op does not read the environment: the count is resolved at the first op (OMP_NUM_THREADS,
+    which the entry point's limit_threads_per_rank sets first) and kept; set_threads(None) resets it,
+    and the next op resolves it anew."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    cpu_threads.set_threads(None)
+    assert cpu_threads.threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_threads.threads() == 3              # resolved once: a later change is not read per op
+    cpu_threads.set_threads(5)
+    assert cpu_threads.threads() == 5              # set_threads wins
+    cpu_threads.set_threads(None)
+    assert cpu_threads.threads() == 2              # reset: resolved anew from the environment
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cpu_threads.set_threads(None)
+    assert cpu_threads.threads() == len(cpu_threads.cpus())   # without it, the cores this process may use
+
+
 @pytest.mark.parametrize("act", ["identity", "relu", "gelu"])
 def test_bias_act_same_bits_at_any_thread_count(act):
     r = _rng()
