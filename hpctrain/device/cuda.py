@@ -87,7 +87,7 @@ class CudaDevice:
         else:
             gemms = None
         chosen = attention.ChosenAttention(self.attention, self.stream, self.scratch,
-                                                None if self.attention == "flash" else gemms)
+                                           None if self.attention == "flash" else gemms)
         self.ops.attention_forward, self.ops.attention_backward = chosen.forward, chosen.backward
         # the flash kernels' head-size limit binds only where they are the only path
         self.ops.attention_max_head_size = attention.HS_SIZES[-1] if chosen.gemm is None else None
