@@ -189,9 +189,9 @@ def timed(step, data, warmup, steps, sync):
 
 def count_launches(fn) -> int:
     """The host's launches while ``fn`` runs, as the trainer's metrics count them
-    (``hpctrain.kernels.cuda_support.launches``): numba kernels, cuBLAS calls (a GEMM that
+    (``hpctrain.kernels.support.cuda_support.launches``): numba kernels, cuBLAS calls (a GEMM that
     accumulates is two: the GEMM and CuPy's add into its output) and CUDA graph replays."""
-    from hpctrain.kernels import cuda_support
+    from hpctrain.kernels.support import cuda_support
 
     before = cuda_support.launches()
     fn()
@@ -410,6 +410,9 @@ def main(argv=None) -> int:
         p.error("--simulate goes with NUMBA_ENABLE_CUDASIM=1, and a real run with the simulator off")
     if args.simulate:
         args.validate, args.warmup, args.steps, args.op_steps = min(args.validate, 2), 0, 1, 1
+        from hpctrain.testing.simulator import make_thread_safe  # the test tool, opted into
+
+        make_thread_safe()
     shapes = args.shapes or (["tiny"] if args.simulate else ["example", "gpt2-small"])
     torch = None
     if not args.simulate:

@@ -39,7 +39,7 @@ from numba import cuda  # noqa: E402  (creates no CUDA context)
 from hpctrain.device import CPU_OPS, CudaDevice, cuda_status, gpu_name, simulated  # noqa: E402
 from hpctrain.kernels import adamw, sgd  # noqa: E402
 from hpctrain.kernels import softmax_xent as sx  # noqa: E402
-from hpctrain.kernels.cuda_support import THREADS, blocks_for  # noqa: E402
+from hpctrain.kernels.support.cuda_support import THREADS, blocks_for  # noqa: E402
 from hpctrain.kernels.linear import gemm_cuda  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -342,6 +342,10 @@ def main() -> None:
               file=sys.stderr)
         sys.exit(2)
     warnings.filterwarnings("ignore", message="Simulator timings are bogus")
+    if sim:  # the test tool, opted into: the simulator safe for its shared arrays and barriers
+        from hpctrain.testing.simulator import make_thread_safe
+
+        make_thread_safe()
     dev = CudaDevice(args.dtype)
     step_dev = dev.with_gemm(args.gemm)  # same stream: one timer serves both
     print(dev.describe())

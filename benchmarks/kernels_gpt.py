@@ -86,8 +86,8 @@ def attention_paths(dev, step_dev):
     """[(row suffix, attention ops)]: the flash kernels, and the GEMM path (model.attention = gemm) where
     its GEMMs can run: cuBLAS when ``step_dev``'s GEMMs are cuBLAS's, NumPy on the simulator."""
     from hpctrain.device import simulated
-    from hpctrain.kernels.attention_gemm import ChosenAttention
-    from hpctrain.kernels.batched_gemm import CublasBatchedGemm, HostBatchedGemm
+    from hpctrain.kernels.attention import ChosenAttention
+    from hpctrain.kernels.support.batched_gemm import CublasBatchedGemm, HostBatchedGemm
 
     paths = [("", ChosenAttention("flash", dev.stream, dev.scratch))]
     gemms = (CublasBatchedGemm(dev.stream, dev.gpu) if step_dev.gemm == "cublas" else

@@ -40,16 +40,16 @@ def _per_call_us(fn, dev, calls):
 
 def measure(dev, calls: int = 3000) -> dict:
     """{variant: microseconds of host time per launch} on ``dev`` (a CudaDevice)."""
-    from hpctrain.kernels import scale
+    from hpctrain.kernels import scale_cuda
 
     buf = dev.from_host(np.ones(1024, dev.dtype))
     factor = dev.dtype.type(1.0)
-    configured = scale._scale_kernel[4, 256, dev.stream]
+    configured = scale_cuda.scale_kernel[4, 256, dev.stream]
     out = {"op table": _per_call_us(lambda: dev.ops.scale(buf, 1.0), dev, calls),
            "configured": _per_call_us(lambda: configured(buf, factor), dev, calls)}
     from numba import typeof
 
-    compiled = scale._scale_kernel.overloads.get((typeof(buf), typeof(factor)))  # this dtype's, not another
+    compiled = scale_cuda.scale_kernel.overloads.get((typeof(buf), typeof(factor)))  # this dtype's, not another
     if compiled is not None and hasattr(compiled, "launch"):  # not on the simulator
         with warnings.catch_warnings():  # numba-cuda 0.30 warns about its own stream type here
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -73,6 +73,10 @@ def main() -> None:
 
     if cuda_status()[0] == 0:
         sys.exit("launch_cost.py: no GPU (or NUMBA_ENABLE_CUDASIM=1 for a smoke test)")
+    if simulated():  # the test tool, opted into: the simulator safe for its shared arrays and barriers
+        from hpctrain.testing.simulator import make_thread_safe
+
+        make_thread_safe()
     dev = CudaDevice("float32")
     print(dev.describe())
     for name, us in measure(dev, 20 if simulated() else 3000).items():

@@ -127,7 +127,7 @@ def limit_threads_per_rank() -> None:
     benchmarks and the MPI test ranks (tests/conftest.py), never at import.
     """
     # OpenBLAS's threads spin for ~2^28 cycles after each call before they sleep, on the cores
-    # the CPU ops' threads (kernels/cpu_threads.py) need next: a GPT step on 2 cores gained
+    # the CPU ops' threads (kernels/support/cpu_threads.py) need next: a GPT step on 2 cores gained
     # nothing from a second op thread until they slept at once (2^4 cycles): 250 -> 200 ms
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     if any(var in os.environ for var in THREAD_VARS):
@@ -156,7 +156,7 @@ def binding() -> dict:
     (which, as "0-3"), ``ops`` (threads a CPU op is split over), ``blas`` (BLAS threads: OpenBLAS's
     own count where it says, else OPENBLAS_NUM_THREADS / OMP_NUM_THREADS) and ``numba``
     (NUMBA_NUM_THREADS)."""
-    from .kernels import cpu_threads
+    from .kernels.support import cpu_threads
 
     cpus = cpu_threads.cpus()
     blas = cpu_threads.blas_threads()

@@ -181,7 +181,7 @@ say "h5py: $("$PY" -c 'import h5py; print(h5py.__version__, "HDF5", h5py.version
 say "CuPy: $CUPY_WHY"
 if [ -n "$CUPY_WHEEL" ]; then
     # with a GPU: a product through cuBLAS; chosen by HPCTRAIN_CUPY (maybe no GPU here): the import
-    cupy_check='import sys; from hpctrain.kernels.cublas import cupy_status; ok, why = cupy_status(); print(why); sys.exit(not ok)'
+    cupy_check='import sys; from hpctrain.kernels.support.cublas import cupy_status; ok, why = cupy_status(); print(why); sys.exit(not ok)'
     [ -z "${HPCTRAIN_CUPY:-}" ] || cupy_check='import cupy'
     cupy_failed=""
     if ! "${PIP[@]}" install "$CUPY_REQUIREMENT"; then

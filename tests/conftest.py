@@ -48,11 +48,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config):
-    """Tests launch kernels without a CudaDevice too: make the simulator's launches and
-    shared arrays thread-safe for them as CudaDevice does (nothing changes on a GPU)."""
-    from hpctrain.kernels.cuda_support import make_simulator_thread_safe
+    """Under the simulator, every test's kernels (with a CudaDevice or without one) run on a
+    simulator made safe for concurrent launches, shared arrays and barriers (the opt-in test tool
+    hpctrain.testing.simulator; production code patches nothing). Nothing changes on a GPU."""
+    from hpctrain.testing.simulator import make_thread_safe
 
-    make_simulator_thread_safe()
+    make_thread_safe()
 
 # small, fast datasets: 8 features, 4 classes
 SMALL = {"n": 2048, "dim": 8, "classes": 4}
@@ -73,9 +74,9 @@ def real_gpu_reason() -> str:
 # runs on two xdist workers a module at a time (--dist loadfile), and a long module started
 # last leaves the other worker idle at the end. Order only; every test still runs.
 LONGEST_FIRST = ("test_compress_cuda", "test_fuzz_checkpoint", "test_gpt_cuda_step", "test_gpu_check",
-                 "test_numguard", "test_launch", "test_emulated_cluster", "test_gpt_cuda_kernels", "test_recompute",
-                 "test_benchmarks", "test_checkpoint_jobs", "test_cuda_kernels", "test_cli", "test_scaling_benchmark",
-                 "test_cuda_compile", "test_compress_convergence", "test_compress_kernels_cuda",
+                 "test_numguard", "test_launch", "test_emulated_cluster", "test_softmax_xent", "test_recompute",
+                 "test_benchmarks", "test_checkpoint_jobs", "test_embedding", "test_layernorm", "test_cli",
+                 "test_scaling_benchmark", "test_cuda_compile", "test_compress_convergence", "test_quantize16",
                  "test_compress_gpt_convergence", "test_gpt_train", "test_checkpoint_state")
 
 

@@ -33,8 +33,10 @@ from numba.types import Array, boolean, float32, float64, int64
 CC = (9, 0)  # sm_90: H100 / H200
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=CC)
 
-from hpctrain.kernels import (adamw, bias_act_cuda, ef, finite, gather_scatter, lamb, linear, quantize16, scale, sgd,  # noqa: E402
-                              sign_pack, softmax_xent, sum_squares, topk_threshold, lowp)
+from hpctrain.kernels import (adamw, adamw_cuda, bias_act, ef_cuda, finite_cuda, gather_scatter_cuda, lamb,  # noqa: E402
+                              lamb_cuda, linear_cuda, lowp, lowp_cuda, quantize16, quantize16_cuda, scale_cuda, sgd,
+                              sgd_cuda, sign_pack, sign_pack_cuda, softmax_xent_cuda, sum_squares_cuda,
+                              topk_threshold_cuda)
 from numba.types import int32, uint8, uint16, uint32  # noqa: E402
 
 import ptx_attention  # noqa: E402 - beside this file: the GPT's attention kernels
@@ -49,36 +51,36 @@ def kernels():
     """(name, kernel, argument types, must the PTX be free of local memory)."""
     for dt in (float32, float64):
         m, v = arr(dt, 2), arr(dt, 1)
-        for tile in linear.TILES:
+        for tile in linear_cuda.TILES:
             for ta in (False, True):
                 for tb in (False, True):
                     # the per-thread accumulators must live in registers, not local memory
-                    yield f"gemm {tile} TA={ta:d} TB={tb:d} {dt}", linear._gemm_kernel(ta, tb, dt.name, tile), \
+                    yield f"gemm {tile} TA={ta:d} TB={tb:d} {dt}", linear_cuda.gemm_kernel(ta, tb, dt.name, tile), \
                         (m, m, m, boolean), True
         for act in ("identity", "relu", "gelu"):
-            fwd, bwd = bias_act_cuda.cuda_kernels(act, dt.name)
+            fwd, bwd = bias_act.cuda_kernels(act, dt.name)
             yield f"bias_act forward {act} {dt}", fwd, (m, v, m), False
             yield f"bias_act backward {act} {dt}", bwd, (m, m, m, arr(float64, 2), arr(int32, 1), v, boolean), False
         f64 = arr(float64, 1)
-        yield f"softmax_xent rows {dt}", softmax_xent.rows_kernel(dt.name, False), \
+        yield f"softmax_xent rows {dt}", softmax_xent_cuda.rows_kernel(dt.name, False), \
             (m, arr(int64, 1), dt, m, f64, f64), False
-        yield f"softmax_xent backward {dt}", softmax_xent._softmax_xent_backward_kernel, \
+        yield f"softmax_xent backward {dt}", softmax_xent_cuda.softmax_xent_backward_kernel, \
             (m, arr(int64, 1), dt, m), False
-        yield f"softmax_xent fused {dt}", softmax_xent.rows_kernel(dt.name, True), \
+        yield f"softmax_xent fused {dt}", softmax_xent_cuda.rows_kernel(dt.name, True), \
             (m, arr(int64, 1), dt, m, f64, f64), False
-        yield f"sgd {dt}", sgd._sgd_update_kernel, (v,) * 4 + (boolean,), False
-        yield f"adamw {dt}", adamw._adamw_update_kernel, (v,) * 5 + (boolean,), False
-        yield f"lamb direction {dt}", lamb._lamb_direction_kernel, (v,) * 6, False
-        yield f"scale {dt}", scale._scale_kernel, (v, dt), False
-        yield f"all_finite {dt}", finite._nonfinite_kernel, (v, arr(int32, 1)), False
-        yield f"sum_squares {dt}", sum_squares._sum_squares_kernel, (v, arr(float64, 1)), False
-    yield "softmax_xent row sums", softmax_xent._sum_rows_kernel, (arr(float64, 1),) * 3 + (boolean,), False
+        yield f"sgd {dt}", sgd_cuda.sgd_update_kernel(sgd._update), (v,) * 4 + (boolean,), False
+        yield f"adamw {dt}", adamw_cuda.adamw_update_kernel(adamw._update), (v,) * 5 + (boolean,), False
+        yield f"lamb direction {dt}", lamb_cuda.lamb_direction_kernel(lamb._direction), (v,) * 6, False
+        yield f"scale {dt}", scale_cuda.scale_kernel, (v, dt), False
+        yield f"all_finite {dt}", finite_cuda.nonfinite_kernel, (v, arr(int32, 1)), False
+        yield f"sum_squares {dt}", sum_squares_cuda.sum_squares_kernel, (v, arr(float64, 1)), False
+    yield "softmax_xent row sums", softmax_xent_cuda.sum_rows_kernel, (arr(float64, 1),) * 3 + (boolean,), False
     # train.precision's conversions, on the bits (uint32 <-> uint16)
     u32, u16 = arr(uint32, 1), arr(uint16, 1)
-    yield "narrow bf16", lowp._narrow_bf16_kernel, (u32, u16), False
-    yield "widen bf16", lowp._widen_bf16_kernel, (u16, u32), False
-    yield "narrow fp16", lowp._narrow_fp16_kernel, (u32, u16), False
-    yield "widen fp16", lowp._widen_fp16_kernel, (u16, u32), False
+    yield "narrow bf16", lowp_cuda.conversion_kernel(lowp._f32_to_bf16), (u32, u16), False
+    yield "widen bf16", lowp_cuda.conversion_kernel(lowp._bf16_to_f32), (u16, u32), False
+    yield "narrow fp16", lowp_cuda.conversion_kernel(lowp._f32_to_fp16), (u32, u16), False
+    yield "widen fp16", lowp_cuda.conversion_kernel(lowp._fp16_to_f32), (u16, u32), False
     yield from compression_kernels()
     yield from ptx_attention.kernels()
     yield from ptx_gpt_ops.kernels()
@@ -90,23 +92,23 @@ def compression_kernels():
     f32 = arr(float32, 1)
     for dt in (float32, float64):
         bucket = arr(dt, 1)
-        yield f"quantize16 encode_ef {dt}", quantize16._encode_ef_kernel, (bucket, f32, arr(uint16, 1), int64), False
-        yield f"quantize16 decode -> {dt}", quantize16._decode_kernel, (arr(uint16, 1), bucket, int64), False
-        yield f"ef_correct {dt}", ef._ef_correct_kernel, (bucket, f32), False
-        yield f"cast_copy float32 -> {dt}", ef._cast_copy_kernel, (f32, bucket), False
+        yield f"quantize16 encode_ef {dt}", quantize16_cuda.quantize16_kernels(quantize16._element_functions)[0], (bucket, f32, arr(uint16, 1), int64), False
+        yield f"quantize16 decode -> {dt}", quantize16_cuda.quantize16_kernels(quantize16._element_functions)[1], (arr(uint16, 1), bucket, int64), False
+        yield f"ef_correct {dt}", ef_cuda.ef_correct_kernel, (bucket, f32), False
+        yield f"cast_copy float32 -> {dt}", ef_cuda.cast_copy_kernel, (f32, bucket), False
         if dt is float64:
-            yield "cast_copy float64 -> float32", ef._cast_copy_kernel, (bucket, f32), False
-        yield f"fill {dt}", ef._fill_kernel, (bucket, dt), False
-        yield f"sparse_scatter -> {dt}", gather_scatter._sparse_scatter_kernel, (bucket, arr(int32, 1), f32, boolean), \
+            yield "cast_copy float64 -> float32", ef_cuda.cast_copy_kernel, (bucket, f32), False
+        yield f"fill {dt}", ef_cuda.fill_kernel, (bucket, dt), False
+        yield f"sparse_scatter -> {dt}", gather_scatter_cuda.sparse_scatter_kernel, (bucket, arr(int32, 1), f32, boolean), \
             False
-        yield f"sign chunk_scales_ef {dt}", sign_pack._chunk_scales_ef_kernel, (bucket, f32, int64, f32), False
-        yield f"sign unpack_sum -> {dt}", sign_pack._unpack_sum_kernel, \
+        yield f"sign chunk_scales_ef {dt}", sign_pack_cuda.chunk_scales_ef_kernel(sign_pack.SUM_THREADS), (bucket, f32, int64, f32), False
+        yield f"sign unpack_sum -> {dt}", sign_pack_cuda.unpack_sum_kernel, \
             (arr(uint8, 2), arr(float32, 2), int64, bucket), False
-    yield "lowrank_residual", ef._lowrank_residual_kernel, (f32, f32, float32), False
-    yield "sparse_take", gather_scatter._sparse_take_kernel, (f32, arr(int32, 1), f32), False
-    yield "sign pack_ef", sign_pack._pack_ef_kernel, (f32, f32, int64, arr(uint8, 1)), False
-    yield "topk sample_abs", topk_threshold._sample_abs_kernel, (f32, int64, f32), False
-    yield "topk threshold_compact", topk_threshold._threshold_compact_kernel, \
+    yield "lowrank_residual", ef_cuda.lowrank_residual_kernel, (f32, f32, float32), False
+    yield "sparse_take", gather_scatter_cuda.sparse_take_kernel, (f32, arr(int32, 1), f32), False
+    yield "sign pack_ef", sign_pack_cuda.pack_ef_kernel, (f32, f32, int64, arr(uint8, 1)), False
+    yield "topk sample_abs", topk_threshold_cuda.sample_abs_kernel, (f32, int64, f32), False
+    yield "topk threshold_compact", topk_threshold_cuda.threshold_compact_kernel, \
         (f32, float32, arr(int32, 1), f32, arr(int32, 1)), False
 
 

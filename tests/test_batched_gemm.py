@@ -1,4 +1,4 @@
-"""Strided-batched GEMMs (hpctrain/kernels/batched_gemm.py) without a GPU.
+"""Strided-batched GEMMs (hpctrain/kernels/support/batched_gemm.py) without a GPU.
 
 The row-major description is held to NumPy products of explicitly sliced matrices, and its
 translation into cuBLAS's column-major arguments to an independent column-major reading
@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hpctrain.kernels.batched_gemm import OP_T, GemmBatch, HostBatchedGemm, _check_span, cublas_arguments, host_gemm
+from hpctrain.kernels.support.batched_gemm import OP_T, GemmBatch, HostBatchedGemm, _check_span, cublas_arguments, host_gemm
 
 
 def _case(trans_a, trans_b, seed=0):

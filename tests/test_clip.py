@@ -2,7 +2,8 @@
 
 Which elements each rank counts (every logical element once over the world), the coefficient
 (PyTorch's clip_grad_norm_), and one rank's clipping of a real gradient against NumPy. The
-N-rank, ZeRO and tensor-parallel runs against the 1-rank clipped run are tests/test_mpi_clip.py.
+N-rank, ZeRO and tensor-parallel runs against the 1-rank clipped run are tests/test_mpi_clip.py;
+the last test clips on the CUDA device (the simulator here).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import types
 import numpy as np
 import pytest
 
+from conftest import up
+from hpctrain.device import CudaDevice
 from hpctrain.errors import ConfigError
 from hpctrain.nn.flat import ParamSlot
 from hpctrain.training.clip import EPS, GradClip, clip_coefficient, counted_runs
+from kernel_checks import needs_cuda, rng_cuda
 
 SLOTS = [ParamSlot("w1", (4, 3), 0, 12), ParamSlot("ln", (3,), 12, 3), ParamSlot("w2", (3, 2), 15, 6),
          ParamSlot("b2", (2,), 21, 2)]
@@ -120,3 +124,18 @@ def test_config_refuses_clipping_the_velocities_of_momentum_correction():
     cfg.optim.clip_grad_norm = 1.0
     with pytest.raises(ConfigError, match="clip_grad_norm=1.0 with dist.compress_momentum"):
         cfg.validate()
+
+
+@needs_cuda
+def test_gradient_clipping_on_the_device_matches_numpy():
+    dev = CudaDevice("float32")
+    g = rng_cuda(11).standard_normal(600).astype(np.float32)
+    grad = up(dev, g)
+    one = types.SimpleNamespace(rank=0, size=1, comm=types.SimpleNamespace(allgather=lambda value: [value]))
+    plan = types.SimpleNamespace(device=dev, world=one, shards=None, dp=one, grid=types.SimpleNamespace(tensor_rank=0, stage=0))
+    model = types.SimpleNamespace(flat=types.SimpleNamespace(slots=[ParamSlot("w", (600,), 0, 600)]))
+    clip = GradClip(plan, model, lambda lo, hi: grad[lo:hi], [(0, 250), (250, 600)], 2.0)
+    norm = clip.apply()
+    want = float(np.linalg.norm(g.astype(np.float64)))
+    assert math.isclose(norm, want, rel_tol=1e-12) and clip.coefficient < 1.0
+    np.testing.assert_array_equal(dev.to_host(grad), g * np.float32(2.0 / (want + EPS)))

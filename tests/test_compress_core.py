@@ -7,8 +7,6 @@ import pytest
 from hpctrain.compress import (Bf16, Context, ErrorFeedback, Fp16, PowerSGD, RandK, Sign, TopK,
                                make_compressor, payload_bytes)
 from hpctrain.compress.sparse import INDEX_BLOCK, k_of, pack_indices, payload_indices, unpack_indices
-from hpctrain.kernels.topk_threshold import topk_host, topk_select
-from topk_cases import TOPK_CASES, adversarial, expected_road
 
 CTX = Context(step=3, bucket=1, seed=7)
 
@@ -179,33 +177,6 @@ def test_error_feedback_in_place_is_bitwise_the_dense_formula(make):
         c.add_sent(payload, total, ctx)             # the gathered sum's decode, sparse for topk
         ref_total += ref_c.decompress(ref, g.size, ctx)
         assert same_bits(total, ref_total), step
-
-
-def _same_road(name, n, k, found):
-    fallback, passes = expected_road(name, n, k)
-    return found.fallback == fallback and (passes is None or found.passes == passes)
-
-
-@pytest.mark.parametrize("name, n, ratio", TOPK_CASES)
-def test_topk_host_selects_exactly_the_reference_set_by_the_same_roads(name, n, ratio):
-    """topk_host (threshold search, the compaction's numba twin) against topk_select (numpy.partition)."""
-    x = adversarial(name, n)
-    k = k_of(ratio, n)
-    found = topk_host(x, k)
-    ref = topk_select(x, k)
-    np.testing.assert_array_equal(found.indices, ref)
-    assert same_bits(found.values, x[ref])
-    assert _same_road(name, n, k, found), found
-
-
-def test_topk_host_takes_any_float_vector_and_any_k():
-    x64 = adversarial("nan_inf", 9000).astype(np.float64)
-    strided = adversarial("normal", 18000)[::2]                # not contiguous
-    for x in (x64, strided):
-        for k in (0, 1, 90, x.size - 1, x.size, x.size + 3):
-            found, ref = topk_host(x, k), topk_select(x, k)
-            np.testing.assert_array_equal(found.indices, ref)
-            assert same_bits(found.values, x.astype(np.float32)[ref]), k
 
 
 def test_powersgd_with_full_rank_reproduces_the_matrix():

@@ -207,7 +207,7 @@ def _config(train_path, spec):
     cfg.dist.compress, cfg.dist.bucket_mb = spec, 0        # one bucket: every launch costs ~0.1 s here
     # overlap on (the default): the communication thread launches the compression kernels
     # while backward may launch its own; CudaDevice serialises simulator launches
-    # (kernels/cuda_support.py), a GPU queues both on the device's one stream
+    # (kernels/support/cuda_support.py), a GPU queues both on the device's one stream
     return cfg.validate()
 
 

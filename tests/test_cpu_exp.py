@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import njit
 
-from hpctrain.kernels.cpu_exp import fast_exp
+from hpctrain.kernels.support.cpu_exp import fast_exp
 
 
 @njit(cache=False)

@@ -1,4 +1,4 @@
-"""CPU ops split over threads (hpctrain/kernels/cpu_threads.py): the same bits at 1, 2 and 3 threads.
+"""CPU ops split over threads (hpctrain/kernels/support/cpu_threads.py): the same bits at 1, 2 and 3 threads.
 
 Every op the GPT and the MLP run on the CPU is computed with its rows split over 1, 2 and 3
 threads (the split forced even for these small arrays: MIN_SPLIT_NS = 0) and must give the same
@@ -14,7 +14,8 @@ import math
 import numpy as np
 import pytest
 
-from hpctrain.kernels import adamw, attention, bias_act, cpu_threads, layernorm, residual, sgd, softmax_xent
+from hpctrain.kernels import adamw, attention, bias_act, layernorm, residual, sgd, softmax_xent
+from hpctrain.kernels.support import cpu_threads
 
 THREADS = (1, 2, 3)
 
@@ -81,6 +82,25 @@ def test_chunk_ranges_cover_every_chunk_once_in_one_call_per_thread():
     seen = []
     chunks = cpu_threads.for_chunks(lambda c0, c1: seen.append((c0, c1)), 5 * cpu_threads.CHUNK_ROWS + 1, 10 ** 9)
     assert chunks == 6 and sorted(seen) == [(0, 2), (2, 4), (4, 6)]
+
+
+
+def test_the_thread_count_is_read_from_the_environment_once_until_reset(monkeypatch):
+    """An op does not read the environment: the count is resolved at the first op (OMP_NUM_THREADS,
+    which the entry point's limit_threads_per_rank sets first) and kept; set_threads(None) resets it,
+    and the next op resolves it anew."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    cpu_threads.set_threads(None)
+    assert cpu_threads.threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_threads.threads() == 3              # resolved once: a later change is not read per op
+    cpu_threads.set_threads(5)
+    assert cpu_threads.threads() == 5              # set_threads wins
+    cpu_threads.set_threads(None)
+    assert cpu_threads.threads() == 2              # reset: resolved anew from the environment
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cpu_threads.set_threads(None)
+    assert cpu_threads.threads() == len(cpu_threads.cpus())   # without it, the cores this process may use
 
 
 @pytest.mark.parametrize("act", ["identity", "relu", "gelu"])

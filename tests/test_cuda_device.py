@@ -4,6 +4,8 @@ step on it against the same step on the CPU (numba's simulator without a GPU).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -168,12 +170,12 @@ def test_fenced_staging_in_a_thread_reads_the_fenced_writes_and_the_stream_sees_
 
 
 def test_a_launch_geometry_is_configured_once_per_thread(monkeypatch):
-    """kernels/cuda_support.configured: numba's kernel[grid, block, stream] is made once per thread,
+    """kernels/support/cuda_support.configured: numba's kernel[grid, block, stream] is made once per thread,
     kernel, geometry and stream, then reused (a stand-in kernel counts the configurations; the
     simulator's own configure rewrites the kernel, so there it is made every time)."""
     import threading
 
-    from hpctrain.kernels import cuda_support
+    from hpctrain.kernels.support import cuda_support
 
     made = []
 
@@ -299,3 +301,30 @@ def test_both_devices_offer_the_same_ops_and_op_times_files_each_compute_op_in_a
     cpu, cuda = set(vars(CpuDevice("float64").ops)), set(vars(CudaDevice("float64").ops))
     assert cpu == cuda, (cpu ^ cuda)
     assert {op for op in cpu if family_of(op) is None} == UNTIMED
+
+
+def test_a_cuda_device_patches_nothing_and_imports_no_test_tool():
+    """The simulator's fixes for concurrent launches are an opt-in test tool (hpctrain.testing):
+    a CudaDevice made on the simulator, and a step of kernels on it, leave numba's simulator as it
+    is, and nothing of hpctrain's imports the tool."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import sys\n"
+            "import numpy as np\n"
+            "import hpctrain.__main__, hpctrain.training.trainer\n"
+            "from hpctrain.device import CudaDevice\n"
+            "dev = CudaDevice('float32')\n"
+            "x = dev.from_host(np.ones(300, np.float32))\n"
+            "dev.ops.scale(x, 2.0)\n"
+            "assert dev.to_host(x).sum() == 600\n"
+            "from numba.cuda.simulator import kernel\n"
+            "assert not hasattr(kernel.FakeCUDAKernel, '_hpctrain_serialized'), 'the simulator was patched'\n"
+            "assert not hasattr(kernel.BlockManager, '_hpctrain_barrier'), 'the simulator was patched'\n"
+            "assert 'hpctrain.testing' not in sys.modules, 'production code imported hpctrain.testing'\n")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

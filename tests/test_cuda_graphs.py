@@ -35,7 +35,7 @@ class SimulatedGraphs:
         from numba.cuda.simulator import api, kernel as sim
         from numba.cuda.simulator.cudadrv import devicearray
 
-        from hpctrain.kernels import batched_gemm
+        from hpctrain.kernels.support import batched_gemm
 
         self.recording, self.captures, self.replays = None, 0, 0
         launch, gemm = sim.FakeCUDAKernel.__call__, batched_gemm.HostBatchedGemm.__call__

@@ -51,7 +51,7 @@ def _step(dev, tokens, targets):
 def _gemms():
     """numba's GEMM everywhere; cuBLAS too where CuPy runs (a real GPU)."""
     from hpctrain.device import simulated
-    from hpctrain.kernels.cublas import cupy_status
+    from hpctrain.kernels.support.cublas import cupy_status
 
     real = not simulated() and cupy_status()[0]
     return [pytest.param("numba"),
@@ -105,7 +105,7 @@ def test_launches_are_counted_the_same_for_the_same_work(monkeypatch):
     every time, and a deeper model more. (On the simulator the kernels are launched but not run:
     what is counted is the host's calls, and running them took 30 s.)"""
     from hpctrain.device import simulated
-    from hpctrain.kernels import cuda_support
+    from hpctrain.kernels.support import cuda_support
 
     if simulated():
         from numba.cuda.simulator import kernel as sim

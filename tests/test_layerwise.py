@@ -1,8 +1,7 @@
 """LAMB and LARS (hpctrain/optim/layerwise.py) against NumPy references written from the papers' update
 rules (You et al. 2017, Algorithm 1; You et al. 2019, Algorithm 2 with Adam's bias corrections),
-on one rank in float64, and LAMB's direction kernel on its own (CPU twin against NumPy; the CUDA
-kernel, on the simulator, against the twin). The sharded and split runs are
-tests/test_mpi_layerwise.py."""
+on one rank in float64 (LAMB's direction kernel on its own is tests/test_lamb.py's). The sharded
+and split runs are tests/test_mpi_layerwise.py."""
 
 from __future__ import annotations
 
@@ -91,39 +90,6 @@ def test_lambs_direction_array_is_counted_in_the_optimizer_memory():
         cfg, flat, opt, _ = _setup(name)
         got = memory.computed(SimpleNamespace(flat=flat), opt, CpuDevice("float64"), 1)
         assert got["optimizer"] == arrays * flat.size * 8, name
-
-
-def test_lamb_direction_kernel_against_numpy():
-    from hpctrain.kernels import lamb
-
-    rng = np.random.default_rng(7)
-    p, g, m, v = rng.standard_normal(101), rng.standard_normal(101), rng.standard_normal(101), rng.random(101)
-    m0, v0 = m.copy(), v.copy()
-    out = np.empty(101)
-    lamb.lamb_direction(p, g, m, v, lamb.hyperparameters(np.float64, 3, 0.9, 0.99, 1e-8, 0.1), out)
-    mm, vv = 0.9 * m0 + 0.1 * g, 0.99 * v0 + 0.01 * g * g
-    want = (mm / (1 - 0.9 ** 3)) / (np.sqrt(vv / (1 - 0.99 ** 3)) + 1e-8) + 0.1 * p
-    np.testing.assert_allclose(out, want, rtol=1e-13)
-    np.testing.assert_array_equal(m, m0)   # the moments are only read
-    np.testing.assert_array_equal(v, v0)
-
-
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_lamb_direction_cuda_equals_the_cpu_twin(dtype):
-    from hpctrain.device import CudaDevice, cuda_status
-    from hpctrain.kernels import lamb
-
-    if cuda_status()[0] == 0:
-        pytest.skip("numba.cuda unusable")
-    dev = CudaDevice(dtype)
-    rng = np.random.default_rng(8)
-    host = [rng.standard_normal(300).astype(dtype) for _ in range(3)] + [rng.random(300).astype(dtype)]
-    hyper = lamb.hyperparameters(np.dtype(dtype), 2, 0.9, 0.999, 1e-8, 0.01)
-    want = lamb.lamb_direction(*host, hyper, np.empty(300, dtype))
-    arrays = [dev.from_host(a, a.dtype) for a in host]
-    out = dev.zeros(300)
-    dev.ops.lamb_direction(*arrays, dev.from_host(hyper, hyper.dtype), out)
-    np.testing.assert_allclose(dev.to_host(out), want, rtol=1e-12 if dtype == "float64" else 2e-6)
 
 
 def test_lamb_and_lars_are_refused_where_they_cannot_run():

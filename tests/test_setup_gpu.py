@@ -158,7 +158,7 @@ def test_the_requirement_is_setup_cfg_gpu_extra(path):
     gpu = [line for line in cfg["options.extras_require"]["gpu"].splitlines() if line.strip()]
     assert gpu == ["cupy-cuda12x[ctk]>=14"]  # [ctk], cuBLAS from pip, came with CuPy 14
     assert f"(pip install '{gpu[0]}')" in choose(path_var)[1]
-    from hpctrain.kernels.cublas import CUPY_FIX
+    from hpctrain.kernels.support.cublas import CUPY_FIX
 
     assert f"pip install '{gpu[0]}'" in CUPY_FIX  # the fix every message names installs the same
 
@@ -216,7 +216,7 @@ def test_cuda_device_carries_the_note(monkeypatch):
     """The device made for train.gemm = auto on a GPU without CuPy (CuPy's check answers so) holds
     the note the trainer logs; on the simulator, with gemm = numba, and on the cpu it holds none."""
     from hpctrain import device as device_mod
-    from hpctrain.kernels import cublas
+    from hpctrain.kernels.support import cublas
 
     if device_mod.cuda_status()[0] == 0:
         pytest.skip("numba.cuda unusable")
@@ -238,7 +238,7 @@ def _fake_cupy(version="14.2.0", built=12090, driver=13000):
 
 
 def test_cupy_found_names_why_not_without_a_context(monkeypatch):
-    from hpctrain.kernels.cublas import cupy_found
+    from hpctrain.kernels.support.cublas import cupy_found
 
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ModuleNotFoundError
     assert cupy_found() == ("", "CuPy is not installed")
@@ -256,7 +256,7 @@ def test_cupy_found_names_why_not_without_a_context(monkeypatch):
 ])
 def test_info_names_each_ranks_gemm(monkeypatch, gpus, sim, cupy, gemm):
     from hpctrain import device as device_mod
-    from hpctrain.kernels import cublas
+    from hpctrain.kernels.support import cublas
     from hpctrain.observe import info
 
     monkeypatch.setattr(device_mod, "cuda_status", lambda: (gpus, "" if gpus else "no driver"))
@@ -273,7 +273,7 @@ def test_info_prints_the_gemm_column_and_the_fix_once(monkeypatch, capsys):
     from mpi4py import MPI
 
     from hpctrain import device as device_mod
-    from hpctrain.kernels import cublas
+    from hpctrain.kernels.support import cublas
     from hpctrain.observe import info
     from hpctrain.runtime import init_world
 

@@ -65,7 +65,7 @@ def staging_mode(device, setting: str = "auto") -> str:
         return "device"
     if setting == "off":
         return "pinned"
-    from ..kernels.cuda_support import simulated
+    from ..kernels.support.cuda_support import simulated
 
     if simulated():
         # simulator arrays only pretend to be device memory; use the real path

@@ -1,6 +1,6 @@
 """The CUDA device (numba device arrays on one GPU, one stream), and what a GPU run chooses at
 start-up: its GEMMs (``train.gemm``: numba's kernels or cuBLAS through CuPy) and its attention
-(``model.attention``: the flash kernels or batched GEMMs, :mod:`hpctrain.kernels.attention_gemm`)."""
+(``model.attention``: the flash kernels or batched GEMMs, :mod:`hpctrain.kernels.attention`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..kernels import attention_cuda, cuda_support
-from .ops import GEMM_OPS, OPS, cuda_ops
+from ..kernels import attention
+from ..kernels.support import cuda_support
+from .ops import CUBLAS_GEMMS, GEMM_OPS, OPS, cuda_ops
 from .transfers import PinnedUpload, StreamFence
 
 
@@ -20,7 +21,8 @@ class CudaDevice:
     """numba device arrays on one GPU; every kernel and copy is queued on one stream.
 
     Creating it selects the GPU (and so creates its CUDA context); nothing
-    happens at import time.
+    happens at import time. Under numba's CUDA simulator it runs as it is: the simulator's fixes
+    for concurrent launches are a test tool (hpctrain.testing.simulator), applied by the tests.
     """
 
     name = "cuda"
@@ -28,9 +30,6 @@ class CudaDevice:
     def __init__(self, dtype="float32", gpu: int = 0, gemm: str = "numba", attention: str = "flash"):
         from numba import cuda
 
-        from ..kernels.cuda_support import make_simulator_thread_safe
-
-        make_simulator_thread_safe()  # simulator: one launch at a time, shared arrays shared; a GPU is untouched
         self._cuda = cuda
         self.dtype = np.dtype(dtype)
         self.accum_dtype = self.dtype   # what ops save in full precision (hpctrain.precision)
@@ -49,11 +48,11 @@ class CudaDevice:
     def _install_gemms(self):
         """The GEMM ops of ``self.gemm``: cuBLAS through CuPy, or the numba kernels."""
         if self.gemm == "cublas":
-            from ..kernels.cublas import CublasLinear
+            from ..kernels.support.cublas import CublasGemm
 
-            fast = CublasLinear(self.stream, self.gpu)
-            for op in GEMM_OPS:
-                setattr(self.ops, op, getattr(fast, op))
+            cublas = CublasGemm(self.stream, self.gpu)
+            for op, launcher in CUBLAS_GEMMS.items():
+                setattr(self.ops, op, functools.partial(launcher, cublas=cublas))
         else:
             for op in GEMM_OPS:
                 setattr(self.ops, op, functools.partial(OPS[op].cuda, stream=self.stream))
@@ -63,7 +62,8 @@ class CudaDevice:
         """The attention ops of ``self.attention`` (model.attention): flash kernels, batched GEMMs
         (cuBLAS; NumPy on the simulator), or per shape. The GEMM path needs cuBLAS on a GPU."""
         from ..errors import ConfigError
-        from ..kernels import attention_gemm, batched_gemm
+        from ..kernels.attention import gemm as attention_gemm
+        from ..kernels.support import batched_gemm
 
         self.attention_note = None
         if self.gemm == "cublas":
@@ -86,11 +86,11 @@ class CudaDevice:
                               "model.attention='flash'")
         else:
             gemms = None
-        chosen = attention_gemm.ChosenAttention(self.attention, self.stream, self.scratch,
-                                                None if self.attention == "flash" else gemms)
+        chosen = attention.ChosenAttention(self.attention, self.stream, self.scratch,
+                                           None if self.attention == "flash" else gemms)
         self.ops.attention_forward, self.ops.attention_backward = chosen.forward, chosen.backward
         # the flash kernels' head-size limit binds only where they are the only path
-        self.ops.attention_max_head_size = attention_cuda.HS_SIZES[-1] if chosen.gemm is None else None
+        self.ops.attention_max_head_size = attention.HS_SIZES[-1] if chosen.gemm is None else None
 
     def with_gemm(self, choice: str) -> "CudaDevice":
         """This device (same GPU, stream, scratch and uploads) with ``train.gemm = choice``'s
@@ -171,7 +171,7 @@ class CudaDevice:
         real GPU."""
         if simulated():
             return False, "numba's CUDA simulator has no graphs"
-        from ..kernels.cublas import cupy_found
+        from ..kernels.support.cublas import cupy_found
 
         version, why = cupy_found()
         return (True, "") if version else (False, why)
@@ -224,7 +224,7 @@ def gemm_backend(choice: str, gpu: int = 0) -> tuple[str, str]:
         return "numba", "train.gemm = numba"
     if choice == "auto" and simulated():
         return "numba", "the numba CUDA simulator is active"
-    from ..kernels.cublas import CUPY_FIX, cupy_status
+    from ..kernels.support.cublas import CUPY_FIX, cupy_status
 
     ok, why = (False, "the numba CUDA simulator is active") if simulated() else cupy_status(gpu)
     if ok:
@@ -242,14 +242,14 @@ def gemm_fallback_warning(choice: str, cupy_ok: bool, on_simulator: bool, why: s
     chose numba, when cuBLAS runs, and on the simulator (where CuPy can never run)."""
     if choice != "auto" or cupy_ok or on_simulator:
         return None
-    from ..kernels.cublas import CUPY_FIX
+    from ..kernels.support.cublas import CUPY_FIX
 
     return (f"train.gemm = auto: GPU {gpu} uses the numba GEMM kernels (0.21-0.34x cuBLAS's speed) because "
             f"{why or 'CuPy is unusable'}. To fix: {CUPY_FIX}. train.gemm = numba silences this.")
 
 
 def simulated() -> bool:
-    from ..kernels.cuda_support import simulated as sim
+    from ..kernels.support.cuda_support import simulated as sim
 
     return sim()
 

@@ -2,9 +2,11 @@
 
 Layers call ``device.ops.<op>`` and never ask which device they are on. :func:`cpu_ops` and
 :func:`cuda_ops` make the two devices' tables from :data:`OPS`, so both always offer the same ops
-with the same signatures. The GEMM and attention ops' CUDA launchers are chosen at run time
-(``train.gemm``, ``model.attention``: :class:`~hpctrain.device.cuda.CudaDevice` installs them);
-their rows name the numba launchers that stand when nothing else is chosen.
+with the same signatures. An op's twin is ``kernels/<op>.py``'s ``<name>``, its launcher the same
+module's ``<name>_cuda`` (hpctrain/kernels/__init__.py). The GEMM and attention ops' CUDA
+launchers are chosen at run time (``train.gemm``: :data:`CUBLAS_GEMMS`; ``model.attention``:
+:class:`~hpctrain.kernels.attention.ChosenAttention`; :class:`~hpctrain.device.cuda.CudaDevice`
+installs them); their rows name the numba launchers that stand when nothing else is chosen.
 
 ``writes`` says which arguments an op writes (by parameter name; "a|b": the CPU twin's name, then
 the CUDA launcher's; "x?flag": x is also read when argument ``flag`` is true, as an accumulation):
@@ -20,8 +22,8 @@ import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from ..kernels import (adamw, attention, attention_cuda, bias_act, bias_act_cuda, ef, embedding, finite, lamb,
-                       layernorm, layernorm_cuda, linear, lowp, residual, scale, sgd, softmax_xent, sum_squares)
+from ..kernels import (adamw, attention, bias_act, ef, embedding, finite, lamb, layernorm, linear, lowp, residual,
+                       scale, sgd, softmax_xent, sum_squares)
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,8 @@ OPS = {
     "linear_backward": Op(linear.linear_backward, linear.linear_backward_cuda, ("dx",)),
     "tied_head_forward": Op(linear.tied_head_forward, linear.tied_head_forward_cuda, ("logits",)),
     "tied_head_backward": Op(linear.tied_head_backward, linear.tied_head_backward_cuda, ("dx",)),
-    "bias_act_forward": Op(bias_act.bias_act_forward, bias_act_cuda.bias_act_forward_cuda, ("out",)),
-    "bias_act_backward": Op(bias_act.bias_act_backward, bias_act_cuda.bias_act_backward_cuda, ("dz",), True),
+    "bias_act_forward": Op(bias_act.bias_act_forward, bias_act.bias_act_forward_cuda, ("out",)),
+    "bias_act_backward": Op(bias_act.bias_act_backward, bias_act.bias_act_backward_cuda, ("dz",), True),
     "softmax_xent_forward": Op(softmax_xent.softmax_xent_forward, softmax_xent.softmax_xent_forward_cuda,
                                ("probs",), True),
     "softmax_xent_backward": Op(softmax_xent.softmax_xent_backward, softmax_xent.softmax_xent_backward_cuda,
@@ -65,14 +67,14 @@ OPS = {
     # the GPT's ops (CUDA attention: the flash kernels or batched GEMMs, under model.attention)
     "embedding_forward": Op(embedding.embedding_forward, embedding.embedding_forward_cuda, ("out",)),
     "embedding_backward": Op(embedding.embedding_backward, embedding.embedding_backward_cuda, (), True),
-    "layernorm_forward": Op(layernorm.layernorm_forward, layernorm_cuda.layernorm_forward_cuda,
+    "layernorm_forward": Op(layernorm.layernorm_forward, layernorm.layernorm_forward_cuda,
                             ("out", "mean", "rstd")),
     "residual_layernorm_forward": Op(layernorm.residual_layernorm_forward,
-                                     layernorm_cuda.residual_layernorm_forward_cuda, ("x", "out", "mean", "rstd")),
-    "layernorm_backward": Op(layernorm.layernorm_backward, layernorm_cuda.layernorm_backward_cuda,
+                                     layernorm.residual_layernorm_forward_cuda, ("x", "out", "mean", "rstd")),
+    "layernorm_backward": Op(layernorm.layernorm_backward, layernorm.layernorm_backward_cuda,
                              ("dx?add_dx",), True),
-    "attention_forward": Op(attention.attention_forward, attention_cuda.attention_forward_cuda, ("out", "probs|lse")),
-    "attention_backward": Op(attention.attention_backward, attention_cuda.attention_backward_cuda,
+    "attention_forward": Op(attention.attention_forward, attention.attention_forward_cuda, ("out", "probs|lse")),
+    "attention_backward": Op(attention.attention_backward, attention.attention_backward_cuda,
                              ("dqkv", "work")),
     "residual_forward": Op(residual.residual_forward, residual.residual_forward_cuda, ("out",)),
     "residual_backward": Op(residual.residual_backward, residual.residual_backward_cuda,
@@ -80,6 +82,8 @@ OPS = {
 }
 
 GEMM_OPS = ("linear_forward", "linear_backward", "tied_head_forward", "tied_head_backward")
+# their cuBLAS launchers (train.gemm = cublas), which the CUDA device installs in place of the numba ones
+CUBLAS_GEMMS = {name: getattr(linear, f"{name}_cuda_cublas") for name in GEMM_OPS}
 # what a table also says of its device's attention (not ops: no rounding applies to them)
 FACTS = ("attention_state_shapes", "attention_saved_kind", "attention_max_head_size")
 
@@ -102,7 +106,7 @@ def cuda_ops(stream, scratch) -> SimpleNamespace:
 
     return SimpleNamespace(
         **{name: bound(op) for name, op in OPS.items()},
-        attention_state_shapes=attention_cuda.attention_state_shapes,
+        attention_state_shapes=attention.attention_state_shapes_cuda,
         attention_saved_kind="lse",   # one log-sum-exp per row: kept in float32 under a 16-bit compute dtype
-        attention_max_head_size=attention_cuda.HS_SIZES[-1],
+        attention_max_head_size=attention.HS_SIZES[-1],
     )

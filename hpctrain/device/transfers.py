@@ -20,7 +20,7 @@ import threading
 
 def _untimed_event(cuda):
     """A CUDA event without timing (cheaper to record and wait on); the simulator's takes no arguments."""
-    from ..kernels.cuda_support import simulated
+    from ..kernels.support.cuda_support import simulated
 
     return cuda.event() if simulated() else cuda.event(timing=False)
 

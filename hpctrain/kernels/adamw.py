@@ -22,10 +22,11 @@ launches are the same every step and a CUDA graph can replay them (training/cuda
 import math
 
 import numpy as np
-from numba import cuda, njit
+from numba import njit
 
-from . import cpu_threads
-from .cuda_support import THREADS, blocks_for, configured
+from . import adamw_cuda as kernels  # the CUDA kernels launched here
+from .support import cpu_threads
+from .support.cuda_support import THREADS, blocks_for, configured
 
 
 def _update(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2,
@@ -42,8 +43,7 @@ def _update(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, e
     return p - step_size * first / (math.sqrt(v) * inv_sqrt_bc2 + eps), m, v
 
 
-_update_cpu = njit(_update)
-_update_gpu = cuda.jit(device=True)(_update)
+_update_cpu = njit(_update)   # the GPU's compile of it: adamw_cuda.adamw_update_kernel
 
 
 HYPER = 8  # the length of ``hyper``: decay, beta1, 1 - beta1, beta2, 1 - beta2, eps, step size, 1/sqrt(bc2)
@@ -87,20 +87,8 @@ def adamw_step(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 
                  hyperparameters(params.dtype, step, lr, beta1, beta2, eps, weight_decay, frozen_at), velocity)
 
 
-# ---- CUDA kernel -------------------------------------------------------------------
-@cuda.jit
-def _adamw_update_kernel(p, g, m, v, hyper, velocity):
-    decay, beta1, one_minus_beta1, beta2 = hyper[0], hyper[1], hyper[2], hyper[3]
-    one_minus_beta2, eps, step_size, inv_sqrt_bc2 = hyper[4], hyper[5], hyper[6], hyper[7]
-    i = cuda.grid(1)
-    while i < p.size:
-        p[i], m[i], v[i] = _update_gpu(p[i], g[i], m[i], v[i], decay, beta1, one_minus_beta1, beta2,
-                                       one_minus_beta2, eps, step_size, inv_sqrt_bc2, velocity)
-        i += cuda.gridsize(1)
-
-
 # ---- launcher ----------------------------------------------------------------------
 def adamw_update_cuda(params, grads, exp_avg, exp_avg_sq, hyper, velocity=False, *, stream=0):
     """:func:`adamw_update` on the GPU; ``hyper`` is a device array."""
-    launch = configured(_adamw_update_kernel, blocks_for(params.size), THREADS, stream)
+    launch = configured(kernels.adamw_update_kernel(_update), blocks_for(params.size), THREADS, stream)
     launch(params, grads, exp_avg, exp_avg_sq, hyper, bool(velocity))

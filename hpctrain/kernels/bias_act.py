@@ -37,8 +37,10 @@ from functools import lru_cache
 import numpy as np
 from numba import njit
 
-from . import cpu_threads
-from .cpu_exp import fast_exp
+from . import bias_act_cuda as kernels  # the CUDA kernels launched here
+from .support import cpu_threads
+from .support.cpu_exp import fast_exp
+from .support.cuda_support import configured, row_grid
 
 # ---- activations (plain Python, compiled for both targets) -------------------------
 _K = math.sqrt(2.0 / math.pi)
@@ -204,4 +206,46 @@ def bias_act_backward(dout, z, dz, db, act, accumulate=False):
     cpu_threads.for_chunks(chunks, z.shape[0], z.size, ns_per_element=_NS_BACKWARD[act])
     sums = cpu_threads.add_partials(partials)
     db[...] = db + sums if accumulate else sums
+    return dz
+
+
+# ---- launchers ---------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def cuda_kernels(act: str, dtype_name: str):
+    """(forward, backward) CUDA kernels of ``act`` for one float dtype."""
+    return kernels.bias_act_kernels(*activations(dtype_name)[act])
+
+
+def _check_act(act):
+    if act not in ("identity", "relu", "gelu"):
+        raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
+
+
+def bias_act_forward_cuda(z, b, out, act, *, stream=0):
+    B, O = z.shape
+    _check_act(act)
+    grid, threads = row_grid(B, O)
+    configured(cuda_kernels(act, z.dtype.name)[0], grid, threads, stream)(z, b, out)
+    return out
+
+
+def partial_shape(B, O):
+    """Shape of the float64 scratch ``bias_act_backward_cuda`` needs for dz (B, O)."""
+    return (max(1, -(-B // kernels.ROWS_PER_BLOCK)), O)
+
+
+def bias_act_backward_cuda(dout, z, dz, db, act, accumulate=False, *, stream=0, scratch):
+    """As :func:`bias_act_backward`; ``scratch(key, shape, dtype, zero=False)`` lends reusable device
+    arrays: the float64 partial sums, and one int32 ticket counter per column tile (zero on loan,
+    and left zero by the kernel)."""
+    B, O = z.shape
+    _check_act(act)
+    partial = scratch("bias_partial", partial_shape(B, O), np.float64)
+    if partial.shape[0] > 65535:  # gridDim.y limit
+        raise ValueError(f"bias_act_backward with B={B} rows exceeds {65535 * kernels.ROWS_PER_BLOCK}; "
+                         f"split the batch")
+    grid = (-(-O // kernels.COLS), partial.shape[0])
+    counters = scratch("bias_tickets", (grid[0],), np.int32, zero=True)
+    launch = configured(cuda_kernels(act, z.dtype.name)[1], grid, (kernels.COLS, kernels.LANES), stream)
+    launch(dout, z, dz, partial, counters, db, bool(accumulate))
     return dz

@@ -1,5 +1,5 @@
-"""Bias add + activation's CUDA kernels: the contract of bias_act.py's twin (its docstring),
-on one stream, compiling the same activation functions (``activations``) per dtype.
+"""The CUDA kernels of bias_act.py (its contract in its docstring), compiling the twin's activation
+functions (``bias_act.activations``) per dtype. Launched by bias_act.py.
 
 forward: threads across the columns, block rows over the rows (no index division per
 element), four rows loaded before any is stored (cuda_support.UNROLL). backward: a block
@@ -12,18 +12,22 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import numpy as np
 from numba import cuda, float64, int32
 
-from .bias_act import activations
-from .cuda_support import configured, last_block_of_column, row_grid, sum_column_partials
+from .support.cuda_support import last_block_of_column, sum_column_partials
 
 COLS = 32          # backward block: 32 columns (one warp, coalesced rows) ...
 LANES = 8          # ... x 8 row lanes
 ROWS_PER_BLOCK = 128  # rows one backward block sums; partial sums go to scratch
 
 
-def _make_cuda(act, grad):
+@lru_cache(maxsize=None)
+def bias_act_kernels(act_fn, grad_fn):
+    """(forward, backward) kernels of one activation: ``act_fn`` and its derivative ``grad_fn``, plain
+    functions of one dtype (bias_act.activations; passed in because bias_act.py imports this
+    module), compiled here for the GPU."""
+    act, grad = cuda.jit(device=True)(act_fn), cuda.jit(device=True)(grad_fn)
+
     @cuda.jit
     def forward(z, b, out):
         # threads across columns, block rows over rows (row_grid): no index division per
@@ -107,45 +111,3 @@ def _make_cuda(act, grad):
                 db[c] = db[c] + s if accumulate else s
 
     return forward, backward
-
-
-@lru_cache(maxsize=None)
-def cuda_kernels(act: str, dtype_name: str):
-    """(forward, backward) kernels of ``act`` for one float dtype."""
-    f, df = activations(dtype_name)[act]
-    return _make_cuda(cuda.jit(device=True)(f), cuda.jit(device=True)(df))
-
-
-# ---- launchers ---------------------------------------------------------------------
-def _check_act(act):
-    if act not in ("identity", "relu", "gelu"):
-        raise ValueError(f"activation {act!r}: choose identity, relu or gelu")
-
-
-def bias_act_forward_cuda(z, b, out, act, *, stream=0):
-    B, O = z.shape
-    _check_act(act)
-    grid, threads = row_grid(B, O)
-    configured(cuda_kernels(act, z.dtype.name)[0], grid, threads, stream)(z, b, out)
-    return out
-
-
-def partial_shape(B, O):
-    """Shape of the float64 scratch ``bias_act_backward_cuda`` needs for dz (B, O)."""
-    return (max(1, -(-B // ROWS_PER_BLOCK)), O)
-
-
-def bias_act_backward_cuda(dout, z, dz, db, act, accumulate=False, *, stream=0, scratch):
-    """As :func:`bias_act_backward`; ``scratch(key, shape, dtype, zero=False)`` lends reusable device
-    arrays: the float64 partial sums, and one int32 ticket counter per column tile (zero on loan,
-    and left zero by the kernel)."""
-    B, O = z.shape
-    _check_act(act)
-    partial = scratch("bias_partial", partial_shape(B, O), np.float64)
-    if partial.shape[0] > 65535:  # gridDim.y limit
-        raise ValueError(f"bias_act_backward with B={B} rows exceeds {65535 * ROWS_PER_BLOCK}; split the batch")
-    grid = (-(-O // COLS), partial.shape[0])
-    counters = scratch("bias_tickets", (grid[0],), np.int32, zero=True)
-    launch = configured(cuda_kernels(act, z.dtype.name)[1], grid, (COLS, LANES), stream)
-    launch(dout, z, dz, partial, counters, db, bool(accumulate))
-    return dz

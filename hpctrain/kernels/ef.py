@@ -13,9 +13,9 @@ with a contiguous layout and flatten them (views, no copies).
 """
 
 import numpy as np
-from numba import cuda
 
-from .cuda_support import THREADS, blocks_for, configured
+from . import ef_cuda as kernels  # the CUDA kernels launched here
+from .support.cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twins (NumPy) -------------------------------------------------------------
@@ -39,59 +39,27 @@ def fill(dst, value):
     return dst
 
 
-# ---- CUDA kernels ------------------------------------------------------------------
-@cuda.jit
-def _ef_correct_kernel(x, r):
-    i = cuda.grid(1)
-    while i < r.size:
-        r[i] = np.float32(x[i]) + r[i]
-        i += cuda.gridsize(1)
-
-
-@cuda.jit
-def _lowrank_residual_kernel(m, a, size):
-    i = cuda.grid(1)
-    while i < m.size:
-        m[i] = m[i] - a[i] / size
-        i += cuda.gridsize(1)
-
-
-@cuda.jit
-def _cast_copy_kernel(src, dst):
-    i = cuda.grid(1)
-    while i < dst.size:
-        dst[i] = src[i]
-        i += cuda.gridsize(1)
-
-
-@cuda.jit
-def _fill_kernel(dst, value):
-    i = cuda.grid(1)
-    while i < dst.size:
-        dst[i] = value
-        i += cuda.gridsize(1)
-
-
 # ---- launchers ---------------------------------------------------------------------
 def _flat(a):
     return a.reshape(a.size)
 
 
 def ef_correct_cuda(x, r, *, stream=0):
-    configured(_ef_correct_kernel, blocks_for(r.size), THREADS, stream)(_flat(x), _flat(r))
+    configured(kernels.ef_correct_kernel, blocks_for(r.size), THREADS, stream)(_flat(x), _flat(r))
     return r
 
 
 def lowrank_residual_cuda(m, a, size, *, stream=0):
-    configured(_lowrank_residual_kernel, blocks_for(m.size), THREADS, stream)(_flat(m), _flat(a), np.float32(size))
+    launch = configured(kernels.lowrank_residual_kernel, blocks_for(m.size), THREADS, stream)
+    launch(_flat(m), _flat(a), np.float32(size))
     return m
 
 
 def cast_copy_cuda(src, dst, *, stream=0):
-    configured(_cast_copy_kernel, blocks_for(dst.size), THREADS, stream)(_flat(src), _flat(dst))
+    configured(kernels.cast_copy_kernel, blocks_for(dst.size), THREADS, stream)(_flat(src), _flat(dst))
     return dst
 
 
 def fill_cuda(dst, value, *, stream=0):
-    configured(_fill_kernel, blocks_for(dst.size), THREADS, stream)(_flat(dst), np.dtype(dst.dtype).type(value))
+    configured(kernels.fill_kernel, blocks_for(dst.size), THREADS, stream)(_flat(dst), np.dtype(dst.dtype).type(value))
     return dst

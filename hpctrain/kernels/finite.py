@@ -11,7 +11,8 @@ import threading
 import numpy as np
 from numba import cuda
 
-from .cuda_support import THREADS, blocks_for, configured
+from . import finite_cuda as kernels  # the CUDA kernels launched here
+from .support.cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twin (NumPy) --------------------------------------------------------------
@@ -31,17 +32,6 @@ def all_finite(buf) -> bool:
     return bool(np.isfinite(flat).all())
 
 
-# ---- CUDA kernel -------------------------------------------------------------------
-@cuda.jit
-def _nonfinite_kernel(buf, flag):
-    i = cuda.grid(1)
-    while i < buf.size:
-        x = buf[i]
-        if not math.isfinite(x):
-            flag[0] = 1  # any thread may set it: a race between equal writes is harmless
-        i += cuda.gridsize(1)
-
-
 # ---- launcher ----------------------------------------------------------------------
 _ZERO = np.zeros(1, np.int32)
 
@@ -57,7 +47,7 @@ def all_finite_cuda(buf, *, stream=0, scratch=None) -> bool:
     else:
         flag = scratch(("finite_flag", threading.get_ident()), (1,), np.int32)
         flag.copy_to_device(_ZERO, stream=stream)
-    configured(_nonfinite_kernel, blocks_for(buf.size), THREADS, stream)(flat, flag)
+    configured(kernels.nonfinite_kernel, blocks_for(buf.size), THREADS, stream)(flat, flag)
     host = flag.copy_to_host(stream=stream)
     stream.synchronize() if stream else cuda.synchronize()
     return not bool(host[0])

@@ -13,9 +13,9 @@ x as it is (x + 0 could only change a -0.0, and a sum started from +0.0 never
 is one), so the sparse forms here give the same bits.
 """
 
-from numba import cuda
 
-from .cuda_support import THREADS, blocks_for, configured
+from . import gather_scatter_cuda as kernels  # the CUDA kernels launched here
+from .support.cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twins (NumPy) -------------------------------------------------------------
@@ -33,35 +33,12 @@ def sparse_scatter(out, idx, values, accumulate=False):
     return out
 
 
-# ---- CUDA kernels ------------------------------------------------------------------
-@cuda.jit
-def _sparse_take_kernel(r, idx, values):
-    j = cuda.grid(1)
-    while j < idx.size:
-        i = idx[j]
-        v = r[i]
-        values[j] = v
-        r[i] = v - v
-        j += cuda.gridsize(1)
-
-
-@cuda.jit
-def _sparse_scatter_kernel(out, idx, values, accumulate):
-    j = cuda.grid(1)
-    while j < idx.size:
-        if accumulate:
-            out[idx[j]] += values[j]
-        else:
-            out[idx[j]] = values[j]
-        j += cuda.gridsize(1)
-
-
 # ---- launchers ---------------------------------------------------------------------
 def sparse_take_cuda(r, idx, values, *, stream=0):
-    configured(_sparse_take_kernel, blocks_for(idx.size), THREADS, stream)(r, idx, values)
+    configured(kernels.sparse_take_kernel, blocks_for(idx.size), THREADS, stream)(r, idx, values)
     return values
 
 
 def sparse_scatter_cuda(out, idx, values, accumulate=False, *, stream=0):
-    configured(_sparse_scatter_kernel, blocks_for(idx.size), THREADS, stream)(out, idx, values, bool(accumulate))
+    configured(kernels.sparse_scatter_kernel, blocks_for(idx.size), THREADS, stream)(out, idx, values, bool(accumulate))
     return out

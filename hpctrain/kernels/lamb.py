@@ -17,10 +17,11 @@ AdamW's do: float32 buffers are computed in float32.
 import math
 
 import numpy as np
-from numba import cuda, njit
+from numba import njit
 
-from . import cpu_threads
-from .cuda_support import THREADS, blocks_for, configured
+from . import lamb_cuda as kernels  # the CUDA kernels launched here
+from .support import cpu_threads
+from .support.cuda_support import THREADS, blocks_for, configured
 
 
 def _direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc1, inv_sqrt_bc2,
@@ -31,8 +32,7 @@ def _direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, 
     return m * inv_bc1 / (math.sqrt(v) * inv_sqrt_bc2 + eps) + weight_decay * p
 
 
-_direction_cpu = njit(_direction)
-_direction_gpu = cuda.jit(device=True)(_direction)
+_direction_cpu = njit(_direction)   # the GPU's compile of it: lamb_cuda.lamb_direction_kernel
 
 HYPER = 8  # beta1, 1 - beta1, beta2, 1 - beta2, eps, 1 / (1 - beta1^t), 1 / sqrt(1 - beta2^t), weight decay
 
@@ -62,21 +62,9 @@ def lamb_direction(params, grads, exp_avg, exp_avg_sq, hyper, out):
     return out
 
 
-# ---- CUDA kernel -------------------------------------------------------------------
-@cuda.jit
-def _lamb_direction_kernel(p, g, m, v, out, hyper):
-    beta1, one_minus_beta1, beta2, one_minus_beta2 = hyper[0], hyper[1], hyper[2], hyper[3]
-    eps, inv_bc1, inv_sqrt_bc2, weight_decay = hyper[4], hyper[5], hyper[6], hyper[7]
-    i = cuda.grid(1)
-    while i < p.size:
-        out[i] = _direction_gpu(p[i], g[i], m[i], v[i], beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                                inv_bc1, inv_sqrt_bc2, weight_decay)
-        i += cuda.gridsize(1)
-
-
 # ---- launcher ----------------------------------------------------------------------
 def lamb_direction_cuda(params, grads, exp_avg, exp_avg_sq, hyper, out, *, stream=0):
     """:func:`lamb_direction` on the GPU; ``hyper`` is a device array."""
-    launch = configured(_lamb_direction_kernel, blocks_for(params.size), THREADS, stream)
+    launch = configured(kernels.lamb_direction_kernel(_direction), blocks_for(params.size), THREADS, stream)
     launch(params, grads, exp_avg, exp_avg_sq, out, hyper)
     return out

@@ -27,7 +27,9 @@ import math
 import numpy as np
 from numba import njit
 
-from . import cpu_threads
+from . import layernorm_cuda as kernels  # the CUDA kernels launched here
+from .support import cpu_threads
+from .support.cuda_support import blocks_for, configured
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
@@ -167,4 +169,50 @@ def layernorm_backward(dout, x, weight, mean, rstd, dx, dweight, dbias, accumula
                            N, x.size, ns_per_element=_NS_BACKWARD)
     for total, grad in ((cpu_threads.add_partials(dw), dweight), (cpu_threads.add_partials(db), dbias)):
         grad[...] = grad + total if accumulate else total
+    return dx
+
+
+# ---- launchers ---------------------------------------------------------------------
+def _rows_grid(N):
+    """(grid, block) of the row kernels: a warp of kernels.LANES per row, kernels.ROWS rows a block."""
+    return blocks_for(N, kernels.ROWS), (kernels.LANES, kernels.ROWS)
+
+
+def layernorm_forward_cuda(x, weight, bias, out, mean, rstd, eps=1e-5, *, stream=0):
+    """As :func:`layernorm_forward`, on ``stream``. Returns out."""
+    N, _ = x.shape
+    configured(kernels.layernorm_forward_kernel, *_rows_grid(N), stream)(
+        x, x, x, weight, bias, out, mean, rstd, np.float64(eps))
+    return out
+
+
+def residual_layernorm_forward_cuda(a, b, x, weight, bias, out, mean, rstd, eps=1e-5, *, stream=0):
+    """As :func:`residual_layernorm_forward`: x <- a + b and its layernorm, one kernel. Returns out."""
+    N, _ = x.shape
+    check_residual_operands(a, b, x)
+    configured(kernels.residual_layernorm_forward_kernel, *_rows_grid(N), stream)(
+        a, b, x, weight, bias, out, mean, rstd, np.float64(eps))
+    return out
+
+
+def layernorm_backward_cuda(dout, x, weight, mean, rstd, dx, dweight, dbias, accumulate=False, add_dx=False, *,
+                            stream=0, scratch):
+    """As :func:`layernorm_backward`, on ``stream``; dx may be dout. Returns dx.
+
+    ``scratch(key, shape, dtype)`` lends the two float64 (ceil(N / GRAD_ROWS), C)
+    partial sums of dweight and dbias (``layernorm_cuda.GRAD_ROWS``, read at each call).
+    """
+    N, C = x.shape
+    chunks = max(1, -(-N // kernels.GRAD_ROWS))
+    if chunks > 65535:  # gridDim.y limit
+        raise ValueError(f"layernorm_backward with N={N} rows exceeds {65535 * kernels.GRAD_ROWS}; "
+                         f"split the batch")
+    pw = scratch("ln_dweight_partial", (chunks, C), np.float64)
+    pb = scratch("ln_dbias_partial", (chunks, C), np.float64)
+    counters = scratch("ln_tickets", (-(-C // kernels.GRAD_COLS),), np.int32, zero=True)
+    # the parameter gradients first: they read all of dout, which the dx kernel may overwrite
+    grads_block = (kernels.GRAD_COLS, kernels.GRAD_LANES)
+    configured(kernels.layernorm_param_grads_kernel, (len(counters), chunks), grads_block, stream)(
+        dout, x, mean, rstd, pw, pb, counters, dweight, dbias, bool(accumulate))
+    configured(kernels.layernorm_dx_kernel, *_rows_grid(N), stream)(dout, x, weight, mean, rstd, dx, bool(add_dx))
     return dx

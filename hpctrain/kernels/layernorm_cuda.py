@@ -1,5 +1,5 @@
-"""Layer normalisation's CUDA kernels: the contract, shapes and float64 rules of
-layernorm.py's twin (its docstring), on one stream.
+"""The CUDA kernels of layernorm.py (the contract, shapes and float64 rules in its docstring).
+Launched by layernorm.py.
 
 32 lanes (a warp) per row, 8 rows per block; lane 0 adds the lanes' shares left
 to right - two barriers per sum, not a tree's six (the simulator pays ~40 ms a
@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 from numba import cuda, float64, int32
 
-from .cuda_support import blocks_for, configured, last_block_of_column, sum_column_partials
-from .layernorm import check_residual_operands
+from .support.cuda_support import last_block_of_column, sum_column_partials
 
 LANES = 32        # threads over one row's channels: a warp, coalesced loads
 ROWS = 8          # rows per block (one warp each)
@@ -159,12 +157,12 @@ def _forward_kernel(residual: bool):
     return kernel
 
 
-_layernorm_forward_kernel = _forward_kernel(False)
-_residual_layernorm_forward_kernel = _forward_kernel(True)
+layernorm_forward_kernel = _forward_kernel(False)
+residual_layernorm_forward_kernel = _forward_kernel(True)
 
 
 @cuda.jit
-def _layernorm_param_grads_kernel(dout, x, mean, rstd, pw, pb, counters, dweight, dbias, accumulate):
+def layernorm_param_grads_kernel(dout, x, mean, rstd, pw, pb, counters, dweight, dbias, accumulate):
     # block (GRAD_COLS, GRAD_LANES) owns columns c0..c0+31 of row chunk blockIdx.y
     # (the launcher picks the number of chunks: gridDim.y); the last block of a column tile
     # to finish adds the chunks' partials in chunk order (cuda_support.last_block_of_column)
@@ -221,7 +219,7 @@ def _layernorm_param_grads_kernel(dout, x, mean, rstd, pw, pb, counters, dweight
 
 
 @cuda.jit
-def _layernorm_dx_kernel(dout, x, weight, mean, rstd, dx, add_dx):
+def layernorm_dx_kernel(dout, x, weight, mean, rstd, dx, add_dx):
     # rows as the forward; each lane reads its dout elements before writing the
     # same elements of dx, so dx may be dout. xhat and g = dout * weight are
     # formed in x's dtype (as the twin), their row sums and dx in float64.
@@ -281,43 +279,3 @@ def _layernorm_dx_kernel(dout, x, weight, mean, rstd, dx, add_dx):
             _put_dx(dx, i, c, dout[i, c] * weight[c], x[i, c], mi, ri, g_mean, gx_mean, add_dx)
             c += LANES
         base += cuda.gridDim.x * ROWS
-
-
-# ---- launchers ---------------------------------------------------------------------
-def layernorm_forward_cuda(x, weight, bias, out, mean, rstd, eps=1e-5, *, stream=0):
-    """As :func:`layernorm_forward`, on ``stream``. Returns out."""
-    N, _ = x.shape
-    configured(_layernorm_forward_kernel, blocks_for(N, ROWS), (LANES, ROWS), stream)(
-        x, x, x, weight, bias, out, mean, rstd, np.float64(eps))
-    return out
-
-
-def residual_layernorm_forward_cuda(a, b, x, weight, bias, out, mean, rstd, eps=1e-5, *, stream=0):
-    """As :func:`residual_layernorm_forward`: x <- a + b and its layernorm, one kernel. Returns out."""
-    N, _ = x.shape
-    check_residual_operands(a, b, x)
-    configured(_residual_layernorm_forward_kernel, blocks_for(N, ROWS), (LANES, ROWS), stream)(
-        a, b, x, weight, bias, out, mean, rstd, np.float64(eps))
-    return out
-
-
-def layernorm_backward_cuda(dout, x, weight, mean, rstd, dx, dweight, dbias, accumulate=False, add_dx=False, *,
-                            stream=0, scratch):
-    """As :func:`layernorm_backward`, on ``stream``; dx may be dout. Returns dx.
-
-    ``scratch(key, shape, dtype)`` lends the two float64 (ceil(N / GRAD_ROWS), C)
-    partial sums of dweight and dbias.
-    """
-    N, C = x.shape
-    chunks = max(1, -(-N // GRAD_ROWS))
-    if chunks > 65535:  # gridDim.y limit
-        raise ValueError(f"layernorm_backward with N={N} rows exceeds {65535 * GRAD_ROWS}; split the batch")
-    pw = scratch("ln_dweight_partial", (chunks, C), np.float64)
-    pb = scratch("ln_dbias_partial", (chunks, C), np.float64)
-    counters = scratch("ln_tickets", (-(-C // GRAD_COLS),), np.int32, zero=True)
-    # the parameter gradients first: they read all of dout, which the dx kernel may overwrite
-    configured(_layernorm_param_grads_kernel, (len(counters), chunks), (GRAD_COLS, GRAD_LANES), stream)(
-        dout, x, mean, rstd, pw, pb, counters, dweight, dbias, bool(accumulate))
-    configured(_layernorm_dx_kernel, blocks_for(N, ROWS), (LANES, ROWS), stream)(
-        dout, x, weight, mean, rstd, dx, bool(add_dx))
-    return dx

@@ -19,10 +19,11 @@ same on device arrays.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, njit
+from numba import njit
 
-from . import cpu_threads
-from .cuda_support import THREADS, blocks_for, configured
+from . import lowp_cuda as kernels  # the CUDA kernels launched here
+from .support import cpu_threads
+from .support.cuda_support import THREADS, blocks_for, configured
 
 BF16 = np.dtype(np.uint16)    # bf16 storage: the bit patterns
 FP16 = np.dtype(np.float16)
@@ -152,24 +153,7 @@ def widen(src, dst):
     return dst
 
 
-# ---- CUDA ------------------------------------------------------------------------------------
-def _cuda_loop(convert):
-    """A grid-stride CUDA kernel applying ``convert`` to each element's bits: src[i] -> dst[i]."""
-    one = cuda.jit(device=True)(convert)
-
-    @cuda.jit
-    def kernel(src, dst):
-        i, s = cuda.grid(1), cuda.gridsize(1)
-        while i < src.size:
-            dst[i] = one(np.int64(src[i]))
-            i += s
-    return kernel
-
-
-_narrow_bf16_kernel, _widen_bf16_kernel = _cuda_loop(_f32_to_bf16), _cuda_loop(_bf16_to_f32)
-_narrow_fp16_kernel, _widen_fp16_kernel = _cuda_loop(_f32_to_fp16), _cuda_loop(_fp16_to_f32)
-
-
+# ---- launchers ---------------------------------------------------------------------
 def _device_bits(a, dtype):
     return a.reshape(a.size).view(dtype)
 
@@ -177,7 +161,7 @@ def _device_bits(a, dtype):
 def narrow_cuda(src, dst, *, stream=0):
     """:func:`narrow` on device arrays, queued on ``stream``."""
     _check(src, dst, src, dst.dtype)
-    kernel = _narrow_bf16_kernel if dst.dtype == BF16 else _narrow_fp16_kernel
+    kernel = kernels.conversion_kernel(_f32_to_bf16 if dst.dtype == BF16 else _f32_to_fp16)
     configured(kernel, blocks_for(src.size), THREADS, stream)(_device_bits(src, np.uint32),
                                                                _device_bits(dst, np.uint16))
     return dst
@@ -186,7 +170,7 @@ def narrow_cuda(src, dst, *, stream=0):
 def widen_cuda(src, dst, *, stream=0):
     """:func:`widen` on device arrays, queued on ``stream``."""
     _check(src, dst, dst, src.dtype)
-    kernel = _widen_bf16_kernel if src.dtype == BF16 else _widen_fp16_kernel
+    kernel = kernels.conversion_kernel(_bf16_to_f32 if src.dtype == BF16 else _fp16_to_f32)
     configured(kernel, blocks_for(src.size), THREADS, stream)(_device_bits(src, np.uint16),
                                                                _device_bits(dst, np.uint32))
     return dst

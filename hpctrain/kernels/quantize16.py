@@ -22,9 +22,10 @@ differ from the host's; NaN stays NaN.
 """
 
 import numpy as np
-from numba import cuda, njit
+from numba import njit
 
-from .cuda_support import THREADS, blocks_for, configured
+from . import quantize16_cuda as kernels  # the CUDA kernels launched here
+from .support.cuda_support import THREADS, blocks_for, configured
 
 FP16, BF16 = 0, 1           # the ``fmt`` argument of every function here
 FORMATS = {"fp16": FP16, "bf16": BF16}
@@ -105,8 +106,7 @@ def _element_functions(jit):
     return encode_ef_one, decode_one
 
 
-_encode_ef_cpu, _decode_cpu = _element_functions(njit)
-_encode_ef_gpu, _decode_gpu = _element_functions(cuda.jit(device=True))
+_encode_ef_cpu, _decode_cpu = _element_functions(njit)   # the GPU's: quantize16_cuda.quantize16_kernels
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
@@ -135,30 +135,14 @@ def decode(bits, out, fmt):
     return out
 
 
-# ---- CUDA kernels ------------------------------------------------------------------
-@cuda.jit
-def _encode_ef_kernel(x, r, bits, fmt):
-    i = cuda.grid(1)
-    while i < x.size:
-        b, r[i] = _encode_ef_gpu(x[i], r[i], fmt)
-        bits[i] = b
-        i += cuda.gridsize(1)
-
-
-@cuda.jit
-def _decode_kernel(bits, out, fmt):
-    i = cuda.grid(1)
-    while i < bits.size:
-        out[i] = _decode_gpu(bits[i], fmt)
-        i += cuda.gridsize(1)
-
-
 # ---- launchers ---------------------------------------------------------------------
 def encode_ef_cuda(x, r, bits, fmt, *, stream=0):
-    configured(_encode_ef_kernel, blocks_for(x.size), THREADS, stream)(x, r, bits, fmt)
+    encode, _ = kernels.quantize16_kernels(_element_functions)
+    configured(encode, blocks_for(x.size), THREADS, stream)(x, r, bits, fmt)
     return bits
 
 
 def decode_cuda(bits, out, fmt, *, stream=0):
-    configured(_decode_kernel, blocks_for(bits.size), THREADS, stream)(bits, out, fmt)
+    _, decode_kernel = kernels.quantize16_kernels(_element_functions)
+    configured(decode_kernel, blocks_for(bits.size), THREADS, stream)(bits, out, fmt)
     return out

@@ -12,10 +12,10 @@ is one add or copy in the arrays' dtype, so they equal the twin bitwise.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda
 
-from . import cpu_threads
-from .cuda_support import THREADS, blocks_for, configured
+from . import residual_cuda as kernels  # the CUDA kernels launched here
+from .support import cpu_threads
+from .support.cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twin (NumPy) --------------------------------------------------------------
@@ -40,67 +40,6 @@ def residual_backward(dout, da, db, accumulate=False):
     cpu_threads.for_rows(rows, dout.shape[0], dout.size, ns_per_element=0.2)
 
 
-# ---- CUDA kernels ------------------------------------------------------------------
-# Grid-stride loops over the flat arrays, four elements a stride apart loaded before
-# any is stored (cuda_support.UNROLL), then the rest one at a time.
-@cuda.jit
-def _residual_forward_kernel(a, b, out):
-    n, i, s = out.size, cuda.grid(1), cuda.gridsize(1)
-    while i + 3 * s < n:  # all read before any write: out may be a or b
-        x0, x1, x2, x3 = a[i], a[i + s], a[i + 2 * s], a[i + 3 * s]
-        y0, y1, y2, y3 = b[i], b[i + s], b[i + 2 * s], b[i + 3 * s]
-        out[i] = x0 + y0
-        out[i + s] = x1 + y1
-        out[i + 2 * s] = x2 + y2
-        out[i + 3 * s] = x3 + y3
-        i += 4 * s
-    while i < n:
-        out[i] = a[i] + b[i]
-        i += s
-
-
-@cuda.jit(device=True)
-def _put(d, i, g, accumulate):
-    if accumulate:
-        d[i] += g
-    else:
-        d[i] = g
-
-
-@cuda.jit
-def _copy_or_add_kernel(dout, d, accumulate):
-    n, i, s = d.size, cuda.grid(1), cuda.gridsize(1)
-    while i + 3 * s < n:
-        g0, g1, g2, g3 = dout[i], dout[i + s], dout[i + 2 * s], dout[i + 3 * s]
-        _put(d, i, g0, accumulate)
-        _put(d, i + s, g1, accumulate)
-        _put(d, i + 2 * s, g2, accumulate)
-        _put(d, i + 3 * s, g3, accumulate)
-        i += 4 * s
-    while i < n:
-        _put(d, i, dout[i], accumulate)
-        i += s
-
-
-@cuda.jit
-def _residual_backward_kernel(dout, da, db, accumulate):
-    # both gradients in one pass: dout is read once, not twice
-    n, i, s = dout.size, cuda.grid(1), cuda.gridsize(1)
-    while i + 3 * s < n:
-        g0, g1, g2, g3 = dout[i], dout[i + s], dout[i + 2 * s], dout[i + 3 * s]
-        for d in (da, db):
-            _put(d, i, g0, accumulate)
-            _put(d, i + s, g1, accumulate)
-            _put(d, i + 2 * s, g2, accumulate)
-            _put(d, i + 3 * s, g3, accumulate)
-        i += 4 * s
-    while i < n:
-        g = dout[i]
-        _put(da, i, g, accumulate)
-        _put(db, i, g, accumulate)
-        i += s
-
-
 # ---- launchers ---------------------------------------------------------------------
 def _flat(x, like, op, name):
     if x.shape != like.shape or x.dtype != like.dtype:
@@ -112,7 +51,7 @@ def _flat(x, like, op, name):
 def residual_forward_cuda(a, b, out, *, stream=0):
     """As :func:`residual_forward`, on ``stream``. Returns out."""
     fa, fb, fo = (_flat(x, out, "residual_forward", n) for x, n in ((a, "a"), (b, "b"), (out, "out")))
-    configured(_residual_forward_kernel, blocks_for(out.size), THREADS, stream)(fa, fb, fo)
+    configured(kernels.residual_forward_kernel, blocks_for(out.size), THREADS, stream)(fa, fb, fo)
     return out
 
 
@@ -123,6 +62,6 @@ def residual_backward_cuda(dout, da, db, accumulate=False, *, stream=0):
         return
     grid, fd = blocks_for(dout.size), dout.reshape(dout.size)
     if len(wanted) == 2:
-        configured(_residual_backward_kernel, grid, THREADS, stream)(fd, wanted[0], wanted[1], bool(accumulate))
+        configured(kernels.residual_backward_kernel, grid, THREADS, stream)(fd, wanted[0], wanted[1], bool(accumulate))
     else:
-        configured(_copy_or_add_kernel, grid, THREADS, stream)(fd, wanted[0], bool(accumulate))
+        configured(kernels.copy_or_add_kernel, grid, THREADS, stream)(fd, wanted[0], bool(accumulate))

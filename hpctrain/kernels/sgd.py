@@ -12,10 +12,11 @@ the same every step and a CUDA graph can replay them (training/cuda_graphs.py).
 """
 
 import numpy as np
-from numba import cuda, njit
+from numba import njit
 
-from . import cpu_threads
-from .cuda_support import THREADS, blocks_for, configured
+from . import sgd_cuda as kernels  # the CUDA kernels launched here
+from .support import cpu_threads
+from .support.cuda_support import THREADS, blocks_for, configured
 
 
 def _update(p, g, v, lr, momentum, weight_decay, nesterov):
@@ -27,8 +28,7 @@ def _update(p, g, v, lr, momentum, weight_decay, nesterov):
     return p - lr * d, v
 
 
-_update_cpu = njit(_update)
-_update_gpu = cuda.jit(device=True)(_update)
+_update_cpu = njit(_update)   # the GPU's compile of it: sgd_cuda.sgd_update_kernel
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
@@ -55,18 +55,8 @@ def sgd_step(params, grads, momentum_buf, lr, momentum, weight_decay, nesterov):
     sgd_update(params, grads, momentum_buf, hyperparameters(params.dtype, lr, momentum, weight_decay), nesterov)
 
 
-# ---- CUDA kernel -------------------------------------------------------------------
-@cuda.jit
-def _sgd_update_kernel(p, g, v, hyper, nesterov):
-    lr, momentum, weight_decay = hyper[0], hyper[1], hyper[2]
-    i = cuda.grid(1)
-    while i < p.size:
-        p[i], v[i] = _update_gpu(p[i], g[i], v[i], lr, momentum, weight_decay, nesterov)
-        i += cuda.gridsize(1)
-
-
 # ---- launcher ----------------------------------------------------------------------
 def sgd_update_cuda(params, grads, momentum_buf, hyper, nesterov, *, stream=0):
     """:func:`sgd_update` on the GPU; ``hyper`` is a device array."""
-    launch = configured(_sgd_update_kernel, blocks_for(params.size), THREADS, stream)
+    launch = configured(kernels.sgd_update_kernel(_update), blocks_for(params.size), THREADS, stream)
     launch(params, grads, momentum_buf, hyper, bool(nesterov))

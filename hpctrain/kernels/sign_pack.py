@@ -23,9 +23,10 @@ with the error-feedback correction r <- float32(x) + r fused into the pass.
 """
 
 import numpy as np
-from numba import cuda, float64, njit
+from numba import njit
 
-from .cuda_support import THREADS, blocks_for, configured
+from . import sign_pack_cuda as kernels  # the CUDA kernels launched here
+from .support.cuda_support import THREADS, blocks_for, configured
 
 SUM_THREADS = 256      # threads per chunk on the GPU; also the twin's summation layout
 
@@ -94,83 +95,19 @@ def unpack_sum(bits, scales, chunk, out):
     return out
 
 
-# ---- CUDA kernels ------------------------------------------------------------------
-@cuda.jit
-def _chunk_scales_ef_kernel(x, r, chunk, scales):
-    partial = cuda.shared.array(SUM_THREADS, float64)
-    t = cuda.threadIdx.x
-    b = cuda.blockIdx.x
-    while b < scales.size:            # uniform per block: every thread takes the same turns
-        lo = b * chunk
-        hi = min(lo + chunk, r.size)
-        s = np.float64(0.0)
-        i = lo + t
-        while i < hi:
-            c = np.float32(x[i]) + r[i]
-            r[i] = c
-            s += abs(np.float64(c))
-            i += SUM_THREADS
-        partial[t] = s
-        cuda.syncthreads()
-        half = SUM_THREADS // 2
-        while half > 0:
-            if t < half:
-                partial[t] += partial[t + half]
-            cuda.syncthreads()
-            half //= 2
-        if t == 0:
-            scales[b] = np.float32(partial[0] / (hi - lo))
-        cuda.syncthreads()            # partial[0] is read before the next chunk overwrites it
-        b += cuda.gridDim.x
-
-
-@cuda.jit
-def _pack_ef_kernel(c, scales, chunk, bits):
-    j = cuda.grid(1)
-    while j < bits.size:
-        byte = 0
-        for lane in range(8):
-            i = 8 * j + lane
-            if i < c.size:
-                s = scales[i // chunk]
-                v = c[i]
-                if v < 0:
-                    byte |= 128 >> lane
-                    c[i] = v - (-s)
-                else:
-                    c[i] = v - s
-        bits[j] = byte
-        j += cuda.gridsize(1)
-
-
-@cuda.jit
-def _unpack_sum_kernel(bits, scales, chunk, out):
-    i = cuda.grid(1)
-    while i < out.size:
-        acc = np.float32(0.0)
-        for p in range(bits.shape[0]):
-            s = scales[p, i // chunk]
-            if (bits[p, i >> 3] >> (7 - (i & 7))) & 1:
-                acc += -s
-            else:
-                acc += s
-        out[i] = acc
-        i += cuda.gridsize(1)
-
-
 # ---- launchers ---------------------------------------------------------------------
 def chunk_scales_ef_cuda(x, r, chunk, scales, *, stream=0):
     """r <- float32(x) + r, then scales <- mean |r| per chunk (as :func:`chunk_scales`)."""
     blocks = blocks_for(scales.size, threads=1)   # a block per chunk, up to the grid cap
-    configured(_chunk_scales_ef_kernel, blocks, SUM_THREADS, stream)(x, r, chunk, scales)
+    configured(kernels.chunk_scales_ef_kernel(SUM_THREADS), blocks, SUM_THREADS, stream)(x, r, chunk, scales)
     return scales
 
 
 def pack_ef_cuda(c, scales, chunk, bits, *, stream=0):
-    configured(_pack_ef_kernel, blocks_for(bits.size), THREADS, stream)(c, scales, chunk, bits)
+    configured(kernels.pack_ef_kernel, blocks_for(bits.size), THREADS, stream)(c, scales, chunk, bits)
     return bits
 
 
 def unpack_sum_cuda(bits, scales, chunk, out, *, stream=0):
-    configured(_unpack_sum_kernel, blocks_for(out.size), THREADS, stream)(bits, scales, chunk, out)
+    configured(kernels.unpack_sum_kernel, blocks_for(out.size), THREADS, stream)(bits, scales, chunk, out)
     return out

@@ -20,11 +20,12 @@ in one kernel and one buffer instead of two of each.
 import math
 
 import numpy as np
-from numba import cuda, float32, float64, int64, njit
+from numba import cuda, njit
 
-from . import cpu_threads
-from .cpu_exp import fast_exp
-from .cuda_support import THREADS, blocks_for, configured
+from . import softmax_xent_cuda as kernels  # the CUDA kernels launched here
+from .support import cpu_threads
+from .support.cpu_exp import fast_exp
+from .support.cuda_support import THREADS, blocks_for, configured
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------
@@ -154,145 +155,11 @@ def softmax_xent_backward(probs, labels, scale, dlogits):
     return dlogits
 
 
-# ---- CUDA kernels ------------------------------------------------------------------
-ROW_THREADS = 128  # one block per row; threads stride over the classes
-
-
-_ROWS = {}
-
-
-def rows_kernel(dtype: str, fused: bool):
-    """One block per row (grid-stride over rows) for ``dtype`` (float32 or float64): the row's max
-    with its first index, the sum of exps in float64, each row's loss and correct flag; then
-    ``fused=False``: ``out`` <- the probabilities (``scale`` unused); ``fused=True``: ``out`` <-
-    ``scale * (softmax - onehot)``, each value by the roundings of the stored probability and
-    backward's product, so the same bits; ``out`` may then be ``logits``."""
-    key = (dtype, fused)
-    if key in _ROWS:
-        return _ROWS[key]
-    cast = float32 if dtype == "float32" else float64
-
-    @cuda.jit
-    def kernel(logits, labels, scale, out, row_loss, row_correct):
-        B, C = logits.shape
-        t = cuda.threadIdx.x
-        vmax = cuda.shared.array(ROW_THREADS, float64)
-        imax = cuda.shared.array(ROW_THREADS, int64)
-        vsum = cuda.shared.array(ROW_THREADS, float64)
-        r = cuda.blockIdx.x
-        while r < B:
-            # row max and its first index (ties -> lowest class, like the twin)
-            best_v = -math.inf
-            best_i = C
-            c = t
-            while c < C:
-                v = logits[r, c]
-                if v > best_v:
-                    best_v, best_i = v, c
-                c += ROW_THREADS
-            vmax[t], imax[t] = best_v, best_i
-            cuda.syncthreads()
-            half = ROW_THREADS // 2
-            while half > 0:
-                if t < half:
-                    v, i = vmax[t + half], imax[t + half]
-                    if v > vmax[t] or (v == vmax[t] and i < imax[t]):
-                        vmax[t], imax[t] = v, i
-                cuda.syncthreads()
-                half //= 2
-            # no element beat -inf (a row of NaN or -inf, i.e. diverged training):
-            # take class 0, as the twin does, instead of reading past the row
-            best = imax[0] if imax[0] < C else 0
-            m = logits[r, best]  # exact max in the input dtype
-            # exp(x - max) cannot overflow; the sum accumulates in float64
-            s = 0.0
-            c = t
-            while c < C:
-                e = math.exp(logits[r, c] - m)
-                if not fused:
-                    out[r, c] = e
-                s += e
-                c += ROW_THREADS
-            vsum[t] = s
-            cuda.syncthreads()
-            half = ROW_THREADS // 2
-            while half > 0:
-                if t < half:
-                    vsum[t] += vsum[t + half]
-                cuda.syncthreads()
-                half //= 2
-            total = vsum[0]
-            inv = 1.0 / total
-            y = labels[r]
-            if t == 0:
-                row_loss[r] = math.log(total) + m - logits[r, y]
-                row_correct[r] = 1 if best == y else 0
-            cuda.syncthreads()  # the label's logit is read before any thread overwrites the row
-            c = t
-            while c < C:
-                if fused:
-                    p = cast(cast(math.exp(logits[r, c] - m)) * inv)   # forward's stored probability
-                    d = p * scale                                       # backward's product
-                    if c == y:
-                        d -= scale
-                    out[r, c] = d
-                else:
-                    out[r, c] *= inv
-                c += ROW_THREADS
-            cuda.syncthreads()  # shared arrays are reused by the next row
-            r += cuda.gridDim.x
-    _ROWS[key] = kernel
-    return kernel
-
-
-@cuda.jit
-def _sum_rows_kernel(row_loss, row_correct, out, accumulate):
-    # one block: each thread sums a strided share, then a fixed-order tree; out <- (or +=) the sums
-    t = cuda.threadIdx.x
-    sl = cuda.shared.array(THREADS, float64)
-    sc = cuda.shared.array(THREADS, float64)
-    a = 0.0
-    k = 0.0
-    i = t
-    while i < row_loss.shape[0]:
-        a += row_loss[i]
-        k += row_correct[i]
-        i += THREADS
-    sl[t], sc[t] = a, k
-    cuda.syncthreads()
-    half = THREADS // 2
-    while half > 0:
-        if t < half:
-            sl[t] += sl[t + half]
-            sc[t] += sc[t + half]
-        cuda.syncthreads()
-        half //= 2
-    if t == 0:
-        if accumulate:
-            out[0] += sl[0]
-            out[1] += sc[0]
-        else:
-            out[0], out[1] = sl[0], sc[0]
-
-
-@cuda.jit
-def _softmax_xent_backward_kernel(probs, labels, scale, dlogits):
-    B, C = probs.shape
-    i = cuda.grid(1)
-    while i < B * C:
-        r, c = i // C, i % C
-        d = probs[r, c] * scale          # same rounding steps as the twin
-        if c == labels[r]:
-            d -= scale
-        dlogits[r, c] = d
-        i += cuda.gridsize(1)
-
-
 # ---- launchers ---------------------------------------------------------------------
 def softmax_xent_totals_cuda(logits, labels, probs, *, stream=0, scratch, scale=1.0, fused=False, totals=None,
                              accumulate=False):
     """probs <- softmax(logits) (``fused``: ``probs`` <- the gradient at ``scale``, see
-    :func:`rows_kernel`); returns a float64 device array [loss_sum, correct]: ``totals``, the sums
+    :func:`.softmax_xent_cuda.rows_kernel`); returns a float64 device array [loss_sum, correct]: ``totals``, the sums
     written into it or, with ``accumulate``, added to it; None: a scratch array of the launcher's.
 
     Queued on ``stream``, nothing copied to the host (the benchmark times this).
@@ -302,10 +169,10 @@ def softmax_xent_totals_cuda(logits, labels, probs, *, stream=0, scratch, scale=
     row_correct = scratch("xent_row_correct", (B,), np.float64)
     if totals is None:
         totals = scratch("xent_totals", (2,), np.float64)
-    kernel = rows_kernel(np.dtype(logits.dtype).name, fused)
-    launch = configured(kernel, blocks_for(B, 1), ROW_THREADS, stream)
+    kernel = kernels.rows_kernel(np.dtype(logits.dtype).name, fused)
+    launch = configured(kernel, blocks_for(B, 1), kernels.ROW_THREADS, stream)
     launch(logits, labels, logits.dtype.type(scale), probs, row_loss, row_correct)
-    configured(_sum_rows_kernel, 1, THREADS, stream)(row_loss, row_correct, totals, accumulate)
+    configured(kernels.sum_rows_kernel, 1, THREADS, stream)(row_loss, row_correct, totals, accumulate)
     return totals
 
 
@@ -335,7 +202,7 @@ def softmax_xent_fused_add_cuda(logits, labels, scale, dlogits, totals, accumula
 
 def softmax_xent_backward_cuda(probs, labels, scale, dlogits, *, stream=0):
     B, C = probs.shape
-    launch = configured(_softmax_xent_backward_kernel, blocks_for(B * C), THREADS, stream)
+    launch = configured(kernels.softmax_xent_backward_kernel, blocks_for(B * C), THREADS, stream)
     launch(probs, labels, probs.dtype.type(scale), dlogits)
     return dlogits
 

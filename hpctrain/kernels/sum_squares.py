@@ -15,9 +15,10 @@ in shared memory, and the host adds the blocks' partial sums in block order.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float64, njit
+from numba import cuda, njit
 
-from .cuda_support import THREADS, blocks_for, configured
+from . import sum_squares_cuda as kernels  # the CUDA kernels launched here
+from .support.cuda_support import THREADS, blocks_for, configured
 
 BLOCKS = 256   # the most blocks (partial sums) of the CUDA reduction: its grid depends on the length only
 
@@ -53,30 +54,7 @@ def sum_squares_each(groups) -> list[float]:
     return [sum_squares(bufs) for bufs in groups]
 
 
-# ---- CUDA kernel -------------------------------------------------------------------
-@cuda.jit
-def _sum_squares_kernel(buf, partials):
-    # partials[block] <- the float64 sum of squares of this block's grid-stride elements
-    shared = cuda.shared.array(THREADS, float64)
-    tid = cuda.threadIdx.x
-    i, stride = cuda.grid(1), cuda.gridsize(1)
-    acc = 0.0
-    while i < buf.size:
-        v = float64(buf[i])
-        acc += v * v
-        i += stride
-    shared[tid] = acc
-    cuda.syncthreads()
-    width = THREADS // 2
-    while width > 0:
-        if tid < width:
-            shared[tid] += shared[tid + width]
-        cuda.syncthreads()
-        width //= 2
-    if tid == 0:
-        partials[cuda.blockIdx.x] = shared[0]
-
-
+# ---- launchers ---------------------------------------------------------------------
 def sum_squares_cuda(bufs, *, stream=0, scratch=None) -> float:
     """:func:`sum_squares` of device buffers: one launch per buffer, each into its own row of
     partial sums, then one copy to the host and one wait for the stream (the answer goes to the
@@ -99,7 +77,7 @@ def sum_squares_each_cuda(groups, *, stream=0, scratch=None) -> list[float]:
     used = []
     for row, buf in enumerate(bufs):
         blocks = max(1, min(BLOCKS, blocks_for(buf.size)))
-        configured(_sum_squares_kernel, blocks, THREADS, stream)(buf.reshape(buf.size), partials[row])
+        configured(kernels.sum_squares_kernel, blocks, THREADS, stream)(buf.reshape(buf.size), partials[row])
         used.append(blocks)
     host = partials.copy_to_host(stream=stream)
     stream.synchronize() if stream else cuda.synchronize()

@@ -32,7 +32,8 @@ from collections import namedtuple
 import numpy as np
 from numba import cuda, njit
 
-from .cuda_support import THREADS, blocks_for, configured
+from . import topk_threshold_cuda as kernels  # the CUDA kernels launched here
+from .support.cuda_support import THREADS, blocks_for, configured
 
 SAMPLE = 4096        # sampled entries: the threshold's passing count is within ~15 % at k/n = 1 %
 MAX_PASSES = 4       # compactions before the whole vector goes to the host
@@ -89,29 +90,6 @@ def threshold_for(sorted_sample, n, want):
     return max(np.float32(sorted_sample[s - m]), TINY)
 
 
-# ---- CUDA kernels ------------------------------------------------------------------
-@cuda.jit
-def _sample_abs_kernel(x, stride, out):
-    j = cuda.grid(1)
-    while j < out.size:
-        out[j] = abs(x[j * stride])
-        j += cuda.gridsize(1)
-
-
-@cuda.jit
-def _threshold_compact_kernel(x, t, cand_idx, cand_val, count):
-    i = cuda.grid(1)
-    while i < x.size:
-        v = x[i]
-        a = abs(v)
-        if a >= t or a != a:
-            slot = cuda.atomic.add(count, 0, 1)
-            if slot < cand_idx.size:
-                cand_idx[slot] = i
-                cand_val[slot] = v
-        i += cuda.gridsize(1)
-
-
 # ---- launchers ---------------------------------------------------------------------
 def _alloc(scratch, key, shape, dtype):
     return scratch(key, shape, dtype) if scratch is not None else cuda.device_array(shape, dtype)
@@ -119,7 +97,7 @@ def _alloc(scratch, key, shape, dtype):
 
 def threshold_compact_cuda(x, t, cand_idx, cand_val, count, *, stream=0):
     """Launch the compaction; ``count`` (1,) int32 must hold 0. Returns nothing (read count after a sync)."""
-    compact = configured(_threshold_compact_kernel, blocks_for(x.size), THREADS, stream)
+    compact = configured(kernels.threshold_compact_kernel, blocks_for(x.size), THREADS, stream)
     compact(x, np.float32(t), cand_idx, cand_val, count)
 
 
@@ -134,7 +112,7 @@ def topk_cuda(x, k, *, stream=0, scratch=None) -> TopkResult:
         return TopkResult(np.arange(n, dtype=np.int32), x.copy_to_host(stream=stream), 0, False)
     s = min(n, SAMPLE)
     sample = _alloc(scratch, "topk_sample", (s,), np.float32)
-    configured(_sample_abs_kernel, blocks_for(s), THREADS, stream)(x, n // s, sample)
+    configured(kernels.sample_abs_kernel, blocks_for(s), THREADS, stream)(x, n // s, sample)
     host = sample.copy_to_host(stream=stream)
     _sync(stream)
     cap = capacity(n, k)

@@ -38,7 +38,7 @@ def _device_choice(local_rank: int) -> tuple[str, str, str]:
     without creating a CUDA context: CuPy is imported, not run (a cuBLAS that fails to load
     shows at training start-up, as the device's warning)."""
     from ..device import cuda_status, gpu_for_rank, gpu_name, simulated
-    from ..kernels.cublas import cupy_found
+    from ..kernels.support.cublas import cupy_found
 
     n, why = cuda_status()
     if simulated():
@@ -95,7 +95,7 @@ def print_info(world) -> None:
         print(f"  threads: rank(s) {','.join(str(r['rank']) for r in crowded)}: {crowded[0]['note']}")
     slow = [str(r["rank"]) for r in rows if r["GEMM"].startswith("numba (")]
     if slow:
-        from ..kernels.cublas import CUPY_FIX
+        from ..kernels.support.cublas import CUPY_FIX
 
         print(f"  GEMM: rank(s) {','.join(slow)} would run the numba GEMM kernels on a GPU (train.gemm = auto); "
               f"to fix: {CUPY_FIX}")

@@ -30,10 +30,10 @@ class Unallocated(CpuDevice):
     def __init__(self, dtype="float32", like: str = "cpu", attention: str = "auto"):
         super().__init__(dtype)
         if like == "cuda":
-            from ..kernels.attention_cuda import HS_SIZES, attention_state_shapes
+            from ..kernels.attention import HS_SIZES, attention_state_shapes_cuda
 
             self.name = "cuda"
-            self.ops = types.SimpleNamespace(**{**vars(CPU_OPS), "attention_state_shapes": attention_state_shapes,
+            self.ops = types.SimpleNamespace(**{**vars(CPU_OPS), "attention_state_shapes": attention_state_shapes_cuda,
                                                 "attention_saved_kind": "lse",
                                                 "attention_max_head_size":
                                                     HS_SIZES[-1] if attention == "flash" else None})

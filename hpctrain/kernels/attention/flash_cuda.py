@@ -1,10 +1,10 @@
-"""The numba CUDA kernels of causal attention; the contract, the tile choice and the launchers
-are in :mod:`.attention_cuda`, which says what each kernel computes.
+"""The flash kernels of causal attention (numba CUDA); the contract, the tile choice and the
+launchers are in :mod:`.flash`, which says what each kernel computes.
 
 Shared arrays need compile-time shapes, so kernels are built (and cached) per (dtype, TILE,
 HS_MAX): TILE query/key rows per tile, blocks of TILE x TILE threads; HS_MAX the compiled
 head-size capacity (head dims past hs are zeros in shared memory, so dot products run to the
-constant HS_MAX). :func:`.attention_cuda._smem_bytes` counts the shared arrays declared here.
+constant HS_MAX). :func:`.flash._smem_bytes` counts the shared arrays declared here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, float64
 
-from .cuda_support import simulated
+from ..support.cuda_support import simulated
 
 
 @lru_cache(maxsize=None)

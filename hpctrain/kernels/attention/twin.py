@@ -1,4 +1,4 @@
-"""Causal multi-head self-attention: the part between c_attn (QKV) and c_proj.
+"""Causal multi-head self-attention's CPU twin: the part between c_attn (QKV) and c_proj.
 
 qkv (B, T, 3C) holds [q | k | v] along the last axis (GPT-2's c_attn layout);
 head h reads columns h*hs:(h+1)*hs of q, k and v, hs = C / NH. Per (b, h):
@@ -30,7 +30,7 @@ import math
 import numpy as np
 from numba import njit
 
-from . import cpu_threads
+from ..support import cpu_threads
 
 
 # ---- CPU twin (numba + NumPy) -------------------------------------------------------
@@ -225,9 +225,6 @@ def _backward_rows(dout, qkv, probs, n_head, dqkv, work):
 
 def attention_state_shapes(B, n_head, T):
     """(shape of the state forward saves for backward, shape of backward's work array):
-    P and dP/dS, both (B, NH, T, T), for this twin. The CUDA kernels (attention_cuda.py)
+    P and dP/dS, both (B, NH, T, T), for this twin. The CUDA paths (flash.py, gemm.py)
     keep (B, NH, T) arrays instead; layers ask the device's table, so either fits."""
     return (B, n_head, T, T), (B, n_head, T, T)
-
-
-# CUDA kernels: attention_cuda.py (a flash-attention tiling that keeps no T x T array)

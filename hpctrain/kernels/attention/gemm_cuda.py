@@ -1,5 +1,5 @@
 """The numba kernels of the GEMM attention (``model.attention = gemm``); what they compute, and
-the GEMMs around them, are in :mod:`.attention_gemm`.
+the GEMMs around them, are in :mod:`.gemm`.
 
 One block per score row (grid-stride over a chunk's n T rows); threads stride over the row's
 columns and reduce in shared memory by a fixed-order tree (the same bits every run). Built
@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, float64
 
-from .cuda_support import simulated
+from ..support.cuda_support import simulated
 
 # lse is the chunk's (n, T) view of the (B, NH, T) array: lse[b, h:h + n] along heads, lse[b:b + n, h] along rows.
 @lru_cache(maxsize=None)

@@ -19,7 +19,8 @@ CPU kernels (the gradient's scale and finite test, host reductions, compression,
 adds) while the main thread runs backward.
 
 The thread count is the rank's share of the cores, the one ``runtime.limit_threads_per_rank``
-gives BLAS (``OMP_NUM_THREADS``), unless :func:`set_threads` says otherwise. An op that takes
+gives BLAS (``OMP_NUM_THREADS``), unless :func:`set_threads` says otherwise; it is resolved once,
+at the first split op (after the entry point's ``limit_threads_per_rank``), not per op. An op that takes
 under :data:`MIN_SPLIT_NS` on one core runs on the calling thread: handing a range to a worker
 and waiting for it costs 60-100 us here (a queue, an event and two GIL hand-offs on a 2-core VM),
 so a residual add over 512K float32 (70 us) took twice as long split in two. Each op states its
@@ -38,7 +39,7 @@ CHUNK_ROWS = 128         # rows per partial sum of a reduction over rows (fixed:
 MIN_SPLIT_NS = 200_000   # ops estimated under this on one core run on the calling thread (_parts)
 
 _lock = threading.Lock()
-_threads = None          # None: not yet decided (default_threads at first use)
+_threads = None          # None: not yet resolved (default_threads, once, at the first use)
 _pool = None
 
 
@@ -58,14 +59,24 @@ def cpus() -> set:
 
 
 def threads() -> int:
-    """How many threads a CPU op is split over."""
-    return _threads if _threads is not None else default_threads()
+    """How many threads a CPU op is split over: :func:`set_threads`'s count, else
+    :func:`default_threads` read once, at the first call (every op asks; the environment is not
+    read again)."""
+    global _threads
+    n = _threads
+    if n is None:
+        with _lock:
+            if _threads is None:
+                _threads = default_threads()
+            n = _threads
+    return n
 
 
 def set_threads(n: int | None) -> None:
-    """Split CPU ops over ``n`` threads from now on (None: back to :func:`default_threads`). The
-    pool keeps its workers (a split takes as many as it needs), so an op running in another thread
-    is never left with a pool that stopped."""
+    """Split CPU ops over ``n`` threads from now on; None: :func:`default_threads` again, read anew
+    at the next op (after a change of ``OMP_NUM_THREADS``, say). The pool keeps its workers (a split
+    takes as many as it needs), so an op running in another thread is never left with a pool that
+    stopped."""
     global _threads
     with _lock:
         _threads = None if n is None else max(1, int(n))

@@ -1,4 +1,4 @@
-"""Causal multi-head attention as CUDA kernels, flash-attention style (the CPU twin is :mod:`.attention`).
+"""Causal multi-head attention as CUDA kernels, flash-attention style (the CPU twin is :mod:`.twin`).
 
 Contract (the twin's layout): qkv (B, T, 3C) holds [q | k | v] along the last
 axis; head h reads columns h*hs:(h+1)*hs of q, k and v (hs = C / NH); out
@@ -26,7 +26,7 @@ Backward recomputes P = exp(scale q k^T - lse) per tile (masked = 0):
 Every output element is owned by one thread of one block and summed in a fixed
 order (no atomics), so the results are bitwise the same on every run.
 
-The kernels themselves are in :mod:`.attention_cuda_kernels`, built per (dtype,
+The kernels themselves are in :mod:`.flash_cuda`, built per (dtype,
 TILE, HS_MAX) (HS_MAX: head sizes up to 32, 64 or 128); the launcher picks
 the largest TILE whose shared memory fits SMEM_LIMIT (see :func:`choose_tile`).
 Measured on an H100 (B=4, NH=12, T=1024, hs=64, float32): forward 3.0 ms,
@@ -40,8 +40,8 @@ import math
 
 import numpy as np
 
-from .attention_cuda_kernels import attention_kernels, dsum_kernel
-from .cuda_support import blocks_for, configured
+from ..support.cuda_support import blocks_for, configured
+from . import flash_cuda as kernels  # the CUDA kernels launched here
 
 HS_SIZES = (32, 64, 128)   # compiled head-size capacities; hs above the last is refused
 TILES = (32, 16, 8, 4)     # query/key rows per tile, largest first; blocks are TILE x TILE threads
@@ -49,13 +49,13 @@ SMEM_LIMIT = 44 * 1024     # static shared memory per block is capped at 48 KiB;
 MAX_GRID_Y = 65535         # CUDA's gridDim.y limit (query or key tiles); (b, h) goes on grid x
 
 
-def attention_state_shapes(B, NH, T):
+def attention_state_shapes_cuda(B, NH, T):
     """(shape of the saved lse, shape of backward's work): both (B, NH, T)."""
     return (B, NH, T), (B, NH, T)
 
 
 def _smem_bytes(kind, tile, hs_max, itemsize):
-    """Static shared memory of one block (the arrays declared in attention_cuda_kernels.py's kernels)."""
+    """Static shared memory of one block (the arrays declared in flash_cuda.py's kernels)."""
     rows, square = tile * (hs_max + 1), tile * (tile + 1)
     n = {"forward": 3 * rows + square,                   # Q, K, V, scores
          "backward_dkv": 4 * rows + 2 * square + 2 * tile,  # K, V, Q, dO, P, dS, lse, D
@@ -81,9 +81,9 @@ def choose_tile(kind, dtype, hs, T):
 
 
 # ---- launchers ---------------------------------------------------------------------
-def _check(op, qkv, n_head, arrays, any_head_size=False):
+def check_operands(op, qkv, n_head, arrays, any_head_size=False):
     """Shapes and dtypes the kernels rely on; ``arrays`` lists (name, array, expected shape). Returns hs.
-    ``any_head_size``: no compiled head-size limit (the GEMM path, :mod:`.attention_gemm`)."""
+    ``any_head_size``: no compiled head-size limit (the GEMM path, :mod:`.gemm`)."""
     B, T, C3 = qkv.shape
     if n_head < 1 or C3 % 3 or C3 == 0 or (C3 // 3) % n_head:
         raise ValueError(f"{op}: qkv's last axis {C3} must be 3*C with C a positive multiple of n_head={n_head}")
@@ -110,8 +110,8 @@ def _configured(op, kind, dtype, B, n_head, hs, T, tile):
                          f"shared memory at head size {hs}")
     if -(-T // tile) > MAX_GRID_Y:
         raise ValueError(f"{op}: {-(-T // tile)} tiles of {tile} exceed gridDim.y {MAX_GRID_Y}; shorten T")
-    kernels = attention_kernels(np.dtype(dtype).name, tile, hs_capacity(hs))
-    return kernels[("forward", "backward_dkv", "backward_dq").index(kind)], (B * n_head, -(-T // tile)), (tile, tile)
+    built = kernels.attention_kernels(np.dtype(dtype).name, tile, hs_capacity(hs))
+    return built[("forward", "backward_dkv", "backward_dq").index(kind)], (B * n_head, -(-T // tile)), (tile, tile)
 
 
 def attention_forward_cuda(qkv, n_head, out, lse, *, stream=0, tile=None):
@@ -120,7 +120,7 @@ def attention_forward_cuda(qkv, n_head, out, lse, *, stream=0, tile=None):
     ``tile`` forces the tile (4, 8, 16 or 32; tests use it); by default :func:`choose_tile` picks.
     """
     B, T, C3 = qkv.shape
-    hs = _check("attention_forward_cuda", qkv, n_head,
+    hs = check_operands("attention_forward_cuda", qkv, n_head,
                 [("out", out, (B, T, C3 // 3)), ("lse", lse, (B, n_head, T))])
     if B == 0 or T == 0:
         return out
@@ -137,13 +137,13 @@ def attention_backward_cuda(dout, qkv, out, lse, n_head, dqkv, work, *, stream=0
     """
     B, T, C3 = qkv.shape
     C = C3 // 3
-    hs = _check("attention_backward_cuda", qkv, n_head,
+    hs = check_operands("attention_backward_cuda", qkv, n_head,
                 [("dout", dout, (B, T, C)), ("out", out, (B, T, C)), ("lse", lse, (B, n_head, T)),
                  ("dqkv", dqkv, qkv.shape), ("work", work, (B, n_head, T))])
     if B == 0 or T == 0:
         return dqkv
     scale = qkv.dtype.type(1.0 / math.sqrt(hs))  # a float32 scalar for float32 kernels (see attention_kernels)
-    dsum = configured(dsum_kernel(np.dtype(qkv.dtype).name), blocks_for(B * T * n_head), 256, stream)
+    dsum = configured(kernels.dsum_kernel(np.dtype(qkv.dtype).name), blocks_for(B * T * n_head), 256, stream)
     dsum(dout, out, int(n_head), work)
     for kind in ("backward_dkv", "backward_dq"):  # D is complete before either reads it (one stream)
         kernel, grid, block = _configured("attention_backward_cuda", kind, qkv.dtype, B, n_head, hs, T, tile)

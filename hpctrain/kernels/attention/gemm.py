@@ -1,6 +1,6 @@
 """Causal attention on CUDA as batched GEMMs around a scale-mask-softmax kernel (``model.attention = gemm``).
 
-The contract is :mod:`.attention_cuda`'s (qkv (B, T, 3C), out (B, T, C), lse (B, NH, T) kept
+The contract is :mod:`.flash`'s (qkv (B, T, 3C), out (B, T, C), lse (B, NH, T) kept
 between forward and backward, one float dtype), so a model switches between this and the
 flash kernels per shape with nothing else changed. Here the T x T scores are materialised,
 per chunk of G heads at a time, in two scratch buffers of (G, T, T) (S/P and dP/dS):
@@ -12,14 +12,11 @@ backward  S = Q K^T again (GEMM; the lse makes P without a second reduction:
           P = exp(scale S - lse), masked 0); dV = P^T dY, dP = dY V^T (GEMMs);
           dS = scale P (dP - rowsum(P dP)) (rows kernel); dQ = dS K, dK = dS^T Q (GEMMs)
 
-Each GEMM is one strided-batched call (:mod:`.batched_gemm`): a chunk is G heads of one
+Each GEMM is one strided-batched call (:mod:`..support.batched_gemm`): a chunk is G heads of one
 batch row (the heads sit hs apart in qkv) or one head of G batch rows (T 3C apart), whichever
 needs fewer calls. The GEMMs compute the masked upper triangle too (half their flops), which
 the softmax zeroes. cuBLAS runs them on a GPU; on the numba simulator NumPy does, on the
 same buffers, so the tests take this whole path but the cuBLAS call.
-
-``auto`` (:func:`choose`) takes these GEMMs where cuBLAS is in use and T >= AUTO_GEMM_MIN_T,
-and for head sizes the flash kernels do not compile (hs > 128); the flash kernels otherwise.
 """
 
 from __future__ import annotations
@@ -28,32 +25,12 @@ import math
 
 import numpy as np
 
-from .attention_cuda import HS_SIZES, _check, attention_backward_cuda, attention_forward_cuda
-from .attention_gemm_kernels import row_kernels, row_threads
-from .batched_gemm import GemmBatch
-from .cuda_support import blocks_for, configured
+from ..support.batched_gemm import GemmBatch
+from ..support.cuda_support import blocks_for, configured
+from . import gemm_cuda as kernels  # the CUDA kernels launched here
+from .flash import attention_backward_cuda, attention_forward_cuda, check_operands
 
 SCORES_BUDGET = 256 * 2 ** 20   # bytes of the two (G, T, T) score buffers together
-# The flash kernels' per-tile loops cost per row ~T hs operations from shared memory (2.5
-# TFLOP/s measured at T = 1024), the GEMM path ~T^2 memory traffic and three extra launches per
-# chunk; from T = 256 the GEMMs' arithmetic is expected to win. An estimate from those two
-# costs, not a measurement: benchmarks/kernels.py times both (attention flash vs gemm) on a GPU.
-AUTO_GEMM_MIN_T = 256
-MODES = ("auto", "flash", "gemm")
-
-
-def choose(mode: str, T: int, hs: int, cublas: bool) -> str:
-    """"flash" or "gemm" for ``model.attention = mode`` at sequence length T and head size hs;
-    ``cublas``: whether the GEMMs run on cuBLAS (else the numba GEMM kernel or the simulator)."""
-    if mode not in MODES:
-        raise ValueError(f"model.attention={mode!r}: choose one of {', '.join(MODES)}")
-    if mode != "auto":
-        return mode
-    if hs > HS_SIZES[-1]:
-        return "gemm"
-    return "gemm" if cublas and T >= AUTO_GEMM_MIN_T else "flash"
-
-
 def chunk_plan(B: int, NH: int, T: int, itemsize: int, budget: int = SCORES_BUDGET) -> tuple[str, int]:
     """("heads", G): batch G heads of one batch row per call, or ("rows", G): G batch rows of one
     head; G as large as ``budget`` allows, the axis the one needing fewer calls."""
@@ -82,14 +59,14 @@ class _Plan:
 
     def __init__(self, op, qkv, n_head, arrays, scratch, budget, need_dscores):
         B, T, C3 = qkv.shape
-        self.hs = _check(op, qkv, n_head, arrays, any_head_size=True)
+        self.hs = check_operands(op, qkv, n_head, arrays, any_head_size=True)
         self.B, self.T, self.C3, self.C, self.NH = B, T, C3, C3 // 3, n_head
         dt = np.dtype(qkv.dtype)
         self.dtype, self.scale = dt, dt.type(1.0 / math.sqrt(self.hs))
         self.along, self.G = chunk_plan(B, n_head, T, dt.itemsize, budget)
         self.S = scratch("attention_scores", (self.G, T, T), dt)
         self.W = scratch("attention_dscores", (self.G, T, T), dt) if need_dscores else None
-        self.kernels = row_kernels(dt.name, row_threads())
+        self.kernels = kernels.row_kernels(dt.name, kernels.row_threads())
 
     def chunks(self):
         """(b, h, n, q offset, out offset, qkv stride, out stride) per chunk."""
@@ -109,17 +86,17 @@ class _Plan:
         return GemmBatch(T, T, self.hs, False, True, C3, C3, T, off_q, off_q + self.C, 0, sq, sq, T * T, n)
 
 
-def attention_forward_gemm(qkv, n_head, out, lse, *, stream=0, scratch, gemm, budget=SCORES_BUDGET):
-    """As :func:`.attention_cuda.attention_forward_cuda` (the same out and lse), by GEMMs.
+def attention_forward_cuda_gemm(qkv, n_head, out, lse, *, stream=0, scratch, gemm, budget=SCORES_BUDGET):
+    """As :func:`.flash.attention_forward_cuda` (the same out and lse), by GEMMs.
     ``scratch`` is the device's (key, shape, dtype) -> reused array; ``gemm`` a
-    :mod:`.batched_gemm` executor on the same stream."""
+    :mod:`..support.batched_gemm` executor on the same stream."""
     B, T, C3 = qkv.shape
-    p = _Plan("attention_forward_gemm", qkv, n_head, [("out", out, (B, T, C3 // 3)), ("lse", lse, (B, n_head, T))],
+    p = _Plan("attention_forward_cuda_gemm", qkv, n_head, [("out", out, (B, T, C3 // 3)), ("lse", lse, (B, n_head, T))],
               scratch, budget, False)
     if B == 0 or T == 0:
         return out
     softmax_rows = p.kernels[0]
-    threads = row_threads()
+    threads = kernels.row_threads()
     for b, h, n, oq, oo, sq, so in p.chunks():
         gemm(p.scores(oq, sq, n), qkv, qkv, p.S)
         configured(softmax_rows, blocks_for(n * T, 1), threads, stream)(p.S, p.scale, p.lse_rows(lse, b, h, n), n)
@@ -127,19 +104,19 @@ def attention_forward_gemm(qkv, n_head, out, lse, *, stream=0, scratch, gemm, bu
     return out
 
 
-def attention_backward_gemm(dout, qkv, out, lse, n_head, dqkv, work, *, stream=0, scratch, gemm,
+def attention_backward_cuda_gemm(dout, qkv, out, lse, n_head, dqkv, work, *, stream=0, scratch, gemm,
                             budget=SCORES_BUDGET):
-    """As :func:`.attention_cuda.attention_backward_cuda` (dqkv overwritten), by GEMMs. ``out`` and
+    """As :func:`.flash.attention_backward_cuda` (dqkv overwritten), by GEMMs. ``out`` and
     ``work`` are unused (the row term is reduced from P and dP); they keep the flash signature."""
     B, T, C3 = qkv.shape
     C = C3 // 3
-    p = _Plan("attention_backward_gemm", qkv, n_head,
+    p = _Plan("attention_backward_cuda_gemm", qkv, n_head,
               [("dout", dout, (B, T, C)), ("lse", lse, (B, n_head, T)), ("dqkv", dqkv, qkv.shape)],
               scratch, budget, True)
     if B == 0 or T == 0:
         return dqkv
     _, probs, grad_rows = p.kernels
-    threads, hs, S, W = row_threads(), p.hs, p.S, p.W
+    threads, hs, S, W = kernels.row_threads(), p.hs, p.S, p.W
     for b, h, n, oq, oo, sq, so in p.chunks():
         gemm(p.scores(oq, sq, n), qkv, qkv, S)
         configured(probs, blocks_for(n * T * T), 256, stream)(S, p.scale, p.lse_rows(lse, b, h, n), n)
@@ -186,8 +163,8 @@ def _check_case(gemm, stream, scratch, dtype, shape, budget) -> str:
             attention_backward_cuda(dy, qkv, out, lse, NH, dq, work, stream=stream)
         else:
             kw = dict(stream=stream, scratch=scratch, gemm=gemm, budget=budget)
-            attention_forward_gemm(qkv, NH, out, lse, **kw)
-            attention_backward_gemm(dy, qkv, out, lse, NH, dq, work, **kw)
+            attention_forward_cuda_gemm(qkv, NH, out, lse, **kw)
+            attention_backward_cuda_gemm(dy, qkv, out, lse, NH, dq, work, **kw)
         got.append([a.copy_to_host(stream=stream) for a in (out, lse, dq)])
     stream.synchronize()
     u = float(np.finfo(dt).eps)
@@ -198,35 +175,3 @@ def _check_case(gemm, stream, scratch, dtype, shape, budget) -> str:
             return (f"the cuBLAS attention's {name} differs from the flash kernels' by {err:.1e} of its scale on a "
                     f"test case (B {B}, NH {NH}, T {T}, hs {hs})")
     return ""
-
-
-class ChosenAttention:
-    """The device's attention ops for ``model.attention = mode``: per call, :func:`choose` picks
-    the flash kernels or the GEMM path by the call's T and head size (both keep the same lse,
-    so a model may take either at any shape). ``gemm``: the batched-GEMM executor, None where
-    there is none (then only flash runs; the model's head-size check keeps hs within it)."""
-
-    def __init__(self, mode: str, stream, scratch, gemm=None):
-        choose(mode, 1, 1, False)  # a bad mode fails here, at start-up
-        self.mode, self.stream, self.scratch, self.gemm = mode, stream, scratch, gemm
-
-    def which(self, T: int, hs: int) -> str:
-        """"flash" or "gemm" at sequence length T and head size hs."""
-        if self.gemm is None:
-            return "flash"
-        return choose(self.mode, T, hs, self.gemm.name == "cublas")
-
-    def _gemm(self, qkv, n_head) -> bool:
-        return self.which(qkv.shape[1], qkv.shape[2] // 3 // max(1, n_head)) == "gemm"
-
-    def forward(self, qkv, n_head, out, lse):
-        if self._gemm(qkv, n_head):
-            return attention_forward_gemm(qkv, n_head, out, lse, stream=self.stream, scratch=self.scratch,
-                                          gemm=self.gemm)
-        return attention_forward_cuda(qkv, n_head, out, lse, stream=self.stream)
-
-    def backward(self, dout, qkv, out, lse, n_head, dqkv, work):
-        if self._gemm(qkv, n_head):
-            return attention_backward_gemm(dout, qkv, out, lse, n_head, dqkv, work, stream=self.stream,
-                                           scratch=self.scratch, gemm=self.gemm)
-        return attention_backward_cuda(dout, qkv, out, lse, n_head, dqkv, work, stream=self.stream)

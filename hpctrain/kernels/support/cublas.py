@@ -1,12 +1,8 @@
-"""The Linear op's GEMMs through cuBLAS (CuPy), on the device's own memory and stream.
-
-``train.gemm = "cublas"`` (or ``"auto"`` where CuPy imports) puts these in the CUDA
-kernel table in place of :func:`.linear.linear_forward_cuda` / ``linear_backward_cuda``,
-with the same contract:
-
-    linear_forward(x, w, z)                          z (B, O) <- x (B, I) @ w (I, O)
-    linear_backward(dz, x, w, dx, dw, accumulate)    dw <- (dw +) x^T dz;  dx <- dz w^T
-    tied_head_forward / tied_head_backward           the same with the weight stored (O, I)
+"""cuBLAS through CuPy, on the device's own memory and stream: whether CuPy runs here
+(:func:`cupy_found`, :func:`cupy_status`, :data:`CUPY_FIX`) and :class:`CublasGemm`, one GEMM on
+numba device arrays. ``train.gemm = "cublas"`` (or ``"auto"`` where CuPy imports) runs the GEMM
+ops on it: linear.py's ``*_cuda_cublas`` launchers, in the CUDA op table in place of the numba
+kernels' ``*_cuda``, with the same contract.
 
 No copies: each numba device array is wrapped as a CuPy array over the same pointer,
 shape and strides; transposes are taken on the CuPy side, where ``.T`` is a view that cuBLAS
@@ -84,8 +80,8 @@ def _c_strides(shape, itemsize):
     return tuple(reversed(out))
 
 
-class CublasLinear:
-    """The two Linear ops for one device stream (a numba ``cuda.stream()``)."""
+class CublasGemm:
+    """cuBLAS's GEMM on numba device arrays, queued on one device stream (a numba ``cuda.stream()``)."""
 
     def __init__(self, stream, gpu: int = 0):
         import cupy
@@ -130,23 +126,3 @@ class CublasLinear:
             else:
                 cp.matmul(A, B, out=C)
         return c
-
-    def linear_forward(self, x, w, z):
-        """z <- x @ w."""
-        return self.gemm(x, w, z)
-
-    def linear_backward(self, dz, x, w, dx, dw, accumulate=False):
-        """dw <- (dw +) x^T dz; dx <- dz w^T unless dx is None. Returns dx."""
-        self.gemm(x, dz, dw, trans_a=True, accumulate=accumulate)
-        if dx is not None:
-            self.gemm(dz, w, dx, trans_b=True)
-        return dx
-
-    def tied_head_forward(self, x, wte, logits):
-        """logits <- x @ wte^T."""
-        return self.gemm(x, wte, logits, trans_b=True)
-
-    def tied_head_backward(self, dlogits, x, wte, dx, dwte, accumulate=False):
-        """dwte <- (dwte +) dlogits^T x; dx <- dlogits wte. Returns dx."""
-        self.gemm(dlogits, x, dwte, trans_a=True, accumulate=accumulate)
-        return self.gemm(dlogits, wte, dx)

@@ -1,0 +1,147 @@
+"""What every CUDA launcher shares: launch geometry, configured launches and the simulator switch.
+
+Importing ``numba.cuda`` creates no CUDA context (kernels compile on first
+launch), so op files import it at module level. Whether numba runs kernels on a
+GPU or in its simulator is fixed by ``NUMBA_ENABLE_CUDASIM`` when numba is first
+imported.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+from numba import config, cuda, float64
+
+# numba-cuda <= 0.30 registers a typing overload for ``np.row_stack`` when it
+# compiles its first kernel; NumPy 2.5 removed that alias, so every compile then
+# fails with AttributeError (seen on a GPU image with numba-cuda 0.30.4 and
+# NumPy 2.5.2). ``row_stack`` was always ``vstack``: restore the alias only
+# where it is missing. Every CUDA launcher imports this module first.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+THREADS = 256        # threads per block for 1-D (elementwise) kernels
+MAX_BLOCKS = 8192    # grid-stride loops cover the rest; ~60 blocks per H200 SM
+# The simulator runs every thread as a Python thread (~0.1-0.3 ms each); a
+# small grid keeps tests fast and makes the grid-stride loops iterate.
+SIM_MAX_BLOCKS = 2
+
+
+def simulated() -> bool:
+    """True when numba.cuda is the CPU simulator (NUMBA_ENABLE_CUDASIM=1)."""
+    return bool(config.ENABLE_CUDASIM)
+
+
+def blocks_for(n: int, threads: int = THREADS) -> int:
+    """Blocks for a grid-stride loop over ``n`` items (at least one)."""
+    cap = SIM_MAX_BLOCKS if simulated() else MAX_BLOCKS
+    return max(1, min(cap, math.ceil(n / threads)))
+
+
+_configured = threading.local()   # per thread: {(kernel, grid, block, stream, shared): configured kernel}
+_counters: list = []              # every thread's launch counter (a one-element list), to add them up
+_counters_lock = threading.Lock()
+
+
+def count_launches(n: int = 1) -> None:
+    """Count ``n`` host-side launches on this thread: a kernel (:func:`configured` counts its
+    own), a cuBLAS call, a graph replay. Per thread, so counting takes no lock."""
+    counter = getattr(_configured, "launches", None)
+    if counter is None:
+        counter = _configured.launches = [0]
+        with _counters_lock:
+            _counters.append(counter)
+    counter[0] += n
+
+
+def launches() -> int:
+    """Launches counted so far in this process, every thread's (a step's: the difference)."""
+    with _counters_lock:
+        return sum(c[0] for c in _counters)
+
+
+def configured(kernel, grid, block, stream=0, shared=0):
+    """``kernel[grid, block, stream, shared]``, made once per thread and launch geometry and reused,
+    for one launch (counted: :func:`launches`).
+
+    On an H100 an op-table launch cost 57 us of host time against 23 us for a kernel configured
+    once (benchmarks/launch_cost.py, numba-cuda of 2026-11-27). numba-cuda 0.30 keeps its last 128
+    configurations (shared by all threads; older releases keep none), and a GPT step uses the
+    same few hundred launch geometries every time: this keeps every one. Per thread, because a
+    configured kernel holds its call's arguments while it dispatches. numba still picks the
+    compiled overload by the arguments' types on each call. The simulator's configure rewrites
+    the kernel object itself, so there nothing is kept.
+    """
+    count_launches()
+    if simulated():
+        return kernel[grid, block, stream, shared]
+    cache = getattr(_configured, "kernels", None)
+    if cache is None:
+        cache = _configured.kernels = {}
+    key = (kernel, grid, block, int(stream) if stream else 0, shared)   # a stream by its handle
+    launch = cache.get(key)
+    if launch is None:
+        launch = cache[key] = kernel[grid, block, stream, shared]
+    return launch
+
+
+# Memory-bound kernels load UNROLL elements per trip of their loop before they
+# store any. A thread whose loop stores before its next load has one load in
+# flight (the compiler may not move a load above a store that could alias it),
+# and the GPU's resident threads then cannot cover DRAM latency: a one-load
+# copy loop reached 0.75x of cudaMemcpy's bandwidth on an H200. Each element is
+# still computed alone by the same expression, and every sum adds in the same
+# order as one element per trip would: the unrolling changes when loads issue,
+# not what is computed (the tests hold each kernel to its CPU twin, as before).
+UNROLL = 4
+
+
+def row_grid(rows: int, cols: int, unroll: int = UNROLL) -> tuple[tuple[int, int], int]:
+    """((blocks over columns, blocks over rows), threads) for a 2-D elementwise kernel:
+    threads across the columns (coalesced; a multiple of 32, at most THREADS), one
+    block row per ``unroll`` rows (grid-stride beyond 65535 block rows)."""
+    threads = min(THREADS, 32 * math.ceil(max(1, cols) / 32))
+    cap = SIM_MAX_BLOCKS if simulated() else 65535
+    return (math.ceil(max(1, cols) / threads), max(1, min(cap, math.ceil(rows / unroll)))), threads
+
+
+@cuda.jit(device=True)
+def last_block_of_column(counters, flag, leader):
+    """True in every thread of the block that is the last of its column (``blockIdx.x``) of
+    blocks to get here, over ``gridDim.y`` blocks; that block then owns the column's final
+    sum (reading the others' partials) and the counter is already reset for the next launch.
+    Call after writing the block's partials, from every thread (it has barriers); ``flag`` is
+    a shared int32[1], ``leader`` 0 in one thread. The fence orders each thread's partial
+    stores before its block's ticket: the last block sees every partial (the CUDA
+    programming guide's threadFenceReduction pattern), and the sum it forms is in chunk
+    order, not arrival order: the same bits every run."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if leader == 0:
+        ticket = cuda.atomic.add(counters, cuda.blockIdx.x, 1)
+        flag[0] = 1 if ticket == cuda.gridDim.y - 1 else 0
+        if flag[0] == 1:
+            counters[cuda.blockIdx.x] = 0
+    cuda.syncthreads()
+    return flag[0] == 1
+
+
+@cuda.jit(device=True)
+def sum_column_partials(partial, c):
+    """sum over g of partial[g, c] (float64) in g order, four loaded ahead of their adds (UNROLL)."""
+    n = partial.shape[0]
+    s = float64(0.0)
+    g = 0
+    while g + 3 < n:
+        p0, p1, p2, p3 = partial[g, c], partial[g + 1, c], partial[g + 2, c], partial[g + 3, c]
+        s += p0
+        s += p1
+        s += p2
+        s += p3
+        g += 4
+    while g < n:
+        s += partial[g, c]
+        g += 1
+    return s

@@ -1,0 +1,173 @@
+"""numba's CUDA simulator, made safe for what hpctrain does with it: a test tool (opt-in).
+
+numba-cuda's simulator (0.30) runs each kernel's threads as Python threads and keeps its state in
+module globals; hpctrain launches kernels from two threads at once (the communication thread's
+beside the main thread's) and relies on shared arrays and barriers behaving as on a GPU.
+:func:`make_thread_safe` patches the simulator's internals so it does. Call it before kernels run
+on the simulator: tests/conftest.py does for every test, the benchmarks do under the simulator,
+and ``python -m hpctrain.testing`` does for a whole run. Production code never calls it: a GPU
+needs none of it, and :class:`~hpctrain.device.CudaDevice` patches nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+from ..kernels.support.cuda_support import simulated
+
+_sim_lock = threading.Lock()
+
+
+def make_thread_safe() -> None:
+    """Under the simulator, let one kernel launch run at a time, process-wide, give a
+    block's threads one shared array per ``cuda.shared.array`` call site, and run
+    ``syncthreads`` as a barrier that wakes its threads instead of a polling loop. Idempotent;
+    nothing happens on a GPU (the simulator is off).
+
+    The simulator keeps the running kernel in one module global, so a launch
+    from a second thread (the bucket thread's scale and compression kernels
+    while backward launches its own) is taken for a device-function call
+    inside the first kernel and runs with the wrong grid. A GPU has no such
+    limit (one stream per rank orders the work).
+    """
+    if not simulated():
+        return
+    from numba.cuda.simulator import kernel as sim
+
+    kernel = sim.FakeCUDAKernel
+    if getattr(kernel, "_hpctrain_serialized", False):
+        return
+    launch = kernel.__call__
+
+    def serialized(self, *args):
+        if self._device:  # device functions run inside a launch (on its threads): no lock
+            return launch(self, *args)
+        with _sim_lock:
+            return launch(self, *args)
+    kernel.__call__ = serialized
+    kernel._hpctrain_serialized = True
+    _lock_simulator_shared_arrays()
+    _block_barrier_without_polling()
+
+
+_shared_lock = threading.Lock()
+
+
+def _lock_simulator_shared_arrays() -> None:
+    """Make the simulator's ``cuda.shared.array`` give every thread of a block the same array.
+
+    numba-cuda's simulator (0.30) keys a block's shared arrays by the calling
+    line and creates one on a miss with no lock: two of the block's threads can
+    both miss, each get its own array, and each read cells only the other
+    wrote (seen as a GEMM on the simulator returning other values now and then,
+    more often under load). The replacement does the lookup under a lock, with
+    the same keys (file and line of the call; size 0 is the dynamic array).
+    """
+    from numba.core import types
+    from numba.np import numpy_support
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    if getattr(FakeCUDAShared, "_hpctrain_locked", False):
+        return
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None:
+            raise RuntimeError("Array alignment is not supported in cudasim")
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        if shape == 0:  # dynamic shared memory: one buffer, as many whole items as fit
+            return np.frombuffer(self._dynshared.data, dtype=dtype, count=self._dynshared_size // dtype.itemsize)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with _shared_lock:
+            found = self._allocations.get(key)
+            if found is None:
+                found = self._allocations[key] = np.empty(shape, dtype)
+        return found
+    FakeCUDAShared.array = array
+    FakeCUDAShared._hpctrain_locked = True
+
+
+def _block_barrier_without_polling() -> None:
+    """The simulator's blocks with a condition-variable barrier instead of a polling loop.
+
+    numba-cuda's simulator (0.30) runs a block's threads while its manager
+    loops over them asking each whether it is alive or waiting in
+    ``syncthreads``; that loop competes for the GIL with the threads it waits
+    for (measured: 40 % of a simulated GPT step in ``is_alive`` and the loop).
+    Here ``syncthreads`` counts arrivals under a condition variable and the last
+    live thread to arrive (or to leave the kernel) releases the others; the
+    manager only joins its threads. Same semantics: a barrier over the threads
+    still running, an exception in one thread aborts the others and is raised
+    with its thread and block named, as the simulator does.
+    """
+    from numba.cuda.simulator import kernel as sim
+
+    manager, thread = sim.BlockManager, sim.BlockThread
+    if getattr(manager, "_hpctrain_barrier", False):
+        return
+
+    def run(self, grid_point, *args):
+        cond = threading.Condition()
+        state = {"live": 0, "arrived": 0, "generation": 0, "abort": False, "error": None}
+        self._barrier = (cond, state)
+
+        def target():
+            try:
+                self._f(*args)
+            except BaseException as exc:  # noqa: BLE001 - raised by the manager below
+                t = threading.current_thread()
+                with cond:
+                    if state["error"] is None and not state["abort"]:
+                        msg = f"tid={list(t.threadIdx)} ctaid={list(t.blockIdx)}" + (f": {exc}" if str(exc) else "")
+                        state["error"] = (type(exc), msg, exc, sys.exc_info()[2])
+                    state["abort"] = True
+                    cond.notify_all()
+            finally:
+                with cond:
+                    state["live"] -= 1
+                    if state["arrived"] and state["arrived"] >= state["live"]:
+                        _release(state, cond)
+
+        threads = [thread(target, self, grid_point, point, self._debug) for point in np.ndindex(*self._block_dim)]
+        state["live"] = len(threads)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if state["error"] is not None:
+            kind, msg, exc, tb = state["error"]
+            try:
+                new = kind(msg)
+            except Exception:  # noqa: BLE001 - an exception type that wants other arguments
+                raise exc.with_traceback(tb) from None
+            raise new.with_traceback(tb)
+
+    def syncthreads(self):
+        cond, state = self._manager._barrier
+        with cond:
+            if state["abort"]:
+                raise RuntimeError("abort flag set on syncthreads call")
+            state["arrived"] += 1
+            if state["arrived"] >= state["live"]:
+                _release(state, cond)
+                return
+            generation = state["generation"]
+            while state["generation"] == generation and not state["abort"]:
+                cond.wait()
+            if state["abort"]:
+                raise RuntimeError("abort flag set on syncthreads clear")
+
+    manager.run = run
+    thread.syncthreads = syncthreads
+    manager._hpctrain_barrier = True
+
+
+def _release(state, cond) -> None:
+    """Every thread waiting at the barrier goes on (call with ``cond`` held)."""
+    state["arrived"] = 0
+    state["generation"] += 1
+    cond.notify_all()
