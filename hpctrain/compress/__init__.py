@@ -10,10 +10,12 @@
             and decoding as kernels (hpctrain/kernels: quantize16, sign_pack,
             topk_threshold, gather_scatter, ef), only payloads on the host;
             simulator-tested, compiled for sm_90
+  gradients GradientCompression: a run's gradient buckets summed through a compressor
+            (dist.compress, dist.compress_scope); the bucket reducer calls it
 
 :func:`make_compressor` builds one from its config text, e.g. ``"topk(0.01)"``;
 ``reducer.CompressedSum`` (or ``device.DeviceCompressedSum``) sums a bucket
-over ranks through one, and :mod:`hpctrain.comm.compression` applies it to
+over ranks through one, and :mod:`.gradients` applies it to
 the gradient buckets (``dist.compress``, ``dist.compress_scope``) and picks
 the path: the device one for CUDA buckets with scope "all", else the host one.
 """

@@ -6,7 +6,7 @@ exactly, through the all-reduce strategy (compression's warm-up), then through
 the compressor:
 
   * scope "all": the whole bucket is compressed on every rank and summed over
-    ``world.comm`` by a :class:`~hpctrain.compress.reducer.CompressedSum`;
+    ``world.comm`` by a :class:`~.reducer.CompressedSum`;
     the all-reduce strategy is not used for the bucket;
   * scope "inter" (hierarchical only): the intra-node reduce-scatter and
     all-gather stay exact, and only each rank's chunk crossing the node
@@ -17,7 +17,7 @@ Where it runs (``on_device``):
 
   * cpu device: on the host, in float32 (:class:`CompressedSum`);
   * cuda device, scope "all": on the device
-    (:class:`~hpctrain.compress.device.DeviceCompressedSum`): error feedback,
+    (:class:`~.device.DeviceCompressedSum`): error feedback,
     encoding and decoding run as kernels, residuals stay in device memory,
     and only the payload is copied to the host for MPI. Results equal the
     host path's bit for bit (PowerSGD: to float32 rounding, its GEMMs sum
@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..compress import Context, make_compressor
-from ..compress.device import DeviceCompressedSum
-from ..compress.reducer import CompressedSum
+from ..comm.buckets import layout_signature
 from ..errors import ConfigError
-from .buckets import layout_signature
+from . import Context, make_compressor
+from .device import DeviceCompressedSum
+from .reducer import CompressedSum
 
 
 class GradientCompression:
