@@ -129,9 +129,9 @@ class ZeroShards:
 
 def plan_zero(stage: int, dist, buckets, model, device, world):
     """(shards, slots, params) of ``dist.zero = stage`` for this rank of ``world``: all None for 0;
-    the :class:`ZeroShards` of strategy ``dist.allreduce`` (the ``dist`` config section) for
-    1; for 2 also the :class:`~.zero_grads.GradientSlots`, with ``model``'s gradients moved into them (its whole
-    gradient buffer dropped and, on a GPU, freed now); for 3 also the
+    the :class:`ZeroShards` of strategy ``dist.allreduce`` (the ``dist`` config section) for 1;
+    for 2 also the :class:`~.zero_grads.GradientSlots`, with ``model``'s gradients moved into them
+    (its whole gradient buffer dropped and, on a GPU, freed now); for 3 also the
     :class:`~.zero_params.ParameterSlots` (the model, built without a whole parameter buffer, moves
     onto them at their ``adopt``, with this rank's shares of the initial weights). Local."""
     if not stage:
