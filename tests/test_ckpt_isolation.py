@@ -1,4 +1,4 @@
-"""Reading checkpoints in child processes (hpctrain/ckpt/isolated.py, share.py) and the root
+"""Reading checkpoints in child processes (hpctrain/ckpt/isolated.py, decode.py, share.py) and the root
 attributes' CRC: the training process never opens a checkpoint with HDF5, the child's heap is
 capped, a damaged root attribute is refused, and version-1 files (before that CRC) still load."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from hpctrain.ckpt import isolated, read, share
+from hpctrain.ckpt import decode, isolated, read, share
 from hpctrain.ckpt.format import attrs_crc32
 from hpctrain.ckpt.read import CorruptCheckpoint, load_checkpoint, verify_file
 from steps import train_step
@@ -130,8 +130,7 @@ def test_running_out_of_memory_in_the_child_is_a_corrupt_file(saved, monkeypatch
     def exhausted(path):
         raise MemoryError()
 
-    monkeypatch.setattr(read, "verify_file", exhausted)
-    monkeypatch.setattr(read, "ISOLATE", True)
+    monkeypatch.setitem(decode.CHILD_OPS, "verify_file", exhausted)
     assert isolated.main("verify_file", saved[0]) == 0
     answer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert answer["error"] == "corrupt" and "more memory than the file's size allows" in answer["text"]

@@ -275,7 +275,7 @@ def test_gpt_buckets_compress_on_the_device_like_the_host_path(comm, spec):
     here; the buckets are what compression sees of the model.)"""
     from hpctrain.comm import make_allreduce
     from hpctrain.comm.buckets import plan_buckets
-    from hpctrain.comm.compression import GradientCompression
+    from hpctrain.compress.gradients import GradientCompression
     from hpctrain.comm.staging import Staging
     from hpctrain.models.gpt import GPT
     from hpctrain.runtime import init_world

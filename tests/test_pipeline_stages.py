@@ -15,7 +15,7 @@ from hpctrain.device import CpuDevice
 from hpctrain.errors import ConfigError
 from hpctrain.models.gpt import GPT
 from hpctrain.models.gpt_layers import StageSpan
-from hpctrain.training.schedules import balance
+from hpctrain.models.stage_split import balance
 
 TINY = dict(vocab=11, context=5, n_layer=4, n_head=2, d_model=8)
 

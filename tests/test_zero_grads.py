@@ -50,7 +50,7 @@ def test_slots_rotate_and_the_last_bucket_has_its_own():
 def test_resident_buckets_keep_slots_of_their_own_and_the_others_rotate_past_them():
     """ZeRO-3's layout: buckets of vectors (here buckets 2 and 5) and the last bucket keep their own
     slots; a group that reads a rotating bucket and a resident one spans one rotating bucket, so K = 2."""
-    from hpctrain.comm.zero_grads import SlotLayout
+    from hpctrain.comm.zero_slots import SlotLayout
 
     dev = CpuDevice("float64")
     flat = FlatParams(dev, [(n, (16,)) for n in NAMES])

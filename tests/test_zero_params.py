@@ -9,7 +9,7 @@ import pytest
 
 from hpctrain.comm.buckets import plan_buckets
 from hpctrain.comm.zero import ZeroShards
-from hpctrain.comm.zero_grads import vector_buckets
+from hpctrain.comm.zero_slots import vector_buckets
 from hpctrain.comm.zero_params import ParameterSlots
 from test_gpt_model import tiny
 

@@ -8,6 +8,7 @@
   read     verification and the parallel load
   checks   what a valid file is beyond its CRCs: header, layout, the errors
   isolated HDF5 decodes a file only in a child process (it may crash, loop or blow up on a corrupt one)
+  decode   what that child runs: verify, header, inspect, a rank's share into shared memory
   share    a rank's share of a file, read by such a child into memory the parent maps
   manager  when to save, what to resume from, keep_last
   cli      ``python -m hpctrain ckpt ls|verify|inspect``

@@ -37,7 +37,7 @@ class SavedCompress(NamedTuple):
 
 def compression_rows(comp, world) -> list[tuple[str, np.ndarray]]:
     """This rank's row of each /compress/<key> dataset of the compressors' state ``comp`` (a
-    :class:`~hpctrain.comm.compression.GradientCompression`, or None), as (path, row).
+    :class:`~hpctrain.compress.gradients.GradientCompression`, or None), as (path, row).
 
     Collective over ``world.comm`` (an all-gather of names and shapes): every rank must create the
     same datasets, but ranks may hold different keys (scope inter: only ranks

@@ -6,11 +6,11 @@ library (SIGSEGV: seen with a bit of an attribute's datatype), send it round a c
 ever, or make it allocate whatever a damaged size says (12 GB seen), before any checksum
 of ours is looked at; and some damaged datatypes make it read memory it never
 initialised, so it crashes on some runs only. So every production read of a file runs
-here, in a fresh ``python -c`` child:
+here, in a fresh ``python -c`` child that runs the op's function of :data:`.decode.CHILD_OPS`:
 
-  * ``verify_file``, ``header_of``, ``inspect_file`` (the serial readers of :mod:`.read`,
+  * ``verify_file``, ``header_of``, ``inspect_file`` (behind the readers of :mod:`.read`,
     what ``ckpt ls/verify/inspect`` run) return their result as JSON;
-  * ``read_share`` (:mod:`.share`) writes one rank's share of every dataset into a memory
+  * ``read_share`` (for :mod:`.share`) writes one rank's share of every dataset into a memory
     file the parent passed (a ``memfd``), and returns where each array lies in it; the
     parent maps the file and checks the CRCs itself. The training process never opens
     the HDF5 file at all.
@@ -31,11 +31,12 @@ import signal
 import subprocess
 import sys
 
+from .decode import CHILD_OPS
+
 TIMEOUT_S = 60  # plus the size term below: a healthy file's metadata decodes in well under a second
 SLOW_READ_BYTES_PER_S = 20e6  # the slowest file system we wait for before calling a read stuck
 HEAP_BASE_BYTES = 1 << 30  # the child's heap cap beyond the file's size (python + h5py take ~100 MB)
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_OPS = ("verify_file", "header_of", "inspect_file", "read_share")
 
 
 def timeout_for(path: str, share: float = 1.0) -> float:
@@ -48,7 +49,7 @@ def timeout_for(path: str, share: float = 1.0) -> float:
 
 
 def run_isolated(op: str, path: str, *args, timeout: float | None = None, pass_fds=()):
-    """``op(path, *args)`` (one of ``_OPS``; ``args`` are ints) in a child process: its result
+    """``op(path, *args)`` (an op of :data:`~.decode.CHILD_OPS`; ``args`` are ints) in a child process: its result
     (JSON-decoded: tuples come back as lists), or the UserError it raised; a crash, a timeout or
     exhausted memory raises CorruptCheckpoint."""
     from .checks import CorruptCheckpoint, UnreadableCheckpoint
@@ -92,14 +93,13 @@ def _cap_heap(path: str) -> None:
 
 
 def main(op: str, path: str, *args: str) -> int:
-    """The child: run the op with no isolation of its own, answer one JSON line on stdout."""
+    """The child: run the op (its function decodes in this process, which is the isolation), answer
+    one JSON line on stdout."""
     from ..errors import UserError
-    from . import read, share
     from .checks import UnreadableCheckpoint
 
     _cap_heap(path)
-    read.ISOLATE = False  # this process is the isolation
-    fn = share.write_share if op == "read_share" else getattr(read, op) if op in _OPS else None
+    fn = CHILD_OPS[op]
     try:
         answer = {"result": fn(path, *map(int, args))}
     except UnreadableCheckpoint as exc:

@@ -8,28 +8,24 @@ config is parsed as TOML data).
 The CRCs cover the arrays' bytes and the root attributes; the rest of a file
 is HDF5 metadata, which a corrupt file may damage in ways HDF5 cannot tell: so
 the layout is checked too (:mod:`.checks`), and HDF5 decodes a file only in a
-child process (:mod:`.isolated`, :mod:`.share`), since it can crash, loop or
-exhaust memory on a damaged one.
+child process (:mod:`.isolated` runs :mod:`.decode` there; a load's share comes
+back through :mod:`.share`), since it can crash, loop or exhaust memory on a
+damaged one.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import UserError
-from .checks import (CorruptCheckpoint, UnreadableCheckpoint, attr_value, check_step, checked, datasets, header,
-                     stored_crc)
+from .checks import CorruptCheckpoint, UnreadableCheckpoint, check_step
 from .format import combine_parts, crc32_of, row_range
+from .isolated import run_isolated
 from .share import read_share
 
 __all__ = ["CorruptCheckpoint", "UnreadableCheckpoint", "LoadedCheckpoint", "verify_file", "load_checkpoint",
            "header_of", "inspect_file"]
-
-VERIFY_BLOCK_BYTES = 64 << 20  # serial verification reads this much at a time
-ISOLATE = True  # decode files in a child process (.isolated); off only in that child, or where a caller isolates itself
 
 
 @dataclass
@@ -51,67 +47,10 @@ class LoadedCheckpoint:
         return int(self.attrs["world_size"])
 
 
-def _readable(path: str) -> None:
-    """UnreadableCheckpoint if the OS refuses the file."""
-    try:
-        with open(path, "rb") as fh:
-            fh.read(1)
-    except OSError as exc:
-        raise UnreadableCheckpoint(f"{path}: cannot be read ({exc.strerror or exc}); check that it exists on "
-                                   f"every node and is readable") from None
-
-
-def _open(path: str):
-    import h5py
-
-    _readable(path)
-    try:
-        # no HDF5 file locks: readers never conflict, and Lustre/NFS often refuse flock
-        return h5py.File(path, "r", locking=False)
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpoint(f"{path}: cannot be opened as HDF5 ({exc}); truncated or overwritten?") from None
-
-
 def verify_file(path: str) -> dict:
-    """Read every dataset of ``path`` and compare its CRC-32; returns the header. Serial, no MPI.
-
-    Raises :class:`CorruptCheckpoint` naming the first problem.
-    """
-    if ISOLATE:
-        return _isolated("verify_file", path)
-    with _reading(path) as f:
-        attrs, dsets = checked(f, path)
-        for name, d in dsets:
-            row_bytes = max(1, d.dtype.itemsize * int(np.prod(d.shape[1:])))
-            step = max(1, VERIFY_BLOCK_BYTES // row_bytes)
-            parts = [(crc32_of(b), b.nbytes) for b in (d[lo:lo + step] for lo in range(0, d.shape[0], step))]
-            got, want = combine_parts(parts), stored_crc(d, path, name)
-            if got != want:
-                raise CorruptCheckpoint(f"{path}: dataset {name} fails its checksum (stored crc32 "
-                                        f"{want:#010x}, computed {got:#010x}): the file is corrupt")
-        position = dict(dsets).get("/data/position")
-        check_step(path, attrs, None if position is None else position[:1])  # its bytes were just verified
-        return attrs
-
-
-def _isolated(op: str, path: str):
-    from .isolated import run_isolated
-
-    return run_isolated(op, path)
-
-
-@contextlib.contextmanager
-def _reading(path: str):
-    """The open file; any failure inside that is not already a UserError becomes CorruptCheckpoint."""
-    f = _open(path)
-    try:
-        yield f
-    except UserError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any read failure means an unusable file
-        raise CorruptCheckpoint(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
-    finally:
-        f.close()
+    """Read every dataset of ``path`` and compare its CRC-32 (in a child process); returns the header.
+    Serial, no MPI. Raises :class:`CorruptCheckpoint` naming the first problem."""
+    return run_isolated("verify_file", path)
 
 
 def load_checkpoint(path: str, world) -> LoadedCheckpoint:
@@ -125,7 +64,7 @@ def load_checkpoint(path: str, world) -> LoadedCheckpoint:
     comm, rank, size = world.comm, world.rank, world.size
     attrs = meta = parts = blocks = own = failure = None
     try:  # in a child process (.share): HDF5 never decodes the file in this one
-        attrs, meta, blocks, own = read_share(path, rank, size, isolate=ISOLATE)
+        attrs, meta, blocks, own = read_share(path, rank, size)
         parts = [(crc32_of(blocks[name]), blocks[name].nbytes) for name, *_ in meta]
     except UnreadableCheckpoint as exc:
         failure = ("unreadable", str(exc))
@@ -205,21 +144,13 @@ def _agreed(exc):
 
 
 def header_of(path: str) -> dict:
-    """The checked header of ``path`` (no data read); CorruptCheckpoint / UnreadableCheckpoint otherwise."""
-    if ISOLATE:
-        return _isolated("header_of", path)
-    with _reading(path) as f:
-        return header(f, path)
+    """The checked header of ``path`` (no data read; in a child process); CorruptCheckpoint /
+    UnreadableCheckpoint otherwise."""
+    return run_isolated("header_of", path)
 
 
 def inspect_file(path: str) -> tuple[dict, list]:
-    """Root attributes and (path, shape, dtype, bytes, crc32, per_rank) per dataset, without reading data."""
-    if ISOLATE:
-        attrs, rows = _isolated("inspect_file", path)
-        return attrs, [tuple(tuple(v) if isinstance(v, list) else v for v in row) for row in rows]
-    with _reading(path) as f:
-        attrs = {k: attr_value(v) for k, v in f.attrs.items()}
-        rows = [(name, tuple(d.shape), str(d.dtype), int(d.size) * d.dtype.itemsize,
-                 int(d.attrs["crc32"]) if "crc32" in d.attrs else None, bool(d.attrs.get("per_rank", False)))
-                for name, d in datasets(f, path)]
-        return attrs, rows
+    """Root attributes and (path, shape, dtype, bytes, crc32, per_rank) per dataset, without reading data
+    (in a child process)."""
+    attrs, rows = run_isolated("inspect_file", path)
+    return attrs, [tuple(tuple(v) if isinstance(v, list) else v for v in row) for row in rows]

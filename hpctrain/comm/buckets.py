@@ -127,7 +127,7 @@ class BucketedAllreduce:
         self.strategy, self.grad, self.buckets, self.device = strategy, grad, buckets, device
         self.shards = shards  # a zero.ZeroShards: reduce-scatter, each rank scales and tests its chunk only
         self.overlap = overlap
-        self.compression = compression  # a dist.compression.GradientCompression, or None
+        self.compression = compression  # a compress.gradients.GradientCompression, or None
         self.check_finite, self.nonfinite = check_finite, False
         self.step = 0
         self._slot_bucket = {name: b.index for b in buckets for name in b.slots}

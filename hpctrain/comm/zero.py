@@ -1,7 +1,8 @@
 """ZeRO-1 (``dist.zero = 1``): each rank keeps the optimizer state of its share of every bucket.
 
 (ZeRO-2, ``dist.zero = 2``, keeps the same shares and also drops the rest of the
-gradient: :mod:`.zero_grads`.)
+gradient: :mod:`.zero_grads`; ZeRO-3 the rest of the parameters too: :mod:`.zero_params`.
+:func:`plan_zero` builds a stage's shares and slots.)
 
 Shares. Every gradient bucket [lo, hi) is cut into ``size`` chunks as the ring
 cuts a buffer (:func:`~.ring.chunk_offsets`: the first (hi - lo) % size chunks
@@ -39,6 +40,9 @@ import dataclasses
 import numpy as np
 
 from .ring import chunk_offsets
+from .zero_grads import GradientSlots
+from .zero_params import ParameterSlots
+from .zero_slots import vector_buckets
 
 STAGES = (0, 1, 2, 3)  # 2: the gradients too (hpctrain.comm.zero_grads); 3: the parameters too (.zero_params)
 
@@ -121,6 +125,38 @@ class ZeroShards:
     def take(self, full: np.ndarray) -> np.ndarray:
         """This rank's chunks of a whole flat array, packed."""
         return np.concatenate([full[lo:hi] for lo, hi, _ in self.pieces]) if self.pieces else full[:0].copy()
+
+
+def plan_zero(stage: int, dist, buckets, model, device, world):
+    """(shards, slots, params) of ``dist.zero = stage`` for this rank of ``world``: all None for 0;
+    the :class:`ZeroShards` of strategy ``dist.allreduce`` (the ``dist`` config section) for 1;
+    for 2 also the :class:`~.zero_grads.GradientSlots`, with ``model``'s gradients moved into them
+    (its whole gradient buffer dropped and, on a GPU, freed now); for 3 also the
+    :class:`~.zero_params.ParameterSlots` (the model, built without a whole parameter buffer, moves
+    onto them at their ``adopt``, with this rank's shares of the initial weights). Local."""
+    if not stage:
+        return None, None, None
+    owned_chunk = owned_chunk_rule(dist.allreduce, world, dist.hierarchical_inner)
+    shards = ZeroShards(buckets, world.rank, world.size, owned_chunk)
+    if stage == 1:
+        return shards, None, None
+    resident = ()
+    if stage == 3:
+        # a layer gathered alone must read only its own parameters, and a GPT block's parts run one
+        # at a time (a block stops fusing the next LayerNorm into its output add; else its forward
+        # spans two blocks' buckets); the buckets of vectors stay gathered in slots of their own
+        getattr(model, "separate_layers", lambda: None)()
+        resident = vector_buckets(buckets, model.flat)
+    slots = GradientSlots(buckets, shards, model.flat, model.backward_groups, device, resident)
+    model.use_grad_buffer(slots.buffer, slots.offsets)
+    getattr(device, "release_freed", lambda: None)()
+    if stage == 2:
+        return shards, slots, None
+    forward = list(getattr(model, "forward_groups", []))
+    return shards, slots, ParameterSlots(buckets, shards, model.flat, [*forward, *model.backward_groups], device,
+                                         overlap=dist.overlap, resident=resident,
+                                         orders=(forward, model.backward_groups),
+                                         dtype=getattr(model.device, "dtype", None))   # the compute dtype
 
 
 def traffic_halves(zero: int, native: bool, micro_steps: int) -> int:

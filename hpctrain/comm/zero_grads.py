@@ -32,41 +32,7 @@ import time
 
 from .buckets import BucketedAllreduce
 from .reduce_ops import scale_and_test
-from .zero import ZeroShards, owned_chunk_rule
-
-
-def plan_zero(stage: int, dist, buckets, model, device, world):
-    """(shards, slots, params) of ``dist.zero = stage`` for this rank of ``world``: all None for 0;
-    the :class:`~.zero.ZeroShards` of strategy ``dist.allreduce`` (the ``dist`` config section) for
-    1; for 2 also the :class:`GradientSlots`, with ``model``'s gradients moved into them (its whole
-    gradient buffer dropped and, on a GPU, freed now); for 3 also the
-    :class:`~.zero_params.ParameterSlots` (the model, built without a whole parameter buffer, moves
-    onto them at their ``adopt``, with this rank's shares of the initial weights). Local."""
-    if not stage:
-        return None, None, None
-    owned_chunk = owned_chunk_rule(dist.allreduce, world, dist.hierarchical_inner)
-    shards = ZeroShards(buckets, world.rank, world.size, owned_chunk)
-    if stage == 1:
-        return shards, None, None
-    resident = ()
-    if stage == 3:
-        # a layer gathered alone must read only its own parameters, and a GPT block's parts run one
-        # at a time (a block stops fusing the next LayerNorm into its output add; else its forward
-        # spans two blocks' buckets); the buckets of vectors stay gathered in slots of their own
-        getattr(model, "separate_layers", lambda: None)()
-        resident = vector_buckets(buckets, model.flat)
-    slots = GradientSlots(buckets, shards, model.flat, model.backward_groups, device, resident)
-    model.use_grad_buffer(slots.buffer, slots.offsets)
-    getattr(device, "release_freed", lambda: None)()
-    if stage == 2:
-        return shards, slots, None
-    from .zero_params import ParameterSlots
-
-    forward = list(getattr(model, "forward_groups", []))
-    return shards, slots, ParameterSlots(buckets, shards, model.flat, [*forward, *model.backward_groups], device,
-                                         overlap=dist.overlap, resident=resident,
-                                         orders=(forward, model.backward_groups),
-                                         dtype=getattr(model.device, "dtype", None))   # the compute dtype
+from .zero_slots import SlotLayout
 
 
 def place_gradients(strategy, model, slots, device) -> None:
@@ -90,51 +56,6 @@ def make_reducer(strategy, grad, buckets, device, shards, slots, micro_steps: in
         return ShardedGradients(strategy, slots, buckets, device, shards, micro_steps, overlap, check_finite, **seen)
     return BucketedAllreduce(strategy, grad, buckets, device, overlap=overlap, compression=compression,
                              check_finite=check_finite, shards=shards, **seen)
-
-
-class SlotLayout:
-    """A pool of slots for ``buckets`` of ``flat``, whose layers (``groups``: the parameter names each
-    layer reads or writes together) run in bucket order, one way or the other. The last bucket (the
-    first layers': the GPT's tied table) and the buckets in ``resident`` (ZeRO-3: the buckets of
-    vectors, a few per cent of a block) have slots of their own; the others take K slots in turn (the
-    i-th of them slot i mod K). K is one more than the most of those one layer spans, the least that
-    lets the next layer's bucket be filled while the current layer's are in use. ZeRO-2's gradients and
-    ZeRO-3's parameters (:mod:`.zero_params`) use it.
-
-    ``rotating``: K; ``count``: the slots; ``slot_of[i]``: bucket i's slot; ``own``: the buckets with
-    slots of their own; ``base[i]``: bucket i's first element in the pool; ``size``: the pool's
-    elements; ``offsets``: parameter name -> its first element in the pool."""
-
-    def __init__(self, buckets, flat, groups, resident=()):
-        n = len(buckets)
-        bucket_of = {name: b.index for b in buckets for name in b.slots}
-        self.own = sorted(set(resident) | ({n - 1} if n else set()))
-        turn = {i: r for r, i in enumerate(i for i in range(n) if i not in self.own)}   # rotating bucket -> its turn
-        span = 1
-        for group in groups:
-            touched = [turn[bucket_of[name]] for name in group if bucket_of[name] in turn]
-            if touched:
-                span = max(span, max(touched) - min(touched) + 1)
-        self.span = span
-        self.rotating = min(span + 1, len(turn))  # K, the slots the other buckets take in turn
-        self.slot_of = [turn[i] % self.rotating if i in turn else self.rotating + self.own.index(i) for i in range(n)]
-        self.count = self.rotating + len(self.own)
-        sizes = [0] * self.count
-        for b in buckets:
-            sizes[self.slot_of[b.index]] = max(sizes[self.slot_of[b.index]], b.size)
-        starts = [sum(sizes[:s]) for s in range(len(sizes))]
-        self.base = [starts[self.slot_of[b.index]] for b in buckets]
-        self.size = sum(sizes)
-        self.offsets = {s.name: self.base[bucket_of[s.name]] + s.offset - buckets[bucket_of[s.name]].lo
-                        for s in flat.slots}
-        self.bucket_of = bucket_of
-
-
-def vector_buckets(buckets, flat) -> list:
-    """The buckets that hold only vectors (1-D parameters: biases, LayerNorms): ZeRO-3 keeps them in
-    slots of their own (gathered once per update, as DeepSpeed keeps its small parameters whole)."""
-    shape = {s.name: s.shape for s in flat.slots}
-    return [b.index for b in buckets if all(len(shape[name]) == 1 for name in b.slots)]
 
 
 class GradientSlots:

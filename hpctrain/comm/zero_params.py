@@ -5,7 +5,7 @@ Each rank keeps, of the parameters, only its chunk of every bucket (the shares Z
 updates. The buckets are the model's layer units (``dist.bucket_split = "layers"``, the default
 under ZeRO-3): for the GPT, per block its vectors, its attention's two matrices, the MLP's c_fc and
 its c_proj (4 C^2 elements each), then the token table, the position table and ln_f. The layers read
-their parameters from a small pool of *slots* (:class:`~.zero_grads.SlotLayout`, the layout of
+their parameters from a small pool of *slots* (:class:`~.zero_slots.SlotLayout`, the layout of
 ZeRO-2's gradient slots). Before each part of a layer runs, forward or backward (a GPT block's
 LayerNorms, attention, c_fc and c_proj one at a time), the model calls :meth:`ParameterSlots.fetch`
 with its parameter names; each bucket they lie in is all-gathered into its slot from every rank's
@@ -69,7 +69,7 @@ import time
 
 import numpy as np
 
-from .zero_grads import SlotLayout
+from .zero_slots import SlotLayout
 
 
 class ParameterSlots:

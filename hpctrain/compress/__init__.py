@@ -8,11 +8,12 @@
   reducer   CompressedSum: a host bucket summed over ranks through a compressor
   device    DeviceCompressedSum: the same for a CUDA bucket, error feedback, encoding and
             decoding as kernels (hpctrain/kernels), only payloads on the host
+  gradients GradientCompression: a run's gradient buckets summed through a compressor
+            (dist.compress, dist.compress_scope); the bucket reducer calls it
 
 :func:`make_compressor` builds one from its config text, e.g. ``"topk(0.01)"``.
-:mod:`hpctrain.comm.compression` applies it to the gradient buckets (``dist.compress``,
-``dist.compress_scope``) and picks the path: the device one for CUDA buckets with scope "all" and
-no momentum correction, else the host one.
+:mod:`.gradients` applies it to the gradient buckets and picks the path: the device one for CUDA
+buckets with scope "all" and no momentum correction, else the host one.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
   mlp.py   a multi-layer perceptron classifier on the tabular format (/x, /y)
   gpt.py   a GPT-2 language model on the token format (/train, /val byte streams; its open_data
-           in gpt_data.py, its layers' lanes and pipeline stages in gpt_layers.py)
+           in gpt_data.py, its layers' lanes and pipeline stages in gpt_layers.py, the blocks
+           per stage balanced by stage_split.py)
 
 A family module offers two functions, both called on every rank:
 

@@ -29,6 +29,7 @@ from ..nn.transformer import gpt2_init
 from . import TrainingData
 from .gpt_data import open_data
 from .gpt_layers import GPTLayers, StageSpan
+from .stage_split import balance
 
 # the family functions (hpctrain.models: open_data is gpt_data's), the model, and the stage balance
 __all__ = ["open_data", "build", "GPT", "stage_blocks", "TENSOR_SPLITS"]
@@ -64,7 +65,7 @@ def build(cfg, device, data: TrainingData, tensor=None, stage: int = 0, *, row_w
 
 def stage_blocks(m, p: int, counts: list, vocab: int, by: str = "parameters") -> list[int]:
     """Blocks per pipeline stage: ``counts`` as given, or balanced
-    (:func:`~hpctrain.training.schedules.balance`) by ``by``:
+    (:func:`~.stage_split.balance`) by ``by``:
 
     - ``"parameters"``: each block's parameters, the embedding's tables (wte, wpe) on the first stage,
       the tied table's copy and ln_f on the last;
@@ -75,8 +76,6 @@ def stage_blocks(m, p: int, counts: list, vocab: int, by: str = "parameters") ->
       the head's share a little larger than its FLOPs say."""
     if counts:
         return list(counts)
-    from ..training.schedules import balance
-
     C, T = m.d_model, m.context
     if by == "compute":
         return balance(m.n_layer, p, 6 * 12 * C * C + 12 * T * C, 0, 6 * vocab * C)

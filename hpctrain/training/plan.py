@@ -26,8 +26,7 @@ from ..comm import make_allreduce
 from ..comm.buckets import plan_buckets
 from ..comm.grid import Grid, align_auto, check_divides, groups, make_grid, place_of
 from ..comm.staging import Staging
-from ..comm.zero import param_gatherer
-from ..comm.zero_grads import plan_zero
+from ..comm.zero import param_gatherer, plan_zero
 from ..device import make_device
 from ..observe import memory
 from ..device import on_device

@@ -11,8 +11,10 @@ receiving the gradient of its output from stage s + 1. An :class:`Instr` is one 
     recv_bwd i   receive the gradient of micro-batch i's output from stage s + 1 (not on the last)
     backward i   the stage's backward of micro-batch i (its gradients added up; activations freed)
     send_bwd i   send the gradient of micro-batch i's input to stage s - 1 (not on stage 0)
-    reduce       the stage's gradients averaged over its data group (after its last backward)
-    update       the optimizer on the stage's parameters
+
+The list holds only what the stage runs (:class:`~.pipeline.PipelineStage`). The stage's gradients
+are averaged over its data group as its last backward marks their buckets ready, and the update
+follows, in the step (:mod:`.step`), as without a pipeline.
 
 Schedules:
 
@@ -39,20 +41,19 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b")
-KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd", "reduce", "update")
-_SHORT = {"recv_fwd": "rF", "forward": "F", "send_fwd": "sF", "recv_bwd": "rB", "backward": "B", "send_bwd": "sB",
-          "reduce": "R", "update": "U"}
+KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd")
+_SHORT = {"recv_fwd": "rF", "forward": "F", "send_fwd": "sF", "recv_bwd": "rB", "backward": "B", "send_bwd": "sB"}
 
 
 @dataclass(frozen=True)
 class Instr:
-    """One instruction of a stage (see the module docstring); ``micro`` is -1 for reduce and update."""
+    """One instruction of a stage (see the module docstring): ``kind`` of micro-batch ``micro``."""
 
     kind: str
-    micro: int = -1
+    micro: int
 
     def __str__(self) -> str:
-        return _SHORT[self.kind] + (str(self.micro) if self.micro >= 0 else "")
+        return _SHORT[self.kind] + str(self.micro)
 
 
 def _forward(stage: int, p: int, i: int) -> list[Instr]:
@@ -92,7 +93,7 @@ def stage_schedule(name: str, stage: int, p: int, m: int) -> list[Instr]:
             out += _backward(stage, p, i)
         for i in range(m - ahead, m):
             out += _backward(stage, p, i)
-    return out + [Instr("reduce"), Instr("update")]
+    return out
 
 
 def schedule(name: str, p: int, m: int) -> list[list[Instr]]:
@@ -102,10 +103,10 @@ def schedule(name: str, p: int, m: int) -> list[list[Instr]]:
 
 def describe(name: str, p: int, m: int, compute_only: bool = False) -> str:
     """The schedule printed one stage a line (``info`` and the docs): with ``compute_only``, just the
-    forwards (F), backwards (B), reduce and update; else the sends (s) and receives (r) too."""
+    forwards (F) and backwards (B); else the sends (s) and receives (r) too."""
     lines = [f"{name}, {p} stage(s), {m} micro-batch(es):"]
     for s, instrs in enumerate(schedule(name, p, m)):
-        shown = [str(x) for x in instrs if not compute_only or x.kind in ("forward", "backward", "reduce", "update")]
+        shown = [str(x) for x in instrs if not compute_only or x.kind in ("forward", "backward")]
         lines.append(f"  stage {s}: " + " ".join(shown))
     return "\n".join(lines)
 
@@ -127,7 +128,7 @@ class ScheduleError(RuntimeError):
 
 def simulate(stages: list[list[Instr]], forward_time: float = 1.0, backward_time: float = 2.0) -> Simulated:
     """Run ``stages`` (from :func:`schedule`) on a clock: each forward takes ``forward_time``, each
-    backward ``backward_time``, messages and reduce/update take no time; a send never waits, a receive
+    backward ``backward_time``, messages take no time; a send never waits, a receive
     waits for its send. Raises :class:`ScheduleError` if a receive has no matching send (wrong
     micro-batch or order) or no stage can go on before all are done (a deadlock)."""
     p = len(stages)
@@ -182,30 +183,6 @@ def simulate(stages: list[list[Instr]], forward_time: float = 1.0, backward_time
 def bubble_fraction(p: int, m: int) -> float:
     """The idle fraction of each stage in a step of either schedule: (p - 1) / (m + p - 1)."""
     return (p - 1) / (m + p - 1)
-
-
-def balance(n_layer: int, p: int, block: int, first: int = 0, last: int = 0) -> list[int]:
-    """Blocks per stage, p contiguous runs of the ``n_layer`` blocks (each costing ``block``: parameters,
-    or FLOPs) with the largest stage's cost as small as it can be, the first stage costing ``first``
-    more (the embedding) and the last ``last`` more (the tied head, ln_f, the loss). Among equally good
-    splits, the one with the earliest stages largest (the later stages, nearer the loss, hold fewer
-    micro-batches' activations under 1F1B but run the head)."""
-    if not 1 <= p <= n_layer:
-        raise ValueError(f"{p} stage(s) for {n_layer} block(s)")
-    extra = lambda s: (first if s == 0 else 0) + (last if s == p - 1 else 0)  # noqa: E731
-    # best[s][k]: (the smallest largest stage, its split) of stages s .. p-1 over the last k blocks
-    best: dict = {}
-    for s in range(p - 1, -1, -1):
-        for k in range(p - s, n_layer - s + 1):
-            if s == p - 1:
-                best[s, k] = (k * block + extra(s), [k])
-                continue
-            options = []
-            for here in range(k - (p - s - 1), 0, -1):   # the most blocks here first
-                rest, split = best[s + 1, k - here]
-                options.append((max(here * block + extra(s), rest), [here] + split))
-            best[s, k] = min(options, key=lambda o: o[0])
-    return best[0, n_layer][1]
 
 
 def check_config(cfg) -> None:

@@ -21,7 +21,7 @@ from ..ckpt.manager import CheckpointManager, check_writable
 from ..ckpt.state import fresh_rng
 from ..comm.buckets import layout_signature
 from ..comm.collectives import Collectives
-from ..comm.compression import GradientCompression
+from ..compress.gradients import GradientCompression
 from ..comm.grid import check_same_reduction
 from ..comm.zero_grads import place_gradients
 from ..errors import ConfigError, DataError

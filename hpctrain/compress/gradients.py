@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..compress import Context, make_compressor
-from ..compress.device import DeviceCompressedSum
-from ..compress.reducer import CompressedSum
+from ..comm.buckets import layout_signature
 from ..errors import ConfigError
-from .buckets import layout_signature
+from . import Context, make_compressor
+from .device import DeviceCompressedSum
+from .reducer import CompressedSum
 
 
 class GradientCompression:
