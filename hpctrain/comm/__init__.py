@@ -19,17 +19,11 @@ Buckets and the communication thread: :mod:`.buckets`; MPI-style collectives: :m
 tensor-parallel groups: :mod:`.grid`.
 """
 
-from .mpi_allreduce import MpiAllreduce
-from .naive import NaiveAllreduce
-from .rhd import RhdAllreduce
-from .ring import RingAllreduce
-from .hierarchical import HierarchicalAllreduce  # noqa: I001 - looks up STRATEGIES at call time
-from .shm import ShmAllreduce
 from .auto import AutoAllreduce
+from .flat import FLAT
+from .hierarchical import HierarchicalAllreduce
 
-STRATEGIES = {"mpi": MpiAllreduce, "naive": NaiveAllreduce, "ring": RingAllreduce, "rhd": RhdAllreduce,
-              "hierarchical": HierarchicalAllreduce,
-              "shm": ShmAllreduce}
+STRATEGIES = {**FLAT, "hierarchical": HierarchicalAllreduce}
 
 
 def make_allreduce(name: str, world, device, staging=None, inner: str = "mpi", cache_path: str = "", log=None):

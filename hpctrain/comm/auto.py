@@ -21,7 +21,9 @@ import time
 
 import numpy as np
 
+from .flat import FLAT
 from .halves import WholeSumHalves
+from .hierarchical import HierarchicalAllreduce
 from .reduce_ops import sum_scaled
 from .staging import Staging
 
@@ -36,17 +38,16 @@ class AutoAllreduce(WholeSumHalves):
     MPI_Allgatherv (:class:`~.halves.WholeSumHalves`)."""
 
     def __init__(self, world, device, staging=None, cache_path: str = "", log=None, candidates=CANDIDATES):
-        from . import STRATEGIES
-
         self.world, self.device, self.comm, self.size = world, device, world.comm, world.size
         self.staging = staging or Staging(device)
         from ..errors import LaunchError
 
         self._picked: dict = {}
         self.strategies = {}
-        for name in (n for n in candidates if n in STRATEGIES):
+        strategies = {**FLAT, "hierarchical": HierarchicalAllreduce}
+        for name in (n for n in candidates if n in strategies):
             try:
-                self.strategies[name] = STRATEGIES[name](world, device, staging)
+                self.strategies[name] = strategies[name](world, device, staging)
             except LaunchError:  # shm across machines: the same verdict on every rank
                 continue
         self.names = list(self.strategies)

@@ -22,6 +22,7 @@ import dataclasses
 
 import numpy as np
 
+from .flat import FLAT
 from .halves import WholeSumHalves
 from .reduce_ops import mpi_op, reduce_into, reduce_kind
 from .ring import HostScratch, chunk_offsets, host_allreduce, host_halves
@@ -41,7 +42,6 @@ class HierarchicalAllreduce(WholeSumHalves):
         from mpi4py import MPI
 
         from ..device import CpuDevice
-        from . import STRATEGIES
 
         if inner == "hierarchical":
             raise ValueError("the inner strategy of hierarchical must be flat (mpi, ring, rhd, naive)")
@@ -53,12 +53,12 @@ class HierarchicalAllreduce(WholeSumHalves):
         self.in_cross = world.local_rank < self.L
         self._inner = self._single_node = None
         if world.n_nodes == 1:
-            self._single_node = STRATEGIES[inner](world, device, self.staging)
+            self._single_node = FLAT[inner](world, device, self.staging)
         elif self.in_cross:
             cross = dataclasses.replace(world, comm=world.cross_comm, rank=world.cross_comm.Get_rank(),
                                         size=world.cross_comm.Get_size())
             # phase 2 works on host memory that staging already produced
-            self._inner = STRATEGIES[inner](cross, CpuDevice(device.dtype))
+            self._inner = FLAT[inner](cross, CpuDevice(device.dtype))
         self._recv = HostScratch()
         self.owned_chunk = chunk_rule(world, inner)
         self.native_halves = (getattr(self._single_node, "native_halves", False) if self._single_node
@@ -219,10 +219,8 @@ def chunk_rule(world, inner: str = "mpi"):
     one node; on nodes of equal size local rank c, number k among the ranks of local rank c
     (its cross_comm rank: they are numbered in rank order), owns chunk c * n_nodes + k; else
     chunk ``rank`` (the whole sum's). Local: from ``world.where``."""
-    from . import STRATEGIES
-
     if world.n_nodes == 1:
-        return STRATEGIES[inner].owned_chunk
+        return FLAT[inner].owned_chunk
     if not equal_nodes(world):
         return WholeSumHalves.owned_chunk
     owner, seen = [], collections.Counter()
