@@ -14,7 +14,7 @@ from hpctrain.training.config import Config
 from hpctrain.device import CpuDevice, CudaDevice, gpu_for_rank, make_device
 from hpctrain.comm.staging import Staging, cuda_aware_mpi, staging_mode
 from hpctrain.errors import ConfigError
-from steps import train_step
+from steps import train_losses
 
 needs_cuda = pytest.mark.skipif(device_mod.cuda_status()[0] == 0, reason="numba.cuda unusable")
 
@@ -226,7 +226,7 @@ def test_trainer_steps_on_cuda_equal_cpu_steps(small_data):
     for device in ("cpu", "cuda"):
         trainer = Trainer(_config(small_data[0], device), world, Log(False))
         initial = trainer.device.to_host(trainer.model.flat.data).copy()
-        losses = [train_step(trainer) for _ in range(2)]
+        losses = train_losses(trainer, 2)
         runs[device] = losses, trainer.device.to_host(trainer.model.flat.data).copy(), \
             trainer.device.to_host(trainer.optimizer.exp_avg_sq).copy()
         if device == "cuda" and device_mod.simulated():

@@ -18,7 +18,7 @@ import pytest
 
 from hpctrain.device import CudaDevice, cuda_status, simulated
 from hpctrain.training.cuda_graphs import StepGraphs, why_not
-from steps import train_step
+from steps import train_losses
 
 pytestmark = [pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}"),
               pytest.mark.timeout(600)]
@@ -106,7 +106,7 @@ def _train(text, steps, graphs, attention="flash", accumulate=2):
     cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001
     trainer = Trainer(cfg, init_world(MPI.COMM_SELF), Log(False))
     try:
-        losses = [train_step(trainer) for _ in range(steps)]
+        losses = train_losses(trainer, steps)
         return losses, trainer.device.to_host(trainer.model.flat.data).copy(), getattr(trainer.stepper.runner, "graphs", None)
     finally:
         trainer.close()
@@ -262,6 +262,25 @@ def _fakes(grad, replay, slots=None):
     device = NS(capture=lambda fn: (fn(), "graph")[1], replay=lambda g: (calls.append(("replay", g)), replay(grad)),
                 to_host=lambda a: a, copy_from_host=lambda dst, src: dst.__setitem__(slice(None), src))
     return model, device, calls
+
+
+def test_graph_updates_under_zero_1_wait_for_every_bucket_whatever_this_rank_captures():
+    """ZeRO-1's updates end in parameter all-gathers, which every rank must call in one order against
+    the bucket reductions. Whether an update key is captured or checked may differ between ranks (a
+    capture that failed on one GPU only), so under ZeRO-1 a graph run's updates always wait for every
+    bucket; without ZeRO they wait only while this rank captures or checks one."""
+    from types import SimpleNamespace as NS
+
+    from hpctrain.training.runners import GraphRunner
+
+    optimizer = NS(graph_key=lambda: ())
+    for shards, waits in ((None, False), (object(), True)):
+        runner = GraphRunner(NS(shards=shards, device=NS()), NS(), timers=None)
+        assert runner.update_waits(optimizer, [(0, 4), (4, 8)]) is waits   # a first call: nothing settling
+        runner.graphs._seen.add(runner.graphs.update_key(optimizer, 0, 4))   # seen once: the next call captures
+        assert runner.update_waits(optimizer, [(0, 4), (4, 8)]) is True
+        runner.graphs.failed = "capturing update work failed (on this rank only)"
+        assert runner.update_waits(optimizer, [(0, 4)]) is waits
 
 
 def test_graphed_micro_batches_key_by_shape_and_flags():

@@ -31,7 +31,7 @@ def _trainer(cfg, world):
 
 
 def _steps(trainer, n):
-    losses = [train_step(trainer)[0] for _ in range(n)]
+    losses = [train_step(trainer).loss_sum for _ in range(n)]
     params = trainer.model.flat.data.copy()
     if hasattr(trainer.plan.allreduce, "close"):
         trainer.plan.allreduce.close()  # shm windows are freed collectively (the pytest ranks run on)

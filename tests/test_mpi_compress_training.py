@@ -62,7 +62,7 @@ def _identical(world, a):
 def _losses(t, steps):
     out = []
     for _ in range(steps):
-        loss, _ = train_step(t)
+        loss = train_step(t).loss_sum
         out.append(loss)
     return out
 

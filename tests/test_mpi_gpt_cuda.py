@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hpctrain.device import cuda_status
-from steps import train_step
+from steps import train_losses, train_step
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
               pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
@@ -57,7 +57,7 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
         if device == "cuda":
             whole = trainer.device.stream.synchronize
             trainer.device.stream.synchronize = lambda: waits.append(threading.current_thread().name) or whole()
-        losses = [train_step(trainer) for _ in range(cfg.train.steps)]
+        losses = train_losses(trainer, cfg.train.steps)
         slots = trainer.plan.param_slots
         if device == "cuda" and zero == 3:
             assert slots._fence is not None and all(e is not None for e in slots._slot_events)
@@ -96,7 +96,8 @@ def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(mpi_text_data):
         cfg = _config(mpi_text_data, device, steps=1)
         cfg.dist.tensor_parallel, cfg.train.global_batch = 2, 4
         trainer = Trainer(cfg.validate(), world, Log(False))
-        loss = train_step(trainer)
+        step = train_step(trainer)
+        loss = step.loss_sum, step.correct
         model = trainer.model
         host = trainer.device.to_host(model.flat.data)
         params = np.concatenate([model.tensor_layout.logical(s.name, host[s.offset:s.offset + s.size].reshape(s.shape))
@@ -132,7 +133,8 @@ def test_pipeline_gpt_on_cuda_trains_like_cpu(mpi_text_data):
         trainer = Trainer(cfg.validate(), world, Log(False))
         if device == "cuda":
             assert trainer.stepper.runner.stage.staging.mode == "pinned"
-        loss = train_step(trainer)
+        step = train_step(trainer)
+        loss = step.loss_sum, step.correct
         host = trainer.device.to_host(trainer.model.flat.data).copy()
         runs[device] = loss[0], host
         trainer.close()

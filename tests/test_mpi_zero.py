@@ -51,7 +51,7 @@ def _train(cfg, world):
 
     trainer = Trainer(cfg, world, Log(False))
     initial = trainer.model.flat.data.copy()
-    trainer.run()
+    trainer.result = trainer.run()
     return trainer, initial
 
 
@@ -212,8 +212,8 @@ def test_zero_with_rhd_hierarchical_shm_and_auto_trains_like_zero_0(world, mpi_t
         else:
             assert np.array_equal(runs[stage].model.flat.data, p0)
     # the traffic counted: half an all-reduce for a reduce-scatter of the strategy's own
-    bytes_1 = runs[1].stepper.last.comm["bytes_sent"]
-    dense = runs[0].stepper.last.comm["bytes_sent"]
+    bytes_1 = runs[1].result["last_step"].comm["bytes_sent"]
+    dense = runs[0].result["last_step"].comm["bytes_sent"]
     assert abs(bytes_1 - dense * (2 if native else 3) / 2) <= 3
 
 

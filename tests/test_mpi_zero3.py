@@ -141,7 +141,7 @@ def test_a_16_bit_precision_gathers_rounded_copies_and_trains_like_zero_2(world,
     drawn = dict(three.model.initial_values(three.cfg.train.seed))
     initial = np.concatenate([drawn[x.name].reshape(-1) for x in flat.slots])
     assert np.abs(p3 - initial).max() > 1e-4   # trained (fp16: once the scale stopped overflowing)
-    m, k = three.stepper.last.comm, three.plan.micro_batches
+    m, k = three.result["last_step"].comm, three.plan.micro_batches
     assert all(v.nbytes == 2 * b.size for v, b in zip(slots.views, slots.buckets))   # what a gather moves
     assert 2 * slots.total <= m["param_gather_bytes"] <= 2 * k * 2 * slots.total
     computed = memory.computed(three.model, three.optimizer, three.plan.device, 8, three.plan.grad_slots, 1, slots)
@@ -174,7 +174,7 @@ def test_a_rank_keeps_its_share_and_a_few_slots(world, mpi_text_data):
     assert plan.buckets[-1].slots == ("wte",)   # the tied table's bucket, in its own slot
     # the step's gathers in the metrics: every bucket at least once, at most twice per micro-batch (its
     # forward, and its backward for the ones evicted since)
-    m = trainer.stepper.last.comm
+    m = trainer.result["last_step"].comm
     assert len(plan.buckets) <= m["param_gathers"] <= 2 * plan.micro_batches * len(plan.buckets)
     assert m["param_gather_bytes"] >= total * flat.data.itemsize and m["exposed_gather_time"] >= 0
     computed = memory.computed(trainer.model, trainer.optimizer, plan.device, 8, plan.grad_slots, 1, slots)

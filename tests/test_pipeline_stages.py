@@ -237,7 +237,7 @@ def test_start_up_checks_compare_what_each_stage_must_agree_on():
     """The bucket layouts are compared within each stage (the stages hold different parameters), and
     under ZeRO the first and last stage's ranks of a pipeline group must own the same part of the
     tied table."""
-    from hpctrain.training.trainer import check_same_layout, check_tied_shares
+    from hpctrain.training.start_up_checks import check_same_layout, check_tied_shares
 
     check_same_layout([(0, "a"), (0, "a"), (1, "b"), (1, "b")])
     with pytest.raises(ConfigError, match="rank 2: c"):

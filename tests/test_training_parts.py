@@ -157,6 +157,30 @@ def test_a_step_the_policy_refuses_leaves_the_parameters_as_they_were(small_data
         data.close()
 
 
+@pytest.mark.parametrize("nonfinite, clip", [("abort", 0.0), ("abort", 1e9), ("skip", 1e9), ("rollback", 0.0)])
+def test_every_update_path_applies_the_sgd_step_once(small_data, nonfinite, clip):
+    """Following the buckets (abort, no clipping), after all of them (clipping: a limit this step
+    stays under) or after the verdict (skip, rollback): the same p - lr g, bit for bit in float64,
+    and AdamW's step count advanced once."""
+    cfg = _config(small_data[0])
+    cfg.guard.nonfinite, cfg.optim.clip_grad_norm = nonfinite, clip
+    step, state, data = _step(cfg.validate(), small_data)
+    try:
+        x, y = data.reader.batch(0)
+        before = state.model.flat.data.copy()
+        assert step.run(0, x, y).outcome == APPLIED
+        np.testing.assert_array_equal(state.model.flat.data, before - 0.1 * state.model.flat.grad)
+    finally:
+        data.close()
+    cfg.optim.name = "adamw"
+    step, state, data = _step(cfg.validate(), small_data)
+    try:
+        step.run(0, *data.reader.batch(0))
+        assert state.optimizer.t == 1
+    finally:
+        data.close()
+
+
 def test_micro_batches_add_up_to_the_whole_batch_gradient(small_data):
     grads = []
     for k in (1, 4):
@@ -206,8 +230,6 @@ def test_a_clipped_step_reports_a_non_finite_norm_without_the_bucket_test(small_
 class FakeStep:
     """A step whose loss is given per step (NaN for a bad one), judged by the real update policy
     over the loop's guard; records its runs and the updates the policy applied."""
-
-    runner, op_times = None, None
 
     def __init__(self, losses, schedule, policy, device):
         self.losses, self.schedule, self.policy, self.device, self.updates, self.runs = \

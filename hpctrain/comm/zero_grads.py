@@ -51,11 +51,12 @@ def make_reducer(strategy, grad, buckets, device, shards, slots, micro_steps: in
     """The trainer's bucket reducer: :class:`ShardedGradients` over ``slots`` under ZeRO-2, else a
     :class:`~.buckets.BucketedAllreduce` of the flat gradient ``grad`` (ZeRO-1 with ``shards``);
     ``tracer``, ``trace_args`` and ``ranges``: the run's spans and NVTX ranges, or None."""
-    seen = dict(tracer=tracer, trace_args=trace_args, ranges=ranges)
+    observers = dict(tracer=tracer, trace_args=trace_args, ranges=ranges)
     if slots is not None:
-        return ShardedGradients(strategy, slots, buckets, device, shards, micro_steps, overlap, check_finite, **seen)
+        return ShardedGradients(strategy, slots, buckets, device, shards, micro_steps, overlap, check_finite,
+                                **observers)
     return BucketedAllreduce(strategy, grad, buckets, device, overlap=overlap, compression=compression,
-                             check_finite=check_finite, shards=shards, **seen)
+                             check_finite=check_finite, shards=shards, **observers)
 
 
 class GradientSlots:
@@ -91,10 +92,10 @@ class ShardedGradients(BucketedAllreduce):
     every_micro = True
 
     def __init__(self, strategy, slots, buckets, device, shards, micro_steps: int, overlap: bool = True,
-                 check_finite: bool = False, **seen):
+                 check_finite: bool = False, **observers):
         self.slots, self.micro_steps = slots, micro_steps
         super().__init__(strategy, slots.buffer, buckets, device, overlap=overlap, check_finite=check_finite,
-                         shards=shards, **seen)
+                         shards=shards, **observers)
         self._changed = threading.Condition()
 
     def _bucket_views(self, grad) -> list:

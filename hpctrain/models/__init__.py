@@ -14,7 +14,8 @@ A family module offers two functions, both called on every rank:
                        this rank holds (dist.pipeline_parallel > 1, GPT only: a stage model also offers
                        ``span``, ``lane(k)`` and ``stream_grad(shape)``, hpctrain.models.gpt_layers);
                        ``row_weight``: the loss's weight of one batch row where ranks' shares differ
-                       (None: the mean over each call's rows); ``tracer`` (hpctrain.observe.trace) and
+                       (a number, or a Fraction the model divides exactly; None: the mean over each
+                       call's rows); ``tracer`` (hpctrain.observe.trace) and
                        ``ranges`` (hpctrain.observe.nvtx): spans per layer, or None
 
 and its model offers (the trainer, checkpoints and optimizer use nothing else):

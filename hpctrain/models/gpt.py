@@ -130,7 +130,7 @@ class GPT:
         self.tracer = tracer  # an hpctrain.observe.trace.Tracer: a span per block in forward and backward
         self.ranges = ranges  # an hpctrain.observe.nvtx.NvtxRanges (train.nvtx): the same as NVTX ranges
         # the loss's weight of one prediction: a row's weight shared by its context's predictions
-        self.prediction_weight = None if row_weight is None else row_weight / context
+        self.prediction_weight = None if row_weight is None else float(row_weight / context)
         self._workspace = {}  # backward's attention work array, one for all blocks and lanes
         # with recompute = "blocks", one block's arrays for all blocks (and lanes), rebuilt in backward
         self._shared = {} if recompute == "blocks" else None

@@ -81,7 +81,7 @@ class MLP:
         self.layers = [Linear(device, f"fc{i}", widths[i], widths[i + 1],
                               activation=activation if i < last else "identity", needs_dx=i > 0)
                        for i in range(len(widths) - 1)]
-        self.loss = SoftmaxCrossEntropy(device, row_weight)   # one label per row
+        self.loss = SoftmaxCrossEntropy(device, None if row_weight is None else float(row_weight))   # a label a row
         self.flat = FlatParams(device, [p for layer in self.layers for p in layer.params], allocate)
         for layer in self.layers:
             layer.bind(self.flat)

@@ -95,7 +95,7 @@ class SoftmaxCrossEntropy(Layer):
     def __init__(self, device, row_weight: float | None = None):
         self.device = device
         # d loss / d (one row's loss) in backward; None = 1/B, the mean over this call's B rows.
-        # Where ranks' shares differ the trainer gives size k / (G predictions per row).
+        # Where ranks' shares differ, size k / (G x the model's predictions per batch row).
         self.row_weight = row_weight
 
     @staticmethod

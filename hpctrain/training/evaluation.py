@@ -1,8 +1,8 @@
 """Evaluation: the held-out loss and accuracy (bits per byte for byte tokens), and the run's targets.
 
 Each rank scores its share of the evaluation set with a forward only (no gradient or optimizer
-state touched), through the step's runner (a pipeline passes each chunk along its stages); the
-sums are all-reduced over the world. Collective.
+state touched), through the step (a pipeline passes each chunk along its stages); the sums are
+all-reduced over the world. Collective.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import numpy as np
 
 
 class Evaluation:
-    """Scores ``data``'s evaluation set with ``runner`` (:mod:`.runners`) as ``plan`` lays the run
-    out; ``watchdog`` watches its collectives; ``op_times``: the per-op timer whose evaluation
-    share is dropped (it is no step's), or None."""
+    """Scores ``data``'s evaluation set with ``step`` (its :meth:`~.step.Step.score`) as ``plan``
+    lays the run out; ``watchdog`` watches its collectives; ``op_times``: the per-op timer whose
+    evaluation share is dropped (it is no step's), or None."""
 
-    def __init__(self, plan, data, runner, watchdog, op_times=None):
-        self.plan, self.data, self.runner, self.watchdog, self.op_times = plan, data, runner, watchdog, op_times
+    def __init__(self, plan, data, step, watchdog, op_times=None):
+        self.plan, self.data, self.stepper, self.watchdog, self.op_times = plan, data, step, watchdog, op_times
 
     def run(self, step: int, whole: bool = False) -> dict:
         """Loss, accuracy (and for byte tokens bpb) on the evaluation set: all of it with ``whole``,
@@ -31,7 +31,7 @@ class Evaluation:
         chunks = self.data.eval_shard(plan.dp.rank, plan.dp.size, whole)
         if plan.param_slots is None:
             for x_host, y_host in chunks:
-                totals += self.runner.score(x_host, y_host)
+                totals += self.stepper.score(x_host, y_host)
         else:   # ZeRO-3: a forward gathers over the data group, whose shards may hold unequal chunk
             while True:   # counts: every rank runs as many forwards (without a chunk, gathers only)
                 chunk = next(chunks, None)
@@ -40,9 +40,9 @@ class Evaluation:
                 if not more:
                     break
                 if chunk is None:
-                    self.runner.gather_only()
+                    self.stepper.gather_only()
                 else:
-                    totals += self.runner.score(*chunk)
+                    totals += self.stepper.score(*chunk)
         with self.watchdog.watch("evaluation all-reduce", f"step {step}", step, 10):
             plan.world.comm.Allreduce(_mpi().IN_PLACE, totals)
         if self.op_times:

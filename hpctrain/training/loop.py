@@ -14,27 +14,28 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-from .. import __version__
 from ..errors import EXIT_CHECKPOINTED
 from ..observe import memory
 from ..observe.log import format_eta
 from ..reliability.signals import STOP_SIGNALS
 from .evaluation import Evaluation, describe_eval, verdicts
-from .plan import memory_of
+from .start_up_report import log_start_up
 from .update_policy import ROLLBACK, SKIPPED
 
 
 @dataclass
 class Reporting:
     """Where a run reports: the rank-0 ``log``, the ``metrics`` file, the phase ``timers``; when
-    asked, a ``tracer`` (train.trace), NVTX ``ranges`` (train.nvtx) and this machine's GEMM peak
-    over all ranks (``peak_flops``, FLOP/s: MFU)."""
+    asked, a ``tracer`` (train.trace), NVTX ``ranges`` (train.nvtx), the per-op timer
+    (``op_times``, train.op_times) and this machine's GEMM peak over all ranks (``peak_flops``,
+    FLOP/s: MFU)."""
 
     log: object
     metrics: object
     timers: object
     tracer: object = None
     ranges: object = None
+    op_times: object = None
     peak_flops: float | None = None
 
 
@@ -60,7 +61,7 @@ class RunLoop:
         self.plan, self.state, self.stepper, self.data = plan, state, stepper, data
         self.checkpoints, self.guard, self.report, self.watch = checkpoints, guard, report, watch
         self.log, self.timers, self.watchdog = report.log, report.timers, watch.watchdog
-        self.evaluation = Evaluation(plan, data, stepper.runner, watch.watchdog, stepper.op_times)
+        self.evaluation = Evaluation(plan, data, stepper, watch.watchdog, report.op_times)
         self._nvtx = report.ranges or (lambda name: contextlib.nullcontext())
 
     def run(self) -> dict:
@@ -68,8 +69,7 @@ class RunLoop:
         ``stopped_by``, the final evaluation and whether the targets were met. Collective."""
         self.watchdog.start()
         try:
-            with self.watch.stop_signal if self.watch.own_signal else contextlib.nullcontext():
-                return self._loop()
+            return self._loop()
         finally:
             if self.report.tracer is not None:
                 self.report.tracer.save()
@@ -83,11 +83,17 @@ class RunLoop:
 
     def _loop(self) -> dict:
         state, tc, guard = self.state, self.plan.cfg.train, self.guard
-        self._start_up_lines()
+        log_start_up(self.log, self.plan, state, self.data, self.report.peak_flops)
         progress = _Window(state.step, tc.steps)
         if guard.policy == "rollback" and self.checkpoints.saved_step is None and state.step < tc.steps:
             self._save(", for guard.nonfinite=rollback")  # something to roll back to
-        final, stopped_by = None, None
+        with self.watch.stop_signal if self.watch.own_signal else contextlib.nullcontext():
+            return self._steps(progress)
+
+    def _steps(self, progress: "_Window") -> dict:
+        """The steps to train.steps or a stop signal; then the run's result (:meth:`_result`)."""
+        state, tc, guard = self.state, self.plan.cfg.train, self.guard
+        final, stopped_by, result = None, None, None
         while state.step < tc.steps:
             if state.step in guard.skip_steps:
                 self._step_over()
@@ -101,17 +107,17 @@ class RunLoop:
             state.step += 1
             self.watch.progress.mark("step", state.step)
             signalled = {n: c for n, c in zip(STOP_SIGNALS, result.votes[1:]) if c}
-            record = self._save_if_due(bool(signalled or result.votes[0]), t0)
+            saved, record = self._save_if_due(bool(signalled or result.votes[0]), t0)
             scores = self._evaluate_if_due(signalled, progress)
             final = scores if state.step == tc.steps else None
             if result.outcome != SKIPPED:
                 progress.add(result)
-            self._write_metrics(result, record, scores)
+            self._write_metrics(result, record, scores, saved)
             if signalled and state.step < tc.steps:  # at the last step: finished, exit normally
                 stopped_by = self._stopping(signalled)
                 break
             self._progress_line(progress, result, scores)
-        return self._result(progress, stopped_by, final)
+        return self._result(progress, stopped_by, final, result)
 
     # ---- the parts of a step's iteration ------------------------------------------------
     def _batch(self, step: int):
@@ -153,18 +159,20 @@ class RunLoop:
         with self.watchdog.watch("checkpoint load", f"rollback from step {step}", step, 10):
             self.checkpoints.rollback(self.state)
 
-    def _save_if_due(self, asked: bool, t0: float) -> dict:
+    def _save_if_due(self, asked: bool, t0: float) -> tuple[bool, dict]:
         """Save when ``asked`` (a signal, or checkpoint.every_minutes), at checkpoint.every_steps, or
-        at the last step with checkpoint.save_final. The step's record so far: its time since ``t0``
-        (perf_counter) with the save's (``t_checkpoint``); the tracer's span of it."""
+        at the last step with checkpoint.save_final; the step ends here. (whether it saved, the
+        step's time since ``t0`` (perf_counter) and the save's, ``t_checkpoint``, for its record);
+        the tracer's span of the step."""
         cfg, step, record = self.plan.cfg, self.state.step, {}
-        if asked or self.checkpoints.step_due(step) or cfg.train.steps == step and cfg.checkpoint.save_final:
+        saved = asked or self.checkpoints.step_due(step) or cfg.train.steps == step and cfg.checkpoint.save_final
+        if saved:
             with self.timers("checkpoint"):
                 self._save()
-            record = {"saved": True, **{f"t_{k}": v for k, v in self.timers.pop().items()}}
+            record = {f"t_{k}": v for k, v in self.timers.pop().items()}
         if self.report.tracer is not None:
             self.report.tracer.complete("step", t0, "step", {"step": step})  # as in the metrics
-        return {"step_time": time.perf_counter() - t0, **record}
+        return bool(saved), {"step_time": time.perf_counter() - t0, **record}
 
     def _stopping(self, signalled: dict) -> str:
         """Says why the run stops at this step (a stop signal); what the run result calls it."""
@@ -185,11 +193,10 @@ class RunLoop:
         progress.exclude(time.perf_counter() - t0)
         return scores
 
-    def _write_metrics(self, result, record: dict, scores: dict | None) -> None:
+    def _write_metrics(self, result, record: dict, scores: dict | None, saved: bool) -> None:
         """The step's record; synced to disk with a checkpoint (the records of the steps the
         checkpoint holds survive a crash)."""
         state, tc = self.state, self.plan.cfg.train
-        saved = record.pop("saved", False)
         self.report.metrics.write(
             step=state.step, epoch=state.sampler.position(state.step - 1)[0], **result.metrics(), **record,
             **_rates(tc.global_batch, state.model.targets_per_row, state.model.flops_per_row,
@@ -212,12 +219,14 @@ class RunLoop:
         if scores and step < tc.steps:
             self.log.info(f"eval at step {step}: {describe_eval(scores)}")
 
-    def _result(self, progress: "_Window", stopped_by, final) -> dict:
+    def _result(self, progress: "_Window", stopped_by, final, last) -> dict:
+        """The run's result (:meth:`run`), with its last step's :class:`~.step.StepResult` (``last_step``,
+        None if it took none)."""
         state, tc, units = self.state, self.plan.cfg.train, self.data.units
         elapsed = progress.training_seconds()
         result = {"steps": state.step, "seconds": elapsed, "stopped_by": stopped_by, "eval": None,
                   "samples_per_s": (state.step - progress.first) * tc.global_batch / elapsed if elapsed else 0.0,
-                  "bad_steps": self.guard.bad_steps, "targets_met": True}
+                  "bad_steps": self.guard.bad_steps, "targets_met": True, "last_step": last}
         result[f"{units}_per_s"] = result["samples_per_s"] * state.model.targets_per_row
         if stopped_by is not None:
             return result
@@ -231,45 +240,6 @@ class RunLoop:
         elif tc.target_accuracy or tc.target_val_bpb or tc.target_bpb_vs_bigram:
             result["targets_met"] = False
         return result
-
-    def _start_up_lines(self) -> None:
-        plan, cfg, world, log, state = self.plan, self.plan.cfg, self.plan.world, self.log, self.state
-        tc, data, model = cfg.train, self.data, state.model
-        tensor = plan.grid.tensor is not None or plan.pipeline > 1   # this rank holds part of the model
-        log.info(f"hpctrain {__version__}: {world.size} rank(s) on {world.n_nodes} node(s), "
-                 f"device {plan.device.describe()}, allreduce {cfg.dist.allreduce} "
-                 f"(MPI staging: {plan.staging.mode}; {len(plan.buckets)} bucket(s), "
-                 f"overlap {'on' if cfg.dist.overlap else 'off'}" + (f", zero {cfg.dist.zero}" if cfg.dist.zero else "")
-                 + (f", compress {cfg.dist.compress} scope {cfg.dist.compress_scope}"
-                    + (f" from step {cfg.dist.compress_start_step}" if cfg.dist.compress_start_step else "")
-                    + (" with momentum correction" if cfg.dist.compress_momentum else "")
-                    if state.compression else "")
-                 + "), "
-                 + (f"{plan.grid.describe()}, " if tensor else "")
-                 + f"global batch {tc.global_batch} = {_shares(tc.global_batch, plan.dp.size)}, "
-                 f"{model.flat.size:,} parameters"
-                 + (" on this rank" if tensor else "") + ", "
-                 f"{state.sampler.steps_per_epoch} steps/epoch; data: {data.describe}")
-        log.info(memory.describe(memory_of(plan, model, state.optimizer, state.sampler), cfg.dist.zero, plan.dp.size))
-        if plan.pipeline > 1:
-            from .schedules import bubble_fraction
-
-            p, m = plan.pipeline, plan.micro_batches
-            log.info(f"pipeline: {p} stages of {list(plan.stage_counts)} block(s), schedule "
-                     f"{cfg.dist.pipeline_schedule}, {m} micro-batch(es) per step: each stage idles about "
-                     f"{bubble_fraction(p, m):.0%} of a step ((p - 1) / (m + p - 1); the metrics' t_pipeline is "
-                     f"rank 0's wait)" + ("" if m >= p else f"; with fewer micro-batches than stages 1f1b holds all "
-                                          f"m as gpipe does: raise train.grad_accum_steps to {p} or more"))
-        # (under zero 3 only its own advice: the gradient pool it shares with zero 2 is its business)
-        advice = memory.zero3_advice(plan, model.flat) if cfg.dist.zero == 3 else memory.zero2_advice(plan, model.flat)
-        if advice:
-            log.warn(advice)
-        peak = self.report.peak_flops  # this machine's GEMM peak over all ranks (FLOP/s), or None: no MFU
-        if peak:
-            log.info(f"MFU is model FLOPs/s over the GEMM peak measured at start-up: {peak / 1e9:,.1f} GFLOP/s "
-                     f"over {world.size} rank(s) ({model.flops_per_row / model.targets_per_row / 1e6:,.2f} MFLOP "
-                     f"per {data.units[:-1]} for forward + backward)")
-
 
 class _Window:
     """The progress line's figures since it was last printed (loss, correct and predictions of the
@@ -307,14 +277,6 @@ class _Window:
 
     def training_seconds(self) -> float:
         return time.perf_counter() - self.t_start - self.eval_seconds
-
-
-def _shares(global_batch: int, size: int) -> str:
-    """How the global batch splits over ranks, for the start-up line."""
-    b, extra = divmod(global_batch, size)
-    if not extra:
-        return f"{b} x {size}"
-    return f"{b + 1} x {extra} + {b} x {size - extra} (uneven shares, gradients weighted by share)"
 
 
 def _rates(global_batch: int, per_row: int, flops_per_row: int, peak, step_time: float) -> dict:

@@ -27,9 +27,8 @@ from ..comm.buckets import plan_buckets
 from ..comm.grid import Grid, align_auto, check_divides, groups, make_grid, place_of
 from ..comm.staging import Staging
 from ..comm.zero import param_gatherer, plan_zero
-from ..device import make_device
+from ..device import make_device, on_device
 from ..observe import memory
-from ..device import on_device
 from ..precision import policy
 
 

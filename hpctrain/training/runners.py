@@ -83,7 +83,9 @@ class GraphRunner(EagerRunner):
         self.graphs = StepGraphs(plan.device, model, log)
 
     def forward_backward(self, step: int, x_all, y_all, totals, reducer, loss_scale: float = 1.0) -> None:
-        k, t = self.plan.micro_batches, self.timers   # (fp16 runs eagerly: the loss scale is 1 here)
+        """As :meth:`EagerRunner.forward_backward`; ``loss_scale`` is 1 (a 16-bit precision, and so
+        fp16's loss scale, keeps the steps eager: :func:`~.cuda_graphs.why_not`)."""
+        k, t = self.plan.micro_batches, self.timers
         for micro in range(k):
             x, y = self._upload(x_all, y_all, micro, k)
             with t("forward"):   # forward and backward in one graph (a replay, once captured)
@@ -96,6 +98,12 @@ class GraphRunner(EagerRunner):
         self.graphs.update(optimizer, lo, hi)   # the same launches every step: replayed as a graph per range
 
     def update_waits(self, optimizer, ranges) -> bool:
+        """Under ZeRO-1 always (each update ends in a parameter all-gather, and whether a key is
+        captured or checked may differ between ranks, a capture that failed on one GPU: the
+        all-gathers must come in one order against the reductions on every rank); else while a
+        range's update graph is captured or checked."""
+        if self.plan.shards is not None:
+            return True
         return any(self.graphs.settling(self.graphs.update_key(optimizer, lo, hi)) for lo, hi in ranges)
 
 
@@ -115,6 +123,11 @@ class PipelineRunner(EagerRunner):
         """Counted on the last stage (the others' predictions are 0)."""
         loss_sum, correct = self.stage.score(x_host, y_host)
         return loss_sum, correct, y_host.size if self.plan.grid.last_stage else 0
+
+    def sum_tied(self, grad, step: int) -> None:
+        """The tied table's gradient summed between the first and last stage
+        (:meth:`~.pipeline.PipelineStage.sum_tied`). Collective over the embedding group."""
+        self.stage.sum_tied(grad, step)
 
     def metrics(self) -> dict:
         """The last step's pipeline figures (:meth:`~.pipeline.PipelineStage.metrics`). Collective over

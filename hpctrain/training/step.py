@@ -4,8 +4,10 @@ On every rank: this rank's rows of the global batch -> the runner's forward and 
 (:mod:`.runners`: eager, CUDA graphs or a pipeline stage) into the flat gradient -> the gradient
 averaged over the data group, bucket by bucket, by the communication thread -> clipping -> the
 step's statistics summed over the world in one small all-reduce -> the update policy's verdict
-(:mod:`.update_policy`) -> the optimizer's update. The update follows the buckets as they arrive
-where nothing can drop it, else it waits for the verdict; either way it runs through one path.
+(:mod:`.update_policy`). Where nothing can drop the update it runs before the all-reduce, bucket by
+bucket as each is reduced (or once all are, for clipping, LAMB's and LARS's norms, or a graph
+capture); where the policy may drop it, after the verdict. Either way through one path, and in the
+same place relative to the all-reduce on every rank.
 Because every rank starts from rank 0's parameters and applies the same averaged gradient, N ranks
 with batch b train like one rank with batch N*b (up to floating-point summation order).
 
@@ -24,7 +26,7 @@ from ..comm.zero_grads import make_reducer
 from .clip import GradClip
 from .cuda_graphs import why_not
 from .runners import make_runner
-from .update_policy import APPLIED, SKIPPED
+from .update_policy import APPLIED, OVERFLOW, SKIPPED
 
 
 @dataclass
@@ -49,7 +51,7 @@ class StepResult:
     tensor: dict = field(default_factory=dict)     # the tensor group's all-reduces
     phases: dict = field(default_factory=dict)     # seconds per phase since the last step ended
     op_times: dict = field(default_factory=dict)   # train.op_times: seconds per op family
-    launches: int | None = None                    # a GPU's host-side launches (kernels, cuBLAS, graphs)
+    launches: int | None = None                    # a GPU's host-side launches of the step (not a save's)
 
     @property
     def loss(self) -> float:
@@ -68,7 +70,7 @@ class StepResult:
         out = {"loss": self.loss, "accuracy": self.accuracy, "lr": self.lr, **self.comm, **self.clip,
                **self.pipeline, **self.tensor, "skipped": not self.applied}
         if self.loss_scale is not None:
-            out.update(loss_scale=self.loss_scale, overflow=self.outcome == "overflow")
+            out.update(loss_scale=self.loss_scale, overflow=self.outcome == OVERFLOW)
         return {**out, **{f"t_{k}": v for k, v in self.phases.items()}, **self.op_times,
                 **({} if self.launches is None else {"launches": self.launches})}
 
@@ -91,8 +93,9 @@ class Step:
     ``watchdog``: the run's stall watchdog (None: unwatched); ``log``: where a failed CUDA graph
     capture is said; ``tracer``, ``ranges``: spans and NVTX ranges of the communication thread, or
     None; ``op_times``: an :class:`~hpctrain.observe.op_times.OpTimes`, popped every step, or None.
-    Builds the gradient reducer (the communication thread) over the plan's buckets and the runner;
-    collective calls happen only inside :meth:`run`.
+    Builds the gradient reducer (the communication thread) over the plan's buckets and the runner
+    (collective over the pipeline group under pipeline parallelism: its communicator's duplicate);
+    the other collective calls happen inside :meth:`run` and an evaluation's :meth:`score`.
     """
 
     def __init__(self, plan, state, schedule, policy, timers, watchdog=None, log=None, tracer=None, ranges=None,
@@ -108,7 +111,7 @@ class Step:
                                     tracer=tracer, ranges=ranges,
                                     trace_args={"strategy": cfg.dist.allreduce, "compress": cfg.dist.compress})
         self._bucket_names = plan.bucket_names()
-        self._ranges = [self._range(b) for b in plan.buckets]
+        self._update_ranges = [self._range(b) for b in plan.buckets]
         # [loss_sum, correct] of a step, summed on the device over its micro-batches and read once
         self._totals = plan.device.zeros((2,), np.float64)
         # dist.zero = 3: each layer's parameters gathered before it runs
@@ -122,9 +125,8 @@ class Step:
             if plan.grid.embedding is not None else None
         # optim.clip_grad_norm: the global norm once every bucket is reduced, before any update
         self.clip = None if not cfg.optim.clip_grad_norm else GradClip(
-            plan, state.model, lambda lo, hi: self.state.optimizer.grad_of(lo, hi), self._ranges,
+            plan, state.model, lambda lo, hi: self.state.optimizer.grad_of(lo, hi), self._update_ranges,
             cfg.optim.clip_grad_norm)
-        self.last: StepResult | None = None   # the last step's result
 
     def run(self, step: int, x_all, y_all, votes=None) -> StepResult:
         """Global step ``step`` on this rank's rows ``x_all``, ``y_all`` (host arrays), judged and
@@ -138,37 +140,47 @@ class Step:
         if self.params is not None:
             self.params.begin_step()
         self.runner.forward_backward(step, x_all, y_all, self._totals, reducer, scale)
-        # the update follows the buckets as they are reduced unless something needs all of them first:
-        # the verdict (the policy waits), clipping's norm, LAMB's and LARS's per-parameter norms, or a
-        # graph capture (it records every launch on the stream, the communication thread's too)
-        following = not self.policy.waits
-        if following:
+        # where nothing can drop the update (the policy does not wait for its verdict), it runs before
+        # the statistics all-reduce on every rank: following the buckets as they are reduced, unless
+        # something needs all of them first (clipping's norm, LAMB's and LARS's per-parameter norms, a
+        # graph capture, which records every launch on the stream, the communication thread's too)
+        early = not self.policy.waits
+        if early:
             optimizer.begin_step(step, lr)
-            following = not (self.clip is not None or getattr(optimizer, "whole_gradient", False)
-                             or self.runner.update_waits(optimizer, self._ranges))
+        following = early and not (self.clip is not None or getattr(optimizer, "whole_gradient", False)
+                                   or self.runner.update_waits(optimizer, self._update_ranges))
         self._reduce(step, following)
         if self.clip is not None:   # before the update: the gradient is clipped once
             with self.timers("optimizer"), self.watchdog.watch("gradient norm all-reduce", f"step {step}", step):
                 self.clip.apply()
+        if early and not following:
+            self._update_all(step)
         sums = self._judge(step, votes)
         outcome, reason = self.policy.decide(step, sums[0] / sums[2], int(sums[3]), int(sums[4]))
-        if outcome == APPLIED and not following:
-            if self.policy.waits:
-                optimizer.begin_step(step, lr)
-            self._prepare(step)
+        if outcome == APPLIED and not early:
+            optimizer.begin_step(step, lr)
             self._update_all(step)
         elif outcome == SKIPPED and self.state.compression is not None:
             self.state.compression.undo_step()   # residuals (and velocities) hold the bad gradient too
         if self.params is not None:
             self.params.end_step()
-        self.last = StepResult(
+        return StepResult(
             step, outcome, reason, float(sums[0]), float(sums[1]), float(sums[2]), int(sums[3]), int(sums[4]),
             tuple(int(v) for v in sums[5:]), lr, None if self.policy.scaler is None else scale,
             clip={} if self.clip is None else self.clip.metrics(), comm=self._comm_metrics(),
             pipeline=self.runner.metrics(), tensor={} if self.plan.tensor is None else self.plan.tensor.take(),
             phases=self.timers.pop(), op_times=self.op_times.pop() if self.op_times else {},
             launches=None if launched is None else self.plan.device.launches() - launched)
-        return self.last
+
+    def score(self, x_host, y_host) -> tuple:
+        """(loss_sum, correct, predictions) of evaluation rows ``x_host``, ``y_host`` on this rank: a
+        forward only, through the runner (a pipeline's stages pass it along; counted on the last)."""
+        return self.runner.score(x_host, y_host)
+
+    def gather_only(self) -> None:
+        """ZeRO-3: the parameter gathers of an evaluation forward without computing it. Collective
+        over the data group."""
+        self.runner.gather_only()
 
     def _reduce(self, step: int, following: bool) -> None:
         """Wait for every bucket's reduction (the ``allreduce`` phase is the exposed wait; the
@@ -179,7 +191,7 @@ class Step:
             with self.timers("allreduce"), self.watchdog.watch("gradient all-reduce", f"{name}, step {step}", step):
                 self.reducer.wait(bucket)
             if bucket.index == self._tied:
-                self.runner.stage.sum_tied(self.state.optimizer.grad_of(*self._range(bucket)), step)
+                self.runner.sum_tied(self.state.optimizer.grad_of(*self._range(bucket)), step)
             if following:
                 behind = self._update_next(step, bucket, name, behind)
         if behind is not None:
@@ -201,7 +213,9 @@ class Step:
         return sums
 
     def _update_all(self, step) -> None:
-        """The optimizer on every bucket, all reduced (and clipped), in order."""
+        """The optimizer on every bucket, all reduced (and clipped), in order; LAMB's and LARS's trust
+        ratios first."""
+        self._prepare(step)
         behind = None
         for bucket, name in zip(self.plan.buckets, self._bucket_names):
             behind = self._update_next(step, bucket, name, behind)

@@ -17,14 +17,14 @@ report. The model and its data come from the family ``model.kind`` (:mod:`hpctra
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from ..ckpt.manager import CheckpointManager, check_writable
 from ..ckpt.state import fresh_rng
-from ..comm.buckets import layout_signature
 from ..comm.collectives import Collectives
-from ..compress.gradients import GradientCompression
-from ..comm.grid import check_same_reduction
 from ..comm.zero_grads import place_gradients
-from ..errors import ConfigError, DataError
+from ..compress.gradients import GradientCompression
+from ..errors import ConfigError
 from ..models import family
 from ..observe.log import Log, Metrics, Timers
 from ..observe.nvtx import make_ranges
@@ -36,9 +36,9 @@ from ..reliability.numeric_guard import NumericGuard
 from ..reliability.progress import Progress
 from ..reliability.signals import StopSignal
 from ..reliability.watchdog import Watchdog
-from ..runtime import oversubscribed_note
 from .loop import Reporting, RunLoop, Watching
 from .plan import place
+from .start_up_checks import agree_at_start_up
 from .state import TrainingState
 from .step import Step
 from .update_policy import UpdatePolicy
@@ -84,30 +84,7 @@ class Trainer:
             # agree() makes every rank raise the same error instead of hanging.
             model, optimizer, scaler = agree(world, self._build)
             plan = self.plan
-            if plan.device.gemm_note:  # train.gemm = auto on a GPU without a usable CuPy: slow GEMMs, say why once
-                self.log.warn(plan.device.gemm_note)
-            if getattr(plan.device, "attention_note", None):  # the cuBLAS attention failed its start-up check
-                self.log.warn(plan.device.attention_note)
-            # a rank with more threads than cores (a launcher's binding): said once, for every such rank
-            crowded = [(r, note) for r, note in enumerate(world.comm.allgather(oversubscribed_note()))
-                       if note]
-            if crowded:
-                self.log.warn(f"rank(s) {','.join(str(r) for r, _ in crowded)}: {crowded[0][1]}")
-            # Ranks reading different files (node-local copies that differ) would
-            # train on garbage or mismatch in Bcast; compare what each rank sees.
-            agree(world, _check_same_data, world.comm.allgather(self.data.signature), cfg.data.train)
-            # Buckets reduced in a different order or size on some rank would pair
-            # collectives wrongly and hang: compare the layouts first.
-            # (a pipeline's stages hold different parameters: the ranks of each stage must agree)
-            layouts = world.comm.allgather((plan.grid.stage, layout_signature(plan.buckets, plan.device.dtype)))
-            agree(world, check_same_layout, layouts)
-            if plan.grid.tensor is not None:   # (a stage's tensor ranks hold the replicas: per stage)
-                placed = world.comm.allgather((plan.grid.stage, tuple(node for node, _ in plan.dp.where)))
-                for stage in sorted({s for s, _ in placed}):
-                    agree(world, check_same_reduction, [p for s, p in placed if s == stage], cfg.dist.allreduce)
-            if plan.pipeline > 1:
-                # the tied table's gradient is summed chunk by chunk between the first and last stage
-                agree(world, check_tied_shares, world.comm.allgather(plan.tied_share()))
+            agree_at_start_up(world, plan, self.data, self.log)
         with wd.watch("start-up", f"all-reduce set-up (dist.allreduce={cfg.dist.allreduce})", slack=10):
             # strategies may run collectives while being built (auto measures), so
             # only once every rank is known to have built everything else
@@ -180,7 +157,9 @@ class Trainer:
         # Shares (and micro-batches) that differ: every row's loss gets the same weight, size k / G,
         # instead of 1 / (the rows of its micro-batch), so the sum over ranks scaled by 1 / (size k)
         # is the whole batch's mean. Even shares keep 1/B.
-        row_weight = None if sampler.even and sampler.batch % k == 0 else plan.dp.size * k / cfg.train.global_batch
+        # (exact: a model divides it by its predictions per row before rounding it, as one division would)
+        row_weight = None if sampler.even and sampler.batch % k == 0 else Fraction(plan.dp.size * k,
+                                                                                   cfg.train.global_batch)
         model = models.build(cfg, plan.model_device, self.data, tensor=plan.tensor, stage=plan.grid.stage,
                              row_weight=row_weight, tracer=self.tracer, ranges=self.ranges)
         if model.flat.data is not None:   # (ZeRO-3's model has no whole buffer: it takes its shares below)
@@ -247,7 +226,8 @@ class Trainer:
     def loop(self) -> RunLoop:
         """The run loop over this trainer's parts."""
         return RunLoop(self.plan, self.state, self.stepper, self.data, self.checkpoints, self.guard,
-                       Reporting(self.log, self.metrics, self.timers, self.tracer, self.ranges, self.peak_flops),
+                       Reporting(self.log, self.metrics, self.timers, self.tracer, self.ranges, self.op_times,
+                                 self.peak_flops),
                        Watching(self.watchdog, self.progress, self.stop_signal, self._own_signal, self.faults))
 
     def evaluate(self, whole: bool = False) -> dict:
@@ -268,38 +248,3 @@ class Trainer:
             self.plan.param_slots.close()
         self.faults.at_exit()
 
-
-def check_same_layout(layouts):
-    """Every rank of a pipeline stage (of the world, without one) must reduce the same gradient
-    buckets in the same order. ``layouts``: (stage, layout signature) per rank."""
-    by_stage: dict = {}
-    for stage, signature in layouts:
-        by_stage.setdefault(stage, set()).add(signature)
-    if any(len(signatures) > 1 for signatures in by_stage.values()):
-        detail = ", ".join(f"rank {r}: {h}" + (f" (stage {s})" if len(by_stage) > 1 else "")
-                           for r, (s, h) in enumerate(layouts))
-        raise ConfigError(f"ranks disagree on the gradient bucket layout ({detail}); every rank must build "
-                          f"the same model with the same dist.bucket_mb and train.dtype, or the all-reduce "
-                          f"would deadlock")
-
-
-def check_tied_shares(shares):
-    """A pipeline's first and last stage sum their copies of the tied table's gradient rank by rank
-    (each data rank with the same data rank of the other stage): under ZeRO both must own the same
-    part of it. ``shares``: per rank, None or (pipeline group, the part of ``wte`` it owns)."""
-    owned: dict = {}
-    for share in filter(None, shares):
-        owned.setdefault(share[0], set()).add(share[1])
-    if any(len(parts) > 1 for parts in owned.values()):
-        raise ConfigError("dist.zero with dist.pipeline_parallel: the first and last stage's data groups own different "
-                          "parts of the tied embedding's gradient (their ZeRO chunks follow how each group lies on "
-                          "the nodes, with dist.allreduce=hierarchical or auto), so its two copies could not be "
-                          "summed part by part; use dist.allreduce = ring, rhd, mpi or naive, or a world whose "
-                          "stages lie alike on the nodes")
-
-
-def _check_same_data(seen, path):
-    if len(set(seen)) > 1:
-        detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
-        raise DataError(f"ranks see different datasets at {path!r} ({detail}); "
-                        f"every rank must read the same file (check node-local copies)")
