@@ -1,14 +1,15 @@
 """HDF5 decoding a checkpoint file in this process: the work of the isolated child (:mod:`.isolated`).
 
 HDF5 may crash, loop or exhaust memory on a damaged file, so the training process never calls
-these: :mod:`.read` and :mod:`.share` have a child run them (:func:`~.isolated.run_isolated`
-looks an op up in :data:`CHILD_OPS`). Each checks the file's header and layout (:mod:`.checks`);
-a failure that is not already a UserError becomes :class:`~.checks.CorruptCheckpoint`.
+these: :mod:`.read` and :mod:`.share` have a child run them (:func:`~.isolated.run_isolated` looks
+the op up in :data:`CHILD_OPS`). Each checks the file's header and layout (:mod:`.checks`); a
+failure that is not already a UserError becomes :class:`~.checks.CorruptCheckpoint`. Serial, no MPI.
 
-  verify_file   every dataset read and compared with its CRC-32; the header
-  header_of     the checked header (no data read)
-  inspect_file  root attributes and one row per dataset (no data read)
-  write_share   one rank's share of every dataset into a memory file the parent passed
+  op             function       does
+  verify_file    verify_file    every dataset read and compared with its CRC-32; the header
+  header_of      header_of      the checked header (no data read)
+  inspect_file   inspect_file   root attributes and one row per dataset (no data read)
+  read_share     write_share    one rank's share of every dataset into a memory file the parent passed
 """
 
 from __future__ import annotations

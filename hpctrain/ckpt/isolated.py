@@ -1,26 +1,19 @@
 """Decode checkpoint files only in a child process, so a corrupt file cannot crash, hang or
 exhaust the process that reads it.
 
-HDF5 trusts the metadata it reads: one flipped bit in an object header can crash the
-library (SIGSEGV: seen with a bit of an attribute's datatype), send it round a cycle for
-ever, or make it allocate whatever a damaged size says (12 GB seen), before any checksum
-of ours is looked at; and some damaged datatypes make it read memory it never
-initialised, so it crashes on some runs only. So every production read of a file runs
-here, in a fresh ``python -c`` child that runs the op's function of :data:`.decode.CHILD_OPS`:
+HDF5 trusts the metadata it reads: one damaged byte of an object header can make it crash, loop for
+ever, allocate what a damaged size says, or read memory it never initialised, before any checksum of
+ours is looked at. So every production read runs here: :func:`run_isolated` starts a fresh
+``python -c`` child that runs one op of :data:`.decode.CHILD_OPS` and answers one JSON line
+(``verify_file``, ``header_of``, ``inspect_file`` for :mod:`.read` and the ``ckpt`` commands;
+``read_share`` for :mod:`.share`, which gets the arrays through a memory file instead). Local: each
+rank of a load runs its own child.
 
-  * ``verify_file``, ``header_of``, ``inspect_file`` (behind the readers of :mod:`.read`,
-    what ``ckpt ls/verify/inspect`` run) return their result as JSON;
-  * ``read_share`` (for :mod:`.share`) writes one rank's share of every dataset into a memory
-    file the parent passed (a ``memfd``), and returns where each array lies in it; the
-    parent maps the file and checks the CRCs itself. The training process never opens
-    the HDF5 file at all.
-
-The child caps its own heap (RLIMIT_DATA) at :data:`HEAP_BASE_BYTES` plus the file's size,
-more than a healthy file ever needs: a damaged size is a ``MemoryError`` there, which
-becomes :class:`~.checks.CorruptCheckpoint` like a crash (a negative exit), a timeout
-(scaled with the file's size) or an error the reader raised.
-
-Cost: one Python start with h5py (~0.15 s here) per read.
+The child caps its heap (RLIMIT_DATA) at :data:`HEAP_BASE_BYTES` plus the file's size, more than a
+healthy file needs, so a damaged size is a ``MemoryError``. That, a crash (a negative exit), a timeout
+(:func:`timeout_for`, scaled with the bytes read) or a malformed answer is
+:class:`~.checks.CorruptCheckpoint`, as is an error the reader raised, except
+:class:`~.checks.UnreadableCheckpoint` (the OS refused the file). Cost per read: docs/checkpoint-format.md.
 """
 
 from __future__ import annotations

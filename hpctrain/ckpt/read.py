@@ -1,16 +1,14 @@
 """Reading checkpoints: verification (every byte against its CRC) and the parallel load.
 
-Reads use plain serial h5py (read-only opens may share a file), so resuming
-works with or without parallel HDF5. Nothing in a file is ever executed or
-unpickled: only numeric datasets and plain attributes are read (the stored
+:func:`load_checkpoint` (resume, rollback, ``sample``; collective over the world) has each rank
+read and checksum 1/size of every dataset's rows (:mod:`.share`), combines the CRCs into one verdict
+for every rank, then all-gathers the replicated arrays whole. :func:`verify_file`, :func:`header_of`
+and :func:`inspect_file` are serial (the ops the ``ckpt`` commands run). HDF5 decodes a file only in
+a child process (:mod:`.isolated` runs :mod:`.decode`), since it can crash, loop or exhaust memory on
+a damaged one; the CRCs cover the arrays and the root attributes, and the layout is checked too
+(:mod:`.checks`). Serial h5py only, so resuming works with or without parallel HDF5. Nothing in a
+file is executed or unpickled: only numeric datasets and plain attributes are read (the stored
 config is parsed as TOML data).
-
-The CRCs cover the arrays' bytes and the root attributes; the rest of a file
-is HDF5 metadata, which a corrupt file may damage in ways HDF5 cannot tell: so
-the layout is checked too (:mod:`.checks`), and HDF5 decodes a file only in a
-child process (:mod:`.isolated` runs :mod:`.decode` there; a load's share comes
-back through :mod:`.share`), since it can crash, loop or exhaust memory on a
-damaged one.
 """
 
 from __future__ import annotations

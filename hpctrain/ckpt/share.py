@@ -1,12 +1,13 @@
 """One rank's share of a checkpoint, read in a child process and handed back through memory.
 
-Each rank of a load reads 1/size of every dataset's rows (to checksum them; the replicated
-arrays are then all-gathered) and its own row of the per-rank ones. HDF5 decoding a
-corrupt file may crash or loop (:mod:`.isolated`), so :func:`read_share` has a child run
-:func:`~.decode.write_share`: it checks the file's header and layout, and reads the rows with
-``read_direct`` straight into a memory file (``memfd``) the parent created; the parent maps
-that file and uses the arrays in place, without a copy. So the training process never
-decodes the checkpoint's HDF5 metadata, and what it gets is checked by its own CRCs.
+:func:`read_share` (called by :func:`~.read.load_checkpoint` on every rank; local) gets 1/size of
+every dataset's rows (to checksum them; the replicated arrays are then all-gathered) and the rank's
+own row of the per-rank ones. HDF5 may crash or loop on a corrupt file (:mod:`.isolated`), so a
+child runs :func:`~.decode.write_share`: it checks the file's header and layout and reads the rows
+with ``read_direct`` straight into a memory file (``memfd``) this process created; this process maps
+the file and uses the arrays in place, without a copy, after checking the child's answer (dtypes,
+offsets within the file). So the training process never decodes HDF5 metadata, and the caller checks
+what it gets against the stored CRCs.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """The process grid (data x tensor x pipeline): who splits a layer with whom, who averages with
-whom, who passes activations to whom. Every group is built here.
+whom, who passes activations to whom. Every group is built here (:func:`make_grid`, collective over
+the world's communicator).
 
-With ``dist.tensor_parallel = t`` the world's ranks form groups of t consecutive ranks, the
-*tensor groups* (ranks 0..t-1, t..2t-1, ...): consecutive so that a group stays inside a node
-whenever t divides the ranks per node, where its per-layer all-reduces are cheapest. The ranks holding
-the same tensor rank (world rank mod t) across the groups form a *data group*: world size / t
-ranks with the same shard of every split matrix, which average their gradients with
-``dist.allreduce`` exactly as the whole world does without tensor parallelism.
-
-With ``dist.pipeline_parallel = p`` as well, the world is p consecutive blocks of world size / p
-ranks, one *stage* each (stage = world rank // (world size / p)), split into tensor and data groups
-as above; so a stage's groups stay together (on one node when they fit) and its boundary to the next
-stage is where a slow link between nodes would fall. The ranks holding the same data and tensor
-rank in every stage form a *pipeline group* (p ranks: activations forward, gradients backward), and
-its first and last stage the *embedding group* (the tied embedding's two copies):
+The world is p consecutive blocks of world size / p ranks, one pipeline *stage* each
+(``dist.pipeline_parallel``). Inside a stage, t consecutive ranks form a *tensor group*
+(``dist.tensor_parallel``): consecutive so that a group stays inside a node whenever t divides the
+ranks per node, where its per-layer all-reduces are cheapest. A stage's ranks with the same tensor
+rank form a *data group*, which averages gradients with ``dist.allreduce`` as the whole world does
+without model parallelism. The ranks at the same place in every stage form a *pipeline group*
+(activations forward, gradients backward), and its first and last stage the *embedding group* (the
+tied embedding's two copies). So a stage's groups stay together, and a slow link between nodes falls
+between stages:
 
     rank = stage * (d * t) + data rank * t + tensor rank
-
-    grid = make_grid(world, t, p)       # collective over world.comm
-    grid.tensor.rank, grid.data.rank    # this rank's place in each
-    grid.stage, grid.pipeline.rank      # and in the pipeline (the same number)
 """
 
 from __future__ import annotations

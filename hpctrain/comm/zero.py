@@ -1,35 +1,22 @@
 """ZeRO-1 (``dist.zero = 1``): each rank keeps the optimizer state of its share of every bucket.
 
-(ZeRO-2, ``dist.zero = 2``, keeps the same shares and also drops the rest of the
-gradient: :mod:`.zero_grads`; ZeRO-3 the rest of the parameters too: :mod:`.zero_params`.
-:func:`plan_zero` builds a stage's shares and slots.)
-
-Shares. Every gradient bucket [lo, hi) is cut into ``size`` chunks as the ring
-cuts a buffer (:func:`~.ring.chunk_offsets`: the first (hi - lo) % size chunks
-one element longer, none padded), and each rank owns one chunk of every bucket:
-the chunk its strategy's reduce-scatter leaves the finished sum in
-(``owned_chunk``: ``rank + 1`` for ring, by node and local rank for hierarchical across nodes of
-one size, chunk ``rank`` for the others).
-A rank's chunks, packed back to back, are its optimizer state: about 1/size of
-zero 0's, within one element per bucket. Shares follow the buckets (not one
-contiguous range of the flat buffer) so that every rank takes part in every
-bucket's reduce-scatter with an equal part, as in an all-reduce's first half.
-
-One step, per bucket (:class:`~.buckets.BucketedAllreduce` and the trainer):
+ZeRO-2 drops the rest of the gradient too (:mod:`.zero_grads`), ZeRO-3 the rest of the parameters
+(:mod:`.zero_params`); :func:`plan_zero` builds a stage's shares and slots. Every bucket is cut into
+``size`` chunks as the ring cuts a buffer (:func:`~.ring.chunk_offsets`, none padded), and each rank
+owns the chunk its strategy's reduce-scatter leaves the sum in (:func:`owned_chunk_rule`). Shares
+follow the buckets, not one range of the flat buffer, so every rank takes an equal part in every
+bucket's reduce-scatter. A rank's chunks packed (:class:`ZeroShards`) are its optimizer state, about
+1/size of zero 0's. Per bucket, each step:
 
     reduce-scatter the gradient (sum; this rank's chunk, in place)   communication thread
     scale and test this rank's chunk only                             (the ranks' answers are summed)
     the optimizer updates this rank's chunk of the parameters         main thread
-    all-gather the bucket's parameters                                main thread, a duplicate communicator
+    all-gather the bucket's parameters (not under ZeRO-3)             main thread, a duplicate communicator
 
-The all-gathers run on their own communicator (a second strategy instance) because
-the communication thread is reduce-scattering later buckets at the same time, and
-collectives of two threads on one communicator could pair up differently on
-different ranks.
-
-Checkpoints stay logical: :meth:`ZeroShards.gather` assembles the whole optimizer
-state on the host for a save (collective; host memory for the save's duration)
-and :meth:`ZeroShards.take` picks this rank's chunks out of a loaded array.
+The all-gathers have a communicator of their own (:func:`param_gatherer`) because the communication
+thread reduce-scatters later buckets meanwhile: two threads' collectives on one communicator could
+pair up differently on different ranks. Checkpoints stay logical: :meth:`ZeroShards.gather` builds
+the whole state on the host for a save (collective), :meth:`ZeroShards.take` this rank's chunks of a load.
 """
 
 from __future__ import annotations

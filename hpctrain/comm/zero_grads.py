@@ -1,28 +1,20 @@
 """ZeRO-2 (``dist.zero = 2``): a bucket's gradient exists whole only while it is in flight.
 
-Memory. Backward writes each bucket's gradients into a *slot* of a small pool
-(:class:`GradientSlots`) instead of a P-element buffer: buckets 0 .. n-2 take K
-slots in turn (bucket i -> slot i mod K) and the last bucket has one of its own
-(it is written first and last: the GPT's tied token table gets the head's
-gradient at the start of backward and the embedding's at its end). K is one more
-than the most buckets one layer's gradients span (the model's
-``backward_groups``): the least that lets a layer claim its slots while the
-bucket before it is still being reduced. Once a bucket is ready the
-communication thread reduce-scatters its slot, copies (first micro-batch) or
-adds (later ones) this rank's chunk into the packed owned gradient
-(:attr:`GradientSlots.owned`, in :class:`~.zero.ZeroShards`' layout: what the
-optimizer reads), and the slot is free. A layer about to write gradients first
-``claim``s their slots, waiting until each slot's previous bucket is reduced.
+Backward writes each bucket's gradients into a *slot* of a small pool (:class:`GradientSlots`, laid
+out by :class:`~.zero_slots.SlotLayout`) instead of a P-element buffer: the buckets take K slots in
+turn, and the last one (written first and last: the GPT's tied token table) has one of its own, as
+do ZeRO-3's buckets of vectors. Before a layer writes gradients, :meth:`ShardedGradients.claim` waits
+until each of its slots' previous bucket is reduced (a claim that could never be met raises). Once a
+bucket is ready, the communication thread reduce-scatters its slot and copies (first micro-batch) or
+adds (later ones) this rank's chunk into ``owned``, the packed gradient in
+:class:`~.zero.ZeroShards`' layout that the optimizer reads; the slot is then free (without
+``dist.overlap`` the main thread reduces when a claim or the optimizer needs it). Collective over the
+data group, every rank in the same bucket order. :func:`make_reducer` picks this reducer or the plain
+one; :func:`place_gradients` keeps the pool in shm's shared window on the CPU.
 
-Per rank, gradients take the pool (K slots, each as large as its largest bucket,
-plus the last bucket) and about P / N for the owned chunks, against P for zero 0
-and 1; parameters and optimizer state are as for zero 1.
-
-Gradient accumulation. There is no whole buffer to add micro-batches in, so each
-micro-batch's gradient is reduce-scattered: k micro-batches cost k
-reduce-scatters per step, and ranks are summed before micro-batches. With k > 1
-the result therefore agrees with zero 0 and 1 to rounding (rtol 1e-10 in
-float64); with k = 1 ring and naive give zero 1's bits.
+There is no whole buffer to accumulate micro-batches in, so each micro-batch is reduce-scattered and
+ranks are summed before micro-batches: with k > 1 a run agrees with zero 0 and 1 to rounding, not
+bit for bit. Memory and numbers: docs/dist.md.
 """
 
 from __future__ import annotations

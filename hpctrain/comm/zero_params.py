@@ -1,63 +1,22 @@
-"""ZeRO-3 (``dist.zero = 3``): a layer's parameters exist whole only while it runs.
+"""ZeRO-3 (``dist.zero = 3``): parameters in shares; a layer's exist whole only while it runs.
 
-Each rank keeps, of the parameters, only its chunk of every bucket (the shares ZeRO-1 and 2 use,
-:class:`~.zero.ZeroShards`), packed: :attr:`ParameterSlots.owned`, the masters the optimizer
-updates. The buckets are the model's layer units (``dist.bucket_split = "layers"``, the default
-under ZeRO-3): for the GPT, per block its vectors, its attention's two matrices, the MLP's c_fc and
-its c_proj (4 C^2 elements each), then the token table, the position table and ln_f. The layers read
-their parameters from a small pool of *slots* (:class:`~.zero_slots.SlotLayout`, the layout of
-ZeRO-2's gradient slots). Before each part of a layer runs, forward or backward (a GPT block's
-LayerNorms, attention, c_fc and c_proj one at a time), the model calls :meth:`ParameterSlots.fetch`
-with its parameter names; each bucket they lie in is all-gathered into its slot from every rank's
-chunk (the parameter all-gather of ZeRO-1, here before use instead of after the update), unless
-the slot still holds it, and the buckets the part after it will need are gathered ahead
-(prefetched) on a thread of its own while this part computes.
+:class:`ParameterSlots` holds ``owned``, this rank's chunks packed (ZeRO-1's shares,
+:class:`~.zero.ZeroShards`: the float32 masters the optimizer updates), and ``buffer``, the pool of
+slots the layers read (:class:`~.zero_slots.SlotLayout`). The buckets are the model's layer units;
+the matrix buckets take K slots in turn (K = 2 for the GPT), the buckets of vectors and the last
+bucket (the GPT's token table) have slots of their own and stay gathered until their update. Before
+each part of a layer runs, forward or backward, the model calls :meth:`~ParameterSlots.fetch` with
+the names it reads: each of their buckets is all-gathered into its slot unless the slot holds it, and
+with ``dist.overlap`` the next part's are gathered ahead on a thread of its own, in the order the last
+training step fetched (the first step, an evaluation: the model's own order). An update or a load
+makes a bucket's copy stale. Gradients are ZeRO-2's slots (:mod:`.zero_grads`).
 
-- **Slots.** The matrix buckets take K = 2 slots in turn (K is one more than the most of them a part
-  spans). The buckets of vectors (biases, LayerNorms: about 1 % of a block) and the last bucket (the
-  first in the flat order: the GPT's token table, which the embedding reads at the start of forward
-  and the head at its end and at the start of backward) have slots of their own, and stay gathered
-  from their first use to their update, as DeepSpeed keeps parameters under its persistence
-  threshold whole and FSDP its root unit.
-- **What is fetched ahead.** Every training step records the buckets each fetch wanted; the next
-  step, while it fetches the same, gathers ahead what the following fetch wanted (past fetches of
-  held vectors, up to the next matrix bucket). That is the order the model really runs, recompute
-  included (with ``model.recompute = blocks`` backward runs each block's forward parts again
-  first). Otherwise (the first step, an evaluation) what follows in the model's own order of
-  fetches (its forward and backward groups), as far as the part is found there. A slot whose
-  bucket this part reads is never refilled ahead.
-- **Staleness.** An update changes the masters. From the bucket's update on, its slot's copy is
-  stale (:meth:`ParameterSlots.stale`), so the next use gathers it again. So does a checkpoint
-  load (:meth:`ParameterSlots.load`).
-- **Gradients** are ZeRO-2's, claimed and released part by part too: the reused gradient slots,
-  each reduce-scattered into the owner's chunk (:mod:`.zero_grads`). A ZeRO-3 step adds in the order
-  of a ZeRO-2 step with the same buckets: the same bits.
-
-Every rank issues the same gathers in the same order (the same parts, the same residency, the same
-recorded order), on a duplicate communicator of the data group (ZeRO-1's parameter gatherer), from
-one thread, so they pair up. Without ``dist.overlap`` they run on the main thread when a part needs
-them, and nothing is fetched ahead.
-
-On a GPU a gather is fenced, as ZeRO-2's reductions are (:class:`~hpctrain.device.transfers.StreamFence`):
-when the main thread queues it, an event is recorded on the device's stream after everything queued
-so far, the slot's last readers and the masters' last update among them (a part's kernels are
-queued after its fetch, so not the part about to run). The gather thread waits for that event only,
-rounds or copies this rank's chunk into the slot on a stream of its own, stages the slot through
-pinned host memory there, and the device's stream waits for the copy back before its next kernel.
-So a bucket's gather runs while the part before it computes. Without ``dist.overlap`` the main
-thread gathers after the device's queued work.
-
-Under a 16-bit ``train.precision`` the pool is in the compute dtype (bf16 or fp16, as FSDP's
-``MixedPrecision(param_dtype=...)``): a gather rounds this rank's float32 chunk into the slot and
-moves 16-bit values, half the bytes, and the layers read the rounded copy they would read from
-a whole 16-bit buffer (rounding is elementwise: the same bits). The chunks stay the float32 masters.
-
-Memory per rank: the owned chunks (about P / N) and the pool: K slots of the largest matrix bucket
-(for the GPT 2 x 4 C^2, two thirds of a block, or 2 T C when the position table is larger: a context
-above 4 C), every bucket of vectors and the last bucket. ZeRO-2's
-gradient pool is the same size. Start-up keeps to that: the model is built without whole parameter
-or gradient buffers, and every rank draws the initial weights one array at a time and keeps its
-chunks of each (:meth:`ParameterSlots.adopt`; nothing is broadcast).
+Collective over a duplicate communicator of the data group: every rank issues the same gathers in the
+same order, from one thread. On a GPU a gather waits only for the event recorded when it was queued
+(the slot's last readers, the masters' update), not for the part about to run. Under a 16-bit
+``train.precision`` the pool is in the compute dtype: a gather rounds this rank's chunk and moves
+16-bit values. Start-up keeps only this rank's chunks of the initial weights (:meth:`~ParameterSlots.adopt`;
+nothing broadcast). Memory, prefetch, same bits: docs/dist.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,22 @@
 """Summing one bucket over a communicator through a compressor: what travels is the payload.
 
-``CompressedSum(comm, compressor)(x, ctx, shapes)`` replaces the float32 host
-vector ``x`` (this rank's gradient bucket) by the sum over ranks of what the
-compressor lets through, identical bytes on every rank; error feedback keeps
-the rest per rank. By the compressor's ``combine``:
+``CompressedSum(comm, compressor)(x, ctx, shapes)`` replaces the float32 host vector ``x`` (this
+rank's gradient bucket) by the sum over ranks of what the compressor lets through, the same bytes on
+every rank; error feedback keeps the rest per rank (with ``momentum`` > 0, momentum correction: the
+ranks' velocities are summed). Collective over ``comm``: the world's, or hierarchical's cross-node one under
+``compress_scope = inter`` (:mod:`.gradients` builds it). By the compressor's ``combine``:
 
-  * "sum", float32 payload arrays (none, randk's values): ``MPI_Allreduce``;
-  * "sum", 16-bit payloads (fp16, bf16): a ring over 16-bit messages with
-    float32 accumulators (MPI has no half-precision sum). Each hop re-rounds a
-    partial sum to 16 bits, and error feedback cannot see those roundings
-    (p - 1 of them per element); the owner rounds its finished chunk before
-    the all-gather, so every rank decodes the same values;
-  * "gather" (topk, sign): every rank's payload, packed into one byte buffer
-    of a size that depends only on n, is all-gathered; each is decoded and
-    added in rank order (so the sum's rounding is the same everywhere);
-  * "lowrank" (PowerSGD): its two all-reduces per layer; ``shapes`` gives the
-    layers' shapes in the bucket, in order.
+  * "sum", float32 payloads (none, randk's values): ``MPI_Allreduce``;
+  * "sum", 16-bit payloads (fp16, bf16): a ring over 16-bit messages with float32 accumulators (MPI
+    has no half-precision sum); each hop re-rounds a partial sum, which error feedback cannot see, and
+    the owner rounds its finished chunk once before the all-gather, so every rank decodes the same;
+  * "gather" (topk, sign): every rank's payload, packed into one byte buffer of the same size on every
+    rank, is all-gathered, decoded and added in rank order (the same rounding everywhere);
+  * "lowrank" (PowerSGD): its two all-reduces per layer; ``shapes`` gives the bucket's layer shapes.
 
-Counters (per call, for the step metrics): ``sent_bytes``, the payload bytes
-this rank sent, counted from the messages (for an ``MPI_Allreduce`` of a
-payload array: 2 (p-1)/p of its size, what a bandwidth-optimal all-reduce
-sends per rank); ``dense_bytes``, the same measure for the float32 bucket
-uncompressed; ``encode_s`` and ``decode_s``.
-
-``momentum`` > 0 turns on momentum correction (compress/base.py): what is
-summed is then the ranks' velocities, not their gradients.
+Per call, for the step metrics: ``sent_bytes`` (the payload bytes this rank sent; an all-reduce
+counts 2 (p-1)/p of its size), ``dense_bytes`` (the same for the bucket uncompressed), ``encode_s``
+and ``decode_s``.
 """
 
 from __future__ import annotations
