@@ -1,7 +1,7 @@
 """Command line: ``python -m hpctrain <command>`` (under mpirun/srun or alone).
 
 Commands
-  train   train a model data-parallel over all ranks of the launch
+  train   train a model over all ranks of the launch (data, tensor and pipeline parallel)
   data    make, import or inspect datasets (``data synth``, ``data text``, ``data import``, ``data info``)
   sample  generate text from a GPT checkpoint (``sample --checkpoint FILE --prompt TEXT``)
   ckpt    list, verify or inspect checkpoints (``ckpt ls DIR``, ``ckpt verify FILE``, ``ckpt inspect FILE``)

@@ -1,32 +1,19 @@
 """Bias add + activation, fused: the elementwise half of a Linear layer.
 
-forward:  z (B, O) holds x @ w; z <- z + b (the pre-activation, kept for
-          backward); out <- act(z). With act "identity", ``out`` may be ``z``.
-backward: dz <- dout * act'(z); db <- sum over rows of dz (or db += ... when
-          ``accumulate``). ``dz`` may be ``dout`` (each element is read before
-          it is written).
-act is "identity", "relu" or "gelu" (tanh approximation, as GPT-2 and llm.c:
-gelu(v) = 0.5 v (1 + tanh(u)), u = k (v + 0.044715 v^3), k = sqrt(2/pi); relu's
-subgradient at 0 is 0). GELU is evaluated through the identity
-0.5 (1 + tanh(u)) = s = 1 / (1 + exp(-2u)), so gelu(v) = v s and
-gelu'(v) = s + 2 v s (1 - s) k (1 + 3 * 0.044715 v^2): the same function, but
-without the cancellation in 1 + tanh(u) for v < 0 that costs the tanh form up
-to ~1e-4 relative in float32 (and exp vectorises where tanh does not).
+forward:  z (B, O) holds x @ w; z <- z + b (the pre-activation, kept for backward); out <- act(z).
+          With act "identity", ``out`` may be ``z``.
+backward: dz <- dout * act'(z); db <- (db +, with ``accumulate``) the column sums of dz. ``dz``
+          may be ``dout`` (each element is read before it is written).
 
-float32 stays float32: the activations are built per dtype with constants of
-that dtype (a Python float literal would promote float32 arithmetic to
-float64 in numba), so the twin and the kernels both round every step in the
-array's dtype. Column sums (the bias gradient) accumulate in float64: B
-additions in float32 would lose log2(B) bits, and they are cheap beside the
-element pass.
-
-The activations are plain Python functions: the CUDA kernels (bias_act_cuda.py)
-compile them (``numba.cuda.jit(device=True)``), and so does the CPU twin's ReLU loop
-(``numba.njit``). The twin's identity is a NumPy broadcast add (plus a column-sum
-loop backward) and its GELU is one numba pass with cpu_exp.fast_exp: the same
-formula in the same dtype as the kernels, vectorised (a scalar libm exp in a loop
-does not vectorise). They live in this file because numba's disk cache only
-notices edits to the file of the function it cached.
+act is "identity", "relu" (subgradient 0 at 0) or "gelu" (tanh approximation, as GPT-2 and llm.c),
+evaluated as gelu(v) = v s, s = 1 / (1 + exp(-2u)), u = k (v + 0.044715 v^3), k = sqrt(2/pi): the
+same function without the cancellation of 1 + tanh(u) for v < 0. Arrays keep their float dtype
+(float32 stays float32: the activations are built per dtype with constants of that dtype); the
+column sums accumulate in float64, per chunk of rows added in chunk order, so the same bits at any
+thread count. The activations are plain Python functions compiled for both targets (the CUDA
+kernels, :mod:`.bias_act_cuda`, and the twin's ReLU loop); the twin's GELU is one numba pass with
+:func:`~.support.cpu_exp.fast_exp`, its identity a NumPy add. They live in this file because numba's
+disk cache only notices edits to the file of the function it cached. Accuracy: docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
 """Token + position embedding (GPT-2's encoder): the first op of the model.
 
-tokens (B, T) integer ids in [0, V), wte (V, C) token table, wpe (Tmax, C)
-position table with T <= Tmax, out (B, T, C):
+tokens (B, T) integer ids in [0, V), wte (V, C) token table, wpe (Tmax, C) position table with
+T <= Tmax, out (B, T, C), one float dtype:
 
 forward:  out[b, t] = wte[tokens[b, t]] + wpe[t]
-backward: dwpe[t] <- (dwpe[t] +) sum over b of dout[b, t] for t < T (rows
-          T..Tmax-1 got no gradient: zeroed unless ``accumulate``);
-          dwte[tokens[b, t]] += dout[b, t] - always added, because the LM head
-          shares wte (weight tying) and, running first in backward, has
-          already written its gradient into dwte.
+backward: dwpe[t] <- (dwpe[t] +) sum over b of dout[b, t] for t < T, in float64 in b order (rows
+          T..Tmax-1 zeroed unless ``accumulate``); dwte[tokens[b, t]] += dout[b, t], always added
+          (the tied LM head, first in backward, has already written its gradient there).
 
-The dwte scatter-add is a serial loop in (b, t) order - no threads, no atomics
-- so a token that occurs many times gets its rows added in the same order on
-every run and the gradient has the same bits every time.
-
-The CUDA kernels give the twin's bits: forward is one add per element, dwpe
-sums the batch in b order in float64, and dwte uses no float atomics - the
-positions are bucketed by token id on the device (integer atomics), each
-bucket sorted ascending, and one thread per (id, channel) adds its rows into
-dwte one at a time in (b, t) order, the twin's loop. Nothing goes to the host: ids are not
-checked there (a stream sync) - the data file's were when it was opened - but
-an id outside [0, V) never reads outside wte: forward writes NaN into its row
-(the loss turns NaN; the trainer's non-finite guard stops the step), and
-backward drops it from dwte.
+dwte is summed in (b, t) order, with no float atomics, so a repeated token gives the same bits on
+every run: the twin in a serial loop, the CUDA kernels by bucketing positions by id on the device
+(integer atomics), sorting each bucket and adding one (id, channel) per thread; their bits are the
+twin's. The twin raises ValueError for an id outside [0, V); on CUDA ids are not checked (a stream
+sync; the data file's were when it was opened), and such an id reads nothing outside wte: forward
+writes NaN into its row (the trainer's non-finite guard stops the step) and backward drops it.
 """
 
 from __future__ import annotations

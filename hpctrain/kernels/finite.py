@@ -1,8 +1,10 @@
-"""Finiteness check: does a buffer hold only finite numbers (no NaN, no +-Inf)?
+"""Finiteness check: does a buffer hold only finite numbers (no NaN, no +-Inf)? A host bool.
 
-The numerical guard (:mod:`hpctrain.reliability.numeric_guard`) asks it of every averaged
-gradient bucket, on the communication thread right after the bucket's
-all-reduce, so it must cost about one read of the bucket.
+For the numerical guard (:mod:`hpctrain.reliability.numeric_guard`): the gradient reducers ask it,
+through the op table (:func:`~hpctrain.comm.reduce_ops.scale_and_test`), of every averaged gradient
+bucket (under ZeRO, this rank's chunk) right after its reduction, usually on the communication
+thread, so it must cost about one read of the bucket. The CUDA launcher waits for the stream (the
+caller needs the answer on the host).
 """
 
 import math

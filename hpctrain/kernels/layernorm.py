@@ -1,23 +1,21 @@
 """Layer normalisation over the channels of each row (GPT-2's ln_1, ln_2, ln_f).
 
-x (N, C) with N = B * T rows, weight and bias (C,), out (N, C), mean and rstd
-(N,) saved for backward:
+x (N, C) with N = B * T rows, weight and bias (C,), out (N, C), mean and rstd (N,) saved for
+backward, all in one float dtype:
 
 forward:  mean = sum(x) / C;  var = sum((x - mean)^2) / C (biased, as PyTorch);
-          rstd = 1 / sqrt(var + eps);  xhat = (x - mean) * rstd;
-          out = xhat * weight + bias
+          rstd = 1 / sqrt(var + eps);  xhat = (x - mean) * rstd;  out = xhat * weight + bias
 backward: with g = dout * weight, per row
-          dx = (g - mean(g) - xhat * mean(g * xhat)) * rstd;
+          dx = (g - mean(g) - xhat * mean(g * xhat)) * rstd   (``add_dx``: added to dx);
           dweight = sum over rows of dout * xhat;  dbias = sum over rows of dout.
 
-Statistics and the parameter-gradient sums accumulate in float64 (rows in
-order within chunks of cpu_threads.CHUNK_ROWS rows, the chunks' partial sums then
-added in chunk order, so the sums are the same at any thread count); mean and rstd are stored in x's dtype.
-Forward normalises in float64 and rounds once on store; backward forms xhat
-and g = dout * weight in x's dtype (numba types ``float(float32)`` as
-float32), then sums and forms dx in float64. The CUDA kernels
-(layernorm_cuda.py) do the same (memory-bound, float64 costs them no time):
-float32 results agree to an ulp.
+:func:`residual_layernorm_forward` forms x = a + b first (a pre-LN block's residual add), in the same
+pass, with the bits of the add then the LayerNorm. Statistics and sums run in float64: forward
+normalises in float64 and rounds once on store; backward forms xhat and g in x's dtype, then sums
+and forms dx in float64; the parameter gradients are float64 partial sums per chunk of
+cpu_threads.CHUNK_ROWS rows, added in chunk order (the same bits at any thread count). The CUDA
+kernels (:mod:`.layernorm_cuda`) follow the same rules in another fixed order: float32 results
+agree with the twin's to an ulp.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
-"""The CUDA kernels of layernorm.py (the contract, shapes and float64 rules in its docstring).
-Launched by layernorm.py.
+"""The CUDA kernels of layernorm.py (the contract, shapes and float64 rules in its docstring),
+launched by layernorm.py.
 
-32 lanes (a warp) per row, 8 rows per block; lane 0 adds the lanes' shares left
-to right - two barriers per sum, not a tree's six (the simulator pays ~40 ms a
-barrier). The order is fixed: the same bits on every run, though not the twin's.
-dweight and dbias: float64 partial column sums per chunk of up to 128 rows, then one
-ordered sum per column by the last block of its column tile to finish, in the same
-launch (no float atomics). Each lane reads its channels four at a
-time before it adds or stores any (cuda_support.UNROLL), in the same order as
-one at a time.
+A warp per row, :data:`ROWS` rows per block; lane 0 adds the lanes' shares left to right (two
+barriers per sum, not a tree's six). The order is fixed: the same bits on every run, though not the
+twin's. dweight and dbias: float64 partial column sums per chunk of up to :data:`GRAD_ROWS` rows,
+then one ordered sum per column by the last block of its column tile to finish, in the same launch
+(no float atomics); that kernel runs before the dx kernel, so dx may alias dout. Each lane loads its
+channels four at a time before it adds or stores any (cuda_support.UNROLL), in the same order as one
+at a time.
 """
 
 from __future__ import annotations

@@ -7,18 +7,15 @@ The kernels of :class:`hpctrain.compress.quantize.Fp16` / ``Bf16``; n = bucket l
   decode     bits (n,) uint16 -> out (n,) float32|float64:  out = dec(bits)
 
 enc and dec are integer bit manipulations on the float32 bits, written once
-(``_element_functions``) and compiled for both targets (neither offers a
-float16 conversion we could trust to round alike), and bitwise identical to
-the host compressors:
-  fp16 enc  |c| > 65504 (inf too) saturates to +-65504, as Fp16's clip; the rest
-            is NumPy's npy_floatbits_to_halfbits: round to nearest even,
-            subnormals, NaN keeps the top 10 bits of its payload (never 0);
-  fp16 dec  NumPy's npy_halfbits_to_floatbits (exact);
-  bf16 enc  quantize._to_bf16: the upper 16 bits rounded to nearest even, NaN
-            kept quiet, finite values that would round to inf saturate;
-  bf16 dec  bits << 16 (exact).
-On a GPU, c = x + r of a NaN is the canonical NaN, so NaN *payload* bits may
-differ from the host's; NaN stays NaN.
+(``_element_functions``) and compiled for both targets (neither offers a float16 conversion we could
+trust to round alike), bitwise identical to the host compressors:
+  fp16 enc  |c| > 65504 (inf too) saturates to +-65504, as Fp16's clip; else NumPy's
+            npy_floatbits_to_halfbits: nearest even, subnormals, NaN keeps its payload's top 10
+            bits (never 0);  fp16 dec: NumPy's npy_halfbits_to_floatbits (exact);
+  bf16 enc  the upper 16 bits rounded to nearest even, NaN kept quiet, finite values that would
+            round to inf saturate;  bf16 dec: bits << 16 (exact).
+On a GPU, c = x + r of a NaN is the canonical NaN, so NaN payload bits may differ from the host's;
+NaN stays NaN.
 """
 
 import numpy as np

@@ -3,23 +3,18 @@
 n values in chunks of ``chunk`` (the last one may be short); nb = ceil(n / 8) bytes;
 nc = ceil(n / chunk) chunks; p ranks.
 
-  chunk_scales  c (n,) float32 -> scales (nc,) float32: mean |c| per chunk, summed in
-                float64 in one fixed order (below), divided, rounded once to float32
-  pack_ef       c (n,), scales -> bits (nb,) uint8: bit 7 - (i % 8) of byte i // 8 set
-                when c[i] < 0 (NumPy's packbits of c < 0; NaN and -0.0 are not negative);
-                c becomes the residual c - (-s or +s)
-  unpack_sum    bits (p, nb), scales (p, nc) -> out (n,) any float dtype: for each
-                element, 0 + d_0 + d_1 + ... in float32, rank order (d = -s or +s)
+  chunk_scales  c (n,) float32 -> scales (nc,) float32: mean |c| per chunk, summed in float64 in
+                the order below, divided, rounded once to float32 (on the GPU, chunk_scales_ef_cuda
+                first forms c = r <- float32(x) + r in the same pass; a block per chunk)
+  pack_ef       c (n,), scales -> bits (nb,) uint8: bit 7 - (i % 8) of byte i // 8 set when
+                c[i] < 0 (NumPy's packbits of c < 0; NaN and -0.0 are not negative); c becomes
+                the residual c - (-s or +s)
+  unpack_sum    bits (p, nb), scales (p, nc) -> out (n,) any float dtype: per element
+                0 + d_0 + d_1 + ... in float32, rank order (d = -s or +s)
 
-The summation order of a chunk is what a block of SUM_THREADS threads does:
-thread t adds elements t, t + SUM_THREADS, ... of the chunk in turn, then the
-SUM_THREADS partial sums fold in halves (t += t + 128, then t + 64, ...). The
-CPU twin runs exactly that order, so the float64 sums, and the scales, are the
-same bits on both targets (a float64 sum of floats is not exact in general, so
-the order matters).
-
-On the GPU the scales come from a block per chunk (grid-stride over chunks),
-with the error-feedback correction r <- float32(x) + r fused into the pass.
+A chunk's sum is in the order a block of :data:`SUM_THREADS` threads takes: thread t adds elements
+t, t + SUM_THREADS, ... in turn, then the partial sums fold in halves. The CPU twin runs exactly that
+order, so the float64 sums, and the scales, have the same bits on both targets.
 """
 
 import numpy as np

@@ -1,27 +1,21 @@
 """Top-k selection by threshold: the device half of hpctrain/compress/sparse.py's TopK.
 
-The order (both targets, and the host TopK): larger |x| first, NaN above every
-number (NumPy's sort puts NaN last); equal |x| by smaller index. The top k of
-that order, indices sorted ascending, is "the" top-k: no partition internals.
+The order (both targets, and the host TopK): larger |x| first, NaN above every number; equal |x| by
+smaller index. The top k of that order, indices ascending, is "the" top-k: no partition internals.
 
-  topk_select        host (NumPy): positions of the top k of a vector, O(n) (partition); the
-                     reference, and the selection among candidates
-  topk_host          host (numba): the threshold selection below with the compaction's CPU
-                     twin (index order, no atomics), ~5x faster than topk_select at n = 4 M
+  topk_select        host (NumPy): the top k of a vector by partition, O(n); the reference, and the
+                     selection among candidates
+  topk_host          host (numba): the threshold search below with the compaction's CPU twin
   sample_abs         out[j] = |x[j * stride]|: a deterministic, strided sample
-  threshold_compact  every i with |x[i]| >= t (or NaN) -> (cand_idx, cand_val) through an
-                     atomic counter; ``count`` = how many passed, even beyond capacity
+  threshold_compact  every i with |x[i]| >= t (or NaN) -> (cand_idx, cand_val) through an atomic
+                     counter (the twin: index order); ``count`` = how many passed, even beyond capacity
   topk_cuda          the whole selection for a device vector x (n,) float32:
-    1. sample SAMPLE entries; pick t so that about 2k of n pass (never 0: zeros
-       need not pass, which makes a mostly-zero bucket cheap);
-    2. compact on the device; if k <= count <= cap (4k + 64), the top k are all
-       among the candidates (everything with |x| >= the k-th largest passed), so
-       copying just the candidates to the host and running topk_select on them
-       (k is small) gives the exact answer;
-    3. too few pass: a lower t (4x the target); too many: a higher one; at most
-       MAX_PASSES compactions, then the fallback: the whole vector to the host.
-The compaction order is nondeterministic (atomics), so candidates are sorted by
-index on the host before the selection: results do not depend on it.
+    1. sample SAMPLE entries; pick t so that about 2k of n pass (never 0, so zeros need not pass);
+    2. compact on the device; if k <= count <= capacity (4k + 64) every entry at least the k-th
+       largest passed, so the candidates, copied to the host, sorted by index (the atomics' order
+       then does not matter) and run through topk_select, give the exact answer;
+    3. too few pass: want 4x as many; too many: a quarter; after MAX_PASSES compactions, or when
+       the sample cannot tell thresholds apart, the fallback: the whole vector to the host.
 """
 
 from __future__ import annotations

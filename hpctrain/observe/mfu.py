@@ -1,11 +1,12 @@
 """Model FLOPs utilisation: the machine's GEMM peak, measured once at start-up.
 
-MFU = model FLOPs per second (the model's own count of one row's forward and
-backward, times rows per second) / the peak, where the peak is what this
-machine's BLAS reaches on a large square GEMM in the compute dtype, measured
-on every rank at once (so ranks sharing cores measure their share) and summed
-over ranks. It is the same BLAS the CPU kernels use, so 100% is what the GEMMs
-alone could do; attention's softmax, LayerNorm and the rest count as overhead.
+MFU = model FLOPs per second (the model's own count of one row's forward and backward, times rows
+per second) / the peak. The peak (:func:`world_peak_flops`, called by the trainer at start-up;
+collective over its world) is what this machine's BLAS reaches on a PEAK_N^3 GEMM in the compute
+dtype, best of PEAK_REPEATS, measured on every rank at once (ranks sharing cores measure their share)
+and summed over ranks; once per process and group of ranks. It is the BLAS the CPU kernels use, so
+100 % is the GEMMs alone at full speed; attention's softmax, LayerNorm and the rest count as
+overhead. On a GPU no peak is measured (None: no MFU).
 """
 
 from __future__ import annotations

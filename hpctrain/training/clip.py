@@ -1,23 +1,17 @@
 """Global gradient-norm clipping (``optim.clip_grad_norm``): the L2 norm of the averaged gradient
 over every parameter of the model, whatever the layout, and the gradient scaled down to it.
 
-As ``torch.nn.utils.clip_grad_norm_``: with norm = sqrt(sum of every element's square) and
-c = clip_grad_norm, the gradient is multiplied by c / (norm + 1e-6) when that is below 1, before the
-optimizer reads it. The norm is of the whole logical gradient, each element counted once:
-
-- data parallel: every rank of a data group holds the whole averaged gradient, so only data rank 0
-  counts it (ZeRO: each rank holds its own chunks, and every rank counts those);
-- tensor parallel: a split parameter's pieces are on different tensor ranks and each counts its
-  own; a replicated one (LayerNorms, biases after a row split, the embeddings) is the same on
-  every tensor rank, so only tensor rank 0 counts it;
-- pipeline parallel: each stage counts its own blocks; the tied table, held by the first and the
-  last stage with the same summed gradient, is counted by the first.
-
-Each rank's count is a float64 sum in a fixed order (kernels/sum_squares.py); the world gathers
-them and every rank adds them in rank order (the ranks that count nothing add an exact zero), so
-every replica applies the same coefficient bit for bit, N ranks without ZeRO give the 1-rank
-norm's bits, and the clipped run trains like the 1-rank clipped run. A non-finite norm leaves the
-gradient alone and marks the step's gradient non-finite for the numerical guard.
+As ``torch.nn.utils.clip_grad_norm_``: the gradient is multiplied by c / (norm + 1e-6) when that is
+below 1 (c = clip_grad_norm), once every bucket is reduced and before the optimizer reads it. The
+norm counts each element of the logical gradient once (:func:`counted_runs`): only data rank 0
+counts a replicated gradient (under ZeRO every rank counts its own chunks); only tensor rank 0 a
+parameter every tensor rank holds whole (LayerNorms, the embeddings), each rank its own pieces of a
+split one; each pipeline stage its own blocks, the tied table on the first stage only. Each rank's
+sum of squares is float64 in a fixed order (kernels/sum_squares.py); :meth:`GradClip.apply`
+(collective over the world) gathers them and every rank adds them in rank order, so every replica
+applies the same coefficient bit for bit and N ranks without ZeRO give the 1-rank norm's bits. A
+non-finite norm leaves the gradient alone, and the step counts its gradient as non-finite for the
+numerical guard.
 """
 
 from __future__ import annotations

@@ -1,37 +1,21 @@
 """Pipeline schedules (``dist.pipeline_schedule``): what each stage of a pipeline does in one step,
 as a list of instructions, and a simulator that checks and times a schedule without running it.
 
-With p stages (contiguous blocks of the model) and m micro-batches, stage s runs the forward of
-each micro-batch i after receiving its input activation from stage s - 1, and the backward after
-receiving the gradient of its output from stage s + 1. An :class:`Instr` is one of
+With p stages and m micro-batches, stage s's list (:func:`stage_schedule`, run by
+:class:`~.pipeline.PipelineStage`) holds only what it runs, each an :class:`Instr` of micro-batch i:
 
-    recv_fwd i   receive micro-batch i's input activation from stage s - 1 (not on stage 0)
-    forward i    the stage's forward of micro-batch i (its activations kept for backward)
-    send_fwd i   send micro-batch i's output activation to stage s + 1 (not on the last stage)
-    recv_bwd i   receive the gradient of micro-batch i's output from stage s + 1 (not on the last)
-    backward i   the stage's backward of micro-batch i (its gradients added up; activations freed)
-    send_bwd i   send the gradient of micro-batch i's input to stage s - 1 (not on stage 0)
+    recv_fwd i / send_fwd i   its input activation from stage s - 1 / its output to s + 1
+    forward i                 the stage's forward (its activations kept for backward)
+    recv_bwd i / send_bwd i   its output's gradient from stage s + 1 / its input's to s - 1
+    backward i                the stage's backward (gradients added up; activations freed)
 
-The list holds only what the stage runs (:class:`~.pipeline.PipelineStage`). The stage's gradients
-are averaged over its data group as its last backward marks their buckets ready, and the update
-follows, in the step (:mod:`.step`), as without a pipeline.
-
-Schedules:
-
-  gpipe   every forward, then every backward (GPipe, Huang et al. 2019): stage s keeps all m
-          micro-batches' activations at once.
-  1f1b    PipeDream-Flush / Megatron-LM's non-interleaved schedule (Narayanan et al. 2021): stage s
-          runs min(p - s - 1, m) forwards ahead, then alternates one forward and one backward, then
-          drains the remaining backwards. It keeps at most min(p - s, m) micro-batches' activations.
-
-Both have the same idle time: with forward and backward times f and b per micro-batch and stage,
-a step takes (m + p - 1)(f + b), so the bubble (each stage's idle fraction) is (p - 1) / (m + p - 1).
-1F1B pays off in memory when m > p; with m < p both keep m micro-batches and idle most of a step.
-
-Sends and receives are non-blocking (MPI_Isend; MPI_Irecv posted ahead, waited for at the receive's
-instruction); every message is tagged by its micro-batch,
-so :func:`simulate` checks what an MPI run needs: every send has its receive on the neighbour, in
-the same order, and no stage waits forever.
+(no receive on stage 0 or send to it, none past the last stage.) ``gpipe`` runs every forward, then
+every backward (Huang et al. 2019): a stage keeps all m micro-batches' activations. ``1f1b``
+(PipeDream-Flush, Megatron-LM's non-interleaved schedule) runs min(p - s - 1, m) forwards ahead,
+then alternates one forward and one backward, then drains: at most min(p - s, m) kept. Both idle
+(p - 1) / (m + p - 1) of a step (:func:`bubble_fraction`). Messages are tagged by micro-batch, so
+:func:`simulate` checks what an MPI run needs: every send has its receive on the neighbour, in the
+same order, and no stage waits forever. :func:`check_config` refuses what a pipeline cannot run.
 """
 
 from __future__ import annotations

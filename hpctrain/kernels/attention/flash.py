@@ -1,37 +1,22 @@
 """Causal multi-head attention as CUDA kernels, flash-attention style (the CPU twin is :mod:`.twin`).
 
-Contract (the twin's layout): qkv (B, T, 3C) holds [q | k | v] along the last
-axis; head h reads columns h*hs:(h+1)*hs of q, k and v (hs = C / NH); out
-(B, T, C) holds head h at columns h*hs:(h+1)*hs. Position t attends to t' <= t,
-scores are scaled by 1/sqrt(hs). One float dtype (float32 or float64) for every
-array, and the math runs in it. Called by the CUDA device's op table on the
-device's stream; all arrays are device arrays.
+Contract (the twin's layout): qkv (B, T, 3C) holds [q | k | v] along the last axis; head h reads
+columns h*hs:(h+1)*hs of each (hs = C / NH); out (B, T, C) holds head h at the same columns.
+Position t attends to t' <= t, scores scaled by 1/sqrt(hs). One float dtype (float32 or float64) for
+every array, and the math runs in it. Called through the CUDA device's op table, on its stream.
 
-  lse  (B, NH, T): per query row, max + log(sum exp) of the scaled, masked
-       scores - the only softmax state kept between forward and backward
-       (the twin keeps the whole T x T P instead);
-  work (B, NH, T): backward scratch, D = rowsum(dout * out) per head row.
+  lse  (B, NH, T): per query row, max + log(sum exp) of the scaled, masked scores: the only softmax
+       state kept between forward and backward (the twin keeps the whole T x T P instead);
+  work (B, NH, T): backward's scratch, D = rowsum(dout * out) per head row.
 
-Forward (block per (b, h, query tile), TILE x TILE threads): the Q tile stays
-in shared memory while K/V tiles stream through it; each row keeps a running
-max m, sum l and output accumulator, rescaled by exp(m_old - m_new) when the
-max grows (the online softmax), so no T x T matrix ever reaches global memory.
-Key tiles entirely after the tile's last query row are never visited.
-
-Backward recomputes P = exp(scale q k^T - lse) per tile (masked = 0):
-  1. D = rowsum(dO * O) (= rowsum(dP * P), the softmax's row term), into work;
-  2. block per (b, h, key tile): loop over query tiles, dV += P^T dO,
-     dS = P * (dO V^T - D), dK += scale dS^T Q; written once;
-  3. block per (b, h, query tile): loop over key tiles, dQ += scale dS K.
-Every output element is owned by one thread of one block and summed in a fixed
-order (no atomics), so the results are bitwise the same on every run.
-
-The kernels themselves are in :mod:`.flash_cuda`, built per (dtype,
-TILE, HS_MAX) (HS_MAX: head sizes up to 32, 64 or 128); the launcher picks
-the largest TILE whose shared memory fits SMEM_LIMIT (see :func:`choose_tile`).
-Measured on an H100 (B=4, NH=12, T=1024, hs=64, float32): forward 3.0 ms,
-backward 5.5-6.2 ms, ~2.5 TFLOP/s: one score per thread from shared memory, far
-below cuBLAS-class tiling, but no T x T traffic.
+Forward, a block per (b, h, query tile) of TILE x TILE threads: the Q tile stays in shared memory
+while K/V tiles stream through it, an online softmax (running max and sum, the accumulator rescaled)
+keeps every T x T matrix out of global memory, and key tiles wholly after the tile's last query are
+skipped. Backward recomputes P = exp(scale q k^T - lse) per tile: 1. D into work; 2. a block per
+(b, h, key tile) accumulates dK and dV over the query tiles; 3. a block per (b, h, query tile)
+accumulates dQ over the key tiles. Each output element is written by one thread in a fixed order (no
+atomics): the same bits every run. :func:`choose_tile` takes the largest TILE whose shared memory
+fits :data:`SMEM_LIMIT` at the head size's capacity (HS_MAX). Timings: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
 """Causal multi-head self-attention's CPU twin: the part between c_attn (QKV) and c_proj.
 
-qkv (B, T, 3C) holds [q | k | v] along the last axis (GPT-2's c_attn layout);
-head h reads columns h*hs:(h+1)*hs of q, k and v, hs = C / NH. Per (b, h):
+qkv (B, T, 3C) holds [q | k | v] along the last axis (GPT-2's c_attn layout); head h reads columns
+h*hs:(h+1)*hs of q, k and v, hs = C / NH; out (B, T, C) holds head h at the same columns. Per (b, h):
 
 forward:  S = q k^T / sqrt(hs) (T x T); position t attends to t' <= t;
-          P = softmax of each row of S (max subtracted; masked entries exactly 0);
-          y = P v, written to out (B, T, C) at the head's columns.
+          P = softmax of each row of S (max subtracted; masked entries exactly 0); y = P v.
 backward: dV = P^T dY;  dP = dY V^T;  dS = P * (dP - rowsum(dP * P));
           dQ = dS K / sqrt(hs);  dK = dS^T Q / sqrt(hs).
 
-Memory: ``probs`` (B, NH, T, T) is the only T x T array kept between forward
-and backward - B*NH*T*T values per layer (B=16, NH=4, T=128 in float32: 4 MiB).
-Backward needs one more array of the same size (dP, then dS in place): the
-caller's ``work`` buffer, or a transient one.
-
-The CPU twin runs the batched GEMMs (two forward, four backward) through
-NumPy's BLAS on strided views of qkv / out / dqkv: each (T, hs) head slice has
-unit column stride, which BLAS takes with a leading dimension, so nothing is
-copied head-major (copying made the two forward GEMMs 3x slower at B=16,
-T=128, C=128). The GEMMs also fill the masked half of each T x T product
-(half their flops; the mask is applied in the softmax). The softmax is two
-numba passes around NumPy's SIMD exp; its backward row reduction is numba.
+``probs`` (B, NH, T, T) is the only T x T array kept between forward and backward; backward needs
+one more of that size (dP, then dS in place: the caller's ``work``, or a transient one). The GEMMs
+(two forward, four backward) run in NumPy's BLAS on strided views of qkv, out and dqkv (a head's
+(T, hs) slice is a matrix with a leading dimension: nothing copied), and fill the masked half too;
+the softmax is numba passes around NumPy's SIMD exp. The batch rows are split over the rank's CPU
+threads (:mod:`~hpctrain.kernels.support.cpu_threads`), each row's heads alone: the same bits at any
+thread count.
 """
 
 from __future__ import annotations

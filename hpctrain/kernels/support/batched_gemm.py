@@ -4,25 +4,16 @@ A :class:`GemmBatch` names, in row-major terms, ``batch`` products inside three 
 
     C[i] <- alpha * op(A[i]) @ op(B[i]) + beta * C[i]          i = 0 .. batch - 1
 
-where C[i] is an (m, n) matrix starting ``off_c + i * stride_c`` elements into ``c``, its rows
-``ldc`` elements apart (columns adjacent); A[i] is (m, k), or (k, m) stored when ``trans_a``
-(likewise B[i]: (k, n), or (n, k) with ``trans_b``). Offsets, strides and leading dimensions
-count elements, so one head's (T, hs) slice of a (B, T, 3C) qkv buffer is a matrix at
-``b*T*3C + part*C + h*hs`` with ld 3C, and the next head is ``hs`` further on: attention's
-GEMMs over the heads of a batch row are one strided-batched call with no copy.
-
-:func:`cublas_arguments` turns that into cuBLAS's column-major call: a row-major (r, c)
-matrix with row pitch ld is, read column-major, its (c, r) transpose with the same ld, so
-C = op(A) op(B) is issued as C^T = op(B)^T op(A)^T: the operands swap places, the dimensions
-m and n swap, each keeps its own transpose flag. The tests hold that translation to an
-independent column-major reading of the same memory; the executors are:
-
-  :class:`CublasBatchedGemm`  ``cublas{S,D}gemmStridedBatched`` through CuPy, on the device's
-                              stream (CuPy issues cuBLAS calls on its current stream, so the
-                              call runs inside that stream's context), TF32 never used;
-  :class:`HostBatchedGemm`    the same products by NumPy on the arrays' host memory: what the
-                              numba CUDA simulator's device arrays are, so a simulated run
-                              takes every step of the real path but the cuBLAS call.
+C[i] is an (m, n) matrix starting ``off_c + i * stride_c`` elements into ``c``, its rows ``ldc``
+elements apart; A[i] is (m, k), or (k, m) stored when ``trans_a`` (likewise B[i]). Everything counts
+elements, so a head's (T, hs) slice of a (B, T, 3C) qkv buffer is a matrix with ld 3C, the next head
+``hs`` further on: attention's GEMMs over a batch row's heads are one call, with no copy.
+:func:`cublas_arguments` turns that into cuBLAS's column-major call (a row-major matrix read
+column-major is its transpose, so C^T = op(B)^T op(A)^T: operands and m, n swap). Executors:
+:class:`CublasBatchedGemm` (``cublas{S,D}gemmStridedBatched`` through CuPy on the device's stream;
+float32 or float64, TF32 off) and :class:`HostBatchedGemm` (NumPy on the simulator's device arrays,
+whose memory the host sees: a simulated run takes every step of the real path but the cuBLAS call).
+Each counts one launch.
 """
 
 from __future__ import annotations

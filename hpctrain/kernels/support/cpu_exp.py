@@ -1,26 +1,22 @@
 """exp inside the CPU twins' numba loops: as fast as NumPy's SIMD exp in float32, libm's exp in float64.
 
-A numba loop that calls ``math.exp`` on float32 calls libm's scalar ``expf`` per element: the loop
-does not vectorise, and GELU and the softmax spent most of their time there (2.4x NumPy's SIMD
-exp). Handing exp to NumPy instead costs a second pass over memory and, split over threads, a
-Python call (and a GIL hand-off) per block. :func:`fast_exp` is evaluated in the loop itself:
+:func:`fast_exp` (numba loops only: GELU in :mod:`~hpctrain.kernels.bias_act`, the loss in
+:mod:`~hpctrain.kernels.softmax_xent`) is evaluated in the loop itself. ``math.exp`` on float32 would
+call libm's scalar ``expf`` per element and keep the loop from vectorising; handing exp to NumPy
+costs a second pass over memory and a Python call per block.
 
 - float32: branch-free arithmetic that LLVM vectorises with the rest of the loop. With
   ``k = round(x / ln 2)`` and ``f = x - k ln 2`` (ln 2 in two parts, so ``k ln2_hi`` is exact),
-  ``exp(x) = 2^k e^f``; ``e^f`` on ``|f| <= ln(2)/2`` is its Taylor polynomial of degree 7
-  (truncation error below 6e-9 relative, a twentieth of an ulp); ``2^k`` is built from its
-  exponent bits, as two factors so every k in range is a normal float. Measured against float64
-  exp over [-87, 88] (every third float32 there): at most 1.21 ulp of the result (NumPy's own exp: 2.5). Above 88.72 it is inf, below
-  -87.34 it is 0 (exp's subnormal results, under 1.2e-38, are flushed), and NaN stays NaN.
+  ``exp(x) = 2^k e^f``; ``e^f`` on ``|f| <= ln(2)/2`` is its Taylor polynomial of degree 7, and
+  ``2^k`` is built from exponent bits as two factors, so every k in range is a normal float.
+  Within 1.21 ulp of the result (docs/cpu.md). Above 88.72 it is inf, below -87.34 it is 0
+  (exp's subnormal results are flushed), and NaN stays NaN.
 - float64: ``math.exp`` (the precision runs: gradient checks, float64 training).
 
-No fast-math: no contraction or reassociation, so a value is the same bits whether its loop ran
-vectorised or not, on any thread and in any row range.
-
-Kernels that call it are cached by numba per file, and numba does not notice an edit here: a
-cached kernel keeps the old exp until its own file changes. ``tests/test_cpu_exp.py`` compares
-every cached kernel that calls it with a fresh compile and fails, naming the cache to delete,
-when they differ.
+No fast-math (no contraction or reassociation), so a value has the same bits whether its loop ran
+vectorised or not, on any thread and in any row range. numba caches the kernels that call it per
+file and does not notice an edit here; ``tests/test_cpu_exp.py`` fails, naming the cache to delete,
+when a cached kernel differs from a fresh compile.
 """
 
 from __future__ import annotations

@@ -1,30 +1,20 @@
 """The CPU twins' threads: an op split over the rank's share of the cores, the same bits at any count.
 
-A CPU op runs its numba loops (all ``nogil``) and NumPy calls (BLAS and ufuncs release the GIL
-too) on contiguous row ranges, one range per thread, in a pool of the rank's threads
-(the caller runs the first range itself). How the work is split never changes a result:
+A CPU op runs its numba loops (all ``nogil``) and NumPy calls (BLAS and ufuncs release the GIL too)
+on contiguous row ranges, one per thread (:func:`for_rows`, :func:`for_chunks`), in a pool of the
+rank's threads; the calling thread runs the first range itself. How the work is split never changes
+a result: rows computed independently (an elementwise op, a LayerNorm row, a softmax row, a batch
+row's attention heads) are the same whichever thread computes them, and a sum over rows is taken in
+fixed chunks of :data:`CHUNK_ROWS` rows, each chunk's float64 partial by one thread, the partials
+added in chunk order (:func:`add_partials`). So a run gives the same bits with 1, 2 or 64 threads.
 
-- rows that are computed independently (an elementwise op, a LayerNorm row, a softmax row, an
-  attention head) are the same whichever thread computes them;
-- a sum over rows (a bias gradient, LayerNorm's weight gradient, a loss total) is taken in fixed
-  chunks of :data:`CHUNK_ROWS` rows, each chunk's partial sum in float64 by one thread, and the
-  partials added in chunk order: the chunks do not depend on the thread count.
-
-So a run gives the same bits with 1, 2 or 64 threads, and N ranks still train exactly like one.
-
-Why a pool of Python threads over nogil loops rather than numba's ``parallel=True``: numba's
-default threading layer (workqueue, the one that loads when neither OpenMP nor TBB does) aborts
-the process when two threads enter parallel regions at once, and the communication thread runs
-CPU kernels (the gradient's scale and finite test, host reductions, compression, ZeRO-2's slot
-adds) while the main thread runs backward.
-
-The thread count is the rank's share of the cores, the one ``runtime.limit_threads_per_rank``
-gives BLAS (``OMP_NUM_THREADS``), unless :func:`set_threads` says otherwise; it is resolved once,
-at the first split op (after the entry point's ``limit_threads_per_rank``), not per op. An op that takes
-under :data:`MIN_SPLIT_NS` on one core runs on the calling thread: handing a range to a worker
-and waiting for it costs 60-100 us here (a queue, an event and two GIL hand-offs on a 2-core VM),
-so a residual add over 512K float32 (70 us) took twice as long split in two. Each op states its
-measured time per element, so the threshold is one of time, not of size.
+A pool of Python threads rather than numba's ``parallel=True``, because numba's fallback threading
+layer (workqueue) aborts the process when two threads enter parallel regions at once, and the
+communication thread runs CPU kernels while the main thread runs backward. The count is
+:func:`set_threads`'s, else ``OMP_NUM_THREADS`` (the rank's share, set by
+``runtime.limit_threads_per_rank``), resolved once at the first split op. An op whose estimated time
+on one core (its stated ns per element) is under :data:`MIN_SPLIT_NS` runs on the calling thread: the
+hand-off would cost more than it saves (docs/cpu.md). While an op is split, OpenBLAS runs one thread.
 """
 
 from __future__ import annotations

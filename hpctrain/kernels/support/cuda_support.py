@@ -1,9 +1,19 @@
 """What every CUDA launcher shares: launch geometry, configured launches and the simulator switch.
 
-Importing ``numba.cuda`` creates no CUDA context (kernels compile on first
-launch), so op files import it at module level. Whether numba runs kernels on a
-GPU or in its simulator is fixed by ``NUMBA_ENABLE_CUDASIM`` when numba is first
-imported.
+- Geometry: :func:`blocks_for` (grid-stride loops, :data:`THREADS` a block, at most
+  :data:`MAX_BLOCKS`, and :data:`SIM_MAX_BLOCKS` on the simulator, so the loops iterate there too),
+  :func:`row_grid` for 2-D elementwise kernels, :data:`UNROLL` (memory-bound loops load that many
+  elements before they store any; each element is still computed alone, in the same order).
+- :func:`configured`: ``kernel[grid, block, stream]`` made once per thread, kernel, geometry and
+  stream, and reused; every launch is counted (:func:`count_launches`, :func:`launches`: all
+  threads', for the step metrics).
+- Device functions for ordered column sums without float atomics: :func:`last_block_of_column`
+  (a ticket per column tile; the last block adds the partials) and :func:`sum_column_partials`.
+
+Whether numba runs kernels on a GPU or in its simulator (:func:`simulated`) is fixed by
+``NUMBA_ENABLE_CUDASIM`` when numba is first imported. Importing ``numba.cuda`` creates no CUDA
+context (kernels compile on first launch), so op files import it at module level. Importing this
+module restores ``np.row_stack`` where NumPy lacks it (numba-cuda 0.30 looks it up; docs/gpu.md).
 """
 
 from __future__ import annotations
