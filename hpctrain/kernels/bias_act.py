@@ -9,8 +9,8 @@ act is "identity", "relu" (subgradient 0 at 0) or "gelu" (tanh approximation, as
 evaluated as gelu(v) = v s, s = 1 / (1 + exp(-2u)), u = k (v + 0.044715 v^3), k = sqrt(2/pi): the
 same function without the cancellation of 1 + tanh(u) for v < 0. Arrays keep their float dtype
 (float32 stays float32: the activations are built per dtype with constants of that dtype); the
-column sums accumulate in float64, per chunk of rows added in chunk order, so the same bits at any
-thread count. The activations are plain Python functions compiled for both targets (the CUDA
+column sums accumulate in float64 (B float32 additions would lose log2(B) bits), per chunk of rows
+added in chunk order, so the same bits at any thread count. The activations are plain Python functions compiled for both targets (the CUDA
 kernels, :mod:`.bias_act_cuda`, and the twin's ReLU loop); the twin's GELU is one numba pass with
 :func:`~.support.cpu_exp.fast_exp`, its identity a NumPy add. They live in this file because numba's
 disk cache only notices edits to the file of the function it cached. Accuracy: docs/gpu.md.

@@ -10,12 +10,12 @@ backward: with g = dout * weight, per row
           dweight = sum over rows of dout * xhat;  dbias = sum over rows of dout.
 
 :func:`residual_layernorm_forward` forms x = a + b first (a pre-LN block's residual add), in the same
-pass, with the bits of the add then the LayerNorm. Statistics and sums run in float64: forward
-normalises in float64 and rounds once on store; backward forms xhat and g in x's dtype, then sums
-and forms dx in float64; the parameter gradients are float64 partial sums per chunk of
-cpu_threads.CHUNK_ROWS rows, added in chunk order (the same bits at any thread count). The CUDA
-kernels (:mod:`.layernorm_cuda`) follow the same rules in another fixed order: float32 results
-agree with the twin's to an ulp.
+pass, with the bits of the add then the LayerNorm. Forward normalises in float64 and rounds once on
+store; backward forms xhat and g in x's dtype, then sums and forms dx in float64; the parameter
+gradients are float64 partial sums per chunk of cpu_threads.CHUNK_ROWS rows, added in chunk order
+(the same bits at any thread count). The CUDA kernels (:mod:`.layernorm_cuda`) follow the same rules
+(memory-bound, float64 costs them no time) in another fixed order: float32 results agree with the
+twin's to an ulp.
 """
 
 from __future__ import annotations
