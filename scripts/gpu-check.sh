@@ -67,7 +67,7 @@ step() {
     return 0
 }
 
-# sizes: the real check, or the simulator's (each simulated thread is a Python thread)
+# sizes: the real check, or the simulator's (each simulated thread runs interpreted Python)
 if [ $SIM = 1 ]; then
     GPU_CHECK_SKIP="${GPU_CHECK_SKIP:-} gpu-tests gpu-tests-mpi gpt-vs-torch"
     # no warm-up call: the simulator has no JIT to warm, and one call per row is the smoke test

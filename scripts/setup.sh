@@ -116,7 +116,8 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 # numba-cuda[cu12]: the CUDA target and simulator, plus pip's CUDA 12 NVVM and
 # nvrtc (~430 MB), so kernels compile with no system toolkit, GPU or not.
 "${PIP[@]}" install "numpy>=1.26,<2.6" "numba>=0.60,<0.69" "numba-cuda[cu12]>=0.20,<0.31" Cython pkgconfig "setuptools>=77" packaging wheel \
-    "pytest>=8" "pytest-mpi>=0.6" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6" "isal>=1.6,<2"
+    "pytest>=8" "pytest-mpi>=0.6" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6" "isal>=1.6,<2" \
+    "greenlet>=3"
 
 # mpi4py and h5py are tied to the MPI and HDF5 they were built against: when
 # either changed since the last set-up, rebuild both.

@@ -1,7 +1,7 @@
 """A whole GPT step on the CUDA device equals the same step on the CPU (float64).
 
 Without a GPU the device is numba's CUDA simulator (tiny shapes: every simulated thread
-is a Python thread); on a GPU machine scripts/test.sh and scripts/gpu-check.sh run the
+runs interpreted Python); on a GPU machine scripts/test.sh and scripts/gpu-check.sh run the
 same tests on the GPU, there with the GEMMs through cuBLAS as well (train.gemm). Two
 micro-batches, the second accumulating into the gradient, then AdamW. Everything the GPT runs is on the device: embedding, layernorm,
 attention (the CUDA kernels keep one log-sum-exp per row where the CPU twin keeps P),

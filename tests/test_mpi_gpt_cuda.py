@@ -102,7 +102,7 @@ def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(mpi_text_data):
         host = trainer.device.to_host(model.flat.data)
         params = np.concatenate([model.tensor_layout.logical(s.name, host[s.offset:s.offset + s.size].reshape(s.shape))
                                  .reshape(-1) for s in model.flat.slots])
-        runs[device] = loss, params, trainer.plan.tensor.take()["tensor_allreduces"]
+        runs[device] = loss, params, step.tensor["tensor_allreduces"]
         trainer.close()
     (l_cpu, p_cpu, n_cpu), (l_gpu, p_gpu, n_gpu) = runs["cpu"], runs["cuda"]
     np.testing.assert_allclose(l_gpu[0], l_cpu[0], rtol=1e-12)

@@ -191,7 +191,7 @@ def test_bf16_halves_the_activations_but_the_residual_stream_and_counts_them_rig
 @pytest.mark.timeout(600)
 def test_a_bf16_gpt_gradient_on_the_cuda_device_is_near_float64s():
     """The CUDA kernels with the conversions around them (a 1-block GPT of tiny shapes: under the
-    simulator every CUDA thread is a Python thread): the same bound as the CPU's, 8 unit roundoffs."""
+    simulator every CUDA thread runs interpreted Python): the same bound as the CPU's, 8 unit roundoffs."""
     shape = dict(vocab=13, context=5, n_layer=1, n_head=2, d_model=6)
     rng = np.random.default_rng(8)
     tokens, targets = rng.integers(0, 13, (2, 5)), rng.integers(0, 13, (2, 5))

@@ -186,7 +186,7 @@ def test_a_training_run_with_recompute_ends_with_the_same_bits(text_data, tmp_pa
 @pytest.mark.skipif(cuda_status()[0] == 0, reason=f"numba.cuda unusable: {cuda_status()[1]}")
 @pytest.mark.timeout(600)
 def test_recompute_on_the_cuda_device_gives_the_same_bits():
-    """One micro-batch of tiny shapes (under the simulator every CUDA thread is a Python thread;
+    """One micro-batch of tiny shapes (under the simulator every CUDA thread runs interpreted Python;
     accumulation is the CPU tests' business). The CUDA attention keeps one log-sum-exp per row,
     and activation_bytes counts that."""
     shape = dict(vocab=13, context=5, n_layer=2, n_head=2, d_model=6)

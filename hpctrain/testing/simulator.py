@@ -23,8 +23,9 @@ _sim_lock = threading.Lock()
 
 def make_thread_safe() -> None:
     """Under the simulator, let one kernel launch run at a time, process-wide, give a
-    block's threads one shared array per ``cuda.shared.array`` call site, and run
-    ``syncthreads`` as a barrier that wakes its threads instead of a polling loop. Idempotent;
+    block's threads one shared array per ``cuda.shared.array`` call site, run
+    ``syncthreads`` as a barrier that wakes its threads instead of a polling loop, and (with
+    greenlet installed) run each block's threads as greenlets on one Python thread. Idempotent;
     nothing happens on a GPU (the simulator is off).
 
     The simulator keeps the running kernel in one module global, so a launch
@@ -51,6 +52,7 @@ def make_thread_safe() -> None:
     kernel._hpctrain_serialized = True
     _lock_simulator_shared_arrays()
     _block_barrier_without_polling()
+    _blocks_as_greenlets()
 
 
 _shared_lock = threading.Lock()
@@ -171,3 +173,68 @@ def _release(state, cond) -> None:
     state["arrived"] = 0
     state["generation"] += 1
     cond.notify_all()
+
+
+
+def _blocks_as_greenlets() -> None:
+    """A block's CUDA threads as greenlets on one Python thread, switched in turn at each
+    ``syncthreads``, instead of one Python thread each (when greenlet is installed; the set-up
+    installs it for the tests; without it the condition-variable barrier above stays).
+
+    A round switches into every live CUDA thread of the block in ``threadIdx`` order; each runs
+    until it reaches the barrier or leaves the kernel, and the next round starts once all have:
+    the same barrier over the threads still running. What it saves is a Python thread started
+    and joined per CUDA thread (256 per block for most kernels) and an operating-system wake-up
+    per thread at every barrier, most of a simulated step's cost. An exception in one CUDA thread
+    stops the block and is raised with its thread and block named, as the simulator does.
+    """
+    try:
+        import greenlet
+    except ImportError:
+        return
+    from numba.cuda.simulator import kernel as sim
+    from numba.cuda.simulator.kernelapi import Dim3
+
+    manager = sim.BlockManager
+    if getattr(manager, "_hpctrain_greenlets", False):
+        return
+
+    class Carrier(sim.BlockThread):
+        """The Python thread a block runs on; ``threadIdx`` and ``thread_id`` name the CUDA
+        thread switched in, and ``syncthreads`` switches back to the round."""
+
+        def syncthreads(self):
+            if self.abort:
+                raise RuntimeError("abort flag set on syncthreads call")
+            self.hub.switch()
+
+    def run(self, grid_point, *args):
+        points = list(np.ndindex(*self._block_dim))
+        bx, by, _ = self._block_dim
+
+        def rounds():
+            carrier.hub = greenlet.getcurrent()
+            live = [(p, greenlet.greenlet(lambda: self._f(*args))) for p in points]
+            try:
+                while live:
+                    waiting = []
+                    for (x, y, z), let in live:
+                        carrier.threadIdx, carrier.thread_id = Dim3(x, y, z), x + bx * (y + by * z)
+                        let.switch()   # until it waits at the barrier or returns
+                        if not let.dead:
+                            waiting.append(((x, y, z), let))
+                    live = waiting
+            finally:
+                carrier.abort = True
+                for _, let in live:   # an exception left these waiting: end them here, on their thread
+                    if not let.dead:
+                        let.throw(greenlet.GreenletExit)
+
+        carrier = Carrier(rounds, self, grid_point, points[0], self._debug)
+        carrier.start()
+        carrier.join()
+        if carrier.exception:
+            raise carrier.exception[0].with_traceback(carrier.exception[1])
+
+    manager.run = run
+    manager._hpctrain_greenlets = True

@@ -111,5 +111,5 @@ def row_kernels(dtype_name: str, threads: int):
 
 def row_threads() -> int:
     """Threads per row block: 128 on a GPU (T up to thousands of columns); 32 on the simulator,
-    where each thread is a Python thread."""
+    where each thread's code is interpreted."""
     return 32 if simulated() else 128

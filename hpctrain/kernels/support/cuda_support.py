@@ -34,7 +34,7 @@ if not hasattr(np, "row_stack"):
 
 THREADS = 256        # threads per block for 1-D (elementwise) kernels
 MAX_BLOCKS = 8192    # grid-stride loops cover the rest; ~60 blocks per H200 SM
-# The simulator runs every thread as a Python thread (~0.1-0.3 ms each); a
+# The simulator runs every thread's Python code in turn (interpreted, tens of us each); a
 # small grid keeps tests fast and makes the grid-stride loops iterate.
 SIM_MAX_BLOCKS = 2
 
