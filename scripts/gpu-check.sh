@@ -73,7 +73,7 @@ if [ $SIM = 1 ]; then
     # no warm-up call: the simulator has no JIT to warm, and one call per row is the smoke test
     KERNELS_ARGS=(--small --repeats 1 --warmup 0)
     GPU_STEP_ARGS=(--simulate)
-    # the tiny GPT's fp32 and bf16 rows: ~140 s on an idle 2-core machine (each simulated step 10-20 s)
+    # the tiny GPT's fp32 and bf16 rows: about a minute on an idle 2-core machine (each simulated step a few s)
     GPU_STEP_LIMIT=420
     # 16 evaluation samples: the final evaluation is one forward (8 rows per rank at 2 ranks);
     # the simulator's softmax costs ~16 barriers per row, 128 rows took longer than training

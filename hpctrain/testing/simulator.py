@@ -177,7 +177,7 @@ def _release(state, cond) -> None:
 
 
 def _blocks_as_greenlets() -> None:
-    """A block's CUDA threads as greenlets on one Python thread, switched in turn at each
+    """A block's CUDA threads as greenlets on the launching thread, switched in turn at each
     ``syncthreads``, instead of one Python thread each (when greenlet is installed; the set-up
     installs it for the tests; without it the condition-variable barrier above stays).
 
@@ -185,56 +185,66 @@ def _blocks_as_greenlets() -> None:
     until it reaches the barrier or leaves the kernel, and the next round starts once all have:
     the same barrier over the threads still running. What it saves is a Python thread started
     and joined per CUDA thread (256 per block for most kernels) and an operating-system wake-up
-    per thread at every barrier, most of a simulated step's cost. An exception in one CUDA thread
-    stops the block and is raised with its thread and block named, as the simulator does.
+    per thread at every barrier, most of a simulated step's cost. The simulator finds the running
+    CUDA thread as ``threading.current_thread()``: the launching thread carries its ``threadIdx``,
+    ``blockIdx`` and barrier for the block's run (launches are one at a time: :func:`make_thread_safe`).
+    An exception in one CUDA thread stops the block and is raised with its thread and block named,
+    as the simulator does.
     """
     try:
         import greenlet
     except ImportError:
         return
+    import types
+
     from numba.cuda.simulator import kernel as sim
     from numba.cuda.simulator.kernelapi import Dim3
 
     manager = sim.BlockManager
     if getattr(manager, "_hpctrain_greenlets", False):
         return
-
-    class Carrier(sim.BlockThread):
-        """The Python thread a block runs on; ``threadIdx`` and ``thread_id`` name the CUDA
-        thread switched in, and ``syncthreads`` switches back to the round."""
-
-        def syncthreads(self):
-            if self.abort:
-                raise RuntimeError("abort flag set on syncthreads call")
-            self.hub.switch()
+    carried = ("threadIdx", "blockIdx", "thread_id", "abort", "_manager", "syncthreads", "syncthreads_count",
+               "syncthreads_and", "syncthreads_or")
 
     def run(self, grid_point, *args):
         points = list(np.ndindex(*self._block_dim))
         bx, by, _ = self._block_dim
+        me, hub = threading.current_thread(), greenlet.getcurrent()
+        kept = {name: me.__dict__[name] for name in carried if name in me.__dict__}
 
-        def rounds():
-            carrier.hub = greenlet.getcurrent()
-            live = [(p, greenlet.greenlet(lambda: self._f(*args))) for p in points]
-            try:
-                while live:
-                    waiting = []
-                    for (x, y, z), let in live:
-                        carrier.threadIdx, carrier.thread_id = Dim3(x, y, z), x + bx * (y + by * z)
-                        let.switch()   # until it waits at the barrier or returns
-                        if not let.dead:
-                            waiting.append(((x, y, z), let))
-                    live = waiting
-            finally:
-                carrier.abort = True
-                for _, let in live:   # an exception left these waiting: end them here, on their thread
+        def syncthreads():
+            if me.abort:
+                raise RuntimeError("abort flag set on syncthreads call")
+            hub.switch()
+
+        me.blockIdx, me.abort, me._manager, me.syncthreads = Dim3(*grid_point), False, self, syncthreads
+        for name in ("syncthreads_count", "syncthreads_and", "syncthreads_or"):
+            setattr(me, name, types.MethodType(getattr(sim.BlockThread, name), me))
+        live = [(p, greenlet.greenlet(lambda: self._f(*args))) for p in points]
+        try:
+            while live:
+                waiting = []
+                for (x, y, z), let in live:
+                    me.threadIdx, me.thread_id = Dim3(x, y, z), x + bx * (y + by * z)
+                    let.switch()   # until it waits at the barrier or returns
                     if not let.dead:
-                        let.throw(greenlet.GreenletExit)
-
-        carrier = Carrier(rounds, self, grid_point, points[0], self._debug)
-        carrier.start()
-        carrier.join()
-        if carrier.exception:
-            raise carrier.exception[0].with_traceback(carrier.exception[1])
+                        waiting.append(((x, y, z), let))
+                live = waiting
+        except Exception as exc:
+            where = f"tid={list(me.threadIdx)} ctaid={list(me.blockIdx)}"
+            try:
+                named = type(exc)(f"{where}: {exc}" if str(exc) else where)
+            except Exception:  # noqa: BLE001 - an exception type that wants other arguments
+                raise exc from None
+            raise named.with_traceback(exc.__traceback__) from None
+        finally:
+            me.abort = True
+            for _, let in live:   # an exception left these waiting: end them here
+                if not let.dead:
+                    let.throw(greenlet.GreenletExit)
+            for name in carried:
+                me.__dict__.pop(name, None)
+            me.__dict__.update(kept)
 
     manager.run = run
     manager._hpctrain_greenlets = True
