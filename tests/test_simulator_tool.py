@@ -54,7 +54,6 @@ def _kernels():
 
 
 def test_a_blocks_barrier_gives_the_gpus_answer_with_greenlets():
-    pytest.importorskip("greenlet")
     from numba.cuda.simulator import kernel as sim
 
     from hpctrain.testing.simulator import make_thread_safe

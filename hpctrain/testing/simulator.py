@@ -23,9 +23,8 @@ _sim_lock = threading.Lock()
 
 def make_thread_safe() -> None:
     """Under the simulator, let one kernel launch run at a time, process-wide, give a
-    block's threads one shared array per ``cuda.shared.array`` call site, run
-    ``syncthreads`` as a barrier that wakes its threads instead of a polling loop, and (with
-    greenlet installed) run each block's threads as greenlets on one Python thread. Idempotent;
+    block's threads one shared array per ``cuda.shared.array`` call site, and run each block's
+    threads as greenlets on the launching thread, switched at each ``syncthreads``. Idempotent;
     nothing happens on a GPU (the simulator is off).
 
     The simulator keeps the running kernel in one module global, so a launch
@@ -51,7 +50,6 @@ def make_thread_safe() -> None:
     kernel.__call__ = serialized
     kernel._hpctrain_serialized = True
     _lock_simulator_shared_arrays()
-    _block_barrier_without_polling()
     _blocks_as_greenlets()
 
 
@@ -93,109 +91,25 @@ def _lock_simulator_shared_arrays() -> None:
     FakeCUDAShared._hpctrain_locked = True
 
 
-def _block_barrier_without_polling() -> None:
-    """The simulator's blocks with a condition-variable barrier instead of a polling loop.
-
-    numba-cuda's simulator (0.30) runs a block's threads while its manager
-    loops over them asking each whether it is alive or waiting in
-    ``syncthreads``; that loop competes for the GIL with the threads it waits
-    for (measured: 40 % of a simulated GPT step in ``is_alive`` and the loop).
-    Here ``syncthreads`` counts arrivals under a condition variable and the last
-    live thread to arrive (or to leave the kernel) releases the others; the
-    manager only joins its threads. Same semantics: a barrier over the threads
-    still running, an exception in one thread aborts the others and is raised
-    with its thread and block named, as the simulator does.
-    """
-    from numba.cuda.simulator import kernel as sim
-
-    manager, thread = sim.BlockManager, sim.BlockThread
-    if getattr(manager, "_hpctrain_barrier", False):
-        return
-
-    def run(self, grid_point, *args):
-        cond = threading.Condition()
-        state = {"live": 0, "arrived": 0, "generation": 0, "abort": False, "error": None}
-        self._barrier = (cond, state)
-
-        def target():
-            try:
-                self._f(*args)
-            except BaseException as exc:  # noqa: BLE001 - raised by the manager below
-                t = threading.current_thread()
-                with cond:
-                    if state["error"] is None and not state["abort"]:
-                        msg = f"tid={list(t.threadIdx)} ctaid={list(t.blockIdx)}" + (f": {exc}" if str(exc) else "")
-                        state["error"] = (type(exc), msg, exc, sys.exc_info()[2])
-                    state["abort"] = True
-                    cond.notify_all()
-            finally:
-                with cond:
-                    state["live"] -= 1
-                    if state["arrived"] and state["arrived"] >= state["live"]:
-                        _release(state, cond)
-
-        threads = [thread(target, self, grid_point, point, self._debug) for point in np.ndindex(*self._block_dim)]
-        state["live"] = len(threads)
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if state["error"] is not None:
-            kind, msg, exc, tb = state["error"]
-            try:
-                new = kind(msg)
-            except Exception:  # noqa: BLE001 - an exception type that wants other arguments
-                raise exc.with_traceback(tb) from None
-            raise new.with_traceback(tb)
-
-    def syncthreads(self):
-        cond, state = self._manager._barrier
-        with cond:
-            if state["abort"]:
-                raise RuntimeError("abort flag set on syncthreads call")
-            state["arrived"] += 1
-            if state["arrived"] >= state["live"]:
-                _release(state, cond)
-                return
-            generation = state["generation"]
-            while state["generation"] == generation and not state["abort"]:
-                cond.wait()
-            if state["abort"]:
-                raise RuntimeError("abort flag set on syncthreads clear")
-
-    manager.run = run
-    thread.syncthreads = syncthreads
-    manager._hpctrain_barrier = True
-
-
-def _release(state, cond) -> None:
-    """Every thread waiting at the barrier goes on (call with ``cond`` held)."""
-    state["arrived"] = 0
-    state["generation"] += 1
-    cond.notify_all()
-
-
-
 def _blocks_as_greenlets() -> None:
     """A block's CUDA threads as greenlets on the launching thread, switched in turn at each
-    ``syncthreads``, instead of one Python thread each (when greenlet is installed; the set-up
-    installs it for the tests; without it the condition-variable barrier above stays).
+    ``syncthreads``, instead of one Python thread each (greenlet: a test dependency the set-up
+    installs).
 
     A round switches into every live CUDA thread of the block in ``threadIdx`` order; each runs
     until it reaches the barrier or leaves the kernel, and the next round starts once all have:
     the same barrier over the threads still running. What it saves is a Python thread started
     and joined per CUDA thread (256 per block for most kernels) and an operating-system wake-up
-    per thread at every barrier, most of a simulated step's cost. The simulator finds the running
+    per thread at every barrier (and numba's polling of its threads), most of a simulated step's
+    cost. The simulator finds the running
     CUDA thread as ``threading.current_thread()``: the launching thread carries its ``threadIdx``,
     ``blockIdx`` and barrier for the block's run (launches are one at a time: :func:`make_thread_safe`).
     An exception in one CUDA thread stops the block and is raised with its thread and block named,
     as the simulator does.
     """
-    try:
-        import greenlet
-    except ImportError:
-        return
     import types
+
+    import greenlet
 
     from numba.cuda.simulator import kernel as sim
     from numba.cuda.simulator.kernelapi import Dim3
@@ -203,7 +117,7 @@ def _blocks_as_greenlets() -> None:
     manager = sim.BlockManager
     if getattr(manager, "_hpctrain_greenlets", False):
         return
-    carried = ("threadIdx", "blockIdx", "thread_id", "abort", "_manager", "syncthreads", "syncthreads_count",
+    carried = ("threadIdx", "blockIdx", "thread_id", "_manager", "syncthreads", "syncthreads_count",
                "syncthreads_and", "syncthreads_or")
 
     def run(self, grid_point, *args):
@@ -212,12 +126,7 @@ def _blocks_as_greenlets() -> None:
         me, hub = threading.current_thread(), greenlet.getcurrent()
         kept = {name: me.__dict__[name] for name in carried if name in me.__dict__}
 
-        def syncthreads():
-            if me.abort:
-                raise RuntimeError("abort flag set on syncthreads call")
-            hub.switch()
-
-        me.blockIdx, me.abort, me._manager, me.syncthreads = Dim3(*grid_point), False, self, syncthreads
+        me.blockIdx, me._manager, me.syncthreads = Dim3(*grid_point), self, hub.switch
         for name in ("syncthreads_count", "syncthreads_and", "syncthreads_or"):
             setattr(me, name, types.MethodType(getattr(sim.BlockThread, name), me))
         live = [(p, greenlet.greenlet(lambda: self._f(*args))) for p in points]
@@ -238,7 +147,6 @@ def _blocks_as_greenlets() -> None:
                 raise exc from None
             raise named.with_traceback(exc.__traceback__) from None
         finally:
-            me.abort = True
             for _, let in live:   # an exception left these waiting: end them here
                 if not let.dead:
                     let.throw(greenlet.GreenletExit)
