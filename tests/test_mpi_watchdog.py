@@ -23,6 +23,13 @@ def comm():
     c.Free()
 
 
+def _only_at(comm, *sizes, why):
+    """These tests sleep past the watchdog's limits: each runs at the world sizes where it proves
+    something the others do not."""
+    if comm.size not in sizes:
+        pytest.skip(f"runs at {' and '.join(map(str, sizes))} rank(s): {why}")
+
+
 def _barrier_under_watchdog(comm, sleep_s: float, **where):
     """Sleep, then a Barrier watched with timeout 1 s (grace 1 s); every rank's (report, aborts)."""
     aborts = []
@@ -38,6 +45,7 @@ def _barrier_under_watchdog(comm, sleep_s: float, **where):
 
 
 def test_a_late_rank_is_named_once_by_the_lowest_waiting_rank(comm):
+    _only_at(comm, 1, 2, 3, why="no watchdog; one waiting rank; several (a fourth rank adds nothing)")
     late = comm.size - 1
     # the late rank is busy in Python (its watchdog still answers) past the limit and the grace
     # (one rank: nobody to be late for, so no sleep; the check is that no watchdog runs)
@@ -60,8 +68,7 @@ def test_a_rank_whose_wait_passes_the_limit_after_the_report_does_not_report_aga
     """Rank 0 reports first; ranks 1.. enter 1 s later, and when their own limit passes they ask
     rank 0, which answers that it has reported: they defer (once its watchdog stopped answering,
     they reported too: no answer from rank 0 made them the lowest waiting rank)."""
-    if comm.size < 3:
-        pytest.skip("needs an early rank, a later one and a late one")
+    _only_at(comm, 3, why="needs an early rank, a later one and a late one (a fourth adds nothing)")
     # the late rank joins after every other rank's limit, before their deferrals end; the middle
     # ranks enter as rank 0's limit passes, so theirs passes after rank 0 reported
     sleep_s = 4.0 if comm.rank == comm.size - 1 else 1.0 if comm.rank > 0 else 0.0
@@ -102,8 +109,8 @@ def test_a_silent_rank_ends_a_long_region_at_the_plain_limit_not_the_slack(comm)
     and reports at ~3 s, naming the silent rank; the other waiting ranks defer to it, and when
     their deferral ends they find it has reported; a live straggler in the same kind of region is
     left alone (the next test)."""
-    if comm.size == 1:
-        pytest.skip("needs a rank to wait for")
+    _only_at(comm, 3, why="two waiting ranks, one reports and one defers (a third adds nothing; one waiting rank "
+                          "reports as the lowest does here)")
     silent = comm.size - 1
     aborts = []
     wd = Watchdog(comm, timeout=1.0, abort=aborts.append)
@@ -130,8 +137,8 @@ def test_a_silent_rank_ends_a_long_region_at_the_plain_limit_not_the_slack(comm)
 def test_a_live_straggler_in_a_long_region_gets_the_slack(comm):
     """The same region with the last rank busy for 3.5 s but answering: asked at 1 s, 2 s and 3 s,
     every rank answers, nobody reports (the plain limit alone would have fired)."""
-    if comm.size == 1:
-        pytest.skip("one rank: no watchdog runs (nobody to wait for; test_a_late_rank_... checks that)")
+    _only_at(comm, 3, why="every waiting rank asks the straggler; at one rank no watchdog runs "
+                          "(test_a_late_rank_... checks that)")
     aborts = []
     wd = Watchdog(comm, timeout=1.0, abort=aborts.append)
     wd.start()
