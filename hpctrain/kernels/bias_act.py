@@ -102,30 +102,29 @@ def _gelu_backward(dout, z, dz, partials, c0, c1, chunk_rows, K):
                 sums[j] += d
 
 
-@lru_cache(maxsize=None)
-def _relu_cpu(dtype_name: str):
-    relu, relu_grad = (njit(f) for f in activations(dtype_name)["relu"])
+# ReLU's zero and one come in typed like the data (float32 math stays float32), as arguments rather
+# than a closure's constants, so the kernels are cached on disk like the others: compiling them
+# cost every MLP process about 1.5 s of start-up
+@njit(cache=True, nogil=True)
+def _relu_forward(z, b, out, zero):
+    """z += b; out <- relu(z), row by row (activations()'s relu: NaN and -0.0 give zero)."""
+    for i in range(z.shape[0]):
+        for j in range(z.shape[1]):
+            t = z[i, j] + b[j]
+            z[i, j] = t
+            out[i, j] = t if t > zero else zero
 
-    @njit(nogil=True)
-    def forward(z, b, out):
-        for i in range(z.shape[0]):
+
+@njit(cache=True, nogil=True)
+def _relu_backward(dout, z, dz, partials, c0, c1, chunk_rows, zero, one):
+    """dz <- dout * relu'(z) over chunks c0..c1; partials[c] (float64) <- their column sums."""
+    for ch in range(c0, c1):
+        sums = partials[ch]
+        for i in range(ch * chunk_rows, min(z.shape[0], (ch + 1) * chunk_rows)):
             for j in range(z.shape[1]):
-                t = z[i, j] + b[j]
-                z[i, j] = t
-                out[i, j] = relu(t)
-
-    @njit(nogil=True)
-    def backward(dout, z, dz, partials, c0, c1, chunk_rows):
-        """dz <- dout * relu'(z) over chunks c0..c1; partials[c] (float64) <- their column sums."""
-        for ch in range(c0, c1):
-            sums = partials[ch]
-            for i in range(ch * chunk_rows, min(z.shape[0], (ch + 1) * chunk_rows)):
-                for j in range(z.shape[1]):
-                    d = dout[i, j] * relu_grad(z[i, j])
-                    dz[i, j] = d
-                    sums[j] += d
-
-    return forward, backward
+                d = dout[i, j] * (one if z[i, j] > zero else zero)
+                dz[i, j] = d
+                sums[j] += d
 
 
 @njit(cache=True, nogil=True)
@@ -165,7 +164,7 @@ def _forward_rows(z, b, out, act):
     elif act == "gelu":
         _gelu_forward(z, b, out, gelu_constants(z.dtype))
     else:
-        _relu_cpu(z.dtype.name)[0](z, b, out)
+        _relu_forward(z, b, out, z.dtype.type(0.0))
 
 
 def bias_act_backward(dout, z, dz, db, act, accumulate=False):
@@ -186,10 +185,10 @@ def bias_act_backward(dout, z, dz, db, act, accumulate=False):
         def chunks(c0, c1):
             _gelu_backward(dout, z, dz, partials, c0, c1, rows, K)
     else:
-        relu_backward = _relu_cpu(z.dtype.name)[1]
+        zero, one = z.dtype.type(0.0), z.dtype.type(1.0)
 
         def chunks(c0, c1):
-            relu_backward(dout, z, dz, partials, c0, c1, rows)
+            _relu_backward(dout, z, dz, partials, c0, c1, rows, zero, one)
     cpu_threads.for_chunks(chunks, z.shape[0], z.size, ns_per_element=_NS_BACKWARD[act])
     sums = cpu_threads.add_partials(partials)
     db[...] = db + sums if accumulate else sums
