@@ -8,17 +8,23 @@ verify and load agree; when they succeed, every array (name, dtype, shape,
 bytes) and the root attributes a resume uses equal the original's. Never a
 crash, never a hang.
 
-How: the readers run as in production, so HDF5 decodes each file in a child
-process (:mod:`hpctrain.ckpt.isolated`; the load hands the arrays back through
-shared memory, :mod:`hpctrain.ckpt.share`); those children crash or loop on
-some files. The readers' caller is itself a worker process here, so that a
-crash or hang of the caller (what the property forbids) fails the test instead
-of killing pytest. The worker runs the four readers side by side (each still in
-its own child): the run is the start-up of 400 children (python, numpy, h5py:
-~0.4 s of CPU each), and a second core is often free. A child stuck on a loop
-is given 30 s instead of a minute: side by side on a 2-core machine with a
-dozen other busy processes a healthy child took up to 12 s (none of the 100
-examples loops today; the four readers' timeouts overlap when one does).
+How: the readers run as in production, so HDF5 decodes each file in a child process
+(:mod:`hpctrain.ckpt.isolated`; the load hands the arrays back through shared memory,
+:mod:`hpctrain.ckpt.share`); those children crash or loop on some files. The readers' caller is
+itself a worker process here, so that a crash or hang of the caller (what the property forbids)
+fails the test instead of killing pytest. The worker runs the four readers side by side (each still
+in its own child). A child's cost was its start-up, not its decoding (``python -c`` importing numpy
+and h5py: ~0.4 s of CPU, 400 of them most of the test's 103 s in CI), so the worker's children are
+forked from a fork server that has made those imports (``forked_run``): each runs the exec'd
+child's own code (``sys.exit(main(op, path, *args))``, same argv) with its stdout, stderr and passed
+file descriptors where the exec'd child has them, and :func:`run_isolated` around it (timeout, a
+crash read from the exit status, the answer from stdout) is unchanged. The fixture checks that the
+two kinds of child answer alike on a pristine file, a CRC failure and a file that crashes HDF5 (all
+100 examples did, outcome and message, when this was introduced); the CLI and resume tests below
+read corrupt files through exec'd children. A child stuck on a loop is given
+30 s instead of a minute: side by side on a 2-core machine with a dozen other busy processes a
+healthy exec'd child took up to 12 s (none of the 100 examples loops today; the four readers'
+timeouts overlap when one does).
 """
 
 import collections
@@ -36,8 +42,20 @@ from hypothesis import strategies as st
 from conftest import REPO, run_mpi
 
 WORKER = r"""
-import hashlib, json, sys, types
+import hashlib, io, json, os, subprocess, sys, threading, types
+import multiprocessing
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import forkserver
+from multiprocessing.connection import Connection, wait
+
+# the answers leave on a copy of stdout; fd 1, which the fork server and its children inherit, goes
+# nowhere: no child writes into the answers, and a crash of this worker still ends them (EOF)
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+fork = multiprocessing.get_context("forkserver")
+fork.set_forkserver_preload(["hpctrain.ckpt.isolated", "h5py"])  # the exec'd child's imports
+forkserver.ensure_running()  # before MPI and this worker's threads exist
+
 import numpy as np
 from mpi4py import MPI
 from hpctrain.ckpt import isolated, read
@@ -45,6 +63,51 @@ from hpctrain.errors import UserError
 isolated.TIMEOUT_S = 30  # a loop is stopped sooner than in production, a healthy child never (<= 12 s seen)
 world = types.SimpleNamespace(comm=MPI.COMM_SELF, rank=0, size=1)
 USED = ("format", "format_version", "complete", "step", "world_size", "compress", "compress_scope", "optimizer", "dtype")
+
+# in the forked child: its stdout, stderr and passed fds where the exec'd child has them, then its code
+FORK_CHILD = '''
+import fcntl, os, sys
+moved = [(fcntl.fcntl(conn.fileno(), fcntl.F_DUPFD, 1000), at) for conn, at in fds]  # clear of every target
+for fd, at in moved:
+    os.dup2(fd, at)
+    os.close(fd)
+sys.argv = argv
+exec(code, {"__name__": "__main__"})
+'''
+start_and_reap = threading.Lock()  # multiprocessing reads exit statuses from pipes: one reader at a time
+
+
+def forked_run(cmd, *, env, capture_output, text, timeout, stdin, pass_fds=()):
+    # subprocess.run as run_isolated calls it, for cmd = [python, "-c", code, op, path, *args]; env
+    # only points the exec'd child at this package, which the fork server has imported
+    assert cmd[1] == "-c" and capture_output and text and stdin == subprocess.DEVNULL, cmd
+    out, err = os.memfd_create("stdout"), os.memfd_create("stderr")
+    try:
+        fds = [(Connection(os.dup(fd)), at) for fd, at in [(out, 1), (err, 2), *((fd, fd) for fd in pass_fds)]]
+        child = fork.Process(target=exec, args=(FORK_CHILD, {"fds": fds, "argv": cmd[1:2] + cmd[3:], "code": cmd[2]}))
+        with start_and_reap:
+            child.start()
+        for conn, _ in fds:
+            conn.close()
+        timed_out = not wait([child.sentinel], timeout)
+        with start_and_reap:
+            if timed_out:
+                child.kill()
+            child.join()
+        if timed_out:
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        return subprocess.CompletedProcess(cmd, child.exitcode, decoded(out), decoded(err))
+    finally:
+        os.close(out)
+        os.close(err)
+
+
+def decoded(fd):
+    # what text=True makes of the bytes: the locale's encoding, universal newlines
+    return io.TextIOWrapper(io.BytesIO(os.pread(fd, os.fstat(fd).st_size, 0))).read()
+
+
+FORKED = types.SimpleNamespace(run=forked_run, DEVNULL=subprocess.DEVNULL, TimeoutExpired=subprocess.TimeoutExpired)
 
 def digest(c):
     h = hashlib.sha256()
@@ -63,14 +126,15 @@ def outcome(fn):
 
 pool = ThreadPoolExecutor(3)
 for line in sys.stdin:
-    p = line.rstrip("\n")
+    how, p = line.rstrip("\n").split(" ", 1)
+    isolated.subprocess = FORKED if how == "fork" else subprocess  # "exec": production's own children
     # side by side, each reader in its own child as in production; the load (MPI) stays on the main thread
     others = {"verify": pool.submit(outcome, lambda: read.verify_file(p)["step"]),
               "header": pool.submit(outcome, lambda: read.header_of(p)["step"]),
               "inspect": pool.submit(outcome, lambda: len(read.inspect_file(p)[1]))}
     load = outcome(lambda: digest(read.load_checkpoint(p, world)))
     print(json.dumps({"verify": others["verify"].result(), "load": load, "header": others["header"].result(),
-                      "inspect": others["inspect"].result()}), flush=True)
+                      "inspect": others["inspect"].result()}), file=answers, flush=True)
 """
 
 
@@ -88,12 +152,12 @@ class Worker:
     def __init__(self):
         self.proc = None
 
-    def ask(self, path, timeout=60):  # a healthy answer takes about a second; looping children 30 s
+    def ask(self, path, timeout=60, how="fork"):  # a healthy answer takes well under a second; looping children 30 s
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, "-c", WORKER], cwd=REPO, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                          preexec_fn=_limit_memory)
-        self.proc.stdin.write(path + "\n")
+        self.proc.stdin.write(f"{how} {path}\n")  # how: "fork" (forked_run's children) or "exec"
         self.proc.stdin.flush()
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -136,7 +200,17 @@ def ckpt(small_data, tmp_path_factory):
     worker = Worker()
     original = worker.ask(path)
     assert all(r[0] == "ok" for r in original.values()), original
-    yield path, open(path, "rb").read(), spans, original, worker
+    data = open(path, "rb").read()
+    # forked children answer as exec'd ones: a healthy file, a CRC failure, HDF5 crashing in the child
+    for name, corruption in {"pristine": ("flip", []), "data-bit": ("flip", [(spans[0][0] + 3, 0x10)]),
+                             "hdf5-crash": ("flip", [(data.find(b"FALSE") - 6, 0xFF)])}.items():
+        target = str(folder / f"{name}.h5")
+        with open(target, "wb") as fh:
+            fh.write(damage(data, *corruption))
+        forked, execd = worker.ask(target), worker.ask(target, how="exec")
+        assert forked == execd, (name, forked, execd)
+        assert name != "hdf5-crash" or "HDF5 crashed" in forked["load"][1], forked
+    yield path, data, spans, original, worker
     worker.close()
 
 

@@ -1,8 +1,9 @@
 """The numerical guard: NaN/Inf and loss spikes under each policy (abort, skip, rollback).
 
 Unit tests of the verdicts, then real 2-rank jobs with a NaN (or a spike) injected
-into one rank's batch at a given step (HPCTRAIN_FAULT, hpctrain/reliability/faults.py); the
-1-rank runs run in this process."""
+into one rank's batch at a given step (HPCTRAIN_FAULT, hpctrain/reliability/faults.py): the
+jobs that end with exit 0 run one after another in one launch (guard_jobs), each aborting one in
+a launch of its own; the 1-rank runs run in this process."""
 
 import json
 import os
@@ -21,6 +22,8 @@ from mpi_jobs import env
 from test_cli import train_in_process
 
 pytestmark = pytest.mark.timeout(240)
+# the tests of guard_jobs: the first of them to run waits for the launch of all 12 jobs (~35 s in CI)
+SHARED_LAUNCH = pytest.mark.timeout(480)
 
 
 class _Log:
@@ -80,10 +83,85 @@ def _train_args(data, ckpt, *extra, steps=60):
 
 
 def _run(data, ckpt, n, *extra, fault="nan:25:1", steps=60):
+    """One launch of ``python -m hpctrain train``: the jobs whose exit code and stderr are the launch's."""
     args = ["-m", "hpctrain", "train", *_train_args(data, ckpt, *extra, steps=steps)]
     launch = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable] if n > 1 else [sys.executable]
     return subprocess.run(launch + args, cwd=REPO, env=env(HPCTRAIN_FAULT=fault), capture_output=True,
                           text=True, timeout=180)
+
+
+KEEP = ("--set", "checkpoint.keep_last=0")  # every save kept: the comparisons read steps 20, 30 and 60
+COMPRESS = {
+    "topk": ("--set", 'dist.compress="topk(0.1)"'),  # error feedback's residuals
+    "powersgd+momentum": ("--set", 'dist.compress="powersgd(2)"', "--set", "dist.compress_momentum=true",
+                          "--set", "optim.name=adamw", "--set", "optim.freeze_step=12",
+                          "--set", "dist.compress_start_step=12"),  # residuals, Q and velocities
+}
+SKIP, ROLLBACK = ("--set", "guard.nonfinite=skip"), ("--set", "guard.nonfinite=rollback")
+# name -> (HPCTRAIN_FAULT, train.steps, --set overrides) of the 2-rank jobs that end with exit 0 (guard_jobs)
+JOBS = {
+    "skip-25": ("nan:25:1", 60, (*SKIP, *KEEP)),
+    "back-25": ("nan:25:1", 60, (*ROLLBACK, *KEEP)),
+    "skip-19": ("nan:19:1", 60, (*SKIP, *KEEP)),
+    "back-19": ("nan:19:1", 60, (*ROLLBACK, *KEEP)),
+    "clean": ("", 60, ()),
+    "first": ("nan:7:0", 12, (*ROLLBACK, "--set", "checkpoint.every_steps=0")),
+    **{f"{how}-{name}": ("nan:25:1", 60, (*policy, *KEEP, *sets)) for name, sets in COMPRESS.items()
+       for how, policy in (("skip", SKIP), ("back", ROLLBACK))},
+    "ef": ("nan:25:1", 60, (*ROLLBACK, "--set", 'dist.compress="topk(0.1)"', "--set", "dist.compress_start_step=22",
+                            "--set", "guard.max_bad_steps=2")),
+    "spike": ("spike:40:1", 60, (*SKIP, "--set", "guard.spike_zscore=6", "--set", "guard.spike_window=10")),
+}
+
+# Each rank of one launch runs the jobs in turn through python -m hpctrain train's own main (its config,
+# trainer, exit code), each with its HPCTRAIN_FAULT (read once, when the job's trainer is built) and
+# its stdout and stderr in files of its own.
+DRIVER = r"""
+import json, os, sys
+from hpctrain.__main__ import main
+from hpctrain.runtime import launched_rank
+
+jobs, folder, rank = json.loads(sys.argv[1]), sys.argv[2], launched_rank()
+for name, fault, argv in jobs:
+    os.environ["HPCTRAIN_FAULT"] = fault
+    saved = os.dup(1), os.dup(2)
+    with open(f"{folder}/{name}.{rank}.out", "w") as out, open(f"{folder}/{name}.{rank}.err", "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = main(["train", *argv])
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+    with open(f"{folder}/{name}.{rank}.rc", "w") as fh:
+        fh.write(str(code))
+"""
+
+
+@pytest.fixture(scope="module")
+def guard_jobs(small_data, tmp_path_factory):
+    """name -> (checkpoint dir, the job's returncode, stdout and stderr as a launch of its own gives
+    them) for every job in JOBS. One launch of two ranks runs them all (DRIVER): a launch per job
+    spent most of its time starting (MPI, imports, JIT), not training."""
+    folder = tmp_path_factory.mktemp("guard-jobs")
+    jobs = [(name, fault, _train_args(small_data[0], str(folder / name), *sets, steps=steps))
+            for name, (fault, steps, sets) in JOBS.items()]
+    launch = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable, "-c", DRIVER, json.dumps(jobs),
+                             str(folder)], cwd=REPO, env=env(), capture_output=True, text=True, timeout=420)
+
+    def job(name):
+        files = {(rank, kind): folder / f"{name}.{rank}.{kind}" for rank in (0, 1) for kind in ("rc", "out", "err")}
+        text = {key: path.read_text() if path.exists() else "" for key, path in files.items()}
+        codes = [int(text[rank, "rc"]) if text[rank, "rc"] else None for rank in (0, 1)]
+        returncode = None if None in codes else next((c for c in codes if c), 0)  # mpirun's: the first failure
+        stderr = text[0, "err"] + text[1, "err"] + ("" if returncode is not None else
+                                                    f"\n(no exit code; the launch's stderr:)\n{launch.stderr}")
+        return str(folder / name), subprocess.CompletedProcess(name, returncode, text[0, "out"] + text[1, "out"],
+                                                               stderr)
+
+    return {name: job(name) for name in JOBS}
 
 
 def _metrics(ckpt):
@@ -109,24 +187,15 @@ def test_abort_stops_before_saving_the_bad_step(small_data, tmp_path):
     assert all(np.isfinite(v).all() for v in _params(f"{ckpt}/ckpt-00000020.h5").values())
 
 
-@pytest.fixture(scope="module")
-def skip_at_25(small_data, tmp_path_factory):
-    """(checkpoint dir, process) of the 2-rank skip run with a NaN at step 25 on rank 1, every save
-    kept: one launch for test_skip_drops_the_step_and_counts_it[2] and the skip side of
-    test_rollback_equals_skip_bit_for_bit[25], which each launched this job (the first with the
-    default keep_last; it reads only the last save, which every keep_last keeps)."""
-    skip = str(tmp_path_factory.mktemp("skip-25") / "skip")
-    return skip, _run(small_data[0], skip, 2, "--set", "guard.nonfinite=skip", "--set", "checkpoint.keep_last=0",
-                      fault="nan:25:1")
-
-
+@SHARED_LAUNCH
 @pytest.mark.parametrize("n", [1, 2])
 def test_skip_drops_the_step_and_counts_it(small_data, tmp_path, request, monkeypatch, capsys, n):
-    """n = 2: a real 2-rank job (shared: skip_at_25). n = 1: the run ``python -m hpctrain train`` makes
-    without a launcher, on one rank in this process (test_cli.train_in_process; its result gives the
-    command's exit code), the fault read from the environment as the job reads it."""
-    if n == 2:  # the shared launch; its keep_last=0 (every save kept) changes nothing read here
-        ckpt, proc = request.getfixturevalue("skip_at_25")
+    """n = 2: a real 2-rank job (guard_jobs' skip-25, whose keep_last=0 changes nothing read here: the
+    last save is kept at every keep_last). n = 1: the run ``python -m hpctrain train`` makes without a
+    launcher, on one rank in this process (test_cli.train_in_process; its result gives the command's
+    exit code), the fault read from the environment as the job reads it."""
+    if n == 2:
+        ckpt, proc = request.getfixturevalue("guard_jobs")["skip-25"]
         assert proc.returncode == 0, proc.stderr[-3000:]
         out = proc.stdout
     else:
@@ -143,27 +212,21 @@ def test_skip_drops_the_step_and_counts_it(small_data, tmp_path, request, monkey
 
 
 @pytest.fixture(scope="module")
-def clean_params(small_data, tmp_path_factory):
+def clean_params(guard_jobs):
     """The parameters at step 60 of the 2-rank run without a fault (one run for both cases below)."""
-    clean = str(tmp_path_factory.mktemp("clean") / "clean")
-    assert _run(small_data[0], clean, 2, fault="").returncode == 0
+    clean, proc = guard_jobs["clean"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return _params(f"{clean}/ckpt-00000060.h5")
 
 
+@SHARED_LAUNCH
 @pytest.mark.parametrize("bad", [25, 19])
-def test_rollback_equals_skip_bit_for_bit(small_data, tmp_path, request, bad, clean_params):
+def test_rollback_equals_skip_bit_for_bit(guard_jobs, bad, clean_params):
     """Rollback reloads the last save and steps over the bad batch on the replay; skip drops that
     step's update in place. Both leave the state of a run that never saw the batch: the same bits.
     (Step 19: stepping over it reaches a save point, step 20, which must still be saved.)"""
-    skip, back = str(tmp_path / "skip"), str(tmp_path / "back")
-    fault = f"nan:{bad}:1"
-    keep = ("--set", "checkpoint.keep_last=0")
-    if bad == 25:  # this very skip job is shared with test_skip_drops_the_step_and_counts_it[2]
-        skip, skipped = request.getfixturevalue("skip_at_25")
-    else:
-        skipped = _run(small_data[0], skip, 2, "--set", "guard.nonfinite=skip", *keep, fault=fault)
-    assert skipped.returncode == 0
-    proc = _run(small_data[0], back, 2, "--set", "guard.nonfinite=rollback", *keep, fault=fault)
+    (skip, skipped), (back, proc) = guard_jobs[f"skip-{bad}"], guard_jobs[f"back-{bad}"]  # fault nan:{bad}:1
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = bad // 10 * 10
     assert f"guard: rolled back to {back}/ckpt-{last:08d}.h5 (step {last})" in proc.stdout, proc.stdout
@@ -176,31 +239,24 @@ def test_rollback_equals_skip_bit_for_bit(small_data, tmp_path, request, bad, cl
     assert any(not np.array_equal(a[k], clean_params[k]) for k in a)
 
 
-def test_rollback_without_a_checkpoint_saves_one_first(small_data, tmp_path):
-    ckpt = str(tmp_path / "first")
-    proc = _run(small_data[0], ckpt, 2, "--set", "guard.nonfinite=rollback", "--set", "checkpoint.every_steps=0",
-                fault="nan:7:0", steps=12)
+@SHARED_LAUNCH
+def test_rollback_without_a_checkpoint_saves_one_first(guard_jobs):
+    ckpt, proc = guard_jobs["first"]  # checkpoint.every_steps=0, 12 steps, fault nan:7:0
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"guard: rolled back to {ckpt}/ckpt-00000000.h5 (step 0)" in proc.stdout, proc.stdout
 
 
-@pytest.mark.parametrize("compress", [
-    ("--set", 'dist.compress="topk(0.1)"'),  # error feedback's residuals
-    ("--set", 'dist.compress="powersgd(2)"', "--set", "dist.compress_momentum=true", "--set", "optim.name=adamw",
-     "--set", "optim.freeze_step=12", "--set", "dist.compress_start_step=12"),  # residuals, Q and velocities
-], ids=["topk", "powersgd+momentum"])
-def test_skip_with_compression_equals_rollback_bit_for_bit(small_data, tmp_path, compress):
+@SHARED_LAUNCH
+@pytest.mark.parametrize("compress", list(COMPRESS))
+def test_skip_with_compression_equals_rollback_bit_for_bit(guard_jobs, compress):
     """A skipped step puts the compressor's per-rank state (residuals, PowerSGD's Q, velocities) back as it
     was before the step, as a rollback does by reloading the last save: both runs end with the same
     parameters and the same compressor state, and so lose nothing the bad step did not bring."""
-    skip, back = str(tmp_path / "skip"), str(tmp_path / "back")
-    keep = ("--set", "checkpoint.keep_last=0")
-    proc = _run(small_data[0], skip, 2, "--set", "guard.nonfinite=skip", *keep, *compress)
+    (skip, proc), (back, rolled) = guard_jobs[f"skip-{compress}"], guard_jobs[f"back-{compress}"]  # nan:25:1
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "guard: NaN/Inf in the averaged gradient at step 25" in proc.stdout, proc.stdout[-3000:]
-    proc = _run(small_data[0], back, 2, "--set", "guard.nonfinite=rollback", *keep, *compress)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "stepping over the batch of step 25" in proc.stdout, proc.stdout[-3000:]
+    assert rolled.returncode == 0, rolled.stderr[-3000:]
+    assert "stepping over the batch of step 25" in rolled.stdout, rolled.stdout[-3000:]
     for step in (30, 60):
         a, b = _params(f"{skip}/ckpt-{step:08d}.h5"), _params(f"{back}/ckpt-{step:08d}.h5")
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), step
@@ -210,23 +266,21 @@ def test_skip_with_compression_equals_rollback_bit_for_bit(small_data, tmp_path,
         assert all(np.isfinite(v).all() for v in a.values())
 
 
-def test_rollback_to_a_save_before_compression_started_clears_the_compressor_state(small_data, tmp_path):
+@SHARED_LAUNCH
+def test_rollback_to_a_save_before_compression_started_clears_the_compressor_state(guard_jobs):
     """The bad step (25) poisons rank 1's residuals with NaN; the rollback goes to step 20, saved before
     compression started (22), so the file holds no compressor state: the trainer's must still be
     cleared, else the replay's first compressed step sends the NaN again and rolls back until abort."""
-    ckpt = str(tmp_path / "ef")
-    proc = _run(small_data[0], ckpt, 2, "--set", "guard.nonfinite=rollback", "--set", 'dist.compress="topk(0.1)"',
-                "--set", "dist.compress_start_step=22", "--set", "guard.max_bad_steps=2")
+    ckpt, proc = guard_jobs["ef"]  # guard.max_bad_steps=2
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"guard: rolled back to {ckpt}/ckpt-00000020.h5 (step 20)" in proc.stdout, proc.stdout
     assert _metrics(ckpt)[-1]["bad_steps"] == 1
     assert all(np.isfinite(v).all() for v in _params(f"{ckpt}/ckpt-00000060.h5").values())
 
 
-def test_loss_spike_guard(small_data, tmp_path):
-    ckpt = str(tmp_path / "spike")
-    proc = _run(small_data[0], ckpt, 2, "--set", "guard.nonfinite=skip", "--set", "guard.spike_zscore=6",
-                "--set", "guard.spike_window=10", fault="spike:40:1")
+@SHARED_LAUNCH
+def test_loss_spike_guard(guard_jobs):
+    ckpt, proc = guard_jobs["spike"]  # skip, guard.spike_zscore=6 over a window of 10, fault spike:40:1
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "guard: loss spike at step 40" in proc.stdout, proc.stdout
     assert [r["step"] for r in _metrics(ckpt) if r["skipped"]] == [41]
