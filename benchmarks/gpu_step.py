@@ -11,7 +11,9 @@ Shapes:
               32 windows a step (4,096 tokens)
   gpt2-small  GPT-2 small: 12 layers, d 768, 12 heads, context 1024, vocabulary 50,257,
               8 windows a step (8,192 tokens)
-  tiny        (--simulate) 1 layer, d 8, 2 heads, context 8, vocabulary 64, 2 windows
+  tiny        (--simulate) 1 layer, d 4, 2 heads, context 4, vocabulary 16, 4 windows (16 tokens):
+              each simulated thread is interpreted Python, so every GEMM is one ragged 64 x 64
+              tile and one K slab, and every activation fits one block of a 1-D kernel
 
 For each shape both sides start from hpctrain's initial weights (``GPT.init``, copied into
 benchmarks/peers/gpt2_torch.py's model, which uses ``scaled_dot_product_attention``), train on
@@ -68,7 +70,7 @@ import launch_cost  # noqa: E402  (benchmarks/launch_cost.py)
 
 # name: (n_layer, d_model, n_head, context, vocab, windows per step)
 SHAPES = {"example": (4, 128, 4, 128, 256, 32), "gpt2-small": (12, 768, 12, 1024, 50257, 8),
-          "tiny": (1, 8, 2, 8, 64, 2)}
+          "tiny": (1, 4, 2, 4, 16, 4)}
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 # datasheet dense FP32 (no tensor cores), TFLOP/s, by a fragment of nvidia-smi's name
 FP32_PEAK_TFLOPS = (("H100 PCIe", 51.0), ("H100 NVL", 60.0), ("H100", 67.0), ("H200 NVL", 60.0), ("H200", 67.0),
@@ -286,16 +288,16 @@ def measure(shape_name, args, dev, torch, precision="fp32"):
     row["launches_per_step"] = count_launches(lambda: (ours.step(*up[0]), dev.synchronize()))
     if torch is not None:  # the same profiler sees every kernel in the process: numba's and cuBLAS's too
         row["kernels_per_step"] = torch_kernels(torch, lambda: (ours.step(*up[0]), dev.synchronize()))
-    row["ops_ms"] = op_split(ours, up, args.op_steps, dev)
+    row["ops_ms"] = op_split(ours, up, args.op_steps, dev, warm=not args.simulate)
     if torch is not None:
         clocked = Torch(torch, shape, ours.weights(), ours.model.no_decay, clock=True, precision=precision)
         row["torch_ops_ms"] = torch_op_split(clocked, tup, args.op_steps)
     return row
 
 
-def op_split(ours, up, steps, dev) -> dict:
+def op_split(ours, up, steps, dev, warm=True) -> dict:
     """ms per step by op family, and the step ("step": every op synchronised, so slower than timed;
-    eager, since a graph's replay calls no op)."""
+    eager, since a graph's replay calls no op), after one untimed step when ``warm``."""
     from hpctrain.observe.op_times import OpTimes
 
     model_dev = ours.model_dev
@@ -303,8 +305,9 @@ def op_split(ours, up, steps, dev) -> dict:
     clock = OpTimes(dev, model_dev)  # wraps the tables in place (a 16-bit model's own too); put back below
     ours.graphs = None
     try:
-        ours.step(*up[0])
-        clock.pop()
+        if warm:   # an untimed step first; the simulator has nothing to warm, and each step costs seconds
+            ours.step(*up[0])
+            clock.pop()
         totals = {"step": 0.0}
         for i in range(steps):
             t0 = time.perf_counter()

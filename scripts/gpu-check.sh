@@ -24,7 +24,8 @@
 # --simulate: every step's plumbing on the simulator with tiny sizes and a few steps, the
 # two test steps and the PyTorch comparison left out (the suite runs the CUDA tests on the
 # simulator anyway; the peer needs a GPU to mean anything; gpu_step.py --simulate checks a tiny
-# GPT against its float64 CPU twin instead): a few minutes, no GPU.
+# GPT against its float64 CPU twin instead): about 75 s of CPU time, no GPU (each simulated CUDA
+# thread is interpreted Python, hence the tiny models).
 set -uo pipefail
 SIM=0
 if [ "${1:-}" = "--simulate" ]; then SIM=1; shift; fi
@@ -73,7 +74,8 @@ if [ $SIM = 1 ]; then
     # no warm-up call: the simulator has no JIT to warm, and one call per row is the smoke test
     KERNELS_ARGS=(--small --repeats 1 --warmup 0)
     GPU_STEP_ARGS=(--simulate)
-    # the tiny GPT's fp32 and bf16 rows: about a minute on an idle 2-core machine (each simulated step a few s)
+    # the tiny GPT's fp32 and bf16 rows, five simulated steps each (two validated, one timed, one
+    # counted, one split by op): about 30 s of CPU in all
     GPU_STEP_LIMIT=420
     # 16 evaluation samples: the final evaluation is one forward (8 rows per rank at 2 ranks);
     # the simulator's softmax costs ~16 barriers per row, 128 rows took longer than training
@@ -84,8 +86,10 @@ if [ $SIM = 1 ]; then
     # ranks compares the summed gradient and the update; a third step was one more simulated step
     # per run (~1.5-2 s each), not one more check
     MLP_SETS=(--set train.steps=2 --set train.global_batch=8 --set "model.hidden=[8]" --set train.target_accuracy=0)
-    GPT_SETS=(--set train.steps=2 --set train.global_batch=2 --set model.n_layer=1 --set model.d_model=8
-              --set model.n_head=2 --set model.context=8 --set train.eval_tokens=16)
+    # d 4 (2 heads of 2): the block's MLP (16 wide) and qkv (12) fit one 16-deep K slab of the GEMM
+    # (d 8 took two in three of a step's 15 GEMMs); context 4 halves the tokens of every step
+    GPT_SETS=(--set train.steps=2 --set train.global_batch=2 --set model.n_layer=1 --set model.d_model=4
+              --set model.n_head=2 --set model.context=4 --set train.eval_tokens=8)
     # python -m hpctrain with the simulator made safe for the communication thread's launches
     # beside the main thread's (the opt-in test tool hpctrain/testing; the trainer patches nothing)
     TRAIN_MODULE=hpctrain.testing
@@ -135,10 +139,11 @@ step kernels 180 "$PY" benchmarks/kernels.py "${KERNELS_ARGS[@]}" --json "$OUT/k
 step gpu-step "$GPU_STEP_LIMIT" "$PY" benchmarks/gpu_step.py "${GPU_STEP_ARGS[@]}" --json "$OUT/gpu_step.json"
 
 # the data: synthetic tables, and the text corpus (the running Python's standard library);
-# simulated, random tokens: a 17-token /val, two windows of 8 + 1, one per rank at 2 ranks (the
+# simulated, random tokens: a 9-token /val, two windows of 4 + 1, one per rank at 2 ranks (the
 # final evaluation scores all of it in one forward; 11 windows cost more than a training step),
-# and a vocabulary of 96, not 256: the tied head's GEMMs still span two 64-wide tiles (the
-# second ragged) and about 40% of the simulated work
+# and a vocabulary of 65, not 256: the tied head's GEMMs still span two 64-wide tiles (the second
+# one column wide) and its input gradient four full K slabs and a ragged fifth (96 took six): the
+# costliest GEMM of a step
 make_data() {
     "$PY" -m hpctrain data synth --out "$DATA/synth-train.h5" --n "$1" --seed 1 &&
     "$PY" -m hpctrain data synth --out "$DATA/synth-eval.h5" --n "$2" --seed 2 || return 1
@@ -151,9 +156,9 @@ import numpy as np
 
 r = np.random.default_rng(0)
 with h5py.File(sys.argv[1], "w") as f:
-    f["train"] = r.integers(0, 96, 4096).astype(np.uint16)
-    f["val"] = r.integers(0, 96, 17).astype(np.uint16)
-    f.attrs.update(format="hpctrain-tokens", format_version=1, vocab_size=96)
+    f["train"] = r.integers(0, 65, 4096).astype(np.uint16)
+    f["val"] = r.integers(0, 65, 9).astype(np.uint16)
+    f.attrs.update(format="hpctrain-tokens", format_version=1, vocab_size=65)
 PYEOF
     else
         "$PY" -m hpctrain data text --out "$DATA/text.h5"
