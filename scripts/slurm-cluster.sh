@@ -24,8 +24,16 @@
 #   SlurmdParameters=config_overrides nodes may declare more CPUs than the host has
 #   MpiDefault=pmix                   Debian's Open MPI has no PMI2 (pmi2 and none fail)
 #   TmpFS=DIR/tmp/%n                  two slurmd on one host otherwise share the PMIx directory
-#   AuthInfo=...,cred_expire=10 and SchedulerParameters=sched_interval=2
-#                                     a requeued job starts again in ~12 s instead of ~150 s
+#   AuthInfo=...,cred_expire=5        a requeued job may start again 6 s after its requeue (slurmctld
+#                                     waits cred_expire + 1 s; default 120, minimum 5)
+#   SchedulerParameters=sched_interval=1,batch_sched_delay=0
+#                                     a job starts within 1 s of its submission or its begin time
+#                                     (slurmctld's background loop runs once a second), not 2-3 s
+#   KillWait=2                        the ranks of a cancelled step that SIGTERM does not end (stuck in
+#                                     a collective after a kill -9 of one of them) get SIGKILL 2 s later,
+#                                     not 5; no test here saves at a time limit's SIGTERM (a site's
+#                                     KillWait must cover a save: docs/slurm.md)
+#   the daemons under a subreaper     a batch job that ran srun ended 3 s after its script (see REAPER)
 set -euo pipefail
 
 SLURM_PKGS="slurmctld slurmd slurm-client munge"
@@ -58,6 +66,45 @@ cmd_install() {
     apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $SLURM_PKGS >/dev/null
 }
 
+# Each daemon runs under a child subreaper (prctl PR_SET_CHILD_SUBREAPER) that waits for
+# whatever is orphaned below it, as systemd does on a real node. Orphans are many here: slurmd
+# starts each slurmstepd through a fork that exits, and srun leaves a child behind in the batch
+# script's process group when it ends. Left to PID 1, a container's init reaped them 1-2 s late
+# (measured here; another init may never), and slurmstepd (proctrack/pgid) waits for the batch
+# script's process group to be empty, zombies included, sleeping 1 s, then 2 s: every batch job
+# that ran srun ended 3 s after its script. With the subreaper: within 1 s (measured).
+# The caller gets the daemon's exit code once it has forked into the background; the reaper
+# then lets go of the caller's stdio and ends when everything below it has ended.
+REAPER='
+import ctypes, os, subprocess, sys
+done_r, done_w = os.pipe()
+if os.fork():
+    os.close(done_w)
+    sys.exit(int(os.read(done_r, 16) or 1))
+os.close(done_r)
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+rc = subprocess.call(sys.argv[1:])
+os.write(done_w, str(rc).encode())
+null = os.open(os.devnull, os.O_RDWR)
+for fd in (0, 1, 2):
+    os.dup2(null, fd)
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+'
+reaped() {  # CMD...: run a daemon under its own subreaper; CMD's exit code
+    python3 -c "$REAPER" "$@"
+}
+
+# Jobs run with slurmd's limits (PropagateResourceLimits=NONE), and slurmd raises its core limit to
+# the hard one: a rank crashed on purpose (the give-up test's SIGSEGV) wrote a 170 MB core into its
+# working directory, the repository. ulimit -c 0 sets the hard limit too.
+slurmd_reaped() {  # SLURMD ARGS...: a slurmd of $SLURM_CONF under its subreaper, no core files
+    (ulimit -c 0 && reaped slurmd -f "$SLURM_CONF" "$@")
+}
+
 free_port() {  # a TCP port nobody listens on now (the kernel's pick)
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
@@ -74,7 +121,7 @@ SlurmUser=$user
 SlurmdUser=$user
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge/munge.socket,cred_expire=10
+AuthInfo=socket=$dir/munge/munge.socket,cred_expire=5
 StateSaveLocation=$dir/spool/ctld
 SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/run/slurmctld.pid
@@ -90,11 +137,11 @@ SlurmdParameters=config_overrides
 PropagateResourceLimits=NONE
 JobRequeue=1
 SchedulerType=sched/builtin
-SchedulerParameters=sched_interval=2
+SchedulerParameters=sched_interval=1,batch_sched_delay=0
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
-KillWait=5
+KillWait=2
 MinJobAge=3600
 InactiveLimit=0
 Waittime=0
@@ -132,13 +179,13 @@ cmd_start() {  # DIR [NODES]
     head -c 1024 /dev/urandom >"$dir/munge/munge.key"
     chmod 400 "$dir/munge/munge.key"
     # -f: run despite a key/socket directory munged would call insecure (a test tree)
-    munged -f --key-file="$dir/munge/munge.key" --socket="$dir/munge/munge.socket" \
+    reaped munged -f --key-file="$dir/munge/munge.key" --socket="$dir/munge/munge.socket" \
         --pid-file="$dir/run/munged.pid" --log-file="$dir/log/munged.log" \
         --seed-file="$dir/munge/munged.seed"
     # the daemons (and the slurmstepd they start) work in $dir/log: stop finds leftovers by that
-    slurmctld -i -f "$SLURM_CONF"
+    reaped slurmctld -i -f "$SLURM_CONF"
     for i in $(seq 1 "$nodes"); do
-        slurmd -f "$SLURM_CONF" -N "n$i"
+        slurmd_reaped -N "n$i"
     done
     for _ in $(seq 1 150); do  # up to 30 s; measured: under 1 s
         if [ "$(sinfo -h -o '%t' 2>/dev/null | sort -u)" = idle ] \
@@ -260,7 +307,7 @@ cmd_revive_node() {  # DIR NODE
     dir=$(cd "$1" && pwd)
     export SLURM_CONF=$dir/etc/slurm.conf
     before=$(slurmd_started "$node")
-    (cd "$dir/log" && slurmd -f "$SLURM_CONF" -N "$node")
+    (cd "$dir/log" && slurmd_reaped -N "$node")
     # back = registered anew (right after lose-node the state still reads alloc or mix)
     for _ in $(seq 1 150); do  # up to 30 s
         state=$(sinfo -h -N -n "$node" -o '%t' 2>/dev/null)

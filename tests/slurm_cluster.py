@@ -94,7 +94,7 @@ class Cluster:
             records = self.jobs(job_id)
             if records and all(r.get("JobState") in FINAL_STATES for r in records):
                 return records
-            time.sleep(1)
+            time.sleep(0.25)  # a look costs ~20 ms; at 1 s, each wait lost 0.5 s on average
         self.run(["scancel", job_id], timeout=15)
         pytest.fail(f"job {job_id} not finished after {timeout:.0f} s (cancelled): "
                     f"{[(r.get('JobId'), r.get('JobState')) for r in self.jobs(job_id)]}\n"
