@@ -2,9 +2,16 @@
 the gradients' way out through the host-staging path (pinned buffers; chosen on the
 simulator, whose arrays MPI would otherwise take directly) and AdamW, with and without
 ZeRO-3 (which runs ZeRO-2's gradient slots and gathers the parameters), equal the same job on the CPU (float64; tolerance as tests/test_gpt_cuda_step.py). Runs under mpirun -n 2
-only: on the simulator each run takes about a minute, and 2 ranks is the case the
-staging path has to get right.
+only: on the simulator each run takes seconds, and 2 ranks is the case the staging path has to
+get right.
+
+The text is folded into :data:`VOCAB` tokens (:func:`small_vocab_text`): the simulator interprets
+every CUDA thread, and the vocabulary sizes a step's costliest launches (the tied head's GEMMs, the
+embedding's gradient) without changing what runs; on the 256 byte values a one-block step took
+1.8 times as long.
 """
+
+import os
 
 import numpy as np
 import pytest
@@ -15,9 +22,42 @@ from steps import train_losses, train_step
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
               pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
 
+VOCAB = 16   # more ids than the simulator's 2-block grids: their grid-stride loops still iterate
+
+
+def small_vocab_text(text: str, folder: str) -> str:
+    """The token file ``text`` with every token folded into :data:`VOCAB` (t mod VOCAB), written by
+    rank 0 into ``folder`` (which every rank sees) once per job; its path, on every rank."""
+    import h5py
+    from mpi4py import MPI
+
+    path = os.path.join(folder, f"text-vocab{VOCAB}.h5")
+    if MPI.COMM_WORLD.rank == 0 and not os.path.exists(path):
+        with h5py.File(text, "r") as src, h5py.File(path + ".tmp", "w") as out:
+            for split in ("train", "val"):
+                out[split] = src[split][:] % VOCAB
+            out.attrs.update({"format": "hpctrain-tokens", "format_version": 1, "vocab_size": VOCAB})
+        os.replace(path + ".tmp", path)
+    MPI.COMM_WORLD.Barrier()
+    return path
+
+
+@pytest.fixture(scope="module")
+def text(mpi_text_data, mpi_shared_dir):
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.size != 2:
+        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
+    return small_vocab_text(mpi_text_data, mpi_shared_dir)
+
+
+def _reused(slot_of) -> bool:
+    """Whether two buckets of a slot pool take the same slot (``slot_of``: each bucket's slot)."""
+    return len(set(slot_of)) < len(slot_of)
+
 
 @pytest.mark.parametrize("zero", [0, 2, 3])
-def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
+def test_gpt_on_cuda_trains_like_cpu_across_ranks(text, zero):
     """zero 2: the parameters all-gathered after each bucket's update, and the gradient slots; zero 3:
     ZeRO-2's gradient slots and this rank's chunks on the device, the chunks copied and
     added (two micro-batches) on the communication thread while backward writes the next slots; and
@@ -27,10 +67,6 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
     gather thread waits for its slot's event, never for the device's whole stream (checked)."""
     import threading
 
-    from mpi4py import MPI
-
-    if MPI.COMM_WORLD.size != 2:
-        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
     from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
     from hpctrain.training.trainer import Trainer
@@ -39,20 +75,25 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
     world = init_world()
     runs = {}
     for device in ("cpu", "cuda"):
-        cfg = _config(mpi_text_data, device, steps=1 if zero == 2 else 2)  # zero 2: two layers, two micro-batches
-        cfg.train.global_batch = 4 * world.size
-        if zero:
+        cfg = _config(text, device, steps=1 if zero == 2 else 2)
+        cfg.train.global_batch = world.size   # one window a micro-batch on each rank
+        if zero:  # two micro-batches
             cfg.dist.zero, cfg.dist.allreduce, cfg.train.grad_accum_steps = zero, "ring", 2
+            cfg.train.global_batch *= 2
             cfg.dist.bucket_mb = cfg.dist.first_bucket_mb = 0.001  # zero 2: 131 values, slots reused (checked);
             # zero 3 takes its layer buckets
-            cfg.model.n_layer = 3  # blocks enough for both pools to reuse their slots
+            # blocks enough for both pools to reuse their slots (checked): zero 2's gradient slots need
+            # two (a block's buckets are in use together), zero 3's layer buckets take turns within one
+            cfg.model.n_layer = 2 if zero == 2 else 1
         trainer = Trainer(cfg, world, Log(False))
         if device == "cuda":
             assert trainer.plan.staging.mode == "pinned"
         if zero:
             assert trainer.plan.grad_slots.rotating < len(trainer.plan.buckets) - 1
+            assert _reused(trainer.plan.grad_slots.slot_of)
         if zero == 3:
             assert trainer.plan.param_slots.layout.rotating < len(trainer.plan.buckets) - 1
+            assert _reused(trainer.plan.param_slots.layout.slot_of)
         waits = []   # the threads that waited for the device's whole stream
         if device == "cuda":
             whole = trainer.device.stream.synchronize
@@ -76,15 +117,11 @@ def test_gpt_on_cuda_trains_like_cpu_across_ranks(mpi_text_data, zero):
         np.testing.assert_array_equal(other, gathered[0])
 
 
-def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(mpi_text_data):
+def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(text):
     """dist.tensor_parallel = 2 on the device: the row-split projections' partial outputs and the
     column-split layers' input gradients go through the tensor group's all-reduce (host staging),
     and one step gives the CPU's loss and logical parameters (the CPU's split run equals t = 1:
     tests/test_mpi_tensor_parallel.py)."""
-    from mpi4py import MPI
-
-    if MPI.COMM_WORLD.size != 2:
-        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
     from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
     from hpctrain.training.trainer import Trainer
@@ -93,8 +130,8 @@ def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(mpi_text_data):
     world = init_world()
     runs = {}
     for device in ("cpu", "cuda"):
-        cfg = _config(mpi_text_data, device, steps=1)
-        cfg.dist.tensor_parallel, cfg.train.global_batch = 2, 4
+        cfg = _config(text, device, steps=1)
+        cfg.dist.tensor_parallel, cfg.train.global_batch = 2, 1
         trainer = Trainer(cfg.validate(), world, Log(False))
         step = train_step(trainer)
         loss = step.loss_sum, step.correct
@@ -110,16 +147,12 @@ def test_tensor_parallel_gpt_on_cuda_trains_like_cpu(mpi_text_data):
     assert_close(p_gpu, p_cpu)
 
 
-def test_pipeline_gpt_on_cuda_trains_like_cpu(mpi_text_data):
+def test_pipeline_gpt_on_cuda_trains_like_cpu(text):
     """dist.pipeline_parallel = 2 on the device: the residual stream and its gradient cross between
     the stages through pinned host buffers (non-blocking sends, blocking receives), the first stage
     clears its tied-table gradient on the device, the table's two gradients are summed over the
     embedding group; one step of two micro-batches gives the CPU's loss and parameters (the CPU's
     pipeline equals p = 1: tests/test_mpi_pipeline.py)."""
-    from mpi4py import MPI
-
-    if MPI.COMM_WORLD.size != 2:
-        pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
     from hpctrain.observe.log import Log
     from hpctrain.runtime import init_world
     from hpctrain.training.trainer import Trainer
@@ -128,8 +161,9 @@ def test_pipeline_gpt_on_cuda_trains_like_cpu(mpi_text_data):
     world = init_world()
     runs = {}
     for device in ("cpu", "cuda"):
-        cfg = _config(mpi_text_data, device, steps=1)
+        cfg = _config(text, device, steps=1)
         cfg.model.n_layer, cfg.dist.pipeline_parallel, cfg.train.grad_accum_steps = 2, 2, 2
+        cfg.train.global_batch = 2   # one window a micro-batch
         trainer = Trainer(cfg.validate(), world, Log(False))
         if device == "cuda":
             assert trainer.stepper.runner.stage.staging.mode == "pinned"
