@@ -37,12 +37,13 @@ def test_every_kernel_compiles_to_ptx_for_sm90(tmp_path):
     stdout = "".join(out.read_text() for out, _ in logs)
     stderr = "".join(err.read_text() for _, err in logs)
     assert [p.returncode for p in procs] == [0] * SHARDS, stdout[-4000:] + stderr[-4000:]
-    # 2 dtypes x (8 GEMMs + 6 bias_act (backward with its column sums) + 3 softmax (rows, backward,
-    # fused) + sgd + adamw + lamb's direction + scale + all_finite + sum_squares) + row sums + 4 precision conversions
+    # 2 dtypes x (12 GEMMs (3 tilings x 4 transpose pairs) + 6 bias_act (backward with its column
+    # sums) + 3 softmax (rows, backward, fused) + sgd + adamw + lamb's direction + scale + all_finite
+    # + sum_squares) + row sums + 4 precision conversions
     # + 22 compression kernels (2 dtypes x 8, cast f64->f32, lowrank_residual, sparse_take, pack_ef,
     # sample_abs, compact)
     # + 61 attention variants (tests/ptx_attention.py: each dtype, head-size capacity and fitting tile)
     # + 6 kernels of the GEMM attention (2 dtypes x softmax rows, probs, grad rows)
     # + 25 embedding / layernorm (with the fused residual add; the parameter gradients' partial and
     # final sums one kernel) / residual kernels (tests/ptx_gpt_ops.py)
-    assert stdout.count("\nok ") == 2 * 23 + 1 + 4 + 22 + 61 + 6 + 25, stdout
+    assert stdout.count("\nok ") == 2 * 27 + 1 + 4 + 22 + 61 + 6 + 25, stdout

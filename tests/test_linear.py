@@ -112,10 +112,12 @@ def test_linear_float32_forward_within_rounding_bound(shape):
 # ---- CUDA: the GEMM kernel ---------------------------------------------------------------
 # (M, N, K): one partial tile; K spanning two BK slabs; two by two blocks of
 # 64 x 64 with ragged edges; realistic sizes on the GPU only.
-# The large tiling (128 x 128, BK 8) runs the same code with other constants;
-# in the simulator it is checked on one block, K spanning three slabs.
+# The large tiling (128 x 128, BK 8) and the tiny one (16 x 16, one output a thread) run the
+# same code with other constants; in the simulator large is checked on one block, K spanning
+# three slabs, and tiny on one block and on three by two ragged blocks, K spanning two slabs.
 GEMM_CASES = [((5, 7, 9), "small"), ((33, 20, 17), "small"), ((70, 66, 20), "small"),
-              ((5, 7, 9), "large"), ((33, 20, 17), "large"),
+              ((5, 7, 9), "large"), ((33, 20, 17), "large"), ((5, 7, 9), "tiny"), ((33, 20, 17), "tiny"),
+              pytest.param((1000, 777, 513), "tiny", marks=gpu),
               pytest.param((1000, 777, 513), "small", marks=gpu), pytest.param((1000, 777, 513), "large", marks=gpu),
               pytest.param((2048, 2048, 2048), "large", marks=gpu)]
 
@@ -142,8 +144,11 @@ def test_gemm_float32_within_dot_product_bound(dev32, shape, tile, trans_a, tran
         assert np.all(np.abs(got - ref) <= bound), (accumulate, np.abs(got - ref).max())
 
 
-def test_gemm_takes_large_tiles_only_when_they_fill_the_gpu():
+def test_gemm_takes_large_tiles_only_when_they_fill_the_gpu_and_tiny_ones_for_skinny_products():
     sms = 132  # an H200
+    assert linear.choose_tile(16, 4096, sms) == "tiny"           # a 64-row tile would be 3/4 empty
+    assert linear.choose_tile(4096, 8, sms) == "tiny"
+    assert linear.choose_tile(17, 17, sms) == "small"
     assert linear.choose_tile(256, 256, sms) == "small"          # 4 large tiles: most SMs idle
     assert linear.choose_tile(4096, 4096, sms) == "large"        # 1024 large tiles
     assert linear.choose_tile(128 * 22, 128 * 12, sms) == "large"  # exactly 2 blocks per SM

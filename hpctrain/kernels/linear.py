@@ -66,7 +66,10 @@ def tied_head_backward(dlogits, x, wte, dx, dwte, accumulate=False):
 
 # ---- launchers ---------------------------------------------------------------------
 def choose_tile(M: int, N: int, sms: int | None = None) -> str:
-    """'large' when 128 x 128 tiles still give each of the GPU's ``sms`` SMs two blocks, else 'small'."""
+    """'tiny' when M or N is at most 16 (a 64-wide tile would be three quarters empty); 'large'
+    when 128 x 128 tiles still give each of the GPU's ``sms`` SMs two blocks; else 'small'."""
+    if min(M, N) <= kernels.TILES["tiny"][0]:
+        return "tiny"
     bm, bn = kernels.TILES["large"][:2]
     return "large" if -(-M // bm) * -(-N // bn) >= 2 * (sms or _sm_count()) else "small"
 
@@ -82,7 +85,7 @@ def _sm_count() -> int:
 def gemm_cuda(a, b, c, trans_a=False, trans_b=False, accumulate=False, *, stream=0, tile=None):
     """c (M, N) <- (c +) op(a) @ op(b), op = transpose when the flag is set. Returns c.
 
-    ``tile`` forces a tiling ("small" or "large"); by default :func:`choose_tile` picks.
+    ``tile`` forces a tiling ("tiny", "small" or "large"); by default :func:`choose_tile` picks.
     """
     M, N = c.shape
     K = a.shape[0] if trans_a else a.shape[1]

@@ -13,12 +13,16 @@ from numba import cuda, float32, float64
 # C (M, N) (+)= op(A) @ op(B). A block of 16 x 16 threads computes a BM x BN tile
 # of C; each thread owns TM x TN outputs strided by 16, so a warp's shared
 # loads are conflict-free (or broadcast) and its global stores coalesced. K
-# advances in BK slabs staged through shared memory. Two tilings:
+# advances in BK slabs staged through shared memory. Three tilings:
+#   tiny   16 x 16, 1 output per thread, BK 16: skinny products (M or N <= 16,
+#          a batch of a few rows), where a 64-wide tile would be three quarters
+#          empty: each thread does a sixteenth of the small tiling's FMAs;
 #   small  64 x 64, 4 x 4 per thread, BK 16: more blocks for the MLP's modest
 #          shapes (B x 256 layers would leave most SMs idle with big tiles);
 #   large  128 x 128, 8 x 8 per thread, BK 8: 4 FMAs per shared-memory load
 #          instead of 2, for big products where the grid fills the GPU anyway.
-TILES = {"small": (64, 64, 16, 4, 4), "large": (128, 128, 8, 8, 8)}  # BM, BN, BK, TM, TN
+TILES = {"tiny": (16, 16, 16, 1, 1), "small": (64, 64, 16, 4, 4),
+         "large": (128, 128, 8, 8, 8)}  # BM, BN, BK, TM, TN
 THREADS_X = THREADS_Y = 16
 MAX_GRID_Y = 65535           # CUDA's limit on gridDim.y (rows of tiles)
 
