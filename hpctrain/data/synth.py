@@ -31,13 +31,18 @@ class Teacher:
         self.w2 = rng.standard_normal((TEACHER_HIDDEN, classes))
         self.bias = np.zeros(classes)
         reference = rng.standard_normal((20000, dim)).astype(np.float32)
-        # nudge each class's bias until argmax picks classes about equally often
+        # nudge each class's bias until argmax picks classes about equally often; only the bias
+        # changes, so the reference's logits before it are computed once
+        unbiased = self._unbiased(reference)
         for _ in range(50):
-            freq = np.bincount(self.labels(reference), minlength=classes) / len(reference)
+            freq = np.bincount((unbiased + self.bias).argmax(axis=1), minlength=classes) / len(reference)
             self.bias -= 0.5 * np.log(np.maximum(freq, 1e-4) * classes)
 
+    def _unbiased(self, x) -> np.ndarray:
+        return np.tanh(x.astype(np.float64) @ self.w1) @ self.w2
+
     def logits(self, x) -> np.ndarray:
-        return np.tanh(x.astype(np.float64) @ self.w1) @ self.w2 + self.bias
+        return self._unbiased(x) + self.bias
 
     def labels(self, x) -> np.ndarray:
         return self.logits(x).argmax(axis=1).astype(np.int64)
