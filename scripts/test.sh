@@ -21,24 +21,35 @@ t0=$(date +%s)
 # pytest's exit status 5 is "no test selected" (arguments that name only other tests): not a failure
 ok() { local rc=$?; [ $rc = 0 ] || [ $rc = 5 ]; }
 
+# A failed mpirun -n N phase: the tail of every rank log that names a failure.
+show_failed_ranks() {
+    for log in .test-logs/mpi-n"$1"-rank*.log; do
+        [ -f "$log" ] && grep -qE "(FAILED|ERROR|Timeout)" "$log" && { echo "--- $log"; tail -n 40 "$log"; }
+    done
+}
+
 # The serial tests on two workers (pytest-xdist), a whole module per worker (module fixtures are
-# built once); those marked exclusive (timing-sensitive, or the local SLURM cluster) then run
-# with nothing beside them. Ranks of the tests' own mpirun jobs yield the CPU while they wait
-# (two workers' jobs share two cores).
-echo "== serial, two workers: pytest -m 'not mpi and not exclusive' -n 2"
+# built once). The MPI tests at one rank run beside them: a single process that would leave a
+# core idle in a phase of its own (its report is printed after the serial one). Those marked
+# exclusive (timing-sensitive, or the local SLURM cluster) then run with nothing beside them.
+# Ranks of the tests' own mpirun jobs yield the CPU while they wait (the workers' jobs share
+# two cores).
+echo "== serial, two workers: pytest -m 'not mpi and not exclusive' -n 2; beside it mpirun -n 1: pytest --with-mpi -m mpi"
+( timeout 900 mpirun -n 1 --oversubscribe bash scripts/pytest-rank.sh 1 "$@" >.test-logs/mpi-n1-rank0.log 2>&1
+  echo $? >.test-logs/mpi-n1.rc ) &
+one_rank=$!
 OMPI_MCA_mpi_yield_when_idle=1 timeout 1800 "$PY" -m pytest -q -m "not mpi and not exclusive" -n 2 --dist loadfile \
     --junitxml=.test-logs/serial.xml "$@"; ok || status=1
+wait "$one_rank"
+echo "== mpirun -n 1: pytest --with-mpi -m mpi (ran beside the serial tests)"
+cat .test-logs/mpi-n1-rank0.log
+[ "$(cat .test-logs/mpi-n1.rc 2>/dev/null)" = 0 ] || { status=1; show_failed_ranks 1; }
 echo "== serial, alone: pytest -m 'not mpi and exclusive'"
 timeout 900 "$PY" -m pytest -q -m "not mpi and exclusive" --junitxml=.test-logs/exclusive.xml "$@"; ok || status=1
 
-for n in 1 2 3 4; do
+for n in 2 3 4; do
     echo "== mpirun -n $n: pytest --with-mpi -m mpi"
-    timeout 900 mpirun -n "$n" --oversubscribe bash scripts/pytest-rank.sh "$n" "$@" || {
-        status=1
-        for log in .test-logs/mpi-n"$n"-rank*.log; do
-            [ -f "$log" ] && grep -qE "(FAILED|ERROR|Timeout)" "$log" && { echo "--- $log"; tail -n 40 "$log"; }
-        done
-    }
+    timeout 900 mpirun -n "$n" --oversubscribe bash scripts/pytest-rank.sh "$n" "$@" || { status=1; show_failed_ranks "$n"; }
 done
 
 # Real-GPU pass: every CUDA test again, on the GPU instead of the simulator
