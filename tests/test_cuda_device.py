@@ -26,8 +26,22 @@ def test_gpu_is_local_rank_modulo_visible_gpus(local_rank, n_gpus, expected):
 
 
 def test_auto_is_cpu_without_gpu(monkeypatch):
+    monkeypatch.setattr(device_mod.choose, "simulated", lambda: False)
     monkeypatch.setattr(device_mod.choose, "cuda_status", lambda: (0, "no driver"))
     assert isinstance(make_device("auto", "float32"), CpuDevice)
+
+
+def test_no_loadable_driver_library_means_no_gpu_before_numba_cuda_is_asked(monkeypatch):
+    import ctypes
+
+    def no_library(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(device_mod.choose, "simulated", lambda: False)
+    monkeypatch.delenv("NUMBA_CUDA_DRIVER", raising=False)
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    assert device_mod.cuda_status() == (0, "no CUDA driver library (libcuda.so.1) can be loaded")
+    monkeypatch.setenv("NUMBA_CUDA_DRIVER", "/opt/elsewhere/libcuda.so")  # numba decides then
+    assert device_mod.cuda_status() != (0, "no CUDA driver library (libcuda.so.1) can be loaded")
 
 
 @needs_cuda

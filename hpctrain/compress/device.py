@@ -20,16 +20,18 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import cuda
 
 from ..kernels import ef, gather_scatter, quantize16, sign_pack
 from ..kernels.linear import gemm_cuda
+from ..kernels.support.lazy_import import lazy_import
 from ..kernels.topk_threshold import topk_cuda
 from .base import NoCompression
 from .quantize import Bf16, Fp16
 from .reducer import CompressedSum
 from .sign import Sign
 from .sparse import RandK, TopK, k_of, pack_indices, payload_indices
+
+cuda = lazy_import("numba.cuda")  # imported at the first launch
 
 F32 = np.float32
 

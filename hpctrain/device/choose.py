@@ -8,8 +8,27 @@ from .cpu import CpuDevice
 from .cuda import CudaDevice, simulated
 
 
+def _driver_loads() -> bool:
+    """False when no CUDA driver library can be loaded (the dlopen numba would try first): then
+    numba.cuda finds no GPU either, and a CPU run need not import it (~0.6 s per rank).
+    ``NUMBA_CUDA_DRIVER`` names a driver elsewhere: numba decides."""
+    import ctypes
+
+    if os.environ.get("NUMBA_CUDA_DRIVER"):
+        return True
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def cuda_status() -> tuple[int, str]:
     """(number of usable GPUs, why not when 0). The simulator counts as one GPU."""
+    if not simulated() and not _driver_loads():
+        return 0, "no CUDA driver library (libcuda.so.1) can be loaded"
     try:
         from numba import cuda
 
@@ -38,8 +57,10 @@ def make_device(name: str, dtype: str, world=None, gemm: str = "auto", attention
         raise ConfigError(f"train.device={name!r}: choose auto, cpu or cuda")
     if name == "cpu":
         return CpuDevice(dtype)
+    if name == "auto" and simulated():
+        return CpuDevice(dtype)
     n_gpus, why = cuda_status()
-    if name == "auto" and (n_gpus == 0 or simulated()):
+    if name == "auto" and n_gpus == 0:
         return CpuDevice(dtype)
     if n_gpus == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -24,9 +24,11 @@ import math
 import numpy as np
 from numba import njit
 
-from . import adamw_cuda as kernels  # the CUDA kernels launched here
 from .support import cpu_threads
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.adamw_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 def _update(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, inv_sqrt_bc2,

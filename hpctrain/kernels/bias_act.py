@@ -24,10 +24,12 @@ from functools import lru_cache
 import numpy as np
 from numba import njit
 
-from . import bias_act_cuda as kernels  # the CUDA kernels launched here
 from .support import cpu_threads
 from .support.cpu_exp import fast_exp
 from .support.cuda_support import configured, row_grid
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.bias_act_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 # ---- activations (plain Python, compiled for both targets) -------------------------
 _K = math.sqrt(2.0 / math.pi)

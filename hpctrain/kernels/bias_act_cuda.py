@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from numba import cuda, float64, int32
 
-from .support.cuda_support import last_block_of_column, sum_column_partials
+from .support.column_sums_cuda import last_block_of_column, sum_column_partials
 
 COLS = 32          # backward block: 32 columns (one warp, coalesced rows) ...
 LANES = 8          # ... x 8 row lanes

@@ -14,8 +14,10 @@ with a contiguous layout and flatten them (views, no copies).
 
 import numpy as np
 
-from . import ef_cuda as kernels  # the CUDA kernels launched here
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.ef_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 # ---- CPU twins (NumPy) -------------------------------------------------------------

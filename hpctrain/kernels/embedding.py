@@ -21,8 +21,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import embedding_cuda as kernels  # the CUDA kernels launched here
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.embedding_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------

@@ -11,10 +11,12 @@ import math
 import threading
 
 import numpy as np
-from numba import cuda
 
-from . import finite_cuda as kernels  # the CUDA kernels launched here
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+cuda = lazy_import("numba.cuda")  # imported at the first launch
+kernels = lazy_import(f"{__package__}.finite_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 # ---- CPU twin (NumPy) --------------------------------------------------------------

@@ -14,8 +14,10 @@ is one), so the sparse forms here give the same bits.
 """
 
 
-from . import gather_scatter_cuda as kernels  # the CUDA kernels launched here
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.gather_scatter_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 # ---- CPU twins (NumPy) -------------------------------------------------------------

@@ -19,9 +19,11 @@ import math
 import numpy as np
 from numba import njit
 
-from . import lamb_cuda as kernels  # the CUDA kernels launched here
 from .support import cpu_threads
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.lamb_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 def _direction(p, g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc1, inv_sqrt_bc2,

@@ -25,9 +25,11 @@ import math
 import numpy as np
 from numba import njit
 
-from . import layernorm_cuda as kernels  # the CUDA kernels launched here
 from .support import cpu_threads
 from .support.cuda_support import blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.layernorm_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------

@@ -16,7 +16,7 @@ import math
 
 from numba import cuda, float64, int32
 
-from .support.cuda_support import last_block_of_column, sum_column_partials
+from .support.column_sums_cuda import last_block_of_column, sum_column_partials
 
 LANES = 32        # threads over one row's channels: a warp, coalesced loads
 ROWS = 8          # rows per block (one warp each)

@@ -20,10 +20,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda
 
-from . import linear_cuda as kernels  # the CUDA kernels launched here
 from .support.cuda_support import configured, simulated
+from .support.lazy_import import lazy_import
+
+cuda = lazy_import("numba.cuda")  # imported at the first launch
+kernels = lazy_import(f"{__package__}.linear_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 # ---- CPU twin (NumPy/BLAS) ---------------------------------------------------------

@@ -21,9 +21,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import lowp_cuda as kernels  # the CUDA kernels launched here
 from .support import cpu_threads
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.lowp_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 BF16 = np.dtype(np.uint16)    # bf16 storage: the bit patterns
 FP16 = np.dtype(np.float16)

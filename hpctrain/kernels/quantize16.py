@@ -21,8 +21,10 @@ NaN stays NaN.
 import numpy as np
 from numba import njit
 
-from . import quantize16_cuda as kernels  # the CUDA kernels launched here
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.quantize16_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 FP16, BF16 = 0, 1           # the ``fmt`` argument of every function here
 FORMATS = {"fp16": FP16, "bf16": BF16}

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import residual_cuda as kernels  # the CUDA kernels launched here
 from .support import cpu_threads
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.residual_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 # ---- CPU twin (NumPy) --------------------------------------------------------------

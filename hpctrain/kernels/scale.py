@@ -6,8 +6,10 @@ multiplied in float32 on both targets.
 
 import numpy as np
 
-from . import scale_cuda as kernels  # the CUDA kernels launched here
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.scale_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 # ---- CPU twin (NumPy) --------------------------------------------------------------

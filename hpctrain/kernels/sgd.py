@@ -14,9 +14,11 @@ the same every step and a CUDA graph can replay them (training/cuda_graphs.py).
 import numpy as np
 from numba import njit
 
-from . import sgd_cuda as kernels  # the CUDA kernels launched here
 from .support import cpu_threads
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.sgd_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 def _update(p, g, v, lr, momentum, weight_decay, nesterov):

@@ -20,8 +20,10 @@ order, so the float64 sums, and the scales, have the same bits on both targets.
 import numpy as np
 from numba import njit
 
-from . import sign_pack_cuda as kernels  # the CUDA kernels launched here
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.sign_pack_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 SUM_THREADS = 256      # threads per chunk on the GPU; also the twin's summation layout
 

@@ -20,12 +20,15 @@ in one kernel and one buffer instead of two of each.
 import math
 
 import numpy as np
-from numba import cuda, njit
+from numba import njit
 
-from . import softmax_xent_cuda as kernels  # the CUDA kernels launched here
 from .support import cpu_threads
 from .support.cpu_exp import fast_exp
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+cuda = lazy_import("numba.cuda")  # imported at the first launch
+kernels = lazy_import(f"{__package__}.softmax_xent_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 
 # ---- CPU twin (numba) --------------------------------------------------------------

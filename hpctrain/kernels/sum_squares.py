@@ -15,10 +15,13 @@ in shared memory, and the host adds the blocks' partial sums in block order.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, njit
+from numba import njit
 
-from . import sum_squares_cuda as kernels  # the CUDA kernels launched here
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+cuda = lazy_import("numba.cuda")  # imported at the first launch
+kernels = lazy_import(f"{__package__}.sum_squares_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 BLOCKS = 256   # the most blocks (partial sums) of the CUDA reduction: its grid depends on the length only
 

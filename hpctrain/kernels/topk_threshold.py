@@ -24,10 +24,13 @@ import math
 from collections import namedtuple
 
 import numpy as np
-from numba import cuda, njit
+from numba import njit
 
-from . import topk_threshold_cuda as kernels  # the CUDA kernels launched here
 from .support.cuda_support import THREADS, blocks_for, configured
+from .support.lazy_import import lazy_import
+
+cuda = lazy_import("numba.cuda")  # imported at the first launch
+kernels = lazy_import(f"{__package__}.topk_threshold_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 SAMPLE = 4096        # sampled entries: the threshold's passing count is within ~15 % at k/n = 1 %
 MAX_PASSES = 4       # compactions before the whole vector goes to the host

@@ -199,7 +199,7 @@ def on_paper(cfg, world) -> Plan:
     if like == "auto":  # as make_device decides it
         from ..device import cuda_status, simulated
 
-        like = "cuda" if cuda_status()[0] and not simulated() else "cpu"
+        like = "cuda" if not simulated() and cuda_status()[0] else "cpu"
     t, p = cfg.dist.tensor_parallel, cfg.dist.pipeline_parallel
     check_divides(world.size, t, p)
     stage, data_rank, tensor_rank = place_of(world.rank, world.size, t, p)

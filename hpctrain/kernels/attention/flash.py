@@ -26,7 +26,9 @@ import math
 import numpy as np
 
 from ..support.cuda_support import blocks_for, configured
-from . import flash_cuda as kernels  # the CUDA kernels launched here
+from ..support.lazy_import import lazy_import
+
+kernels = lazy_import(f"{__package__}.flash_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 HS_SIZES = (32, 64, 128)   # compiled head-size capacities; hs above the last is refused
 TILES = (32, 16, 8, 4)     # query/key rows per tile, largest first; blocks are TILE x TILE threads

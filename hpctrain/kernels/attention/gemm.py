@@ -27,8 +27,10 @@ import numpy as np
 
 from ..support.batched_gemm import GemmBatch
 from ..support.cuda_support import blocks_for, configured
-from . import gemm_cuda as kernels  # the CUDA kernels launched here
+from ..support.lazy_import import lazy_import
 from .flash import attention_backward_cuda, attention_forward_cuda, check_operands
+
+kernels = lazy_import(f"{__package__}.gemm_cuda")  # the CUDA kernels launched here (imported at the first launch)
 
 SCORES_BUDGET = 256 * 2 ** 20   # bytes of the two (G, T, T) score buffers together
 def chunk_plan(B: int, NH: int, T: int, itemsize: int, budget: int = SCORES_BUDGET) -> tuple[str, int]:

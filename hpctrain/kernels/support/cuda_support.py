@@ -7,13 +7,12 @@
 - :func:`configured`: ``kernel[grid, block, stream]`` made once per thread, kernel, geometry and
   stream, and reused; every launch is counted (:func:`count_launches`, :func:`launches`: all
   threads', for the step metrics).
-- Device functions for ordered column sums without float atomics: :func:`last_block_of_column`
-  (a ticket per column tile; the last block adds the partials) and :func:`sum_column_partials`.
 
 Whether numba runs kernels on a GPU or in its simulator (:func:`simulated`) is fixed by
-``NUMBA_ENABLE_CUDASIM`` when numba is first imported. Importing ``numba.cuda`` creates no CUDA
-context (kernels compile on first launch), so op files import it at module level. Importing this
-module restores ``np.row_stack`` where NumPy lacks it (numba-cuda 0.30 looks it up; docs/gpu.md).
+``NUMBA_ENABLE_CUDASIM`` when numba is first imported. Op files reach ``numba.cuda`` and their
+kernel modules through :func:`.lazy_import.lazy_import` (imported at the first launch: a run on
+the CPU never pays for it), and the ordered column sums' device functions live in
+column_sums_cuda.py. Importing this module restores ``np.row_stack`` where NumPy lacks it (numba-cuda 0.30 looks it up; docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import math
 import threading
 
 import numpy as np
-from numba import config, cuda, float64
+from numba import config
 
 # numba-cuda <= 0.30 registers a typing overload for ``np.row_stack`` when it
 # compiles its first kernel; NumPy 2.5 removed that alias, so every compile then
@@ -115,43 +114,3 @@ def row_grid(rows: int, cols: int, unroll: int = UNROLL) -> tuple[tuple[int, int
     threads = min(THREADS, 32 * math.ceil(max(1, cols) / 32))
     cap = SIM_MAX_BLOCKS if simulated() else 65535
     return (math.ceil(max(1, cols) / threads), max(1, min(cap, math.ceil(rows / unroll)))), threads
-
-
-@cuda.jit(device=True)
-def last_block_of_column(counters, flag, leader):
-    """True in every thread of the block that is the last of its column (``blockIdx.x``) of
-    blocks to get here, over ``gridDim.y`` blocks; that block then owns the column's final
-    sum (reading the others' partials) and the counter is already reset for the next launch.
-    Call after writing the block's partials, from every thread (it has barriers); ``flag`` is
-    a shared int32[1], ``leader`` 0 in one thread. The fence orders each thread's partial
-    stores before its block's ticket: the last block sees every partial (the CUDA
-    programming guide's threadFenceReduction pattern), and the sum it forms is in chunk
-    order, not arrival order: the same bits every run."""
-    cuda.threadfence()
-    cuda.syncthreads()
-    if leader == 0:
-        ticket = cuda.atomic.add(counters, cuda.blockIdx.x, 1)
-        flag[0] = 1 if ticket == cuda.gridDim.y - 1 else 0
-        if flag[0] == 1:
-            counters[cuda.blockIdx.x] = 0
-    cuda.syncthreads()
-    return flag[0] == 1
-
-
-@cuda.jit(device=True)
-def sum_column_partials(partial, c):
-    """sum over g of partial[g, c] (float64) in g order, four loaded ahead of their adds (UNROLL)."""
-    n = partial.shape[0]
-    s = float64(0.0)
-    g = 0
-    while g + 3 < n:
-        p0, p1, p2, p3 = partial[g, c], partial[g + 1, c], partial[g + 2, c], partial[g + 3, c]
-        s += p0
-        s += p1
-        s += p2
-        s += p3
-        g += 4
-    while g < n:
-        s += partial[g, c]
-        g += 1
-    return s
