@@ -48,7 +48,8 @@ def powersgd_values(rank=4):
 
 
 @pytest.fixture(scope="module")
-def bench(text_data, tmp_path_factory):
+def bench(text_data_wide_val, tmp_path_factory):
+    text_data = text_data_wide_val
     out = tmp_path_factory.mktemp("gpt-compress") / "compression.json"
     cmd = [sys.executable, "benchmarks/compression.py", "--train", "--model", "gpt", "--launcher",
            "mpirun -n 2 --oversubscribe", "--train-compressors", ",".join(SPECS), "--json", str(out),
