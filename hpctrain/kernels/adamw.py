@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from .support import cpu_threads
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.adamw_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -92,5 +92,5 @@ def adamw_step(params, grads, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 
 # ---- launcher ----------------------------------------------------------------------
 def adamw_update_cuda(params, grads, exp_avg, exp_avg_sq, hyper, velocity=False, *, stream=0):
     """:func:`adamw_update` on the GPU; ``hyper`` is a device array."""
-    launch = configured(kernels.adamw_update_kernel(_update), blocks_for(params.size), THREADS, stream)
+    launch = configured_elementwise(kernels.adamw_update_kernel(_update), params.size, stream)
     launch(params, grads, exp_avg, exp_avg_sq, hyper, bool(velocity))

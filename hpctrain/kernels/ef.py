@@ -14,7 +14,7 @@ with a contiguous layout and flatten them (views, no copies).
 
 import numpy as np
 
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.ef_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -47,21 +47,21 @@ def _flat(a):
 
 
 def ef_correct_cuda(x, r, *, stream=0):
-    configured(kernels.ef_correct_kernel, blocks_for(r.size), THREADS, stream)(_flat(x), _flat(r))
+    configured_elementwise(kernels.ef_correct_kernel, r.size, stream)(_flat(x), _flat(r))
     return r
 
 
 def lowrank_residual_cuda(m, a, size, *, stream=0):
-    launch = configured(kernels.lowrank_residual_kernel, blocks_for(m.size), THREADS, stream)
+    launch = configured_elementwise(kernels.lowrank_residual_kernel, m.size, stream)
     launch(_flat(m), _flat(a), np.float32(size))
     return m
 
 
 def cast_copy_cuda(src, dst, *, stream=0):
-    configured(kernels.cast_copy_kernel, blocks_for(dst.size), THREADS, stream)(_flat(src), _flat(dst))
+    configured_elementwise(kernels.cast_copy_kernel, dst.size, stream)(_flat(src), _flat(dst))
     return dst
 
 
 def fill_cuda(dst, value, *, stream=0):
-    configured(kernels.fill_kernel, blocks_for(dst.size), THREADS, stream)(_flat(dst), np.dtype(dst.dtype).type(value))
+    configured_elementwise(kernels.fill_kernel, dst.size, stream)(_flat(dst), np.dtype(dst.dtype).type(value))
     return dst

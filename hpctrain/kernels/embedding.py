@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import THREADS, blocks_for, configured, configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.embedding_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -126,7 +126,7 @@ def embedding_forward_cuda(tokens, wte, wpe, out, *, stream=0):
     """
     _check_shapes(tokens, wpe.shape[0], "embedding_forward")
     B, T = tokens.shape
-    launch = configured(kernels.embedding_forward_kernel, blocks_for(B * T * wte.shape[1]), THREADS, stream)
+    launch = configured_elementwise(kernels.embedding_forward_kernel, B * T * wte.shape[1], stream)
     launch(tokens, wte, wpe, out)
     return out
 
@@ -144,12 +144,12 @@ def embedding_backward_cuda(dout, tokens, dwte, dwpe, accumulate=False, *, strea
     N = B * T
     if N >= 2 ** 31:
         raise ValueError(f"embedding_backward: B*T={N} positions overflow int32 buckets; split the batch")
-    configured(kernels.dwpe_kernel, blocks_for(dwpe.shape[0] * C), THREADS, stream)(dout, dwpe, bool(accumulate))
+    configured_elementwise(kernels.dwpe_kernel, dwpe.shape[0] * C, stream)(dout, dwpe, bool(accumulate))
     counts = scratch("embed_counts", (V,), np.int32)
     offsets = scratch("embed_offsets", (V + 1,), np.int32)
     placed = scratch("embed_placed", (max(N, 1),), np.int32)
     order = scratch("embed_order", (max(N, 1),), np.int32)
-    configured(kernels.zero_counts_kernel, blocks_for(V), THREADS, stream)(counts)
+    configured_elementwise(kernels.zero_counts_kernel, V, stream)(counts)
     configured(kernels.count_tokens_kernel, blocks_for(N), THREADS, stream)(tokens, counts)
     configured(kernels.bucket_offsets_kernel, 1, THREADS, stream)(counts, offsets)
     configured(kernels.place_positions_kernel, blocks_for(N), THREADS, stream)(tokens, offsets, counts, placed)

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import configured_elementwise
 from .support.lazy_import import lazy_import
 
 cuda = lazy_import("numba.cuda")  # imported at the first launch
@@ -51,7 +51,7 @@ def all_finite_cuda(buf, *, stream=0, scratch=None) -> bool:
     else:
         flag = scratch(("finite_flag", threading.get_ident()), (1,), np.int32)
         flag.copy_to_device(_ZERO, stream=stream)
-    configured(kernels.nonfinite_kernel, blocks_for(buf.size), THREADS, stream)(flat, flag)
+    configured_elementwise(kernels.nonfinite_kernel, buf.size, stream)(flat, flag)
     host = flag.copy_to_host(stream=stream)
     stream.synchronize() if stream else cuda.synchronize()
     return not bool(host[0])

@@ -14,7 +14,7 @@ is one), so the sparse forms here give the same bits.
 """
 
 
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.gather_scatter_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -37,10 +37,10 @@ def sparse_scatter(out, idx, values, accumulate=False):
 
 # ---- launchers ---------------------------------------------------------------------
 def sparse_take_cuda(r, idx, values, *, stream=0):
-    configured(kernels.sparse_take_kernel, blocks_for(idx.size), THREADS, stream)(r, idx, values)
+    configured_elementwise(kernels.sparse_take_kernel, idx.size, stream)(r, idx, values)
     return values
 
 
 def sparse_scatter_cuda(out, idx, values, accumulate=False, *, stream=0):
-    configured(kernels.sparse_scatter_kernel, blocks_for(idx.size), THREADS, stream)(out, idx, values, bool(accumulate))
+    configured_elementwise(kernels.sparse_scatter_kernel, idx.size, stream)(out, idx, values, bool(accumulate))
     return out

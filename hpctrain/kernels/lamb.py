@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit
 
 from .support import cpu_threads
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.lamb_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -67,6 +67,6 @@ def lamb_direction(params, grads, exp_avg, exp_avg_sq, hyper, out):
 # ---- launcher ----------------------------------------------------------------------
 def lamb_direction_cuda(params, grads, exp_avg, exp_avg_sq, hyper, out, *, stream=0):
     """:func:`lamb_direction` on the GPU; ``hyper`` is a device array."""
-    launch = configured(kernels.lamb_direction_kernel(_direction), blocks_for(params.size), THREADS, stream)
+    launch = configured_elementwise(kernels.lamb_direction_kernel(_direction), params.size, stream)
     launch(params, grads, exp_avg, exp_avg_sq, out, hyper)
     return out

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from .support import cpu_threads
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.lowp_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -164,7 +164,7 @@ def narrow_cuda(src, dst, *, stream=0):
     """:func:`narrow` on device arrays, queued on ``stream``."""
     _check(src, dst, src, dst.dtype)
     kernel = kernels.conversion_kernel(_f32_to_bf16 if dst.dtype == BF16 else _f32_to_fp16)
-    configured(kernel, blocks_for(src.size), THREADS, stream)(_device_bits(src, np.uint32),
+    configured_elementwise(kernel, src.size, stream)(_device_bits(src, np.uint32),
                                                                _device_bits(dst, np.uint16))
     return dst
 
@@ -173,6 +173,6 @@ def widen_cuda(src, dst, *, stream=0):
     """:func:`widen` on device arrays, queued on ``stream``."""
     _check(src, dst, dst, src.dtype)
     kernel = kernels.conversion_kernel(_bf16_to_f32 if src.dtype == BF16 else _fp16_to_f32)
-    configured(kernel, blocks_for(src.size), THREADS, stream)(_device_bits(src, np.uint16),
+    configured_elementwise(kernel, src.size, stream)(_device_bits(src, np.uint16),
                                                                _device_bits(dst, np.uint32))
     return dst

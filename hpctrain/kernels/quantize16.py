@@ -21,7 +21,7 @@ NaN stays NaN.
 import numpy as np
 from numba import njit
 
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.quantize16_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -137,11 +137,11 @@ def decode(bits, out, fmt):
 # ---- launchers ---------------------------------------------------------------------
 def encode_ef_cuda(x, r, bits, fmt, *, stream=0):
     encode, _ = kernels.quantize16_kernels(_element_functions)
-    configured(encode, blocks_for(x.size), THREADS, stream)(x, r, bits, fmt)
+    configured_elementwise(encode, x.size, stream)(x, r, bits, fmt)
     return bits
 
 
 def decode_cuda(bits, out, fmt, *, stream=0):
     _, decode_kernel = kernels.quantize16_kernels(_element_functions)
-    configured(decode_kernel, blocks_for(bits.size), THREADS, stream)(bits, out, fmt)
+    configured_elementwise(decode_kernel, bits.size, stream)(bits, out, fmt)
     return out

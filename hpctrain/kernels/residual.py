@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .support import cpu_threads
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.residual_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -53,7 +53,7 @@ def _flat(x, like, op, name):
 def residual_forward_cuda(a, b, out, *, stream=0):
     """As :func:`residual_forward`, on ``stream``. Returns out."""
     fa, fb, fo = (_flat(x, out, "residual_forward", n) for x, n in ((a, "a"), (b, "b"), (out, "out")))
-    configured(kernels.residual_forward_kernel, blocks_for(out.size), THREADS, stream)(fa, fb, fo)
+    configured_elementwise(kernels.residual_forward_kernel, out.size, stream)(fa, fb, fo)
     return out
 
 
@@ -62,8 +62,9 @@ def residual_backward_cuda(dout, da, db, accumulate=False, *, stream=0):
     wanted = [_flat(d, dout, "residual_backward", n) for d, n in ((da, "da"), (db, "db")) if d is not None]
     if not wanted:
         return
-    grid, fd = blocks_for(dout.size), dout.reshape(dout.size)
+    fd = dout.reshape(dout.size)
     if len(wanted) == 2:
-        configured(kernels.residual_backward_kernel, grid, THREADS, stream)(fd, wanted[0], wanted[1], bool(accumulate))
+        configured_elementwise(kernels.residual_backward_kernel, fd.size, stream)(fd, wanted[0], wanted[1],
+                                                                                 bool(accumulate))
     else:
-        configured(kernels.copy_or_add_kernel, grid, THREADS, stream)(fd, wanted[0], bool(accumulate))
+        configured_elementwise(kernels.copy_or_add_kernel, fd.size, stream)(fd, wanted[0], bool(accumulate))

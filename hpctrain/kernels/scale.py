@@ -6,7 +6,7 @@ multiplied in float32 on both targets.
 
 import numpy as np
 
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.scale_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -22,5 +22,5 @@ def scale(buf, factor):
 # ---- launcher ----------------------------------------------------------------------
 def scale_cuda(buf, factor, *, stream=0):
     flat = buf.reshape(buf.size)  # a view: flat device buffers are contiguous
-    configured(kernels.scale_kernel, blocks_for(buf.size), THREADS, stream)(flat, np.dtype(buf.dtype).type(factor))
+    configured_elementwise(kernels.scale_kernel, buf.size, stream)(flat, np.dtype(buf.dtype).type(factor))
     return buf

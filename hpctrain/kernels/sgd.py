@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from .support import cpu_threads
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.sgd_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -60,5 +60,5 @@ def sgd_step(params, grads, momentum_buf, lr, momentum, weight_decay, nesterov):
 # ---- launcher ----------------------------------------------------------------------
 def sgd_update_cuda(params, grads, momentum_buf, hyper, nesterov, *, stream=0):
     """:func:`sgd_update` on the GPU; ``hyper`` is a device array."""
-    launch = configured(kernels.sgd_update_kernel(_update), blocks_for(params.size), THREADS, stream)
+    launch = configured_elementwise(kernels.sgd_update_kernel(_update), params.size, stream)
     launch(params, grads, momentum_buf, hyper, bool(nesterov))

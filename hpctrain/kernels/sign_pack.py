@@ -20,7 +20,7 @@ order, so the float64 sums, and the scales, have the same bits on both targets.
 import numpy as np
 from numba import njit
 
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import blocks_for, configured, configured_elementwise
 from .support.lazy_import import lazy_import
 
 kernels = lazy_import(f"{__package__}.sign_pack_cuda")  # the CUDA kernels launched here (imported at the first launch)
@@ -101,10 +101,10 @@ def chunk_scales_ef_cuda(x, r, chunk, scales, *, stream=0):
 
 
 def pack_ef_cuda(c, scales, chunk, bits, *, stream=0):
-    configured(kernels.pack_ef_kernel, blocks_for(bits.size), THREADS, stream)(c, scales, chunk, bits)
+    configured_elementwise(kernels.pack_ef_kernel, bits.size, stream)(c, scales, chunk, bits)
     return bits
 
 
 def unpack_sum_cuda(bits, scales, chunk, out, *, stream=0):
-    configured(kernels.unpack_sum_kernel, blocks_for(out.size), THREADS, stream)(bits, scales, chunk, out)
+    configured_elementwise(kernels.unpack_sum_kernel, out.size, stream)(bits, scales, chunk, out)
     return out

@@ -24,7 +24,7 @@ from numba import njit
 
 from .support import cpu_threads
 from .support.cpu_exp import fast_exp
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import THREADS, blocks_for, configured, configured_elementwise
 from .support.lazy_import import lazy_import
 
 cuda = lazy_import("numba.cuda")  # imported at the first launch
@@ -205,7 +205,7 @@ def softmax_xent_fused_add_cuda(logits, labels, scale, dlogits, totals, accumula
 
 def softmax_xent_backward_cuda(probs, labels, scale, dlogits, *, stream=0):
     B, C = probs.shape
-    launch = configured(kernels.softmax_xent_backward_kernel, blocks_for(B * C), THREADS, stream)
+    launch = configured_elementwise(kernels.softmax_xent_backward_kernel, B * C, stream)
     launch(probs, labels, probs.dtype.type(scale), dlogits)
     return dlogits
 

@@ -26,7 +26,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from .support.cuda_support import THREADS, blocks_for, configured
+from .support.cuda_support import THREADS, blocks_for, configured, configured_elementwise
 from .support.lazy_import import lazy_import
 
 cuda = lazy_import("numba.cuda")  # imported at the first launch
@@ -109,7 +109,7 @@ def topk_cuda(x, k, *, stream=0, scratch=None) -> TopkResult:
         return TopkResult(np.arange(n, dtype=np.int32), x.copy_to_host(stream=stream), 0, False)
     s = min(n, SAMPLE)
     sample = _alloc(scratch, "topk_sample", (s,), np.float32)
-    configured(kernels.sample_abs_kernel, blocks_for(s), THREADS, stream)(x, n // s, sample)
+    configured_elementwise(kernels.sample_abs_kernel, s, stream)(x, n // s, sample)
     host = sample.copy_to_host(stream=stream)
     _sync(stream)
     cap = capacity(n, k)

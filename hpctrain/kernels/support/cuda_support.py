@@ -6,7 +6,8 @@
   elements before they store any; each element is still computed alone, in the same order).
 - :func:`configured`: ``kernel[grid, block, stream]`` made once per thread, kernel, geometry and
   stream, and reused; every launch is counted (:func:`count_launches`, :func:`launches`: all
-  threads', for the step metrics).
+  threads', for the step metrics). :func:`configured_elementwise`: the same for a grid-stride
+  elementwise kernel over n items (smaller blocks on the simulator).
 
 Whether numba runs kernels on a GPU or in its simulator (:func:`simulated`) is fixed by
 ``NUMBA_ENABLE_CUDASIM`` when numba is first imported. Op files reach ``numba.cuda`` and their
@@ -36,6 +37,10 @@ MAX_BLOCKS = 8192    # grid-stride loops cover the rest; ~60 blocks per H200 SM
 # The simulator runs every thread's Python code in turn (interpreted, tens of us each); a
 # small grid keeps tests fast and makes the grid-stride loops iterate.
 SIM_MAX_BLOCKS = 2
+# An elementwise kernel (each element computed alone: no shared memory, barrier or atomic) gives
+# the same result for any block; on the simulator its blocks are one warp, where a simulated
+# thread costs ~30 us a launch whether or not it has an element (256 threads: 15 ms a launch).
+SIM_ELEMENTWISE_THREADS = 32
 
 
 def simulated() -> bool:
@@ -47,6 +52,14 @@ def blocks_for(n: int, threads: int = THREADS) -> int:
     """Blocks for a grid-stride loop over ``n`` items (at least one)."""
     cap = SIM_MAX_BLOCKS if simulated() else MAX_BLOCKS
     return max(1, min(cap, math.ceil(n / threads)))
+
+
+def configured_elementwise(kernel, n: int, stream=0):
+    """:func:`configured` for a grid-stride elementwise kernel over ``n`` items: :func:`blocks_for`
+    blocks of :data:`THREADS` threads (:data:`SIM_ELEMENTWISE_THREADS` on the simulator). Only for
+    kernels whose elements are computed alone, so the block size cannot change a result."""
+    threads = SIM_ELEMENTWISE_THREADS if simulated() else THREADS
+    return configured(kernel, blocks_for(n, threads), threads, stream)
 
 
 _configured = threading.local()   # per thread: {(kernel, grid, block, stream, shared): configured kernel}
