@@ -64,7 +64,10 @@ class Mpirun:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process under it, children first read from /proc."""
+    """SIGKILL ``pid`` and every process under it (the tree read from /proc). The tree is stopped
+    first, from the top, so nothing in it reacts to the kills: a parent that saw its children die
+    first could otherwise exit by itself in between (a shell's ``wait`` returns, mpirun reports its
+    ranks' deaths), or start another child."""
     import signal
 
     children: dict[int, list[int]] = {}
@@ -82,11 +85,12 @@ def kill_tree(pid: int) -> None:
         p = todo.pop()
         order.append(p)
         todo += children.get(p, [])
-    for p in reversed(order):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
+    for sig, pids in ((signal.SIGSTOP, order), (signal.SIGKILL, reversed(order))):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except OSError:
+                pass
 
 
 def hosts_of(options: list[str]) -> str:
