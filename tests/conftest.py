@@ -172,6 +172,30 @@ def mpi_text_data(mpi_shared_dir):
     return os.path.join(mpi_shared_dir, "text.h5")
 
 
+SMALL_VOCAB = 16   # more ids than the simulator's 2-block grids: their grid-stride loops still iterate
+
+
+@pytest.fixture(scope="session")
+def mpi_small_vocab_text(mpi_text_data, mpi_shared_dir):
+    """:func:`mpi_text_data` with every token folded into :data:`SMALL_VOCAB` (t mod 16), written by
+    rank 0 once per job; its path, on every rank. For GPT runs on the simulator, which interprets
+    every CUDA thread: the vocabulary sizes a step's costliest launches (the tied head's GEMMs, the
+    embedding's gradient) without changing what runs (on the 256 byte values a one-block step took
+    1.8 times as long)."""
+    import h5py
+    from mpi4py import MPI
+
+    path = os.path.join(mpi_shared_dir, f"text-vocab{SMALL_VOCAB}.h5")
+    if MPI.COMM_WORLD.rank == 0 and not os.path.exists(path):
+        with h5py.File(mpi_text_data, "r") as src, h5py.File(path + ".tmp", "w") as out:
+            for split in ("train", "val"):
+                out[split] = src[split][:] % SMALL_VOCAB
+            out.attrs.update({"format": "hpctrain-tokens", "format_version": 1, "vocab_size": SMALL_VOCAB})
+        os.replace(path + ".tmp", path)
+    MPI.COMM_WORLD.Barrier()
+    return path
+
+
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory):
     """(train, eval) paths of small synthetic sets, made once per serial session."""

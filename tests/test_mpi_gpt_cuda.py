@@ -5,13 +5,8 @@ ZeRO-3 (which runs ZeRO-2's gradient slots and gathers the parameters), equal th
 only: on the simulator each run takes seconds, and 2 ranks is the case the staging path has to
 get right.
 
-The text is folded into :data:`VOCAB` tokens (:func:`small_vocab_text`): the simulator interprets
-every CUDA thread, and the vocabulary sizes a step's costliest launches (the tied head's GEMMs, the
-embedding's gradient) without changing what runs; on the 256 byte values a one-block step took
-1.8 times as long.
+The text is folded into 16 tokens (conftest's ``mpi_small_vocab_text``).
 """
-
-import os
 
 import numpy as np
 import pytest
@@ -22,33 +17,14 @@ from steps import train_losses, train_step
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
               pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
 
-VOCAB = 16   # more ids than the simulator's 2-block grids: their grid-stride loops still iterate
-
-
-def small_vocab_text(text: str, folder: str) -> str:
-    """The token file ``text`` with every token folded into :data:`VOCAB` (t mod VOCAB), written by
-    rank 0 into ``folder`` (which every rank sees) once per job; its path, on every rank."""
-    import h5py
-    from mpi4py import MPI
-
-    path = os.path.join(folder, f"text-vocab{VOCAB}.h5")
-    if MPI.COMM_WORLD.rank == 0 and not os.path.exists(path):
-        with h5py.File(text, "r") as src, h5py.File(path + ".tmp", "w") as out:
-            for split in ("train", "val"):
-                out[split] = src[split][:] % VOCAB
-            out.attrs.update({"format": "hpctrain-tokens", "format_version": 1, "vocab_size": VOCAB})
-        os.replace(path + ".tmp", path)
-    MPI.COMM_WORLD.Barrier()
-    return path
-
 
 @pytest.fixture(scope="module")
-def text(mpi_text_data, mpi_shared_dir):
+def text(request):
     from mpi4py import MPI
 
     if MPI.COMM_WORLD.size != 2:
         pytest.skip("runs under mpirun -n 2 only (see the module docstring)")
-    return small_vocab_text(mpi_text_data, mpi_shared_dir)
+    return request.getfixturevalue("mpi_small_vocab_text")
 
 
 def _reused(slot_of) -> bool:

@@ -19,7 +19,6 @@ import pytest
 
 from hpctrain.device import cuda_status
 from steps import train_step
-from test_mpi_gpt_cuda import small_vocab_text
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(600),
               pytest.mark.skipif(cuda_status()[0] == 0, reason="numba.cuda unusable")]
@@ -70,8 +69,8 @@ def world():
 
 
 @pytest.fixture(scope="module")
-def text(world, mpi_text_data, mpi_shared_dir):
-    return small_vocab_text(mpi_text_data, mpi_shared_dir)
+def text(world, mpi_small_vocab_text):
+    return mpi_small_vocab_text
 
 
 @pytest.fixture(scope="module")
