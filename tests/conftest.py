@@ -50,10 +50,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def pytest_configure(config):
     """Under the simulator, every test's kernels (with a CudaDevice or without one) run on a
     simulator made safe for concurrent launches, shared arrays and barriers (the opt-in test tool
-    hpctrain.testing.simulator; production code patches nothing). Nothing changes on a GPU."""
+    hpctrain.testing.simulator; production code patches nothing). Nothing changes on a GPU. In the
+    MPI phases, checkpoint reads run in forked children (tests/forked_children.py)."""
     from hpctrain.testing.simulator import make_thread_safe
 
     make_thread_safe()
+    if config.getoption("--with-mpi", default=False):
+        # the MPI phases read checkpoints in children forked from a server that has made their
+        # imports (tests/forked_children.py): a fresh python's start-up was a quarter of them
+        import forked_children
+
+        forked_children.install()
 
 # small, fast datasets: 8 features, 4 classes
 SMALL = {"n": 2048, "dim": 8, "classes": 4}

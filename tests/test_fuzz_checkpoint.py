@@ -15,10 +15,10 @@ itself a worker process here, so that a crash or hang of the caller (what the pr
 fails the test instead of killing pytest. The worker runs the four readers side by side (each still
 in its own child). A child's cost was its start-up, not its decoding (``python -c`` importing numpy
 and h5py: ~0.4 s of CPU, 400 of them most of the test's 103 s in CI), so the worker's children are
-forked from a fork server that has made those imports (``forked_run``): each runs the exec'd
-child's own code (``sys.exit(main(op, path, *args))``, same argv) with its stdout, stderr and passed
-file descriptors where the exec'd child has them, and :func:`run_isolated` around it (timeout, a
-crash read from the exit status, the answer from stdout) is unchanged. The fixture checks that the
+forked from a fork server that has made those imports (tests/forked_children.py): each runs the
+exec'd child's own code (``sys.exit(main(op, path, *args))``, same argv) with its stdout, stderr and
+passed file descriptors where the exec'd child has them, and :func:`run_isolated` around it
+(timeout, a crash read from the exit status, the answer from stdout) is unchanged. The fixture checks that the
 two kinds of child answer alike on a pristine file, a CRC failure and a file that crashes HDF5 (all
 100 examples did, outcome and message, when this was introduced); the CLI and resume tests below
 read corrupt files through exec'd children. A child stuck on a loop is given
@@ -42,19 +42,16 @@ from hypothesis import strategies as st
 from conftest import REPO, run_mpi
 
 WORKER = r"""
-import hashlib, io, json, os, subprocess, sys, threading, types
-import multiprocessing
+import hashlib, json, os, sys, types
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import forkserver
-from multiprocessing.connection import Connection, wait
 
 # the answers leave on a copy of stdout; fd 1, which the fork server and its children inherit, goes
 # nowhere: no child writes into the answers, and a crash of this worker still ends them (EOF)
 answers = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-fork = multiprocessing.get_context("forkserver")
-fork.set_forkserver_preload(["hpctrain.ckpt.isolated", "h5py"])  # the exec'd child's imports
-forkserver.ensure_running()  # before MPI and this worker's threads exist
+sys.path.insert(0, "tests")
+import forked_children
+forked_children.start()  # before MPI and this worker's threads exist
 
 import numpy as np
 from mpi4py import MPI
@@ -63,51 +60,7 @@ from hpctrain.errors import UserError
 isolated.TIMEOUT_S = 30  # a loop is stopped sooner than in production, a healthy child never (<= 12 s seen)
 world = types.SimpleNamespace(comm=MPI.COMM_SELF, rank=0, size=1)
 USED = ("format", "format_version", "complete", "step", "world_size", "compress", "compress_scope", "optimizer", "dtype")
-
-# in the forked child: its stdout, stderr and passed fds where the exec'd child has them, then its code
-FORK_CHILD = '''
-import fcntl, os, sys
-moved = [(fcntl.fcntl(conn.fileno(), fcntl.F_DUPFD, 1000), at) for conn, at in fds]  # clear of every target
-for fd, at in moved:
-    os.dup2(fd, at)
-    os.close(fd)
-sys.argv = argv
-exec(code, {"__name__": "__main__"})
-'''
-start_and_reap = threading.Lock()  # multiprocessing reads exit statuses from pipes: one reader at a time
-
-
-def forked_run(cmd, *, env, capture_output, text, timeout, stdin, pass_fds=()):
-    # subprocess.run as run_isolated calls it, for cmd = [python, "-c", code, op, path, *args]; env
-    # only points the exec'd child at this package, which the fork server has imported
-    assert cmd[1] == "-c" and capture_output and text and stdin == subprocess.DEVNULL, cmd
-    out, err = os.memfd_create("stdout"), os.memfd_create("stderr")
-    try:
-        fds = [(Connection(os.dup(fd)), at) for fd, at in [(out, 1), (err, 2), *((fd, fd) for fd in pass_fds)]]
-        child = fork.Process(target=exec, args=(FORK_CHILD, {"fds": fds, "argv": cmd[1:2] + cmd[3:], "code": cmd[2]}))
-        with start_and_reap:
-            child.start()
-        for conn, _ in fds:
-            conn.close()
-        timed_out = not wait([child.sentinel], timeout)
-        with start_and_reap:
-            if timed_out:
-                child.kill()
-            child.join()
-        if timed_out:
-            raise subprocess.TimeoutExpired(cmd, timeout)
-        return subprocess.CompletedProcess(cmd, child.exitcode, decoded(out), decoded(err))
-    finally:
-        os.close(out)
-        os.close(err)
-
-
-def decoded(fd):
-    # what text=True makes of the bytes: the locale's encoding, universal newlines
-    return io.TextIOWrapper(io.BytesIO(os.pread(fd, os.fstat(fd).st_size, 0))).read()
-
-
-FORKED = types.SimpleNamespace(run=forked_run, DEVNULL=subprocess.DEVNULL, TimeoutExpired=subprocess.TimeoutExpired)
+SPAWN = {"fork": forked_children.forked_run, "exec": isolated.exec_child}  # exec: production's own children
 
 def digest(c):
     h = hashlib.sha256()
@@ -127,7 +80,7 @@ def outcome(fn):
 pool = ThreadPoolExecutor(3)
 for line in sys.stdin:
     how, p = line.rstrip("\n").split(" ", 1)
-    isolated.subprocess = FORKED if how == "fork" else subprocess  # "exec": production's own children
+    isolated.spawn_child = SPAWN[how]
     # side by side, each reader in its own child as in production; the load (MPI) stays on the main thread
     others = {"verify": pool.submit(outcome, lambda: read.verify_file(p)["step"]),
               "header": pool.submit(outcome, lambda: read.header_of(p)["step"]),

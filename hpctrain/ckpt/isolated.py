@@ -41,6 +41,19 @@ def timeout_for(path: str, share: float = 1.0) -> float:
     return TIMEOUT_S + share * size / SLOW_READ_BYTES_PER_S
 
 
+def exec_child(argv: list[str], *, env: dict, timeout: float, pass_fds=()) -> subprocess.CompletedProcess:
+    """Run the child ``argv`` (``python -c CODE ARGS``): its exit status and text output, or
+    ``subprocess.TimeoutExpired`` after killing it. What :data:`spawn_child` is in production."""
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          pass_fds=pass_fds)
+
+
+# How run_isolated starts its children: a fresh python each time. A test tool may put a function with
+# exec_child's contract here (tests/forked_children.py: children forked from a server that has made
+# the imports, where 0.3-0.4 s of start-up per read is most of a test's time).
+spawn_child = exec_child
+
+
 def run_isolated(op: str, path: str, *args, timeout: float | None = None, pass_fds=()):
     """``op(path, *args)`` (an op of :data:`~.decode.CHILD_OPS`; ``args`` are ints) in a child process: its result
     (JSON-decoded: tuples come back as lists), or the UserError it raised; a crash, a timeout or
@@ -52,8 +65,8 @@ def run_isolated(op: str, path: str, *args, timeout: float | None = None, pass_f
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
     code = "import sys; from hpctrain.ckpt.isolated import main; sys.exit(main(*sys.argv[1:]))"
     try:
-        proc = subprocess.run([sys.executable, "-c", code, op, path, *map(str, args)], env=env, capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL, pass_fds=pass_fds)
+        proc = spawn_child([sys.executable, "-c", code, op, path, *map(str, args)], env=env, timeout=timeout,
+                           pass_fds=pass_fds)
     except subprocess.TimeoutExpired:
         raise CorruptCheckpoint(f"{path}: reading it did not finish in {timeout:.0f} s: the file is corrupt "
                                 f"(a cycle in its HDF5 metadata), or its file system hangs") from None
