@@ -121,7 +121,8 @@ def validate(dev, small, rng, step_dev=None):
         a, b = rnd(*((K, M) if ta else (M, K))), rnd(*((N, K) if tb else (K, N)))
         A, Bm = f64(a.T if ta else a), f64(b.T if tb else b)
         passed = True
-        # both tilings: the timed 4096^3 rows run "large", the MLP shapes "small"
+        # the small and large tilings: the timed 4096^3 rows run "large", the MLP shapes "small" (tiny is
+        # for skinny products, M or N at most 16, none of the timed shapes)
         for tile in ("small", "large"):
             c = dev.empty((M, N))
             gemm_cuda(up(a), up(b), c, ta, tb, stream=dev.stream, tile=tile)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole suite: serial pytest (two workers, then the exclusive tests alone), then the
-# MPI tests under mpirun -n 1, 2, 3, 4,
+# The whole suite: serial pytest (two workers, with the MPI tests under mpirun -n 1 beside them,
+# then the exclusive tests alone), then the MPI tests under mpirun -n 2, 3, 4,
 # then (only where nvidia-smi lists a GPU) the CUDA tests on the real GPU (scripts/cuda-tests*.txt).
 # CUDA kernels run on numba's simulator everywhere else (tests/conftest.py).
 # Every run has a per-test timeout (setup.cfg) and an outer timeout, so a hang

@@ -34,12 +34,16 @@ def test_auto_is_cpu_without_gpu(monkeypatch):
 def test_no_loadable_driver_library_means_no_gpu_before_numba_cuda_is_asked(monkeypatch):
     import ctypes
 
+    tried = []
+
     def no_library(name, *args, **kwargs):
+        tried.append(name)
         raise OSError(f"{name}: cannot open shared object file")
     monkeypatch.setattr(device_mod.choose, "simulated", lambda: False)
     monkeypatch.delenv("NUMBA_CUDA_DRIVER", raising=False)
     monkeypatch.setattr(ctypes, "CDLL", no_library)
     assert device_mod.cuda_status() == (0, "no CUDA driver library (libcuda.so.1) can be loaded")
+    assert {"libcuda.so.1", "/usr/lib/libcuda.so", "/usr/lib64/libcuda.so.1"} <= set(tried)  # where numba looks
     monkeypatch.setenv("NUMBA_CUDA_DRIVER", "/opt/elsewhere/libcuda.so")  # numba decides then
     assert device_mod.cuda_status() != (0, "no CUDA driver library (libcuda.so.1) can be loaded")
 

@@ -149,6 +149,7 @@ def test_gemm_takes_large_tiles_only_when_they_fill_the_gpu_and_tiny_ones_for_sk
     assert linear.choose_tile(16, 4096, sms) == "tiny"           # a 64-row tile would be 3/4 empty
     assert linear.choose_tile(4096, 8, sms) == "tiny"
     assert linear.choose_tile(17, 17, sms) == "small"
+    assert linear.choose_tile(16 * 65535 + 1, 8, sms) == "large"  # tiny's rows of tiles would not fit the grid
     assert linear.choose_tile(256, 256, sms) == "small"          # 4 large tiles: most SMs idle
     assert linear.choose_tile(4096, 4096, sms) == "large"        # 1024 large tiles
     assert linear.choose_tile(128 * 22, 128 * 12, sms) == "large"  # exactly 2 blocks per SM

@@ -9,19 +9,20 @@ from .cuda import CudaDevice, simulated
 
 
 def _driver_loads() -> bool:
-    """False when no CUDA driver library can be loaded (the dlopen numba would try first): then
-    numba.cuda finds no GPU either, and a CPU run need not import it (~0.6 s per rank).
-    ``NUMBA_CUDA_DRIVER`` names a driver elsewhere: numba decides."""
+    """False when no CUDA driver library can be loaded from any place numba-cuda looks (the loader's
+    path, /usr/lib, /usr/lib64): then numba.cuda finds no GPU either, and a CPU run need not import
+    it (~0.6 s per rank). Where ``NUMBA_CUDA_DRIVER`` is set (older numba reads it), numba decides."""
     import ctypes
 
     if os.environ.get("NUMBA_CUDA_DRIVER"):
         return True
-    for name in ("libcuda.so.1", "libcuda.so"):
-        try:
-            ctypes.CDLL(name)
-            return True
-        except OSError:
-            continue
+    for folder in ("", "/usr/lib", "/usr/lib64"):
+        for name in ("libcuda.so", "libcuda.so.1"):
+            try:
+                ctypes.CDLL(os.path.join(folder, name))
+                return True
+            except OSError:
+                continue
     return False
 
 

@@ -5,7 +5,7 @@ CPU twin and CUDA kernels, in one layout.
                  ``numba.njit(nogil=True)`` loop, so the communication thread can call MPI meanwhile;
                  the reference the tests check) and the launchers (grid, block, ``stream``, ``scratch``);
                  it reaches <op>_cuda.py and ``numba.cuda`` through ``support.lazy_import`` (imported at
-                 the first launch: a run on the CPU never pays the ~0.6 s import)
+                 the first launch: a run on the CPU, or auto where no driver loads, skips the ~0.6 s import)
   <op>_cuda.py   the CUDA kernels (``numba.cuda.jit``, ``..._kernel``; also run on the simulator). It
                  never imports <op>.py: an element function shared with the twin is handed to a
                  cached kernel factory, so the twin and the kernel cannot drift apart

@@ -164,7 +164,7 @@ residual_layernorm_forward_kernel = _forward_kernel(True)
 def layernorm_param_grads_kernel(dout, x, mean, rstd, pw, pb, counters, dweight, dbias, accumulate):
     # block (GRAD_COLS, GRAD_LANES) owns columns c0..c0+31 of row chunk blockIdx.y
     # (the launcher picks the number of chunks: gridDim.y); the last block of a column tile
-    # to finish adds the chunks' partials in chunk order (cuda_support.last_block_of_column)
+    # to finish adds the chunks' partials in chunk order (column_sums_cuda.last_block_of_column)
     N, C = x.shape
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
     c = cuda.blockIdx.x * GRAD_COLS + tx

@@ -68,9 +68,11 @@ def tied_head_backward(dlogits, x, wte, dx, dwte, accumulate=False):
 
 # ---- launchers ---------------------------------------------------------------------
 def choose_tile(M: int, N: int, sms: int | None = None) -> str:
-    """'tiny' when M or N is at most 16 (a 64-wide tile would be three quarters empty); 'large'
-    when 128 x 128 tiles still give each of the GPU's ``sms`` SMs two blocks; else 'small'."""
-    if min(M, N) <= kernels.TILES["tiny"][0]:
+    """'tiny' when M or N is at most 16 (a 64-wide tile would be three quarters empty) and its rows
+    of tiles fit the grid; 'large' when 128 x 128 tiles still give each of the GPU's ``sms`` SMs two
+    blocks; else 'small'."""
+    tiny = kernels.TILES["tiny"][0]
+    if min(M, N) <= tiny and -(-M // tiny) <= kernels.MAX_GRID_Y:
         return "tiny"
     bm, bn = kernels.TILES["large"][:2]
     return "large" if -(-M // bm) * -(-N // bn) >= 2 * (sms or _sm_count()) else "small"

@@ -67,7 +67,7 @@ def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every process under it (the tree read from /proc). The tree is stopped
     first, from the top, so nothing in it reacts to the kills: a parent that saw its children die
     first could otherwise exit by itself in between (a shell's ``wait`` returns, mpirun reports its
-    ranks' deaths), or start another child."""
+    ranks' deaths). A child forked between the /proc read and its parent's stop is not seen."""
     import signal
 
     children: dict[int, list[int]] = {}
