@@ -19,6 +19,7 @@ import os
 import numpy as np
 
 from . import slices
+from .crc import box_contribution
 from .format import row_range
 
 # A piece sent to a writer: the writer's one receive buffer is at most this big
@@ -68,12 +69,13 @@ def _schedule(d, e, w, members, size):
     return out
 
 
-def write_aggregated(entries, dsets, world, writers, collective, writeback_fd=None):
-    """This rank's part of the aggregated write; returns (blocks, error) as :func:`.slices.write_slices`.
-
-    ``blocks[i]``: the arrays of this rank's own rows of dataset i (written by
-    it or sent to its writer), for the CRC. ``writers``: :func:`writer_map`.
-    Called by every rank of ``world.comm`` between the dataset creation and the
+def write_aggregated(entries, dsets, world, writers, collective, writeback_fd=None, calls=None):
+    """This rank's part of the aggregated write; returns (contributions, error) as
+    :func:`.slices.write_slices`: ``contributions[i]`` covers this rank's own rows of dataset i
+    (written by it or sent to its writer). ``writers``: :func:`writer_map`. An entry with
+    ``pieces`` (owner-writes: ZeRO chunks, tensor pieces, a stage's arrays) is written by its
+    owners themselves (:func:`.slices.write_entry`; ``calls`` as there): aggregating would move tensor
+    data between ranks. Called by every rank of ``world.comm`` between the dataset creation and the
     agreement on the outcome.
     """
     from mpi4py import MPI
@@ -86,22 +88,27 @@ def write_aggregated(entries, dsets, world, writers, collective, writeback_fd=No
             groups.setdefault(w, []).append(r)
     me_writer, to = writer[rank] == rank, local_of[writer[rank]]
     whose = set(writer) if collective else {writer[rank]}  # collective: every writer's plan sets the calls
-    plans = [{w: _schedule(d, e, w, groups.get(w, []), size) for w in whose} for e, d in zip(entries, dsets)]
+    plans = [None if e.pieces is not None else {w: _schedule(d, e, w, groups.get(w, []), size) for w in whose}
+             for e, d in zip(entries, dsets)]
     # the writer's one receive buffer, as big as the largest piece it receives
-    need = max([(b - a) * d.dtype.itemsize * int(np.prod(d.shape[1:])) for p, d in zip(plans, dsets)
+    need = max([(b - a) * d.dtype.itemsize * int(np.prod(d.shape[1:])) for p, d in zip(plans, dsets) if p
                 for src, a, b in p[writer[rank]] if src != rank] + [0]) if me_writer else 0
     buf = np.empty(need, np.uint8)
     blocks, err, failed, status = [], None, set(), MPI.Status()
-    for e, d, p in zip(entries, dsets, plans):
+    for i, (e, d, p) in enumerate(zip(entries, dsets, plans)):
+        if e.pieces is not None:
+            acc, err = slices.write_entry(e, d, rank, size, collective, calls[i] if calls else 0, writeback_fd, err)
+            blocks.append(acc)
+            continue
         plan = p[writer[rank]]  # a member walks its writer's plan, to send each piece in its turn
-        written = []
+        written = 0
         for i in range(max(len(q) for q in p.values())):
             src, a, b = plan[i] if i < len(plan) else (None, 0, 0)
             block = None
             if src == rank and err is None:  # my own rows: write them, or send them to my writer
                 try:
                     block = np.ascontiguousarray(e.rows(a, b), dtype=e.dtype)
-                    written.append(block)
+                    written ^= box_contribution(block, (a,) + (0,) * (block.ndim - 1), block.shape, d.shape)
                 except Exception as exc:  # noqa: BLE001 - keep taking part in the messages and collectives
                     err = exc
                     if not me_writer:  # instead of this piece; it sends nothing after it
@@ -135,17 +142,18 @@ def write_data(path, entries, dsets, world, collective, writers_per_node):
     """This rank's share of the data writes into the open file ``path``: aggregated when
     ``writers_per_node`` makes some rank write for another, else every rank writes its own rows
     (:func:`.slices.write_slices`); either way the disk starts on each piece as soon as it is
-    written (:func:`.slices.start_writeback`). Returns (blocks, error). Collective over
+    written (:func:`.slices.start_writeback`). Returns (contributions, error). Collective over
     ``world.comm`` (every rank takes the same branch: ``writer_map`` is the same everywhere)."""
     writers = writer_map(world, writers_per_node) if writers_per_node > 0 and world.size > 1 else None
+    calls = slices.call_counts(entries, dsets, world) if collective else None
     try:  # a descriptor of our own on the file HDF5 writes, for the writeback hint only
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         fd = None
     try:
         if writers and any(w != r for r, w in enumerate(writers[0])):  # else it is the plain write
-            return write_aggregated(entries, dsets, world, writers, collective, fd)
-        return slices.write_slices(entries, dsets, world.rank, world.size, collective, fd)
+            return write_aggregated(entries, dsets, world, writers, collective, fd, calls)
+        return slices.write_slices(entries, dsets, world.rank, world.size, collective, fd, calls)
     finally:
         if fd is not None:
             os.close(fd)

@@ -15,6 +15,7 @@ failure that is not already a UserError becomes :class:`~.checks.CorruptCheckpoi
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 
@@ -104,18 +105,41 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def write_share(path: str, rank: int, size: int, fd: int) -> dict:
+def _request(fd: int) -> list:
+    """The boxes asked for: [(name, start, count, shape)] from the JSON in memory file ``fd`` (-1: none)."""
+    if fd < 0:
+        return []
+    os.lseek(fd, 0, os.SEEK_SET)
+    with os.fdopen(os.dup(fd), "rb") as fh:
+        items = json.loads(fh.read().decode("utf-8") or "[]")
+    return [(str(name), tuple(int(x) for x in start), tuple(int(x) for x in count), tuple(int(x) for x in whole))
+            for name, start, count, whole in items]
+
+
+def _fits(start, count, whole, shape) -> bool:
+    return tuple(whole) == tuple(shape) and len(start) == len(count) == len(shape) and all(
+        0 <= a and 0 <= c and a + c <= n for a, c, n in zip(start, count, shape))
+
+
+def write_share(path: str, rank: int, size: int, fd: int, request_fd: int = -1) -> dict:
     """Check ``path`` and read rank ``rank`` of ``size``'s share of it into the memory file ``fd``
     (resized to fit), for :func:`~.share.read_share`. Returns the root attributes and, per dataset
     in :func:`~.checks.datasets` order, its name, shape, dtype, stored CRC, per_rank flag, the rows
     [lo, hi) read and their offset in ``fd``, and the offset of the rank's own row (per-rank
-    datasets the rank has a row of) or None."""
+    datasets the rank has a row of) or None. ``request_fd`` >= 0: a memory file holding the boxes
+    asked for (JSON [[name, start, count, shape], ...]); their datasets are read only there (no
+    rows), and ``boxes`` gives each box's offset in ``fd``, or None where the file has no such
+    dataset or one of another shape."""
+    request = _request(request_fd)
+    asked: dict = {}
+    for k, (name, start, count, whole) in enumerate(request):
+        asked.setdefault(name, []).append((k, start, count, whole))
     with _reading(path) as f:
         attrs, dsets = checked(f, path)
-        plan, total = [], 0
+        plan, total, boxes = [], 0, [None] * len(request)
         for name, d in dsets:
             per_rank = bool(d.attrs.get("per_rank", False))
-            lo, hi = row_range(d.shape[0], rank, size)
+            lo, hi = (0, 0) if name in asked else row_range(d.shape[0], rank, size)
             row_bytes = d.dtype.itemsize * int(np.prod(d.shape[1:]))
             entry = {"name": name, "shape": list(d.shape), "dtype": d.dtype.str, "crc": stored_crc(d, path, name),
                      "per_rank": per_rank, "rows": [lo, hi], "at": total, "own_at": None}
@@ -123,8 +147,12 @@ def write_share(path: str, rank: int, size: int, fd: int) -> dict:
             if per_rank and rank < d.shape[0]:
                 entry["own_at"], total = total, _aligned(total + row_bytes)
             plan.append((entry, d))
-        # storage equals logical size (check_dataset) and own rows repeat at most one row each
-        if total > 2 * os.path.getsize(path) + ALIGN * len(plan):
+            for k, start, count, whole in asked.get(name, []):
+                if _fits(start, count, whole, d.shape):
+                    boxes[k], total = total, _aligned(total + int(np.prod(count)) * d.dtype.itemsize)
+        # storage equals logical size (check_dataset), own rows repeat at most one row each, and a
+        # rank's boxes are disjoint parts of the datasets
+        if total > 2 * os.path.getsize(path) + ALIGN * (len(plan) + len(request)):
             raise CorruptCheckpoint(f"{path}: its datasets declare more bytes than the file holds: the file is corrupt")
         os.ftruncate(fd, total)
         if total:
@@ -133,7 +161,18 @@ def write_share(path: str, rank: int, size: int, fd: int) -> dict:
                     _read_rows(d, memory, entry["at"], entry["rows"])
                     if entry["own_at"] is not None:
                         _read_rows(d, memory, entry["own_at"], [rank, rank + 1])
-        return {"attrs": attrs, "arrays": [entry for entry, _ in plan], "bytes": total}
+                    for k, start, count, _ in asked.get(entry["name"], []):
+                        if boxes[k] is not None:
+                            _read_box(d, memory, boxes[k], start, count)
+        return {"attrs": attrs, "arrays": [entry for entry, _ in plan], "bytes": total, "boxes": boxes}
+
+
+def _read_box(d, memory, at: int, start, count) -> None:
+    n = int(np.prod(count))
+    if n:
+        view = np.frombuffer(memory, d.dtype, n, at).reshape(count)
+        d.read_direct(view, tuple(slice(a, a + c) for a, c in zip(start, count)))
+        del view
 
 
 def _read_rows(d, memory, at: int, rows) -> None:

@@ -5,10 +5,11 @@ renamed when complete, so a name that matches :data:`NAME_RE` is a finished writ
 only a dot-file).
 
 Every dataset carries ``crc32``, zlib's CRC-32 of the array's bytes in C order as stored
-(little-endian). Ranks write disjoint row slices, so each computes its slice's CRC and the slices'
-CRCs are joined with :func:`crc32_combine` (the GF(2) shift of zlib's ``crc32_combine``), equal to
-``zlib.crc32`` of the whole array without any rank reading all of it. The CRC is computed with
-ISA-L (the ``isal`` package: the same CRC-32, several times faster) when installed, else with zlib.
+(little-endian). Ranks write disjoint boxes, and the whole array's CRC is put together from theirs
+without any rank reading all of it (:mod:`.crc`; :func:`crc32_combine` here is the pure Python GF(2)
+shift of zlib's ``crc32_combine``, for consecutive parts and where zlib's C operators are missing).
+The CRC is computed with ISA-L (the ``isal`` package: the same CRC-32, several times faster) when
+installed, else with zlib.
 """
 
 from __future__ import annotations

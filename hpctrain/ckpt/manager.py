@@ -27,7 +27,7 @@ from ..reliability.fail_together import agree
 from .compress_state import SavedCompress
 from .format import list_checkpoints
 from .read import CorruptCheckpoint, load_checkpoint
-from .state import restore, training_state
+from .state import needed_boxes, restore, training_state, wanted
 from .write import write_checkpoint
 
 
@@ -111,18 +111,17 @@ class CheckpointManager:
             agree(world, _check_exists, spec)
             candidates = [spec]
         skipped = []
+        layout = needed_boxes(state, self.plan)   # (collective over the pipeline group)
         for path in candidates:
             try:
-                loaded = load_checkpoint(path, world)
+                loaded = load_checkpoint(path, world, wanted(layout))
             except CorruptCheckpoint as exc:  # UnreadableCheckpoint (permissions, a missing mount) stops the run
                 if spec != "auto":
                     raise
                 log.warn(f"skipping {path}: {exc}")
                 skipped.append(path)
                 continue
-            saved_compress = _saved_compress(loaded.attrs)
-            agree(world, restore, state, self.plan, loaded.full, loaded.own_rows, loaded.world_size, log,
-                  saved_compress, loaded.across_ranks, loaded.attrs.get("optimizer"))
+            agree(world, restore, state, self.plan, loaded, layout, log, _saved_compress(loaded.attrs))
             self.saved_step, self.saved_path = state.step, path
             log.info(f"checkpoint: resumed from {path} at step {state.step} (saved by "
                      f"{loaded.world_size} rank(s), hpctrain {loaded.attrs.get('hpctrain_version')})")
@@ -137,10 +136,9 @@ class CheckpointManager:
 
     def rollback(self, state) -> None:
         """Reload the newest checkpoint this run saved or loaded (guard.nonfinite = rollback). Collective."""
-        loaded = load_checkpoint(self.saved_path, self.world)
-        saved_compress = _saved_compress(loaded.attrs)
-        agree(self.world, restore, state, self.plan, loaded.full, loaded.own_rows, loaded.world_size, self.log,
-              saved_compress, loaded.across_ranks, loaded.attrs.get("optimizer"))
+        layout = needed_boxes(state, self.plan)
+        loaded = load_checkpoint(self.saved_path, self.world, wanted(layout))
+        agree(self.world, restore, state, self.plan, loaded, layout, self.log, _saved_compress(loaded.attrs))
         self.log.info(f"guard: rolled back to {self.saved_path} (step {state.step})")
 
     def _restore_choices(self, attrs) -> None:

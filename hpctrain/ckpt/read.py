@@ -1,8 +1,10 @@
 """Reading checkpoints: verification (every byte against its CRC) and the parallel load.
 
 :func:`load_checkpoint` (resume, rollback, ``sample``; collective over the world) has each rank
-read and checksum 1/size of every dataset's rows (:mod:`.share`), combines the CRCs into one verdict
-for every rank, then all-gathers the replicated arrays whole. :func:`verify_file`, :func:`header_of`
+read the boxes its layout needs (:mod:`.ownership`; resume and rollback) and 1/size of the rows of
+every other dataset (:mod:`.share`), checksum a tiling of every dataset between them, XOR the CRC
+contributions into one verdict for every rank (:mod:`.crc`), then all-gather the replicated arrays
+it did not read as boxes (``sample``: all of them). :func:`verify_file`, :func:`header_of`
 and :func:`inspect_file` are serial (the ops the ``ckpt`` commands run). HDF5 decodes a file only in
 a child process (:mod:`.isolated` runs :mod:`.decode`), since it can crash, loop or exhaust memory on
 a damaged one; the CRCs cover the arrays and the root attributes, and the layout is checked too
@@ -13,14 +15,17 @@ config is parsed as TOML data).
 
 from __future__ import annotations
 
+import os
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .checks import CorruptCheckpoint, UnreadableCheckpoint, check_step
-from .format import combine_parts, crc32_of, row_range
+from .crc import box_contribution, finish
+from .format import row_range
 from .isolated import run_isolated
-from .share import read_share
+from .share import read_boxes
 
 __all__ = ["CorruptCheckpoint", "UnreadableCheckpoint", "LoadedCheckpoint", "verify_file", "load_checkpoint",
            "header_of", "inspect_file"]
@@ -35,6 +40,10 @@ class LoadedCheckpoint:
     # read at another world size than the saved one, the per-rank arrays over every saved rank:
     # a float array's mean row (float64), an integer array whole (saved world, ...)
     across_ranks: dict = field(default_factory=dict)
+    shapes: dict = field(default_factory=dict)     # every dataset's shape, by path
+    dtypes: dict = field(default_factory=dict)     # and its dtype
+    boxes: list = field(default_factory=list)      # the array of each box asked for (``wanted``), in order
+    unfit: frozenset = frozenset()                 # datasets asked for that the file lacks, or boxes it cannot hold
 
     @property
     def step(self) -> int:
@@ -45,49 +54,90 @@ class LoadedCheckpoint:
         return int(self.attrs["world_size"])
 
 
+# without ``wanted``'s boxes, the replicated arrays a load gathers whole; with them, only the small ones
+# (the step count, the data position, the loss scale): the rest are checksummed but not gathered
+WHOLE_BYTES = 1 << 20
+
+
 def verify_file(path: str) -> dict:
     """Read every dataset of ``path`` and compare its CRC-32 (in a child process); returns the header.
     Serial, no MPI. Raises :class:`CorruptCheckpoint` naming the first problem."""
     return run_isolated("verify_file", path)
 
 
-def load_checkpoint(path: str, world) -> LoadedCheckpoint:
+def load_checkpoint(path: str, world, wanted=None) -> LoadedCheckpoint:
     """Read and verify ``path`` on every rank; collective over ``world.comm``.
 
-    Each rank reads and checksums 1/size of every dataset, the CRCs are
-    combined and checked (the same verdict everywhere), then the replicated
-    arrays are all-gathered whole. Raises :class:`CorruptCheckpoint` on every
-    rank if any part fails.
+    Without ``wanted``, each rank reads 1/size of every dataset's rows, and the replicated arrays
+    are all-gathered whole (``full``). ``wanted`` [(name, start, count, owned, shape)]: the boxes this rank
+    needs of datasets of those shapes (:mod:`.ownership`), read alone from their datasets (``boxes``, in order; nothing
+    gathered), the ``owned`` ones tiling each dataset across the ranks; the other datasets as
+    without. Either way every byte is checksummed by one rank, and each rank XORs its CRC
+    contributions (:mod:`.crc`) into one all-reduce of one integer per dataset: the same verdict
+    everywhere. A dataset asked for that the file lacks or whose boxes it cannot hold is in
+    ``unfit`` (not checked; the caller's shape check names it). Raises :class:`CorruptCheckpoint`
+    on every rank if any part fails.
     """
+    from mpi4py import MPI
+
     comm, rank, size = world.comm, world.rank, world.size
-    attrs = meta = parts = blocks = own = failure = None
+    request = [(name, tuple(start), tuple(count), tuple(whole)) for name, start, count, _, whole in (wanted or [])]
+    attrs = meta = blocks = own = failure = None
+    boxes, mine, unfit = [], None, set()
     try:  # in a child process (.share): HDF5 never decodes the file in this one
-        attrs, meta, blocks, own = read_share(path, rank, size)
-        parts = [(crc32_of(blocks[name]), blocks[name].nbytes) for name, *_ in meta]
+        share = None
+        if request:
+            nbytes = sum(int(np.prod(c)) for _, _, c, _ in request) * 8  # (a bound: the itemsize is the file's)
+            share = nbytes / max(1, os.path.getsize(path))
+        attrs, meta, blocks, own, boxes = read_boxes(path, rank, size, request, share)
+        asked = {name for name, *_ in request}
+        unfit = {name for (name, *_), array in zip(request, boxes) if array is None}
+        contribution = {}
+        for name, shape, _, _, _ in meta:
+            if name not in asked:
+                lo = row_range(shape[0], rank, size)[0]
+                contribution[name] = box_contribution(blocks[name], (lo,) + (0,) * (len(shape) - 1),
+                                                      blocks[name].shape, shape)
+        shapes = {name: shape for name, shape, *_ in meta}
+        for (name, start, count, owned, _), array in zip(wanted or [], boxes):
+            if owned and array is not None:
+                contribution[name] = contribution.get(name, 0) ^ box_contribution(array, start, count, shapes[name])
+        mine = np.array([contribution.get(name, 0) for name, *_ in meta], np.uint32)
     except UnreadableCheckpoint as exc:
         failure = ("unreadable", str(exc))
     except Exception as exc:  # noqa: BLE001 - any other failure: this rank cannot use the file
         text = str(exc) if isinstance(exc, CorruptCheckpoint) else f"{path}: {type(exc).__name__}: {exc}"
         failure = ("corrupt", text)
-    everyone = comm.allgather((failure, meta, parts))
+    digest = None if meta is None else zlib.crc32(repr(meta).encode())
+    everyone = comm.allgather((failure, digest, sorted(unfit)))
     failures = [f for f, _, _ in everyone if f]
     if failures:
         kind, text = failures[0]
         raise _agreed((UnreadableCheckpoint if kind == "unreadable" else CorruptCheckpoint)(text))
-    metas = [m for _, m, _ in everyone]
-    if any(m != metas[0] for m in metas):
+    if any(d != everyone[0][1] for _, d, _ in everyone):
         raise _agreed(CorruptCheckpoint(f"{path}: ranks read different contents (is the file being overwritten?)"))
+    unfit = frozenset(n for _, _, names in everyone for n in names)
+    total = np.zeros_like(mine)
+    comm.Allreduce(mine, total, op=MPI.BXOR)
     for i, (name, shape, dtype, want, _) in enumerate(meta):
-        got = combine_parts([p[i] for _, _, p in everyone])
+        if name in unfit:
+            continue
+        got = finish(int(total[i]), int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
         if got != want:
             raise _agreed(CorruptCheckpoint(f"{path}: dataset {name} fails its checksum (stored crc32 "
                                             f"{want:#010x}, computed {got:#010x}): the file is corrupt"))
     # own rows are copied (small), the shared memory of the share goes with the gathered blocks
-    out = LoadedCheckpoint(path, attrs, own_rows={name: np.array(row) for name, row in own.items()})
+    out = LoadedCheckpoint(path, attrs, own_rows={name: np.array(row) for name, row in own.items()},
+                           shapes={name: tuple(shape) for name, shape, *_ in meta},
+                           dtypes={name: np.dtype(dtype) for name, _, dtype, _, _ in meta}, boxes=boxes, unfit=unfit)
     resized = out.world_size != size
     for name, shape, dtype, _, per_rank in meta:
+        if name not in blocks or name in {n for n, *_ in request}:
+            continue
         if not per_rank:
-            out.full[name] = _allgather_rows(comm, blocks.pop(name), shape, np.dtype(dtype))
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            if not request or nbytes <= WHOLE_BYTES:
+                out.full[name] = _allgather_rows(comm, blocks.pop(name), shape, np.dtype(dtype))
         elif resized:
             kind = np.dtype(dtype).kind
             out.across_ranks[name] = (_mean_row(comm, blocks.pop(name), shape) if kind == "f" else

@@ -12,6 +12,7 @@ what it gets against the stored CRCs.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import tempfile
@@ -29,19 +30,39 @@ def read_share(path: str, rank: int, size: int, isolate: bool = True):
     row of each per-rank dataset the rank has one of}). The arrays are read-only views of shared
     memory, freed with the last of them. CorruptCheckpoint / UnreadableCheckpoint otherwise.
     ``isolate=False`` runs the child's part in this process (the tests compare the two)."""
-    fd = os.memfd_create("hpctrain-ckpt-share") if hasattr(os, "memfd_create") else _unlinked_temp_file()
+    return read_boxes(path, rank, size, None, isolate=isolate)[:4]
+
+
+def read_boxes(path: str, rank: int, size: int, request, share: float | None = None, isolate: bool = True):
+    """:func:`read_share`, plus the boxes ``request`` asks for ([(name, start, count, shape)]), read
+    instead of the rows of their datasets: a fifth item, the array of each box (or None where the
+    file has no such dataset, or one of another shape). ``share``: the fraction of the file's bytes the
+    boxes are, for the child's timeout."""
+    fd = _memory_file("hpctrain-ckpt-share")
+    asked = -1
     try:
+        if request:
+            asked = _memory_file("hpctrain-ckpt-request")
+            os.write(asked, json.dumps([[n, list(map(int, a)), list(map(int, c)), list(map(int, w))]
+                                        for n, a, c, w in request]).encode())
         if isolate:
-            answer = run_isolated("read_share", path, rank, size, fd, timeout=timeout_for(path, 1 / size),
-                                  pass_fds=(fd,))
+            fraction = 1 / size if share is None else min(1.0, share + 1 / size)
+            answer = run_isolated("read_share", path, rank, size, fd, asked, timeout=timeout_for(path, fraction),
+                                  pass_fds=(fd,) if asked < 0 else (fd, asked))
         else:
-            answer = write_share(path, rank, size, fd)
+            answer = write_share(path, rank, size, fd, asked)
         try:
-            return _arrays(answer, fd)
+            return _arrays(answer, fd, request or [])
         except (KeyError, TypeError, ValueError, IndexError):  # never from our child; checked all the same
             raise CorruptCheckpoint(f"{path}: the reading process gave a malformed answer") from None
     finally:
         os.close(fd)
+        if asked >= 0:
+            os.close(asked)
+
+
+def _memory_file(name: str) -> int:
+    return os.memfd_create(name) if hasattr(os, "memfd_create") else _unlinked_temp_file()
 
 
 def _unlinked_temp_file() -> int:
@@ -50,7 +71,7 @@ def _unlinked_temp_file() -> int:
     return fd
 
 
-def _arrays(answer: dict, fd: int):
+def _arrays(answer: dict, fd: int, request: list):
     total = int(answer["bytes"])
     if not 0 <= total <= os.fstat(fd).st_size:
         raise ValueError("size")
@@ -64,7 +85,13 @@ def _arrays(answer: dict, fd: int):
         blocks[name] = _view(memory, dtype, (int(hi) - int(lo),) + shape[1:], int(e["at"]), total)
         if e["own_at"] is not None:
             own[name] = _view(memory, dtype, shape[1:], int(e["own_at"]), total)
-    return answer["attrs"], meta, blocks, own
+    dtypes = {name: np.dtype(dtype) for name, _, dtype, _, _ in meta}
+    at = answer.get("boxes") or [None] * len(request)
+    if len(at) != len(request):
+        raise ValueError("boxes")
+    boxes = [None if a is None or name not in dtypes else _view(memory, dtypes[name], tuple(count), int(a), total)
+             for (name, _, count, _), a in zip(request, at)]
+    return answer["attrs"], meta, blocks, own, boxes
 
 
 def _view(memory, dtype, shape, at: int, total: int):

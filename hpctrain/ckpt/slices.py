@@ -1,4 +1,4 @@
-"""A rank's share of a checkpoint's data: row pieces, MPI-IO transfers, checksums, writeback, fsync.
+"""A rank's share of a checkpoint's data: its boxes, MPI-IO transfers, checksums, writeback, fsync.
 
 Used by :mod:`.write` between the collective creation of the datasets and
 the agreement on the outcome.
@@ -6,11 +6,13 @@ the agreement on the outcome.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
 
-from .format import combine_parts, crc32_of, row_range
+from .crc import box_contribution
+from .format import row_range
 
 # HDF5 1.10's MPI-IO driver passes a transfer's size as a C int: a slice over
 # 2 GiB fails ("can't convert from size to size_i"), so slices go in pieces
@@ -18,78 +20,110 @@ PIECE_BYTES = 1 << 30
 
 
 
-def write_slices(entries, dsets, rank, size, collective, writeback_fd=None):
-    """This rank's rows of every dataset, in pieces of at most PIECE_BYTES.
-
-    Returns (blocks, error): ``blocks[i]`` is the list of host arrays written
-    for dataset i (their CRCs are computed later, while the disk syncs). A
-    failure stops this rank's writes but, with ``collective``, not its calls:
-    every rank makes the same number of transfer calls per dataset (empty ones
-    after a failure), or the others would hang. ``writeback_fd``: see
-    :func:`start_writeback`, called after each piece.
-    """
-    blocks, err = [], None
-    for e, d in zip(entries, dsets):
+def own_pieces(e, d, rank: int, size: int) -> list:
+    """What this rank writes of entry ``e`` into dataset ``d``: [(start, count, get)], boxes of at
+    most PIECE_BYTES (cut along their first axis), ``get()`` making the box's host array. An entry
+    with ``pieces`` (owner-writes, :mod:`.ownership`) gives its boxes; one without gives the rank's
+    rows (:func:`~.format.row_range`, or its own row of a per-rank array)."""
+    if e.pieces is not None:
+        boxes = [(tuple(start), tuple(count), get) for start, count, get in e.pieces]
+    else:
         lo, hi = (rank, rank + 1) if e.per_rank else row_range(d.shape[0], rank, size)
-        row_bytes = max(1, d.dtype.itemsize * int(np.prod(d.shape[1:])))
+        tail = tuple(d.shape[1:])
+        boxes = [((lo,) + (0,) * len(tail), (hi - lo,) + tail,
+                  lambda a, b, lo=lo: e.rows(lo + a, lo + b))] if hi > lo else []
+    out = []
+    for start, count, get in boxes:
+        row_bytes = max(1, d.dtype.itemsize * int(np.prod(count[1:], dtype=np.int64)))
         per = max(1, PIECE_BYTES // row_bytes)
-        pieces = [(a, min(a + per, hi)) for a in range(lo, hi, per)]
-        most = 1 if e.per_rank else row_range(d.shape[0], 0, size)[1]  # rank 0 has the most rows
-        calls = max(len(pieces), -(-most // per)) if collective else len(pieces)
-        written = []
-        for i in range(calls):
-            called = False
-            try:
-                if err is None and i < len(pieces):
-                    a, b = pieces[i]
-                    block = np.ascontiguousarray(e.rows(a, b), dtype=e.dtype)
-                    called = True
-                    write_rows(d, a, b, block, collective)
-                    start_writeback(writeback_fd)
-                    written.append(block)
-            except Exception as exc:  # noqa: BLE001 - keep taking part in the collectives
-                err = exc
-            if collective and not called:
-                write_rows(d, 0, 0, None, True)
-        blocks.append(written)
-    return blocks, err
+        for a in range(0, count[0], per):
+            b = min(count[0], a + per)
+            out.append(((start[0] + a,) + start[1:], (b - a,) + count[1:], functools.partial(get, a, b)))
+    return out
 
 
-def checksums(blocks):
-    """(crc, bytes) of each dataset's blocks (this rank's share).
+def write_slices(entries, dsets, rank, size, collective, writeback_fd=None, calls=None):
+    """This rank's boxes of every dataset (:func:`own_pieces`), each written, then checksummed.
 
-    Computed after the writes and before the single fsync (after the close):
-    with ISA-L's CRC (~28 GB/s, :mod:`.format`) it costs ~2 ms per 64 MB. An
-    earlier design hid zlib's slower CRC (~4 GB/s) behind an extra fsync of
-    the data before the close; that second flush cost more than it hid once
-    the CRC got fast (64 MB at 1 rank: 0.75x of the raw write with it).
+    Returns (contributions, error): ``contributions[i]`` is the XOR of the CRC contributions
+    (:mod:`.crc`) of what this rank wrote to dataset i, computed as each box is written so a box's
+    host copy lives only while it is written. A failure stops this rank's writes but, with
+    ``collective``, not its calls: every rank makes ``calls[i]`` transfer calls for dataset i (the
+    most any rank makes, :func:`call_counts`; empty ones after a failure), or the others would hang.
+    ``writeback_fd``: see :func:`start_writeback`, called after each box.
     """
-    return [(combine_parts([(crc32_of(b), b.nbytes) for b in written]), sum(b.nbytes for b in written))
-            for written in blocks]
+    contributions, err = [], None
+    for i, (e, d) in enumerate(zip(entries, dsets)):
+        acc, err = write_entry(e, d, rank, size, collective, calls[i] if calls is not None else 0, writeback_fd, err)
+        contributions.append(acc)
+    return contributions, err
 
 
-def write_rows(dset, lo, hi, block, collective):
-    """Rows [lo, hi) of ``dset``; with ``collective`` every rank must call, an empty range included."""
+def write_entry(e, d, rank, size, collective, calls, writeback_fd, err):
+    """:func:`write_slices` for one dataset: (its contribution, the error so far)."""
+    pieces = own_pieces(e, d, rank, size)
+    acc = 0
+    for k in range(max(len(pieces), calls) if collective else len(pieces)):
+        called = False
+        try:
+            if err is None and k < len(pieces):
+                start, count, get = pieces[k]
+                block = np.ascontiguousarray(get(), dtype=e.dtype).reshape(count)
+                called = True
+                write_box(d, start, block, collective)
+                start_writeback(writeback_fd)
+                acc ^= box_contribution(block, start, count, d.shape)
+        except Exception as exc:  # noqa: BLE001 - keep taking part in the collectives
+            err = exc
+        if collective and not called:
+            write_box(d, None, None, True)
+    return acc, err
+
+
+def call_counts(entries, dsets, world) -> list[int]:
+    """For collective transfers: the most boxes any rank writes to each dataset (collective over
+    ``world.comm``: one MPI_MAX all-reduce of one integer per dataset)."""
+    from mpi4py import MPI
+
+    mine = np.array([len(own_pieces(e, d, world.rank, world.size)) for e, d in zip(entries, dsets)], np.int64)
+    most = np.zeros_like(mine)
+    world.comm.Allreduce(mine, most, op=MPI.MAX)
+    return [int(n) for n in most]
+
+
+def checksums(contributions) -> np.ndarray:
+    """This rank's CRC contributions of every dataset as one uint32 array (XOR-reduced over the
+    ranks by :mod:`.write`, then finished with :func:`~.crc.finish`)."""
+    return np.array([int(c) & 0xFFFFFFFF for c in contributions], np.uint32)
+
+
+def write_box(dset, start, block, collective):
+    """``block`` into the box of ``dset`` at ``start``; with ``collective`` every rank must call, an
+    empty selection (``start`` None) included."""
     if not collective:
-        if hi > lo:
-            dset[lo:hi] = block  # h5py's mpio default: an independent transfer
+        if block is not None and block.size:
+            dset[tuple(slice(s, s + c) for s, c in zip(start, block.shape))] = block
         return
     from h5py import h5fd, h5p, h5s
 
     dxpl = h5p.create(h5p.DATASET_XFER)
     dxpl.set_dxpl_mpio(h5fd.MPIO_COLLECTIVE)
     fspace = dset.id.get_space()
-    if hi > lo:
-        fspace.select_hyperslab((lo,) + (0,) * (len(dset.shape) - 1), block.shape)
+    if block is not None and block.size:
+        fspace.select_hyperslab(tuple(start), block.shape)
         mspace = h5s.create_simple(block.shape)
-    else:
-        # h5py's high-level API skips empty selections, and a rank that skips a
-        # collective transfer hangs the others: select nothing explicitly
+    else:  # h5py skips empty selections, and a rank that skips a collective transfer hangs the others
         fspace.select_none()
         mspace = h5s.create_simple((1,))
         mspace.select_none()
         block = np.zeros(1, dset.dtype)
     dset.id.write(mspace, fspace, block, dxpl=dxpl)
+
+
+def write_rows(dset, lo, hi, block, collective):
+    """Rows [lo, hi) of ``dset`` (:func:`write_box` of whole rows; the aggregated writes use it)."""
+    write_box(dset, (lo,) + (0,) * (len(dset.shape) - 1) if hi > lo else None, block if hi > lo else None,
+              collective)
 
 
 def _sync_file_range():

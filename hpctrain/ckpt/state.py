@@ -1,10 +1,12 @@
 """What a checkpoint holds: the training state as named logical arrays, and back.
 
-Every array is an :class:`Entry`: a path in the file, its full (logical) shape and dtype, and a
-function giving rows [lo, hi) as a host array. Two kinds:
+Every array is an :class:`Entry`: a path in the file, its full (logical) shape and dtype, and what
+this rank writes of it: the boxes it owns (``pieces``; parameters and optimizer state, by
+:mod:`.ownership`), or rows [lo, hi) as a host array. Two kinds:
 
-  * replicated (``per_rank=False``): identical on every rank (parameters, optimizer state, data
-    position); written as disjoint row slices by all ranks, read whole at any world size.
+  * replicated (``per_rank=False``): one logical array however the run holds it (parameters,
+    optimizer state, data position); each element written by one rank, read at any layout: each
+    rank the boxes it needs (:func:`needed_boxes`), the small arrays whole.
   * per-rank (``per_rank=True``): a leading world dimension, row r rank r's. The RNG at a new world
     size: rank r takes saved row r when r < the saved world size, else a fresh generator
     (:func:`fresh_rng`, seeded from (train.seed, rank, step)); rows of ranks that no longer exist
@@ -21,6 +23,8 @@ import numpy as np
 from ..errors import UserError
 from .compress_state import compression_rows, restore_compression
 from .format import OPTIMIZER_STATES
+from .boxes import Box
+from .ownership import box_rows, buffer_shares, fill, replica_crcs, share_boxes, slot_map
 
 # /data/position fields, in order (int64)
 POSITION_FIELDS = ("global_step", "epoch", "step_in_epoch", "global_batch", "shuffle_seed", "n_samples")
@@ -36,25 +40,21 @@ class Entry:
     path: str                                   # e.g. "/model/fc0/weight"
     shape: tuple
     dtype: np.dtype
-    rows: Callable[[int, int], np.ndarray]      # host rows [lo, hi); per-rank: called with (rank, rank + 1)
+    rows: Callable[[int, int], np.ndarray] | None  # host rows [lo, hi); per-rank: called with (rank, rank + 1)
     per_rank: bool = False
+    # owner-writes (.ownership): the boxes this rank writes, [(start, count, get)], get(a, b) giving the
+    # box's rows [a, b) on the host; every element owned by one rank. None: each rank its row_range rows
+    pieces: list | None = None
 
 
-def _flat_entry(path, to_host, buf, slot, dtype):
-    """A parameter-shaped entry over ``slot`` of the flat array ``buf``; ``to_host`` brings a slice
-    to the host (the device's, for device buffers; ``np.asarray`` for host ones)."""
-    def rows(lo, hi, slot=slot, buf=buf):
-        row = slot.size // slot.shape[0]
-        part = buf[slot.offset + lo * row:slot.offset + hi * row]
-        return to_host(part).reshape((hi - lo,) + tuple(slot.shape[1:]))
-    return Entry(path, tuple(slot.shape), np.dtype(dtype), rows)
-
-
-def _host_entry(path, array, per_rank=False):
+def _host_entry(path, array, per_rank=False, writer: bool | None = None):
+    """An entry over a host array: per-rank (a row per rank), or replicated, written whole by the one
+    rank with ``writer`` True (None: every rank its row_range rows)."""
     array = np.asarray(array)
     if per_rank:
         return Entry(path, (None,) + array.shape, array.dtype, lambda lo, hi: array[None], per_rank=True)
-    return Entry(path, array.shape, array.dtype, lambda lo, hi: array[lo:hi])
+    pieces = None if writer is None else [((0,) * array.ndim, array.shape, lambda a, b: array[a:b])] if writer else []
+    return Entry(path, array.shape, array.dtype, lambda lo, hi: array[lo:hi], pieces=pieces)
 
 
 def parameter_path(group: str, name: str) -> str:
@@ -83,35 +83,41 @@ def fresh_rng(seed: int, rank: int, step: int = 0) -> np.random.Generator:
     return np.random.default_rng([seed, rank, step])
 
 
-def _slot_entries(group, model, to_host, buf, dtype, drifted: list) -> list[Entry]:
-    """One entry per parameter slot of the flat array ``buf``: its logical array, gathered from
-    the tensor group (collective over it) when the model splits it (``tensor_layout``); a
-    replicated array that differs across the tensor group is named in ``drifted``."""
-    flat, layout = model.flat, getattr(model, "tensor_layout", None)
-    if layout is None:
-        return [_flat_entry(parameter_path(group, s.name), to_host, buf, s, dtype) for s in model.flat.slots]
-    return [_host_entry(parameter_path(group, s.name),
-                        layout.logical(s.name, np.asarray(to_host(flat.view(buf, s.name))), drifted))
-            for s in flat.slots]
+def logical_arrays(model) -> list[tuple[str, tuple]]:
+    """(name, logical shape) of every parameter of the whole model (every stage, unsplit), in the
+    order of a one-rank run's flat buffer."""
+    if hasattr(model, "logical_params"):
+        return [(name, tuple(shape)) for name, shape in model.logical_params()]
+    logical = getattr(model, "logical_shape", lambda s: s.shape)
+    return [(s.name, tuple(logical(s))) for s in model.flat.slots]
 
 
-def _whole_model(entries, model, comm, groups, drifted: list) -> list[Entry]:
-    """A pipeline stage's parameter and optimizer entries made the whole model's: each stage's
-    arrays brought to the host and all-gathered over the pipeline group ``comm`` (so every rank
-    writes its rows of every array, as without a pipeline), in the whole model's order. The tied
-    table, which the first and last stage both hold, is taken from the first; a copy that differs
-    is named in ``drifted``."""
-    mine = {e.path: np.asarray(e.rows(0, e.shape[0])) for e in entries}
-    stages = comm.allgather(mine)
-    out = []
-    for group in groups:
-        for name, _ in model.logical_params():
-            path = parameter_path(group, name)
-            held = [stage[path] for stage in stages if path in stage]
-            if any(not np.array_equal(held[0], other) for other in held[1:]):
-                drifted.append(f"{path}: the pipeline's first and last stage hold different copies")
-            out.append(_host_entry(path, held[0]))
-    return out
+def _replicas_agree(shares, smap, plan) -> list[str]:
+    """The replicated arrays whose copies differ: each parameter a tensor group holds unsplit, and
+    each one several pipeline stages hold (the tied table), compared by CRC-32 (collective over the
+    tensor and pipeline groups; only CRCs move). Lines for :func:`_check_replicas`."""
+    drifted = []
+    layout = getattr(plan, "tensor", None)
+    if layout is not None and smap.t > 1:
+        names = [s.name for s in smap.slots if smap.split_of(s.name) is None]
+        comm = layout.world.comm
+        for share in shares:
+            crcs = comm.allgather(replica_crcs(share, smap, names))
+            for k, name in enumerate(names):
+                if len({c[k] for c in crcs}) > 1:
+                    drifted.append(f"replicated parameter {name!r} differs across the tensor group (CRC32 per "
+                                   f"tensor rank: {', '.join(f'{c[k]:08x}' for c in crcs)})")
+    if getattr(plan, "pipeline", 1) > 1:
+        comm = plan.grid.pipeline.comm
+        for share in shares:
+            names = sorted(smap.shared)
+            held = dict(zip(names, replica_crcs(share, smap, names)))
+            stages = comm.allgather(held)
+            for name in sorted({n for st in stages for n in st}):
+                if len({st[name] for st in stages if name in st}) > 1:
+                    drifted.append(f"{parameter_path(share.group, name)}: the pipeline's first and last stage "
+                                   f"hold different copies")
+    return drifted
 
 
 def _check_replicas(drifted: list) -> None:
@@ -122,36 +128,38 @@ def _check_replicas(drifted: list) -> None:
 
 def training_state(state, plan) -> list[Entry]:
     """Every array of ``state`` (a :class:`~hpctrain.training.state.TrainingState`) that a bit-exact
-    restart needs, in file order. Parameters and optimizer state are logical arrays: a ZeRO share or
-    a tensor-parallel piece is gathered (collectives over ``plan``'s groups), so the file does not
-    depend on how the run was split."""
-    dev, flat, opt, sampler, cfg = plan.device, state.model.flat, state.optimizer, state.sampler, plan.cfg
-    drifted = []
-    params, to_host = flat.data, dev.to_host
-    if getattr(plan, "param_slots", None) is not None:   # ZeRO-3: the whole parameters assembled on the host
-        params, to_host = plan.param_slots.whole(plan.dp.comm), np.asarray
-    entries = _slot_entries("model", state.model, to_host, params, dev.dtype, drifted)
-    sdev = getattr(opt, "state_device", dev)   # (dist.offload: the state is in host memory)
-    for state_name, buf in opt.state().items():
-        to_host = sdev.to_host
-        if getattr(opt, "shards", None) is not None:  # ZeRO-1: the whole state assembled on the host (collective)
-            buf, to_host = opt.shards.gather(plan.dp.comm, sdev.to_host(buf), flat.size), np.asarray
-        entries += _slot_entries(f"optim/{state_name}", state.model, to_host, buf, dev.dtype, drifted)
-    if getattr(plan, "pipeline", 1) > 1:   # every stage's arrays on every rank (collective over the pipeline)
-        entries = _whole_model(entries, state.model, plan.grid.pipeline.comm, ["model", *(
-            f"optim/{name}" for name in opt.state())], drifted)
-    if getattr(state.model, "tensor_layout", None) is not None or getattr(plan, "pipeline", 1) > 1:
+    restart needs, in file order. Parameters and optimizer state are the whole model's logical
+    arrays, each rank's entries holding only the boxes it owns of them (:mod:`.ownership`): its ZeRO
+    chunks, its tensor pieces, its stage's arrays, its part of what its data group holds alike; no
+    array is gathered. Collective over the tensor and pipeline groups (the replicas' CRCs)."""
+    dev, sampler, cfg, world = plan.device, state.sampler, plan.cfg, plan.world
+    shares = buffer_shares(state, plan)
+    smap = slot_map(state.model, plan)
+    if smap.t > 1 or getattr(plan, "pipeline", 1) > 1:
         from ..reliability.fail_together import agree
 
-        agree(plan.world, _check_replicas, drifted)  # one verdict on every rank, before any writing
-    entries.append(_host_entry("/optim/step_count", np.array([getattr(opt, "t", 0)], np.int64)))
+        agree(world, _check_replicas, _replicas_agree(shares, smap, plan))  # one verdict, before any writing
+    entries = []
+    for share in shares:
+        pieces: dict = {}
+        for box in share_boxes(share, smap, owned_only=True):
+            pieces.setdefault(box.path, []).append(
+                (box.start, box.count, lambda a, b, share=share, box=box: box_rows(share, box, a, b)))
+        entries += [Entry(parameter_path(share.group, name), shape, np.dtype(dev.dtype), None,
+                          pieces=pieces.get(parameter_path(share.group, name), []))
+                    for name, shape in logical_arrays(state.model)]
+    first = world.rank == 0   # the small replicated arrays: written whole by rank 0
+    entries.append(_host_entry("/optim/step_count", np.array([getattr(state.optimizer, "t", 0)], np.int64),
+                               writer=first))
     epoch, in_epoch = sampler.position(state.step)
     entries.append(_host_entry("/data/position", np.array(
-        [state.step, epoch, in_epoch, cfg.train.global_batch, cfg.data.shuffle_seed, sampler.n], np.int64)))
+        [state.step, epoch, in_epoch, cfg.train.global_batch, cfg.data.shuffle_seed, sampler.n], np.int64),
+        writer=first))
     entries.append(_host_entry("/rng/pcg64", rng_to_array(state.rng), per_rank=True))
     if getattr(state, "loss_scale", None) is not None:   # fp16: the same on every rank
-        entries.append(_host_entry("/precision/loss_scale", np.array(state.loss_scale.state(), np.float64)))
-    entries += [_host_entry(path, row, per_rank=True) for path, row in compression_rows(state.compression, plan.world)]
+        entries.append(_host_entry("/precision/loss_scale", np.array(state.loss_scale.state(), np.float64),
+                                   writer=first))
+    entries += [_host_entry(path, row, per_rank=True) for path, row in compression_rows(state.compression, world)]
     return entries
 
 
@@ -199,32 +207,45 @@ def check_compatible(state, cfg, shapes: dict, saved_optimizer: str | None = Non
                                      f"--set optim.name={saved_optimizer}, {fresh}")
 
 
-def restore(state, plan, full: dict, own_rows: dict, saved_world: int, log, saved_compress=None,
-            across_ranks=None, saved_optimizer: str | None = None) -> None:
-    """Load arrays read by :func:`~hpctrain.ckpt.read.load_checkpoint` into ``state`` (a
-    :class:`~hpctrain.training.state.TrainingState`, laid out by ``plan``; ``across_ranks``: the
-    :attr:`~hpctrain.ckpt.read.LoadedCheckpoint.across_ranks`; ``saved_optimizer``: the file's
-    ``optimizer`` attribute)."""
+def needed_boxes(state, plan) -> list[list]:
+    """Per buffer of :func:`~.ownership.buffer_shares` (the parameters, each optimizer state), the
+    boxes of the logical arrays this rank holds, flagged ``owned`` where it checksums them at a load
+    (the owners of a save in this layout: one rank per element), and an empty box of every logical
+    array it holds nothing of (so every rank reads every one of them as boxes, none as rows). What
+    :func:`restore` fills; collective over the pipeline group (the stages' slot names)."""
+    smap = slot_map(state.model, plan)
+    layout = []
+    for share in buffer_shares(state, plan):
+        boxes = share_boxes(share, smap, owned_only=False)
+        have = {b.path for b in boxes}
+        for name, shape in logical_arrays(state.model):
+            path, none = parameter_path(share.group, name), (0,) * len(shape)
+            if path not in have:
+                boxes.append(Box(path, none, none, 0, 0, none, None, False, tuple(shape)))
+        layout.append(boxes)
+    return layout
+
+
+def wanted(layout: list[list]) -> list:
+    """The request of :func:`~hpctrain.ckpt.read.load_checkpoint` for :func:`needed_boxes`' boxes."""
+    return [(b.path, b.start, b.count, b.owned, b.whole) for boxes in layout for b in boxes]
+
+
+def restore(state, plan, loaded, layout, log, saved_compress=None) -> None:
+    """Load ``loaded`` (read by :func:`~hpctrain.ckpt.read.load_checkpoint` with :func:`wanted`
+    (``layout``), ``layout`` being :func:`needed_boxes`) into ``state`` (a
+    :class:`~hpctrain.training.state.TrainingState`, laid out by ``plan``). Local."""
     cfg, world = plan.cfg, plan.world
-    check_compatible(state, cfg, {p: a.shape for p, a in full.items()}, saved_optimizer)
+    check_compatible(state, cfg, loaded.shapes, loaded.attrs.get("optimizer"))
+    if loaded.unfit:   # the shapes fit (checked): a bug, not a user's mistake
+        raise RuntimeError(f"{loaded.path}: the boxes of {', '.join(sorted(loaded.unfit))} do not fit its arrays")
     dev, flat, opt = plan.device, state.model.flat, state.optimizer
-    layout = getattr(state.model, "tensor_layout", None)
-    mine = (lambda name, a: a) if layout is None else layout.local  # noqa: E731  (this rank's piece)
-    if getattr(plan, "param_slots", None) is not None:   # ZeRO-3: this rank's chunks of (its pieces of) them
-        plan.param_slots.load(np.concatenate([np.asarray(mine(s.name, full[parameter_path("model", s.name)]))
-                                              .reshape(-1) for s in flat.slots]))
-    else:
-        for s in flat.slots:
-            dev.copy_from_host(flat.view(flat.data, s.name), mine(s.name, full[parameter_path("model", s.name)]))
-    sdev = getattr(opt, "state_device", dev)   # (dist.offload: the state is in host memory)
-    for state_name, buf in opt.state().items():
-        if getattr(opt, "shards", None) is not None:  # ZeRO: this rank's chunks of (its tensor pieces of) the arrays
-            whole = np.concatenate([np.asarray(mine(s.name, full[parameter_path(f"optim/{state_name}", s.name)]))
-                                    .reshape(-1) for s in flat.slots])
-            sdev.copy_from_host(buf, opt.shards.take(whole).astype(dev.dtype, copy=False))
-            continue
-        for s in flat.slots:
-            sdev.copy_from_host(flat.view(buf, s.name), mine(s.name, full[parameter_path(f"optim/{state_name}", s.name)]))
+    arrays = iter(loaded.boxes)
+    for share, boxes in zip(buffer_shares(state, plan), layout):
+        fill(share, boxes, arrays)
+    if getattr(plan, "param_slots", None) is not None:   # ZeRO-3: every gathered slot is stale now
+        plan.param_slots.stale()
+    full = loaded.full
     getattr(opt, "masters_changed", lambda: None)()   # (dist.offload: its host masters follow the parameters)
     if hasattr(opt, "t"):
         opt.t = int(full["/optim/step_count"][0])
@@ -234,7 +255,7 @@ def restore(state, plan, full: dict, own_rows: dict, saved_world: int, log, save
         log.warn(f"the checkpoint was saved with data.shuffle_seed={position['shuffle_seed']} on "
                  f"{position['n_samples']} samples, this run has {cfg.data.shuffle_seed} on {state.sampler.n}: "
                  f"the data order differs from the saved run's from here on (not a bit-exact continuation)")
-    saved_dtype = full[parameter_path("model", flat.slots[0].name)].dtype
+    saved_dtype = loaded.dtypes[parameter_path("model", flat.slots[0].name)]
     if saved_dtype != np.dtype(dev.dtype):
         log.warn(f"the checkpoint holds {saved_dtype} parameters, this run computes in {np.dtype(dev.dtype)}: "
                  f"parameters and optimizer state are cast")
@@ -245,10 +266,11 @@ def restore(state, plan, full: dict, own_rows: dict, saved_world: int, log, save
     scaled = full.get("/precision/loss_scale")
     if getattr(state, "loss_scale", None) is not None and scaled is not None:  # else: the initial scale
         state.loss_scale.load(np.asarray(scaled))
+    own_rows, saved_world = loaded.own_rows, loaded.world_size
     rng = own_rows.get("/rng/pcg64")
     state.rng = rng_from_array(rng) if rng is not None else fresh_rng(cfg.train.seed, world.rank, state.step)
     restore_compression(state.compression, cfg, world.size, own_rows, saved_world, saved_compress, log,
-                        across_ranks or {})
+                        loaded.across_ranks)
     if saved_world != world.size:
         log.info(f"resharded from {saved_world} to {world.size} rank(s): parameters and optimizer state "
                  f"re-sliced; per-rank state (RNG) kept for ranks < {min(saved_world, world.size)}"

@@ -1,12 +1,14 @@
-"""Writing a checkpoint: every rank writes its slices in parallel, then an atomic commit.
+"""Writing a checkpoint: every rank writes what it owns in parallel, then an atomic commit.
 
 Protocol (collective over ``world.comm``; docs/checkpoint-format.md, "Saving"):
   1. rank 0 makes the directory; every rank opens ``.ckpt-<step>.h5.tmp`` with h5py's ``mpio``
      driver and creates every dataset (HDF5's metadata calls are collective);
-  2. each rank writes its rows of every replicated array and its own row of every per-rank one
-     (:mod:`.slices`), or sends them to its node's writer rank (:mod:`.aggregate`);
-  3. each rank computes the CRC-32 of its rows; the CRCs are all-gathered, combined per dataset and
-     set as attributes, the file is closed, and one rank per node fsyncs it;
+  2. each rank writes its boxes of every entry that has ``pieces`` (owner-writes: :mod:`.ownership`),
+     its rows of every other replicated array and its own row of every per-rank one
+     (:mod:`.slices`), or sends those rows to its node's writer rank (:mod:`.aggregate`);
+  3. each rank checksums what it wrote as it goes; the ranks agree that every write succeeded, XOR
+     their CRC contributions (:mod:`.crc`: one all-reduce of one integer per dataset), set them as
+     attributes, close the file, and one rank per node fsyncs it;
   4. the ranks agree on the outcome: rank 0 renames the file to ``ckpt-<step>.h5`` and fsyncs the
      directory, or deletes it, and every rank raises the same :class:`CheckpointWriteError`.
 Every stage with collective calls starts only after the ranks agreed on the one before, so one
@@ -25,10 +27,16 @@ import numpy as np
 
 from .. import __version__
 from ..errors import UserError
-from .format import FORMAT_NAME, FORMAT_VERSION, GROUPS, attrs_crc32, combine_parts, crc32_of, file_name, temp_name
+from .crc import finish
+from .format import FORMAT_NAME, FORMAT_VERSION, GROUPS, attrs_crc32, crc32_of, file_name, temp_name
 from .slices import checksums as _checksums  # a module global: tests replace it
 from .aggregate import write_data
 from .slices import fsync
+
+
+# datasets of at least this many bytes start on a multiple of it in the file (file-system stripes and
+# blocks; smaller ones pack together)
+ALIGN_BYTES = 1 << 20
 
 
 class CheckpointWriteError(UserError):
@@ -166,7 +174,8 @@ def _write_parallel(tmp, step, entries, attrs, world, collective, writers_per_no
     if err is not None:
         return err
     try:
-        f = h5py.File(tmp, "w", driver="mpio", comm=comm)
+        f = h5py.File(tmp, "w", driver="mpio", comm=comm, alignment_threshold=ALIGN_BYTES,
+                      alignment_interval=ALIGN_BYTES)
     except Exception as exc:  # noqa: BLE001
         err = exc
     err = _agree(comm, err)
@@ -180,24 +189,28 @@ def _write_parallel(tmp, step, entries, attrs, world, collective, writers_per_no
     except Exception as exc:  # noqa: BLE001
         err = exc
     err = _agree(comm, err)
-    parts = [(0, 0)] * len(entries)
+    mine = np.zeros(len(entries), np.uint32)
     if err is None:
-        blocks, err = write_data(tmp, entries, dsets, world, collective, writers_per_node)
+        contributions, err = write_data(tmp, entries, dsets, world, collective, writers_per_node)
         if err is None:
             try:
-                parts = _checksums(blocks)
+                mine = _checksums(contributions)
                 hooks.before_commit(step)
             except Exception as exc:  # noqa: BLE001
                 err = exc
-        del blocks
-        everyone = comm.allgather((parts, None if err is None else _text(err)))
-        failed = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
+        everyone = comm.allgather(None if err is None else _text(err))
+        failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
         if failed:
             err = _agreed_error(failed[0][1] if size == 1 else f"rank {failed[0][0]}: {failed[0][1]}")
-        else:
+        else:  # every rank's contributions XORed: one integer per dataset crosses (crc.py)
+            from mpi4py import MPI
+
+            total = np.zeros_like(mine)
+            comm.Allreduce(mine, total, op=MPI.BXOR)
             try:
                 for i, d in enumerate(dsets):
-                    d.attrs["crc32"] = np.uint32(combine_parts([p[i] for p, _ in everyone]))
+                    nbytes = int(np.prod(d.shape, dtype=np.int64)) * d.dtype.itemsize
+                    d.attrs["crc32"] = np.uint32(finish(int(total[i]), nbytes))
                 f.attrs["complete"] = True
             except Exception as exc:  # noqa: BLE001
                 err = exc
@@ -245,11 +258,16 @@ def _agreed_error(text):
 
 
 def _write_serial(tmp, step, entries, attrs, world, collective, writers_per_node, hooks):
+    """Without parallel HDF5: every rank's per-rank rows and owned boxes are gathered to rank 0,
+    which writes the file alone (the degraded path, warned about by the caller)."""
     import h5py
 
     comm, rank, size = world.comm, world.rank, world.size
     try:
         own = [e.rows(rank, rank + 1) for e in entries if e.per_rank]
+        boxes = [[(start, count, np.asarray(get(0, count[0]))) for start, count, get in e.pieces]
+                 for e in entries if e.pieces is not None]
+        own = (own, boxes)
     except Exception as exc:  # noqa: BLE001 - still take part in the gather
         own = _text(exc)
     gathered = comm.gather(own, root=0)
@@ -258,15 +276,19 @@ def _write_serial(tmp, step, entries, attrs, world, collective, writers_per_node
     failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, str)]
     if failed:
         return _agreed_error(f"rank {failed[0][0]}: {failed[0][1]}" if size > 1 else failed[0][1])
-    own = gathered[0]
     try:
         with h5py.File(tmp, "w") as f:
             dsets = _create(f, _plan(step, entries, attrs, size))
-            per_rank = iter(range(len(own)))
+            per_rank, owned = iter(range(len(gathered[0][0]))), iter(range(len(gathered[0][1])))
             for e, d in zip(entries, dsets):
                 if e.per_rank:
                     k = next(per_rank)
-                    full = np.concatenate([np.asarray(g[k], dtype=e.dtype) for g in gathered])
+                    full = np.concatenate([np.asarray(g[0][k], dtype=e.dtype) for g in gathered])
+                elif e.pieces is not None:
+                    k, full = next(owned), np.zeros(d.shape, e.dtype)
+                    for g in gathered:
+                        for start, count, block in g[1][k]:
+                            full[tuple(slice(a, a + c) for a, c in zip(start, count))] = block
                 else:
                     full = np.ascontiguousarray(e.rows(0, d.shape[0]), dtype=e.dtype)
                 d[...] = full
