@@ -77,6 +77,15 @@ def rank_pid(marker, rank):
     return None
 
 
+def kill_ranks(marker):
+    """SIGKILL every process ``rank_pids(marker)`` finds (a test's leftover ranks)."""
+    for pid in rank_pids(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def metrics_steps(path):
     """Steps written so far to a train.metrics file (JSON lines; 0 when absent)."""
     try:

@@ -124,3 +124,18 @@ def test_pipeline_sweep_reports_each_configuration_by_its_median_run():
     assert predicted_idle([4.0, 4.0], 4) == pytest.approx([1 / 5, 1 / 5])
     first, last = predicted_idle([4.0, 4.4], 4)
     assert first > 1 / 5 > last
+
+
+def test_checkpoint_training_benchmark_measures_a_run_and_writes_its_json(text_data, tmp_path):
+    """One rank, a tiny GPT: the save, load, stall and bandwidth figures are all measured and written
+    (their targets are the benchmark's business, not this test's)."""
+    out = tmp_path / "ckpt.json"
+    proc = subprocess.run([sys.executable, "benchmarks/checkpoint_training.py", "--layout", "zero1", "--load-layout",
+                           "zero0", "--n-layer", "1", "--d-model", "64", "--context", "16", "--steps", "4", "--every",
+                           "2", "--text", text_data, "--dir", str(tmp_path / "runs"), "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["ranks"] == 1 and got["ranks_bytes"][0]["writes"] > 0 and got["t_save"] > 0 and got["t_raw"] > 0
+    assert got["stall_sync"] > 0 and got["stall_async"] > 0 and got["step_overlap"] > 0
+    assert "save memory:" in proc.stdout and "bandwidth:" in proc.stdout, proc.stdout

@@ -95,9 +95,9 @@ def write_aggregated(entries, dsets, world, writers, collective, writeback_fd=No
                 for src, a, b in p[writer[rank]] if src != rank] + [0]) if me_writer else 0
     buf = np.empty(need, np.uint8)
     blocks, err, failed, status = [], None, set(), MPI.Status()
-    for i, (e, d, p) in enumerate(zip(entries, dsets, plans)):
+    for k, (e, d, p) in enumerate(zip(entries, dsets, plans)):
         if e.pieces is not None:
-            acc, err = slices.write_entry(e, d, rank, size, collective, calls[i] if calls else 0, writeback_fd, err)
+            acc, err = slices.write_entry(e, d, rank, size, collective, calls[k] if calls else 0, writeback_fd, err)
             blocks.append(acc)
             continue
         plan = p[writer[rank]]  # a member walks its writer's plan, to send each piece in its turn

@@ -9,7 +9,8 @@ failure that is not already a UserError becomes :class:`~.checks.CorruptCheckpoi
   verify_file    verify_file    every dataset read and compared with its CRC-32; the header
   header_of      header_of      the checked header (no data read)
   inspect_file   inspect_file   root attributes and one row per dataset (no data read)
-  read_share     write_share    one rank's share of every dataset into a memory file the parent passed
+  read_share     write_share    one rank's share of every dataset (or the boxes it asks for) into a memory
+                                file the parent passed
 """
 
 from __future__ import annotations

@@ -46,6 +46,11 @@ OPTIMIZER_STATES = {"sgd": ("momentum",), "adamw": ("exp_avg", "exp_avg_sq"), "l
                     "lars": ("momentum",)}
 
 
+def parameter_path(group: str, name: str) -> str:
+    """'fc0.weight' in group 'model' -> '/model/fc0/weight' (a group per layer)."""
+    return f"/{group}/" + "/".join(name.split("."))
+
+
 def file_name(step: int) -> str:
     return f"ckpt-{step:08d}.h5"
 

@@ -9,8 +9,11 @@ methods that touch files or MPI are collective); what it saves and loads is a
     start, but if there are some and none verifies the run stops rather than lose them) or a path;
   * ``step_due(step)``: every ``every_steps`` steps; ``time_due()``: ``every_minutes``,
     judged by rank 0's clock and agreed in the run loop's per-step all-reduce;
-  * ``save(state)``: an atomic parallel write (:mod:`.write`), then rank 0
-    deletes checkpoints older than it beyond ``keep_last`` (never newer ones);
+  * ``save(state, wait)``: an atomic parallel write (:mod:`.write`), then rank 0
+    deletes checkpoints older than it beyond ``keep_last`` (never newer ones); with
+    ``checkpoint.async_save`` and ``wait`` False the rank's share is copied aside and a thread
+    writes it while training goes on (``wait()`` joins it; the next save, a rollback and ``close``
+    wait for it);
   * ``rollback(state)``: the newest checkpoint this run saved or loaded, again (``guard.nonfinite``).
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import threading
 import time
 import tomllib
 
@@ -27,7 +31,7 @@ from ..reliability.fail_together import agree
 from .compress_state import SavedCompress
 from .format import list_checkpoints
 from .read import CorruptCheckpoint, load_checkpoint
-from .state import needed_boxes, restore, training_state, wanted
+from .state import needed_boxes, restore, snapshot, training_state, wanted
 from .write import write_checkpoint
 
 
@@ -43,7 +47,11 @@ class CheckpointManager:
         self._last_save = self.clock()
         self.saved_step = None      # step of the newest checkpoint this run wrote or loaded
         self.saved_path = None      # and its file (what guard.nonfinite = rollback reloads)
-        self.save_seconds = 0.0     # time of the last save
+        self.save_seconds = 0.0     # time the last save stopped training (its copy, when in the background)
+        self._pending = None        # the save in flight in the background (a _BackgroundSave)
+        # checkpoint.async_save: the background writer's own communicators (collective to make), so its
+        # collectives never pair with the training thread's
+        self._background = _duplicate(self.world) if self.c.async_save else None
 
     # ---- policy -------------------------------------------------------------------
     def step_due(self, step: int) -> bool:
@@ -54,7 +62,12 @@ class CheckpointManager:
         return bool(self.c.every_minutes) and self.clock() - self._last_save >= 60.0 * self.c.every_minutes
 
     # ---- save ---------------------------------------------------------------------
-    def save(self, state) -> str:
+    def save(self, state, wait: bool = True) -> str | None:
+        """Save ``state`` as checkpoint ``state.step``; returns its path. With ``wait`` False and
+        ``checkpoint.async_save``, only this rank's share is copied aside here and a background
+        thread writes, checks and commits it (:meth:`wait` joins it; None is returned). Either way a
+        save still in flight is waited for first: at most one at a time. Collective."""
+        self.wait()
         t0 = time.perf_counter()
         epoch = state.sampler.position(state.step)[0]
         attrs = {"epoch": epoch, "config": self.cfg.to_toml(), "optimizer": self.cfg.optim.name,
@@ -65,17 +78,60 @@ class CheckpointManager:
         choices = getattr(self.plan.allreduce, "choices", None)  # dist.allreduce = auto: what it picks by
         if choices is not None:
             attrs["allreduce_auto"] = json.dumps(choices())
-        path = write_checkpoint(self.directory, state.step, training_state(state, self.plan), attrs, self.world,
-                                log=self.log, collective=self.c.collective_io,
-                                writers_per_node=self.c.writers_per_node, hooks=self.hooks)
-        if self.world.is_root:
-            self._prune(state.step)
-        self.world.comm.Barrier()  # nobody returns while rank 0 may still delete
+        entries = training_state(state, self.plan)
         self._last_save = self.clock()
-        self.saved_step, self.saved_path = state.step, path
+        if wait or self._background is None:
+            path = self._write(state.step, entries, attrs, self.world)
+            self.save_seconds = time.perf_counter() - t0
+            self._committed(state.step, path, f"{self.save_seconds:.2f} s")
+            return path
+        copies = snapshot(entries, self.world.rank)   # the step waits only for this copy
         self.save_seconds = time.perf_counter() - t0
-        self.log.info(f"checkpoint: saved {path} (step {state.step}, {self.save_seconds:.2f} s)")
+        self._pending = _BackgroundSave(state.step, t0, self.save_seconds)
+        self._pending.start(lambda: self._write(state.step, copies, attrs, self._background))
+        self.log.info(f"checkpoint: step {state.step} copied aside in {self.save_seconds:.2f} s, writing it in the "
+                      f"background")
+        return None
+
+    def _write(self, step, entries, attrs, world) -> str:
+        """The collective write and commit over ``world`` (the job's communicators, or the background
+        writer's duplicates), then rank 0 prunes; nobody returns while rank 0 may still delete."""
+        path = write_checkpoint(self.directory, step, entries, attrs, world, log=self.log,
+                                collective=self.c.collective_io, writers_per_node=self.c.writers_per_node,
+                                hooks=self.hooks)
+        if world.is_root:
+            self._prune(step)
+        world.comm.Barrier()
         return path
+
+    def _committed(self, step: int, path: str, took: str) -> None:
+        self.saved_step, self.saved_path = step, path
+        self.log.info(f"checkpoint: saved {path} (step {step}, {took})")
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the save in flight in the background, or None."""
+        return None if self._pending is None else self._pending.step
+
+    def wait(self) -> None:
+        """Wait for the save in flight in the background, if any: its commit, or its error (a
+        :class:`~.write.CheckpointWriteError` agreed by every rank, raised here on every rank).
+        Collective in effect (every rank's writer takes part in the same write)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        path = pending.join()
+        self._committed(pending.step, path, f"{pending.stalled:.2f} s of training stalled, "
+                                            f"{pending.seconds:.2f} s in the background")
+
+    def close(self) -> None:
+        """Wait for a save in flight; free the background writer's communicators. Collective."""
+        self.wait()
+        if self._background is not None:
+            for comm in {id(c): c for c in (self._background.comm, self._background.local_comm)
+                         if c is not None}.values():
+                comm.Free()
+            self._background = None
 
     def _prune(self, saved: int):
         """Keep the checkpoint just saved and the keep_last - 1 newest before it. Files with a
@@ -136,6 +192,7 @@ class CheckpointManager:
 
     def rollback(self, state) -> None:
         """Reload the newest checkpoint this run saved or loaded (guard.nonfinite = rollback). Collective."""
+        self.wait()
         layout = needed_boxes(state, self.plan)
         loaded = load_checkpoint(self.saved_path, self.world, wanted(layout))
         agree(self.world, restore, state, self.plan, loaded, layout, self.log, _saved_compress(loaded.attrs))
@@ -162,6 +219,39 @@ class CheckpointManager:
                 self.log.info(f"checkpoint: removed {path}, left by an interrupted save")
             except OSError:
                 pass
+
+
+class _BackgroundSave:
+    """A save written by a thread of its own (``checkpoint.async_save``): its step, when it started
+    (perf_counter), how long it stalled training; :meth:`join` gives its path or raises its error."""
+
+    def __init__(self, step: int, t0: float, stalled: float):
+        self.step, self.t0, self.stalled = step, t0, stalled
+        self.seconds, self._path, self._error, self._thread = 0.0, None, None, None
+
+    def start(self, write) -> None:
+        def run():
+            try:
+                self._path = write()
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread at join
+                self._error = exc
+            self.seconds = time.perf_counter() - self.t0
+        self._thread = threading.Thread(target=run, name="hpctrain-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def join(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._path
+
+
+def _duplicate(world):
+    """``world`` on duplicates of its communicators (collective over each)."""
+    import dataclasses
+
+    local = world.local_comm.Dup() if getattr(world, "local_comm", None) is not None else None
+    return dataclasses.replace(world, comm=world.comm.Dup(), local_comm=local)
 
 
 def _check_exists(path):

@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from .boxes import Box, box_from_block, range_boxes
+from .format import parameter_path
 
 # a replicated buffer is cut into pieces of at least this many bytes, one writer each (tests lower it)
 MIN_PIECE_BYTES = 4 << 20
@@ -84,15 +85,15 @@ class SlotMap:
     shared: frozenset = frozenset()
 
     def boxes(self, group: str, lo: int, hi: int, owned: bool) -> list[Box]:
-        from .state import parameter_path
-
         return range_boxes(self.slots, lo, hi, lambda name: parameter_path(group, name), self.split_of,
                            self.t, self.r, self.writes, owned)
 
 
-def slot_map(model, plan) -> SlotMap:
+def slot_map(model, plan, paper: bool = False) -> SlotMap:
     """The :class:`SlotMap` of ``model`` (this rank's part) in ``plan``'s grid. Collective over the
-    pipeline group when p > 1 (the stages' slot names: which stage writes the tied table)."""
+    pipeline group when p > 1 (the stages' slot names: which stage writes the tied table); with
+    ``paper`` (counting bytes, no communication) a later stage's ``wte``, the GPT's tied table, is
+    taken as the first stage's."""
     slots = list(model.flat.slots)
     layout = getattr(model, "tensor_layout", None)
     split_of = (lambda name: None) if layout is None else (lambda name: layout.splits.get(name))
@@ -100,7 +101,11 @@ def slot_map(model, plan) -> SlotMap:
     index = {s.name: i for i, s in enumerate(slots)}
     first, holders = {}, {}
     stage = 0
-    if getattr(plan, "pipeline", 1) > 1:
+    if getattr(plan, "pipeline", 1) > 1 and paper:
+        stage = plan.grid.stage
+        if stage > 0 and "wte" in index:
+            first["wte"], holders["wte"] = 0, 2
+    elif getattr(plan, "pipeline", 1) > 1:
         stage, comm = plan.grid.stage, plan.grid.pipeline.comm
         for k, names in enumerate(comm.allgather([s.name for s in slots])):
             for name in names:
@@ -207,3 +212,40 @@ def replica_crcs(share: BufferShare, slots: SlotMap, names: list[str]) -> list[i
                 crc = _crc32(np.ascontiguousarray(share.host(x, min(b, x + step))).view(np.uint8), crc)
         out.append(crc & 0xFFFFFFFF)
     return out
+
+
+def logical_arrays(model) -> list[tuple[str, tuple]]:
+    """(name, logical shape) of every parameter of the whole model (every stage, unsplit), in the
+    order of a one-rank run's flat buffer."""
+    if hasattr(model, "logical_params"):
+        return [(name, tuple(shape)) for name, shape in model.logical_params()]
+    logical = getattr(model, "logical_shape", lambda s: s.shape)
+    return [(s.name, tuple(logical(s))) for s in model.flat.slots]
+
+
+def checkpoint_bytes(model, optimizer, plan, async_save: bool = False) -> dict:
+    """What a checkpoint takes on this rank, counted from the layout alone (no communication):
+    ``file`` the logical arrays' bytes (the whole file, less its small arrays), ``writes`` the
+    bytes this rank writes, ``reads`` those a load in this layout reads, ``save_host`` the host
+    bytes a save holds beyond the training state (the largest piece it copies at once, or with
+    ``async_save`` all it writes, until the commit) and ``load_host`` those a load holds (what it
+    reads, plus the largest block it puts together)."""
+    from types import SimpleNamespace
+
+    from .slices import PIECE_BYTES
+
+    shares = buffer_shares(SimpleNamespace(model=model, optimizer=optimizer), plan)
+    smap = slot_map(model, plan, paper=True)
+    item = np.dtype(plan.device.dtype).itemsize
+    writes = reads = largest = block = 0
+    for share in shares:
+        for box in share_boxes(share, smap, owned_only=False):
+            n = box.size * item
+            reads += n
+            block = max(block, (box.hi - box.lo) * item)
+            if box.owned:
+                writes += n
+                largest = max(largest, min(n, PIECE_BYTES))
+    whole = sum(int(np.prod(shape)) for _, shape in logical_arrays(model)) * item * len(shares)
+    return {"file": whole, "writes": writes, "reads": reads, "save_host": writes if async_save else largest,
+            "load_host": reads + block}

@@ -3,9 +3,10 @@
 :func:`load_checkpoint` (resume, rollback, ``sample``; collective over the world) has each rank
 read the boxes its layout needs (:mod:`.ownership`; resume and rollback) and 1/size of the rows of
 every other dataset (:mod:`.share`), checksum a tiling of every dataset between them, XOR the CRC
-contributions into one verdict for every rank (:mod:`.crc`), then all-gather the replicated arrays
-it did not read as boxes (``sample``: all of them). :func:`verify_file`, :func:`header_of`
-and :func:`inspect_file` are serial (the ops the ``ckpt`` commands run). HDF5 decodes a file only in
+contributions into one verdict for every rank (:mod:`.crc`) and check whole what it read whole,
+then all-gather the replicated arrays it did not read as boxes, the small ones only when it read
+boxes (``sample``: all of them). :func:`verify_file`, :func:`header_of` and :func:`inspect_file` are
+serial (the ops the ``ckpt`` commands run). HDF5 decodes a file only in
 a child process (:mod:`.isolated` runs :mod:`.decode`), since it can crash, loop or exhaust memory on
 a damaged one; the CRCs cover the arrays and the root attributes, and the layout is checked too
 (:mod:`.checks`). Serial h5py only, so resuming works with or without parallel HDF5. Nothing in a
@@ -88,7 +89,11 @@ def load_checkpoint(path: str, world, wanted=None) -> LoadedCheckpoint:
         share = None
         if request:
             nbytes = sum(int(np.prod(c)) for _, _, c, _ in request) * 8  # (a bound: the itemsize is the file's)
-            share = nbytes / max(1, os.path.getsize(path))
+            try:
+                share = nbytes / max(1, os.path.getsize(path))
+            except OSError:
+                share = 1.0   # the reader says why it cannot read the file
+
         attrs, meta, blocks, own, boxes = read_boxes(path, rank, size, request, share)
         asked = {name for name, *_ in request}
         unfit = {name for (name, *_), array in zip(request, boxes) if array is None}
@@ -99,10 +104,25 @@ def load_checkpoint(path: str, world, wanted=None) -> LoadedCheckpoint:
                 contribution[name] = box_contribution(blocks[name], (lo,) + (0,) * (len(shape) - 1),
                                                       blocks[name].shape, shape)
         shapes = {name: shape for name, shape, *_ in meta}
+        held: dict = {}   # every box this rank read: (XOR of contributions, elements)
         for (name, start, count, owned, _), array in zip(wanted or [], boxes):
-            if owned and array is not None:
-                contribution[name] = contribution.get(name, 0) ^ box_contribution(array, start, count, shapes[name])
+            if array is not None:
+                c = box_contribution(array, start, count, shapes[name])
+                x, n = held.get(name, (0, 0))
+                held[name] = (x ^ c, n + array.size)
+                if owned:
+                    contribution[name] = contribution.get(name, 0) ^ c
         mine = np.array([contribution.get(name, 0) for name, *_ in meta], np.uint32)
+        # an array this rank read whole (a data group's replicas, a tensor group's unsplit parameters,
+        # the tied table) is checked here too, not only by the rank that owns it: a bad read on one
+        # node would otherwise leave that rank's copy unchecked
+        for name, shape, dtype, want, _ in meta:
+            x, n = held.get(name, (0, 0))
+            if n and n == int(np.prod(shape, dtype=np.int64)):
+                got = finish(x, n * np.dtype(dtype).itemsize)
+                if got != want:
+                    raise CorruptCheckpoint(f"{path}: dataset {name} fails its checksum (stored crc32 {want:#010x}, "
+                                            f"computed {got:#010x}): the file is corrupt")
     except UnreadableCheckpoint as exc:
         failure = ("unreadable", str(exc))
     except Exception as exc:  # noqa: BLE001 - any other failure: this rank cannot use the file

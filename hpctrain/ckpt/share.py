@@ -2,7 +2,8 @@
 
 :func:`read_share` (called by :func:`~.read.load_checkpoint` on every rank; local) gets 1/size of
 every dataset's rows (to checksum them; the replicated arrays are then all-gathered) and the rank's
-own row of the per-rank ones. HDF5 may crash or loop on a corrupt file (:mod:`.isolated`), so a
+own row of the per-rank ones; :func:`read_boxes` also the boxes a rank's layout needs, read instead
+of the rows of their datasets. HDF5 may crash or loop on a corrupt file (:mod:`.isolated`), so a
 child runs :func:`~.decode.write_share`: it checks the file's header and layout and reads the rows
 with ``read_direct`` straight into a memory file (``memfd``) this process created; this process maps
 the file and uses the arrays in place, without a copy, after checking the child's answer (dtypes,
@@ -43,8 +44,10 @@ def read_boxes(path: str, rank: int, size: int, request, share: float | None = N
     try:
         if request:
             asked = _memory_file("hpctrain-ckpt-request")
-            os.write(asked, json.dumps([[n, list(map(int, a)), list(map(int, c)), list(map(int, w))]
-                                        for n, a, c, w in request]).encode())
+            text = json.dumps([[n, list(map(int, a)), list(map(int, c)), list(map(int, w))]
+                               for n, a, c, w in request]).encode()
+            while text:
+                text = text[os.write(asked, text):]
         if isolate:
             fraction = 1 / size if share is None else min(1.0, share + 1 / size)
             answer = run_isolated("read_share", path, rank, size, fd, asked, timeout=timeout_for(path, fraction),
@@ -86,11 +89,18 @@ def _arrays(answer: dict, fd: int, request: list):
         if e["own_at"] is not None:
             own[name] = _view(memory, dtype, shape[1:], int(e["own_at"]), total)
     dtypes = {name: np.dtype(dtype) for name, _, dtype, _, _ in meta}
-    at = answer.get("boxes") or [None] * len(request)
+    shapes = {name: shape for name, shape, *_ in meta}
+    at = answer["boxes"] if request else []
     if len(at) != len(request):
         raise ValueError("boxes")
-    boxes = [None if a is None or name not in dtypes else _view(memory, dtypes[name], tuple(count), int(a), total)
-             for (name, _, count, _), a in zip(request, at)]
+    boxes = []
+    for (name, start, count, whole), a in zip(request, at):
+        if a is None or name not in dtypes:
+            boxes.append(None)
+            continue
+        if tuple(whole) != shapes[name] or any(s < 0 or c < 0 or s + c > n for s, c, n in zip(start, count, whole)):
+            raise ValueError("box")   # the child reads only boxes that fit
+        boxes.append(_view(memory, dtypes[name], tuple(count), int(a), total))
     return answer["attrs"], meta, blocks, own, boxes
 
 

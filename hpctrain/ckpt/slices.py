@@ -52,6 +52,8 @@ def write_slices(entries, dsets, rank, size, collective, writeback_fd=None, call
     most any rank makes, :func:`call_counts`; empty ones after a failure), or the others would hang.
     ``writeback_fd``: see :func:`start_writeback`, called after each box.
     """
+    if collective and calls is None:
+        raise ValueError("collective transfers need every dataset's call count (call_counts)")
     contributions, err = [], None
     for i, (e, d) in enumerate(zip(entries, dsets)):
         acc, err = write_entry(e, d, rank, size, collective, calls[i] if calls is not None else 0, writeback_fd, err)

@@ -22,9 +22,9 @@ import numpy as np
 
 from ..errors import UserError
 from .compress_state import compression_rows, restore_compression
-from .format import OPTIMIZER_STATES
+from .format import OPTIMIZER_STATES, parameter_path
 from .boxes import Box
-from .ownership import box_rows, buffer_shares, fill, replica_crcs, share_boxes, slot_map
+from .ownership import box_rows, buffer_shares, fill, logical_arrays, replica_crcs, share_boxes, slot_map
 
 # /data/position fields, in order (int64)
 POSITION_FIELDS = ("global_step", "epoch", "step_in_epoch", "global_batch", "shuffle_seed", "n_samples")
@@ -57,11 +57,6 @@ def _host_entry(path, array, per_rank=False, writer: bool | None = None):
     return Entry(path, array.shape, array.dtype, lambda lo, hi: array[lo:hi], pieces=pieces)
 
 
-def parameter_path(group: str, name: str) -> str:
-    """'fc0.weight' in group 'model' -> '/model/fc0/weight' (a group per layer)."""
-    return f"/{group}/" + "/".join(name.split("."))
-
-
 def rng_to_array(rng: np.random.Generator) -> np.ndarray:
     s = rng.bit_generator.state
     if s["bit_generator"] != "PCG64":
@@ -81,15 +76,6 @@ def rng_from_array(a) -> np.random.Generator:
 def fresh_rng(seed: int, rank: int, step: int = 0) -> np.random.Generator:
     """The per-rank generator of a fresh start (step 0) or of a rank that a resharded resume adds."""
     return np.random.default_rng([seed, rank, step])
-
-
-def logical_arrays(model) -> list[tuple[str, tuple]]:
-    """(name, logical shape) of every parameter of the whole model (every stage, unsplit), in the
-    order of a one-rank run's flat buffer."""
-    if hasattr(model, "logical_params"):
-        return [(name, tuple(shape)) for name, shape in model.logical_params()]
-    logical = getattr(model, "logical_shape", lambda s: s.shape)
-    return [(s.name, tuple(logical(s))) for s in model.flat.slots]
 
 
 def _replicas_agree(shares, smap, plan) -> list[str]:
@@ -161,6 +147,25 @@ def training_state(state, plan) -> list[Entry]:
                                    writer=first))
     entries += [_host_entry(path, row, per_rank=True) for path, row in compression_rows(state.compression, world)]
     return entries
+
+
+def snapshot(entries: list[Entry], rank: int) -> list[Entry]:
+    """``entries`` with every piece and row this rank writes copied aside on the host now (the
+    training state may change while a background writer writes them): as many bytes as the rank
+    writes, plus its per-rank rows."""
+    out = []
+    for e in entries:
+        if e.pieces is not None:
+            pieces = [(start, count, lambda a, b, block=np.array(get(0, count[0])): block[a:b])
+                      for start, count, get in e.pieces]
+            out.append(Entry(e.path, e.shape, e.dtype, None, e.per_rank, pieces))
+        elif e.per_rank:
+            row = np.array(e.rows(rank, rank + 1))
+            out.append(Entry(e.path, e.shape, e.dtype, lambda lo, hi, row=row: row, True))
+        else:
+            whole = np.array(e.rows(0, e.shape[0]))
+            out.append(Entry(e.path, e.shape, e.dtype, lambda lo, hi, whole=whole: whole[lo:hi]))
+    return out
 
 
 # optimizers whose saved state means the same (AdamW's moments are LAMB's); SGD's momentum and LARS's
@@ -240,11 +245,11 @@ def restore(state, plan, loaded, layout, log, saved_compress=None) -> None:
     if loaded.unfit:   # the shapes fit (checked): a bug, not a user's mistake
         raise RuntimeError(f"{loaded.path}: the boxes of {', '.join(sorted(loaded.unfit))} do not fit its arrays")
     dev, flat, opt = plan.device, state.model.flat, state.optimizer
+    if getattr(plan, "param_slots", None) is not None:   # ZeRO-3: no gather reads the chunks while they change
+        plan.param_slots.stale()
     arrays = iter(loaded.boxes)
     for share, boxes in zip(buffer_shares(state, plan), layout):
         fill(share, boxes, arrays)
-    if getattr(plan, "param_slots", None) is not None:   # ZeRO-3: every gathered slot is stale now
-        plan.param_slots.stale()
     full = loaded.full
     getattr(opt, "masters_changed", lambda: None)()   # (dist.offload: its host masters follow the parameters)
     if hasattr(opt, "t"):

@@ -3,9 +3,10 @@
 Protocol (collective over ``world.comm``; docs/checkpoint-format.md, "Saving"):
   1. rank 0 makes the directory; every rank opens ``.ckpt-<step>.h5.tmp`` with h5py's ``mpio``
      driver and creates every dataset (HDF5's metadata calls are collective);
-  2. each rank writes its boxes of every entry that has ``pieces`` (owner-writes: :mod:`.ownership`),
-     its rows of every other replicated array and its own row of every per-rank one
-     (:mod:`.slices`), or sends those rows to its node's writer rank (:mod:`.aggregate`);
+  2. each rank writes its boxes of every entry that has ``pieces`` (owner-writes, :mod:`.ownership`:
+     everything a training run saves but its per-rank rows), its rows of any other replicated
+     array and its own row of every per-rank one (:mod:`.slices`), or sends those rows to its
+     node's writer rank (:mod:`.aggregate`);
   3. each rank checksums what it wrote as it goes; the ranks agree that every write succeeded, XOR
      their CRC contributions (:mod:`.crc`: one all-reduce of one integer per dataset), set them as
      attributes, close the file, and one rank per node fsyncs it;

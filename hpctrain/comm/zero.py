@@ -15,8 +15,9 @@ bucket's reduce-scatter. A rank's chunks packed (:class:`ZeroShards`) are its op
 
 The all-gathers have a communicator of their own (:func:`param_gatherer`) because the communication
 thread reduce-scatters later buckets meanwhile: two threads' collectives on one communicator could
-pair up differently on different ranks. Checkpoints stay logical: :meth:`ZeroShards.gather` builds
-the whole state on the host for a save (collective), :meth:`ZeroShards.take` this rank's chunks of a load.
+pair up differently on different ranks. Checkpoints stay logical: each rank writes and reads its own
+chunks of the logical arrays (:mod:`hpctrain.ckpt.ownership`); :meth:`ZeroShards.gather` builds the
+whole state on the host (the tests' reference).
 """
 
 from __future__ import annotations
@@ -108,11 +109,6 @@ class ZeroShards:
             counts, displs = self._layout(b)
             comm.Allgatherv(np.ascontiguousarray(packed_host[at:at + hi - lo]), [full, (counts, displs)])
         return full
-
-    def take(self, full: np.ndarray) -> np.ndarray:
-        """This rank's chunks of a whole flat array, packed."""
-        return np.concatenate([full[lo:hi] for lo, hi, _ in self.pieces]) if self.pieces else full[:0].copy()
-
 
 def plan_zero(stage: int, dist, buckets, model, device, world):
     """(shards, slots, params) of ``dist.zero = stage`` for this rank of ``world``: all None for 0;

@@ -190,13 +190,9 @@ class ParameterSlots:
 
     # ---- checkpoints -----------------------------------------------------------------
     def whole(self, comm) -> np.ndarray:
-        """Every parameter on the host, in the flat layout (collective over ``comm``, the data group)."""
+        """Every parameter on the host, in the flat layout (collective over ``comm``, the data group; the
+        tests' reference: checkpoints write and read this rank's chunks, :mod:`hpctrain.ckpt.ownership`)."""
         return self.shards.gather(comm, self.device.to_host(self.owned), self.total)
-
-    def load(self, host_flat: np.ndarray) -> None:
-        """This rank's chunks of the whole parameters ``host_flat`` (a restore); every slot stale. Local."""
-        self.stale()
-        self.device.copy_from_host(self.owned, self.shards.take(np.asarray(host_flat, self.owned.dtype)))
 
     # ---- gathers -----------------------------------------------------------------------
     def _start(self, i: int, in_use) -> None:

@@ -8,7 +8,8 @@ all-reduced before the (replicated) bias is added once; backward needs no commun
 block costs one all-reduce of (N, C) in forward and one in backward per attention and per MLP.
 
 Parameters keep their names; a split one holds the local piece (:func:`shard`) of its logical
-array, which checkpoints store whole (:class:`TensorLayout`), so a checkpoint does not depend on t.
+array, which checkpoints store whole (each tensor rank writing its piece: :mod:`hpctrain.ckpt.boxes`),
+so a checkpoint does not depend on t.
 """
 
 from __future__ import annotations
@@ -115,10 +116,12 @@ def unshard(pieces: list, axis: int, parts: int) -> np.ndarray:
 
 
 class TensorLayout:
-    """Which parameters a model splits, and their logical arrays for checkpoints.
+    """Which parameters a model splits, and their logical arrays.
 
-    ``splits``: name -> (axis, parts) for each split parameter (the rest are replicated).
-    :meth:`logical` is collective over the tensor group (every rank, same names, same order).
+    ``splits``: name -> (axis, parts) for each split parameter (the rest are replicated): what
+    checkpoints map a rank's pieces by (:mod:`hpctrain.ckpt.boxes`). :meth:`logical` gathers a
+    whole array (the tests' reference), collective over the tensor group (every rank, same names,
+    same order).
     """
 
     def __init__(self, group: TensorGroup, splits: dict):
@@ -135,7 +138,7 @@ class TensorLayout:
         over the tensor group when split; when replicated, checked to be the same bits on every
         tensor rank (a difference is a bug that would train t different models): RuntimeError,
         or with ``drifted`` a line appended to it (the caller raises once every group has looked,
-        so all ranks agree: ckpt.state)."""
+        so all ranks agree)."""
         comm = self.group.world.comm
         local = np.ascontiguousarray(local)
         if name not in self.splits:

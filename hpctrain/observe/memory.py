@@ -93,7 +93,13 @@ def describe(b: dict, zero: int, size: int) -> str:
         parts.append(f"activations {b['activations'] / 1e6:,.2f} MB per micro-batch" if held == 1 else
                      f"activations {b['activations'] / 1e6:,.2f} MB ({held} micro-batches in flight on this "
                      f"pipeline stage)")
-    return "memory per rank (computed): " + ", ".join(parts)
+    line = "memory per rank (computed): " + ", ".join(parts)
+    c = b.get("checkpoint")
+    if c is not None:
+        line += (f"; a checkpoint: this rank writes {c['writes'] / 1e6:,.2f} MB of {c['file'] / 1e6:,.2f} MB, "
+                 f"holding {c['save_host'] / 1e6:,.2f} MB more on the host while it saves; a load here reads "
+                 f"{c['reads'] / 1e6:,.2f} MB ({c['load_host'] / 1e6:,.2f} MB on the host while it loads)")
+    return line
 
 
 def zero2_advice(plan, flat) -> str | None:

@@ -107,7 +107,7 @@ class RunLoop:
             state.step += 1
             self.watch.progress.mark("step", state.step)
             signalled = {n: c for n, c in zip(STOP_SIGNALS, result.votes[1:]) if c}
-            saved, record = self._save_if_due(bool(signalled or result.votes[0]), t0)
+            saved, record = self._save_if_due(bool(signalled), bool(result.votes[0]), t0)
             scores = self._evaluate_if_due(signalled, progress)
             final = scores if state.step == tc.steps else None
             if result.outcome != SKIPPED:
@@ -117,6 +117,7 @@ class RunLoop:
                 stopped_by = self._stopping(signalled)
                 break
             self._progress_line(progress, result, scores)
+        self._save_finished()
         return self._result(progress, stopped_by, final, result)
 
     # ---- the parts of a step's iteration ------------------------------------------------
@@ -149,26 +150,38 @@ class RunLoop:
             self._save()
             self.report.metrics.sync()
 
-    def _save(self, why: str = "") -> None:
+    def _save(self, why: str = "", wait: bool = True) -> None:
+        """Save at this step; with ``wait`` False (a periodic save) it may go on in the background
+        (``checkpoint.async_save``)."""
         step = self.state.step
         with self.watchdog.watch("checkpoint save", f"step {step}{why}", step, 10):
-            self.checkpoints.save(self.state)
+            self.checkpoints.save(self.state, wait=wait)
+
+    def _save_finished(self) -> None:
+        """The end of the steps: a save still in flight in the background is committed (or fails) now."""
+        pending = self.checkpoints.in_flight
+        if pending is not None:
+            with self.watchdog.watch("checkpoint save", f"step {pending}, in the background", pending, 10):
+                self.checkpoints.wait()
 
     def _roll_back(self, step: int) -> None:
         """The guard's rollback of bad step ``step``: the newest checkpoint loaded again."""
         with self.watchdog.watch("checkpoint load", f"rollback from step {step}", step, 10):
             self.checkpoints.rollback(self.state)
 
-    def _save_if_due(self, asked: bool, t0: float) -> tuple[bool, dict]:
-        """Save when ``asked`` (a signal, or checkpoint.every_minutes), at checkpoint.every_steps, or
-        at the last step with checkpoint.save_final; the step ends here. (whether it saved, the
-        step's time since ``t0`` (perf_counter) and the save's, ``t_checkpoint``, for its record);
-        the tracer's span of the step."""
+    def _save_if_due(self, signalled: bool, timed: bool, t0: float) -> tuple[bool, dict]:
+        """Save at a stop signal, when checkpoint.every_minutes is due (``timed``), at
+        checkpoint.every_steps, or at the last step with checkpoint.save_final; the step ends here.
+        A periodic save may go on in the background (checkpoint.async_save); a signal's and the
+        last step's finish here. (whether it saved, the step's time since ``t0`` (perf_counter) and
+        the save's, ``t_checkpoint``: what it stalled the step, for its record); the tracer's span of
+        the step."""
         cfg, step, record = self.plan.cfg, self.state.step, {}
-        saved = asked or self.checkpoints.step_due(step) or cfg.train.steps == step and cfg.checkpoint.save_final
+        last = cfg.train.steps == step
+        saved = signalled or timed or self.checkpoints.step_due(step) or last and cfg.checkpoint.save_final
         if saved:
             with self.timers("checkpoint"):
-                self._save()
+                self._save(wait=signalled or last)
             record = {f"t_{k}": v for k, v in self.timers.pop().items()}
         if self.report.tracer is not None:
             self.report.tracer.complete("step", t0, "step", {"step": step})  # as in the metrics

@@ -238,7 +238,12 @@ def paper_run(cfg, world) -> tuple[Plan, dict]:
 
 def memory_of(plan, model, optimizer, sampler) -> dict:
     """The bytes :func:`~hpctrain.observe.memory.computed` counts on this rank for ``model`` and
-    ``optimizer`` as ``plan`` divides them, with activations of this rank's largest micro-batch."""
+    ``optimizer`` as ``plan`` divides them, with activations of this rank's largest micro-batch, and
+    a checkpoint's (``"checkpoint"``: :func:`~hpctrain.ckpt.ownership.checkpoint_bytes`)."""
+    from ..ckpt.ownership import checkpoint_bytes
+
     rows = -(-sampler.batch // plan.micro_batches)
-    return memory.computed(model, optimizer, plan.device, rows, plan.grad_slots, plan.in_flight, plan.param_slots,
-                           offload=plan.cfg.dist.offload != "none")
+    out = memory.computed(model, optimizer, plan.device, rows, plan.grad_slots, plan.in_flight, plan.param_slots,
+                          offload=plan.cfg.dist.offload != "none")
+    out["checkpoint"] = checkpoint_bytes(model, optimizer, plan, plan.cfg.checkpoint.async_save)
+    return out
