@@ -226,7 +226,8 @@ def _report(args, out, ranks, stall, t_save, t_raw, total) -> None:
     save_ok = all(r["save_extra"] <= 1.1 * r["writes"] + 64 * MIB for r in ranks)
     load_ok = all(r["load_extra"] <= 1.1 * r["needs"] + 64 * MIB for r in ranks)
     sync_saves = [r["t_checkpoint"] for r in stall["sync"] if "t_checkpoint" in r]
-    async_saves = [r["t_checkpoint"] for r in stall["async"] if "t_checkpoint" in r]
+    # the last step's save is synchronous (the run's end): not a background save's stall
+    async_saves = [r["t_checkpoint"] for r in stall["async"] if "t_checkpoint" in r and r["step"] != args.steps]
     after = {r["step"] + 1 for r in stall["async"] if "t_checkpoint" in r}
     overlap = [r["step_time"] - r.get("t_checkpoint", 0) for r in stall["async"] if r["step"] in after]
     plain = [r["step_time"] for r in stall["none"][1:]]

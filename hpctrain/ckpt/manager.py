@@ -32,7 +32,7 @@ from .compress_state import SavedCompress
 from .format import list_checkpoints
 from .read import CorruptCheckpoint, load_checkpoint
 from .state import needed_boxes, restore, snapshot, training_state, wanted
-from .write import write_checkpoint
+from .write import CheckpointWriteError, write_checkpoint
 
 
 class CheckpointManager:
@@ -50,8 +50,8 @@ class CheckpointManager:
         self.save_seconds = 0.0     # time the last save stopped training (its copy, when in the background)
         self._pending = None        # the save in flight in the background (a _BackgroundSave)
         # checkpoint.async_save: the background writer's own communicators (collective to make), so its
-        # collectives never pair with the training thread's
-        self._background = _duplicate(self.world) if self.c.async_save else None
+        # collectives never pair with the training thread's; it needs MPI_THREAD_MULTIPLE
+        self._background = _duplicate(self.world) if self.c.async_save and _threads_may_call_mpi(log) else None
 
     # ---- policy -------------------------------------------------------------------
     def step_due(self, step: int) -> bool:
@@ -85,7 +85,7 @@ class CheckpointManager:
             self.save_seconds = time.perf_counter() - t0
             self._committed(state.step, path, f"{self.save_seconds:.2f} s")
             return path
-        copies = snapshot(entries, self.world.rank)   # the step waits only for this copy
+        copies = agree(self.world, snapshot, entries, self.world.rank)   # the step waits only for this copy
         self.save_seconds = time.perf_counter() - t0
         self._pending = _BackgroundSave(state.step, t0, self.save_seconds)
         self._pending.start(lambda: self._write(state.step, copies, attrs, self._background))
@@ -125,9 +125,9 @@ class CheckpointManager:
                                             f"{pending.seconds:.2f} s in the background")
 
     def close(self) -> None:
-        """Wait for a save in flight; free the background writer's communicators. Collective."""
-        self.wait()
-        if self._background is not None:
+        """Free the background writer's communicators, unless a save is still in flight (a run that
+        ended by an error: its thread may still be in them, and the process ends anyway)."""
+        if self._background is not None and self._pending is None:
             for comm in {id(c): c for c in (self._background.comm, self._background.local_comm)
                          if c is not None}.values():
                 comm.Free()
@@ -139,7 +139,11 @@ class CheckpointManager:
         keep = self.c.keep_last
         if keep <= 0:
             return
-        older = [path for step, path in list_checkpoints(self.directory) if step < saved]
+        try:
+            older = [path for step, path in list_checkpoints(self.directory) if step < saved]
+        except OSError as exc:   # rank 0 alone: never an error the others would wait for
+            self.log.warn(f"could not list {self.directory} to delete old checkpoints: {exc.strerror or exc}")
+            return
         for path in older[keep - 1:]:
             try:
                 os.remove(path)
@@ -191,8 +195,12 @@ class CheckpointManager:
         raise err
 
     def rollback(self, state) -> None:
-        """Reload the newest checkpoint this run saved or loaded (guard.nonfinite = rollback). Collective."""
-        self.wait()
+        """Reload the newest checkpoint this run saved or loaded (guard.nonfinite = rollback); a
+        background save that failed meanwhile leaves the one before it. Collective."""
+        try:
+            self.wait()
+        except CheckpointWriteError as exc:   # agreed: every rank rolls back to the same file
+            self.log.warn(f"{exc}; rolling back to {self.saved_path}")
         layout = needed_boxes(state, self.plan)
         loaded = load_checkpoint(self.saved_path, self.world, wanted(layout))
         agree(self.world, restore, state, self.plan, loaded, layout, self.log, _saved_compress(loaded.attrs))
@@ -244,6 +252,18 @@ class _BackgroundSave:
         if self._error is not None:
             raise self._error
         return self._path
+
+
+def _threads_may_call_mpi(log) -> bool:
+    """Whether MPI gives this process MPI_THREAD_MULTIPLE (a background writer calls MPI beside the
+    training thread); else one warning, and saves stay synchronous."""
+    from mpi4py import MPI
+
+    if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+        return True
+    log.warn("checkpoint.async_save: this MPI does not give MPI_THREAD_MULTIPLE (e.g. Cray MPICH without "
+             "MPICH_MAX_THREAD_SAFETY=multiple): checkpoints are saved synchronously")
+    return False
 
 
 def _duplicate(world):

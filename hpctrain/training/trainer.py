@@ -244,8 +244,8 @@ class Trainer:
         again."""
         self.beacon.stop(code=code)
         self.data.close()
-        if code is not None and getattr(self, "checkpoints", None) is not None:
-            self.checkpoints.close()   # (a background save: waited for by the run; its communicators freed)
+        if getattr(self, "checkpoints", None) is not None:
+            self.checkpoints.close()   # the background writer's communicators (its save was waited for by the run)
         if getattr(self, "plan", None) is not None and self.plan.param_slots is not None:
             self.plan.param_slots.close()
         self.faults.at_exit()
