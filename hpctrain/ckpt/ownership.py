@@ -122,9 +122,7 @@ def slot_map(model, plan, paper: bool = False) -> SlotMap:
 def _grid_place(plan) -> int:
     """This rank's place in the tensor x pipeline grid (its data group's index)."""
     grid = getattr(plan, "grid", None)
-    if grid is None:
-        return 0
-    return grid.stage * grid.t + grid.tensor_rank
+    return 0 if grid is None else getattr(grid, "stage", 0) * getattr(grid, "t", 1) + getattr(grid, "tensor_rank", 0)
 
 
 def buffer_shares(state, plan) -> list[BufferShare]:

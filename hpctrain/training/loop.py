@@ -155,11 +155,14 @@ class RunLoop:
         (``checkpoint.async_save``)."""
         step = self.state.step
         with self.watchdog.watch("checkpoint save", f"step {step}{why}", step, 10):
-            self.checkpoints.save(self.state, wait=wait)
+            if wait or not self.plan.cfg.checkpoint.async_save:
+                self.checkpoints.save(self.state)
+            else:
+                self.checkpoints.save(self.state, wait=False)
 
     def _save_finished(self) -> None:
         """The end of the steps: a save still in flight in the background is committed (or fails) now."""
-        pending = self.checkpoints.in_flight
+        pending = self.checkpoints.in_flight if self.plan.cfg.checkpoint.async_save else None
         if pending is not None:
             with self.watchdog.watch("checkpoint save", f"step {pending}, in the background", pending, 10):
                 self.checkpoints.wait()
