@@ -1,18 +1,19 @@
 """Checkpoints of a real training run: each rank's host memory, its stall and the bandwidth, side by side.
 
-    mpirun -n 4 --oversubscribe python benchmarks/checkpoint_training.py --layout zero3 --load-layout zero1
+    mpirun -n 4 --oversubscribe python benchmarks/checkpoint_training.py --layout zero3 --load-layout zero1@2 p3@3
     mpirun -n 4 --oversubscribe python benchmarks/checkpoint_training.py --layout p2t2 --load-layout zero3
     mpirun -n 2 python benchmarks/checkpoint_training.py --layout zero1 --n-layer 2 --d-model 128   # quick
 
 A GPT of GPT-2's proportions (``--n-layer``, ``--d-model``, 64-channel heads, byte vocabulary, AdamW,
-float32) trains in this mpirun job at ``--layout`` (zero0/zero1/zero3, t2-zero1, p2, p2t2; each rank
+float32) trains in this mpirun job at ``--layout`` (zero0/zero1/zero3, t2-zero1, p2, p3, p2t2; each rank
 binds its threads as the trainer does). Then, in the same job, each figure next to its yardstick:
 
   save memory   a synchronous save of the trained state: the rank's peak resident set during the save
                 (sampled every 2 ms from /proc/self/statm) above its resident set just before, against
                 the bytes the rank writes (target: <= 1.1 x those + 64 MiB)
-  load memory   a trainer of ``--load-layout`` (same ranks) resumes from that file: peak above the
-                resident set before the load, against the bytes its layout needs (same target)
+  load memory   a trainer of each ``--load-layout`` resumes from that file (LAYOUT@K: on the job's
+                first K ranks, the others idle): peak above the resident set before the load,
+                against the bytes its layout needs (same target)
   stall         ``--steps`` steps with a save every ``--every`` steps, synchronous then in the
                 background (checkpoint.async_save), same state: the median time a save stops the step
                 (t_checkpoint), and the steps that overlap a background write against the steps of a
@@ -41,14 +42,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 LAYOUTS = {"zero0": (0, 1, 1), "zero1": (1, 1, 1), "zero3": (3, 1, 1), "t2-zero1": (1, 2, 1), "p2": (0, 1, 2),
-           "p2t2": (1, 2, 2)}   # (dist.zero, t, p)
+           "p3": (0, 1, 3), "p2t2": (1, 2, 2)}   # (dist.zero, t, p)
 MIB = 1 << 20
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layout", default="zero3", choices=sorted(LAYOUTS))
-    p.add_argument("--load-layout", default="zero1", choices=sorted(LAYOUTS))
+    p.add_argument("--load-layout", nargs="+", default=[("zero1", 0)], type=load_layout,
+                   help="LAYOUT or LAYOUT@K (K ranks of the job load; default: all)")
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--context", type=int, default=64)
@@ -58,6 +60,14 @@ def parse_args(argv=None):
     p.add_argument("--text", default=os.path.join(REPO, "data", "text.h5"), help="token file (made if missing)")
     p.add_argument("--json", default=os.path.join(REPO, "runs", "bench", "checkpoint_training.json"))
     return p.parse_args(argv)
+
+
+def load_layout(text: str) -> tuple[str, int]:
+    """'zero1' -> ('zero1', 0: every rank); 'zero1@2' -> ('zero1', 2)."""
+    name, _, ranks = text.partition("@")
+    if name not in LAYOUTS or ranks and not ranks.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: LAYOUT[@RANKS], LAYOUT one of {', '.join(sorted(LAYOUTS))}")
+    return name, int(ranks or 0)
 
 
 def rss() -> int:
@@ -160,7 +170,8 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(args.text), exist_ok=True)
         subprocess.run([sys.executable, "-m", "hpctrain", "data", "text", "--out", args.text], cwd=REPO, check=True)
     base = world.comm.bcast(tempfile.mkdtemp(prefix="ckpt-train-", dir=_made(args.dir)) if world.rank == 0 else None)
-    out = {"layout": args.layout, "load_layout": args.load_layout, "ranks": world.size, "n_layer": args.n_layer,
+    out = {"layout": args.layout, "load_layouts": [f"{n}@{k or world.size}" for n, k in args.load_layout],
+           "ranks": world.size, "n_layer": args.n_layer,
            "d_model": args.d_model, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
     # 1. a few steps at --layout, then one synchronous save, its peak memory measured
@@ -179,18 +190,8 @@ def main(argv=None) -> int:
     trainer.close(0)
     del trainer
 
-    # 2. the load at --load-layout (same ranks): peak memory against the bytes its layout needs
-    loader = trainer_of(config(args, args.load_layout, _sub(world, base, "load"), 2), world)
-    from hpctrain.ckpt.state import needed_boxes
-
-    item = 4
-    needs = sum(b.size for boxes in needed_boxes(loader.state, loader.plan) for b in boxes) * item
-    loader.checkpoints.c.resume = path
-    world.comm.Barrier()
-    with PeakRss() as load_mem:
-        loader.checkpoints.resume(loader.state)
-    loader.close(0)
-    del loader
+    # 2. the loads at each --load-layout (on K of the ranks): peak memory against the bytes each layout needs
+    loads = [load_on(args, world, base, path, layout, ranks) for layout, ranks in args.load_layout]
 
     # 3. the stall: no saves, synchronous saves, background saves (fresh runs, same seed)
     stall = {}
@@ -201,12 +202,39 @@ def main(argv=None) -> int:
         run.close(0)
         world.comm.Barrier()
         stall[name] = steps_of(os.path.join(d, "metrics.jsonl")) if world.rank == 0 else []
-    mine = {"writes": writes, "save_extra": save_mem.extra, "needs": needs, "load_extra": load_mem.extra}
+    mine = {"writes": writes, "save_extra": save_mem.extra, "loads": loads}
     every_rank = world.comm.gather(mine)
     if world.rank == 0:
         _report(args, out, every_rank, stall, t_save, t_raw, total)
         subprocess.run(["rm", "-rf", base])
     return 0
+
+
+def load_on(args, world, base, path, layout, ranks) -> dict | None:
+    """Resume a trainer of ``layout`` from ``path`` on the first ``ranks`` ranks of ``world`` (0: all):
+    this rank's {needs, extra} (peak RSS above the start), or None where it sat out."""
+    from mpi4py import MPI
+
+    from hpctrain.ckpt.state import needed_boxes
+    from hpctrain.runtime import init_world
+
+    ranks = ranks or world.size
+    directory = _sub(world, base, f"load-{layout}-{ranks}")
+    sub = world.comm.Split(0 if world.rank < ranks else MPI.UNDEFINED, world.rank)
+    mine = None
+    if sub != MPI.COMM_NULL:
+        loader = trainer_of(config(args, layout, directory, 2), init_world(sub))
+        needs = sum(b.size for boxes in needed_boxes(loader.state, loader.plan) for b in boxes) * 4  # float32
+        loader.checkpoints.c.resume = path
+        sub.Barrier()
+        with PeakRss() as load_mem:
+            loader.checkpoints.resume(loader.state)
+        loader.close(0)
+        del loader
+        mine = {"needs": needs, "extra": load_mem.extra}
+        sub.Free()
+    world.comm.Barrier()
+    return mine
 
 
 def _made(path):
@@ -224,7 +252,7 @@ def _sub(world, base, name):
 
 def _report(args, out, ranks, stall, t_save, t_raw, total) -> None:
     save_ok = all(r["save_extra"] <= 1.1 * r["writes"] + 64 * MIB for r in ranks)
-    load_ok = all(r["load_extra"] <= 1.1 * r["needs"] + 64 * MIB for r in ranks)
+    load_ok = all(m["extra"] <= 1.1 * m["needs"] + 64 * MIB for r in ranks for m in r["loads"] if m)
     sync_saves = [r["t_checkpoint"] for r in stall["sync"] if "t_checkpoint" in r]
     # the last step's save is synchronous (the run's end): not a background save's stall
     async_saves = [r["t_checkpoint"] for r in stall["async"] if "t_checkpoint" in r and r["step"] != args.steps]
@@ -234,13 +262,17 @@ def _report(args, out, ranks, stall, t_save, t_raw, total) -> None:
     s_sync, s_async = statistics.median(sync_saves), statistics.median(async_saves)
     s_plain, s_overlap = statistics.median(plain), statistics.median(overlap) if overlap else float("nan")
     bandwidth = t_raw / t_save
+    loads = [f"{name}@{k or len(ranks)}" for name, k in args.load_layout]
     print(f"checkpoints of a GPT (n_layer {args.n_layer}, d_model {args.d_model}) trained at {args.layout} on "
-          f"{len(ranks)} ranks, loaded at {args.load_layout}; {out['date']}, {out['host']}")
-    print("| rank | writes MiB | save extra RSS MiB | target MiB | needs MiB (load) | load extra RSS MiB | target MiB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          f"{len(ranks)} ranks, loaded at {', '.join(loads)}; {out['date']}, {out['host']}")
+    print("| rank | writes MiB | save extra RSS MiB | target MiB |" + "".join(
+        f" {name}: needs MiB | extra RSS MiB | target MiB |" for name in loads))
+    print("|---:" * (4 + 3 * len(loads)) + "|")
     for k, r in enumerate(ranks):
-        print(f"| {k} | {r['writes'] / MIB:.1f} | {r['save_extra'] / MIB:.1f} | {(1.1 * r['writes'] + 64 * MIB) / MIB:.1f} | "
-              f"{r['needs'] / MIB:.1f} | {r['load_extra'] / MIB:.1f} | {(1.1 * r['needs'] + 64 * MIB) / MIB:.1f} |")
+        cells = "".join(" - | - | - |" if m is None else f" {m['needs'] / MIB:.1f} | {m['extra'] / MIB:.1f} | "
+                        f"{(1.1 * m['needs'] + 64 * MIB) / MIB:.1f} |" for m in r["loads"])
+        print(f"| {k} | {r['writes'] / MIB:.1f} | {r['save_extra'] / MIB:.1f} | "
+              f"{(1.1 * r['writes'] + 64 * MIB) / MIB:.1f} |" + cells)
     print(f"save memory: {'met' if save_ok else 'MISSED'}; load memory: {'met' if load_ok else 'MISSED'}")
     print(f"stall: synchronous save {s_sync * 1e3:.1f} ms, background save {s_async * 1e3:.1f} ms "
           f"({s_async / s_sync:.3f}x, target <= 0.10: {'met' if s_async <= 0.1 * s_sync else 'MISSED'})")

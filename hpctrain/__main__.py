@@ -287,9 +287,18 @@ def main(argv=None) -> int:
         from .reliability.fail_together import report_and_exit
 
         world = _current_world()
-        code = report_and_exit(exc, world)
+        code = report_and_exit(exc, world, _finish_background_saves)
         _exit_now_if_hdf5_cannot_close(code, world is None or world.is_root)
         return code
+
+
+def _finish_background_saves(say) -> None:
+    """A run that ends by an error commits the checkpoint its ranks are writing in the background
+    first (hpctrain.ckpt.background): the writers run on communicators of their own, so they finish
+    while the training threads are stopped; without this the job would lose the newest save."""
+    background = sys.modules.get("hpctrain.ckpt.background")
+    if background is not None:
+        background.finish_background_saves(say)
 
 
 def _exit_now_if_hdf5_cannot_close(code: int, is_root: bool) -> None:

@@ -197,15 +197,20 @@ def test_kill_9_of_one_rank_during_a_save_keeps_the_previous_checkpoint(small_da
 
 
 
-def test_a_rank_lost_inside_a_save_fires_the_watchdog_from_inside_hdf5(small_data, tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["synchronous", "background"])
+def test_a_rank_lost_inside_a_save_fires_the_watchdog_from_inside_hdf5(small_data, tmp_path, background):
     """Rank 1 stops (a lost node) in the middle of the save of step 10, after the data and before
     HDF5's collective close; rank 0 waits for it inside h5py's MPI-IO calls. Those release the GIL
     (checked here: were they to hold it, the watchdog's thread could not run and the job would hang
     until its time limit), so the watchdog asks the others once the plain limit (1 s) has passed,
     hears nothing from rank 1 within the grace (1 s), twice, and ends the job then, not at the
-    save's limit (10 x dist.comm_timeout); the previous checkpoint stays the newest."""
+    save's limit (10 x dist.comm_timeout); the previous checkpoint stays the newest. A save in the
+    background (checkpoint.async_save): rank 0's training thread goes on until its next collective
+    with rank 1 (a step's, or the next save waiting for this one), where the watchdog finds rank 1
+    silent; its report says the background save is still in flight."""
     marker, args = _train(small_data[0], tmp_path, "--set", "checkpoint.every_steps=5", "--set",
-                          "train.global_batch=64", "--set", "dist.comm_timeout=1", steps=200)
+                          "train.global_batch=64", "--set", "dist.comm_timeout=1", "--set",
+                          f"checkpoint.async_save={str(background).lower()}", steps=200)
     proc = start(2, args, HPCTRAIN_CKPT_STOP_RANK="1", HPCTRAIN_CKPT_DELAY_STEP="10")
     try:
         wait_for(lambda: os.path.exists(os.path.join(marker, ".ckpt-00000010.h5.tmp")), 90, "the save of step 10")
@@ -216,10 +221,14 @@ def test_a_rank_lost_inside_a_save_fires_the_watchdog_from_inside_hdf5(small_dat
         _cleanup(marker)
     assert code != 0
     report = [line for line in err.splitlines() if line.startswith("[rank 0] hpctrain: watchdog:")]
-    assert report and "checkpoint save (step 10) has not completed after" in report[0], err[-3000:]
-    assert "(limit 10 s: dist.comm_timeout)" in report[0], err[-3000:]
+    assert report, err[-3000:]
+    if background:
+        assert "meanwhile this rank's checkpoint save (step 10, in the background) has run for" in err, err[-3000:]
+    else:
+        assert "checkpoint save (step 10) has not completed after" in report[0], err[-3000:]
+        assert "(limit 10 s: dist.comm_timeout)" in report[0], err[-3000:]
+        assert "rank 1 did not answer within 1 s, and checkpoint save cannot complete without it" in err, err[-3000:]
     assert "from rank 1: stopped (SIGSTOP" in err, err[-3000:]
-    assert "rank 1 did not answer within 1 s, and checkpoint save cannot complete without it" in err, err[-3000:]
     waited = float(report[0].split("has not completed after ")[1].split(" s")[0])
     assert waited < 6, report[0]
     assert ended_after < 20, ended_after

@@ -5,6 +5,7 @@ so the collective completes and the test can look at every rank's watchdog.
 (A rank that cannot answer at all, SIGSTOP, is tested from outside in
 test_faults.py.)"""
 
+import threading
 import time
 
 import pytest
@@ -150,3 +151,41 @@ def test_a_live_straggler_in_a_long_region_gets_the_slack(comm):
     finally:
         wd.stop()
     assert comm.allgather(wd.fired) == [None] * comm.size and aborts == []
+
+
+def test_a_stalled_background_task_is_reported_once_while_training_goes_on(comm):
+    """A checkpoint written by a thread of its own (limit 2 s here) where the last rank sits in it
+    for 4.5 s; the training thread's collectives meanwhile complete in time. Past the limit the
+    lowest rank still in the task reports it (its collectives alone would never fire); the other
+    defers and, finding the report made, stays quiet."""
+    _only_at(comm, 2, why="one rank reports and one defers (more ranks add nothing; one rank has no watchdog)")
+    aborts, other = [], comm.Dup()
+    wd = Watchdog(comm, timeout=1.0, abort=aborts.append)
+    wd.start()
+
+    def write():
+        with wd.watch_background("checkpoint save", "step 5, in the background", 5, slack=2):
+            if comm.rank == comm.size - 1:
+                time.sleep(4.5)
+            other.Barrier()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for step in range(8):
+            with wd.watch("test allreduce", step=step):
+                comm.allreduce(step)
+            time.sleep(0.25)
+        writer.join()
+    finally:
+        wd.stop()
+        other.Free()
+    reports, codes = comm.allgather(wd.fired), comm.allgather(aborts)
+    assert reports[0] is not None and reports[1:] == [None] * (comm.size - 1), reports
+    assert codes[0] == [4] and all(c == [] for c in codes[1:])
+    text = reports[0]
+    assert text.startswith("hpctrain: watchdog: checkpoint save (step 5, in the background) has not completed "
+                           "after"), text
+    waited = float(text.split("has not completed after ")[1].split(" s")[0])
+    assert 2.0 <= waited < 3.5, text
+    assert "still in it: ranks 0, 1" in text and "no answer" not in text, text

@@ -257,9 +257,20 @@ class FakeCheckpoints:
     def time_due(self):
         return False
 
-    def save(self, state):
+    def save(self, state, wait=True, watch=None):
+        """Saves at once; one that could go on in the background (``wait`` False) is finished
+        by the next call of ``wait`` (as the loop calls it at the end)."""
         self.saved.append(state.step)
         self.saved_step = state.step
+        self.in_flight = None if wait else state.step
+        if watch is not None:
+            with watch():
+                pass
+
+    in_flight = None
+
+    def wait(self):
+        self.in_flight = None
 
     def rollback(self, state):  # pragma: no cover - the tests here use skip and abort
         raise AssertionError("no rollback expected")
@@ -276,6 +287,8 @@ class FakeWatchdog:
         import contextlib
 
         return contextlib.nullcontext()
+
+    watch_background = watch
 
 
 def _loop(tmp_path, losses=None, nonfinite="skip", steps=7, signal_at=None):

@@ -22,12 +22,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-import threading
 import time
 import tomllib
 
 from ..errors import UserError
 from ..reliability.fail_together import agree
+from .background import BackgroundSave, duplicate, threads_may_call_mpi
 from .compress_state import SavedCompress
 from .format import list_checkpoints
 from .read import CorruptCheckpoint, load_checkpoint
@@ -48,10 +48,10 @@ class CheckpointManager:
         self.saved_step = None      # step of the newest checkpoint this run wrote or loaded
         self.saved_path = None      # and its file (what guard.nonfinite = rollback reloads)
         self.save_seconds = 0.0     # time the last save stopped training (its copy, when in the background)
-        self._pending = None        # the save in flight in the background (a _BackgroundSave)
+        self._pending = None        # the save in flight in the background (a BackgroundSave)
         # checkpoint.async_save: the background writer's own communicators (collective to make), so its
         # collectives never pair with the training thread's; it needs MPI_THREAD_MULTIPLE
-        self._background = _duplicate(self.world) if self.c.async_save and _threads_may_call_mpi(log) else None
+        self._background = duplicate(self.world) if self.c.async_save and threads_may_call_mpi(log) else None
 
     # ---- policy -------------------------------------------------------------------
     def step_due(self, step: int) -> bool:
@@ -62,11 +62,12 @@ class CheckpointManager:
         return bool(self.c.every_minutes) and self.clock() - self._last_save >= 60.0 * self.c.every_minutes
 
     # ---- save ---------------------------------------------------------------------
-    def save(self, state, wait: bool = True) -> str | None:
+    def save(self, state, wait: bool = True, watch=None) -> str | None:
         """Save ``state`` as checkpoint ``state.step``; returns its path. With ``wait`` False and
         ``checkpoint.async_save``, only this rank's share is copied aside here and a background
-        thread writes, checks and commits it (:meth:`wait` joins it; None is returned). Either way a
-        save still in flight is waited for first: at most one at a time. Collective."""
+        thread writes, checks and commits it (:meth:`wait` joins it; None is returned) inside
+        ``watch()`` (a context manager: the stall watchdog's, or None). Either way a save still in
+        flight is waited for first: at most one at a time. Collective."""
         self.wait()
         t0 = time.perf_counter()
         epoch = state.sampler.position(state.step)[0]
@@ -87,8 +88,8 @@ class CheckpointManager:
             return path
         copies = agree(self.world, snapshot, entries, self.world.rank)   # the step waits only for this copy
         self.save_seconds = time.perf_counter() - t0
-        self._pending = _BackgroundSave(state.step, t0, self.save_seconds)
-        self._pending.start(lambda: self._write(state.step, copies, attrs, self._background))
+        self._pending = BackgroundSave(state.step, t0, self.save_seconds)
+        self._pending.start(lambda: self._write(state.step, copies, attrs, self._background), watch)
         self.log.info(f"checkpoint: step {state.step} copied aside in {self.save_seconds:.2f} s, writing it in the "
                       f"background")
         return None
@@ -227,51 +228,6 @@ class CheckpointManager:
                 self.log.info(f"checkpoint: removed {path}, left by an interrupted save")
             except OSError:
                 pass
-
-
-class _BackgroundSave:
-    """A save written by a thread of its own (``checkpoint.async_save``): its step, when it started
-    (perf_counter), how long it stalled training; :meth:`join` gives its path or raises its error."""
-
-    def __init__(self, step: int, t0: float, stalled: float):
-        self.step, self.t0, self.stalled = step, t0, stalled
-        self.seconds, self._path, self._error, self._thread = 0.0, None, None, None
-
-    def start(self, write) -> None:
-        def run():
-            try:
-                self._path = write()
-            except BaseException as exc:  # noqa: BLE001 - handed to the training thread at join
-                self._error = exc
-            self.seconds = time.perf_counter() - self.t0
-        self._thread = threading.Thread(target=run, name="hpctrain-checkpoint-writer", daemon=True)
-        self._thread.start()
-
-    def join(self) -> str:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._path
-
-
-def _threads_may_call_mpi(log) -> bool:
-    """Whether MPI gives this process MPI_THREAD_MULTIPLE (a background writer calls MPI beside the
-    training thread); else one warning, and saves stay synchronous."""
-    from mpi4py import MPI
-
-    if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
-        return True
-    log.warn("checkpoint.async_save: this MPI does not give MPI_THREAD_MULTIPLE (e.g. Cray MPICH without "
-             "MPICH_MAX_THREAD_SAFETY=multiple): checkpoints are saved synchronously")
-    return False
-
-
-def _duplicate(world):
-    """``world`` on duplicates of its communicators (collective over each)."""
-    import dataclasses
-
-    local = world.local_comm.Dup() if getattr(world, "local_comm", None) is not None else None
-    return dataclasses.replace(world, comm=world.comm.Dup(), local_comm=local)
 
 
 def _check_exists(path):

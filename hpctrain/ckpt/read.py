@@ -129,7 +129,12 @@ def load_checkpoint(path: str, world, wanted=None) -> LoadedCheckpoint:
         text = str(exc) if isinstance(exc, CorruptCheckpoint) else f"{path}: {type(exc).__name__}: {exc}"
         failure = ("corrupt", text)
     digest = None if meta is None else zlib.crc32(repr(meta).encode())
-    everyone = comm.allgather((failure, digest, sorted(unfit)))
+    names = zlib.crc32(repr(sorted({name for name, *_ in request})).encode())
+    everyone = comm.allgather((failure, digest, sorted(unfit), names))
+    if any(n != names for *_, n in everyone):   # each dataset is read by boxes on every rank, or by rows on every rank
+        raise _agreed(RuntimeError(f"{path}: the ranks asked for boxes of different datasets (an empty box where a "
+                                   f"rank needs nothing): a bug in the caller, not in the file"))
+    everyone = [e[:3] for e in everyone]
     failures = [f for f, _, _ in everyone if f]
     if failures:
         kind, text = failures[0]

@@ -46,11 +46,13 @@ def agree(world, fn, *args, **kwargs):
     return result
 
 
-def report_and_exit(exc: BaseException, world) -> int:
+def report_and_exit(exc: BaseException, world, before_exit=None) -> int:
     """Print ``exc`` once and end this rank (and, if needed, the whole job).
 
-    Returns the exit code for a 1-rank world or an agreed error; otherwise it
-    does not return (MPI_Abort).
+    ``before_exit(say)``, if given, runs after the report and before the exit or the abort (a
+    checkpoint still being written in the background is finished there; ``say(line)`` prints a line
+    the way the report was printed). Returns the exit code for a 1-rank world or an agreed error;
+    otherwise it does not return (MPI_Abort).
     """
     agreed = getattr(exc, "agreed", False) or world is None or world.size == 1
     if isinstance(exc, UserError):
@@ -63,9 +65,14 @@ def report_and_exit(exc: BaseException, world) -> int:
     if agreed:
         if world is None or world.is_root:
             print(text, file=sys.stderr, flush=True)
+        if before_exit is not None:
+            before_exit(lambda line: print(line, file=sys.stderr, flush=True) if world is None or world.is_root
+                        else None)
         return code
     rank = world.rank
     print("\n".join(f"[rank {rank}] {line}" for line in text.splitlines()), file=sys.stderr, flush=True)
+    if before_exit is not None:
+        before_exit(lambda line: print(f"[rank {rank}] {line}", file=sys.stderr, flush=True))
     print(f"[rank {rank}] hpctrain: aborting all {world.size} ranks", file=sys.stderr, flush=True)
     world.comm.Abort(code)
     return code  # not reached

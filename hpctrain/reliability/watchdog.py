@@ -12,6 +12,9 @@ ends the job before the limit: asked once :data:`SIGNAL_GRACE` s after a stop si
 blocked main thread cannot act on), or, in a ``slack`` region, asked every ``timeout`` s past the
 plain limit and silent twice in a row. Asking needs MPI_THREAD_MULTIPLE (requested by
 :mod:`hpctrain.runtime`); with less, the watchdog still aborts with this rank's view only.
+A collective task of a thread of its own (a checkpoint written in the background) is watched
+beside the main thread's collective (:meth:`Watchdog.watch_background`): past its limit, the lowest
+rank still in it reports.
 Why and when: docs/reliability.md.
 """
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 
 from ..errors import EXIT_STALLED
 from .signals import signals_seen
+from .stall_report import diagnose, diagnose_background, ranks_text
 
 TAG_QUERY, TAG_REPLY = 7101, 7102
 SIGNAL_GRACE = 3.0  # s in one collective after a stop signal before the other ranks are asked
@@ -57,6 +61,7 @@ class _Status:
     extra: dict = field(default_factory=dict)
     reported: bool = False  # this rank's watchdog has printed its report and called abort
     query: int = 0          # which ask of the asking rank this answers
+    background: str = ""    # the background task it is in ("": none)
 
 
 class Watchdog:
@@ -89,6 +94,8 @@ class Watchdog:
         self._signal_asked = None    # the region whose ranks were asked after it
         self._alive_asked = (0, 0.0)  # (region, time) of the last "does every rank still answer?"
         self._queries = 0             # asks made (their number travels with the query and its answer)
+        self._background: Region | None = None   # the background task in flight (watch_background)
+        self._background_deferred = None         # (region, deadline): a lower rank is to report it
         self.can_ask = self.enabled and _thread_multiple()
         if self._comm is not None:
             from mpi4py import MPI
@@ -100,6 +107,13 @@ class Watchdog:
     def watch(self, what: str, detail: str = "", step: int = -1, slack: float = 1.0):
         """Context manager around one blocking collective (main thread only)."""
         return _Watch(self, what, detail, step, slack)
+
+    def watch_background(self, what: str, detail: str = "", step: int = -1, slack: float = 1.0):
+        """Context manager around a collective task of a thread of its own (at most one at a time),
+        e.g. a checkpoint written in the background: every rank runs the same one, outside the main
+        thread's sequence of collectives. Past ``slack`` x the timeout, the lowest rank still in it
+        reports and ends the job; while it runs, a report on the main thread mentions it."""
+        return _BackgroundWatch(self, Region(0, what, detail, 0.0, self.timeout * slack, step))
 
     def start(self) -> None:
         if self.enabled and self._thread is None:
@@ -122,6 +136,7 @@ class Watchdog:
                     self._signal = (name, time.monotonic())
                 self._answer_queries()
                 self._check()
+                self._check_background()
             except Exception as exc:  # noqa: BLE001 - a broken watchdog must not kill training
                 print(f"[rank {self.rank}] hpctrain: watchdog stopped: {type(exc).__name__}: {exc}",
                       file=sys.stderr, flush=True)
@@ -130,10 +145,13 @@ class Watchdog:
     def _status(self) -> _Status:
         now, r = time.monotonic(), self._region
         reported = self.fired is not None
+        b = self._background
+        background = b.describe() if b is not None else ""
         if r is not None:
-            return _Status(self.rank, r.seq, True, r.describe(), now - r.t0, r.step, reported=reported)
+            return _Status(self.rank, r.seq, True, r.describe(), now - r.t0, r.step, reported=reported,
+                           background=background)
         seq, where, t_end = self._last
-        return _Status(self.rank, seq, False, where, now - t_end, reported=reported)
+        return _Status(self.rank, seq, False, where, now - t_end, reported=reported, background=background)
 
     def _answer_queries(self) -> None:
         if not self.can_ask:
@@ -186,6 +204,25 @@ class Watchdog:
             self._fire(r, replies, time.monotonic() - r.t0)
         else:  # that rank reports when its own wait passes the limit (it may have entered later)
             self._deferred_until = (r.seq, time.monotonic() + r.limit + 2 * self.grace, None)
+
+    def _check_background(self) -> None:
+        """The background task past its limit: ask; the lowest rank still in it reports (or this
+        one, 2 x grace later, if that one did not and nobody else did)."""
+        b = self._background
+        if b is None or self.fired is not None or time.monotonic() - b.t0 < b.limit:
+            return
+        deferred = self._background_deferred
+        if deferred is not None and deferred[0] is b and time.monotonic() < deferred[1]:
+            return
+        replies = self._ask(b)
+        if self._background is not b or any(s.reported for s in replies.values()):
+            return
+        inside = [self.rank] + [s.rank for s in replies.values() if s.background == b.describe()]
+        if min(inside) == self.rank or deferred is not None and deferred[0] is b:
+            self._report(diagnose_background(b, time.monotonic() - b.t0, self.rank, self.size, replies,
+                                             self.grace, self.can_ask))
+        else:
+            self._background_deferred = (b, time.monotonic() + 2 * self.grace)
 
     def _check_after_signal(self, r: Region) -> None:
         """Still in ``r`` SIGNAL_GRACE s after a stop signal: ask once; a silent rank ends the job now."""
@@ -252,9 +289,16 @@ class Watchdog:
         return replies
 
     def _fire(self, r: Region, replies: dict[int, _Status], waited: float, note: str = "") -> None:
-        self.fired = diagnose(r, waited, self.rank, self.size, replies, self.grace, self.can_ask)
-        if note:
-            self.fired += "\n" + note
+        text = diagnose(r, waited, self.rank, self.size, replies, self.grace, self.can_ask)
+        b = self._background
+        if b is not None:
+            text += (f"\n  meanwhile this rank's {b.describe()} has run for {time.monotonic() - b.t0:.1f} s "
+                     f"(the previous checkpoint stays the newest valid one)")
+        self._report(text + ("\n" + note if note else ""))
+
+    def _report(self, text: str) -> None:
+        """Print the report (once) and end the job."""
+        self.fired = text
         print("\n".join(f"[rank {self.rank}] {line}" for line in self.fired.splitlines()), file=sys.stderr,
               flush=True)
         self._abort(EXIT_STALLED)
@@ -282,45 +326,23 @@ class _Watch:
         return False
 
 
+class _BackgroundWatch:
+    __slots__ = ("wd", "region")
+
+    def __init__(self, wd: Watchdog, region: Region):
+        self.wd, self.region = wd, region
+
+    def __enter__(self):
+        r = self.region
+        self.wd._background = Region(r.seq, r.what, r.detail, time.monotonic(), r.limit, r.step)
+        return self
+
+    def __exit__(self, *exc):
+        self.wd._background = None
+        return False
+
+
 def _thread_multiple() -> bool:
     from mpi4py import MPI
 
     return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-
-
-# ---- the report: one headline, then who waits, who is elsewhere, who did not answer ----
-
-def diagnose(r: Region, waited: float, me: int, size: int, replies: dict, grace: float, asked: bool) -> str:
-    """The report on region ``r`` by rank ``me`` after ``waited`` s, from the ``replies``
-    (rank -> status) of the ranks that answered within ``grace`` s; ``asked``: whether they
-    could be asked at all (MPI_THREAD_MULTIPLE)."""
-    lines = [f"hpctrain: watchdog: {r.describe()} has not completed after {waited:.1f} s "
-             f"(limit {r.limit:g} s: dist.comm_timeout); aborting all {size} ranks"]
-    if not asked:
-        lines.append("  the other ranks were not asked (MPI thread level below MULTIPLE); look for the rank "
-                     "that stopped, e.g. with py-spy dump or gdb on each node")
-        return "\n".join(lines)
-    waiting = sorted([me] + [s.rank for s in replies.values() if s.inside and s.seq == r.seq])
-    lines.append(f"  waiting in it: {ranks_text(waiting)}")
-    for s in sorted(replies.values(), key=lambda s: s.rank):
-        if s.inside and s.seq == r.seq:
-            continue
-        if s.inside:
-            lines.append(f"  rank {s.rank}: elsewhere, in {s.where} for {s.seconds:.1f} s (collective #{s.seq}, "
-                         f"this one is #{r.seq})")
-        elif s.seq == 0:
-            lines.append(f"  rank {s.rank}: not in a collective; in none yet, {s.seconds:.1f} s after its watchdog "
-                         f"started (busy or stuck in its own start-up code)")
-        else:
-            lines.append(f"  rank {s.rank}: not in a collective; left {s.where} (#{s.seq}) {s.seconds:.1f} s ago "
-                         f"(busy or stuck in its own code)")
-    silent = [q for q in range(size) if q != me and q not in replies]
-    if silent:
-        lines.append(f"  no answer within {grace:g} s from {ranks_text(silent)}: stopped (SIGSTOP, a debugger), dead, "
-                     f"or hung outside Python (I/O, a driver call); those ranks are the likely cause")
-    return "\n".join(lines)
-
-
-def ranks_text(ranks) -> str:
-    ranks = list(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(q) for q in ranks)

@@ -354,10 +354,10 @@ class CheckpointConfig:
     writers_per_node: int = _f(0, "0 = every rank writes its own rows of a checkpoint; k = k ranks per node write, "
                                "the node's other ranks send them their rows over shared memory (no faster on "
                                "ext4 here: docs/benchmarks.md; try it where many writers to one file contend)")
-    async_save: bool = _f(False, "periodic saves (every_steps, every_minutes) copy this rank's share aside and "
-                          "write, check and commit it in the background while training goes on; a signal's "
-                          "and the final save still finish before the run goes on (off by default: the stall "
-                          "watchdog does not watch the background write yet)")
+    async_save: bool = _f(True, "periodic saves (every_steps, every_minutes) copy this rank's share aside and "
+                          "write, check and commit it in the background while training goes on (the copy "
+                          "costs host memory the size of the rank's share); a signal's and the final save "
+                          "finish before the run goes on; false = every save stops training until committed")
 
     def validate(self):
         if self.writers_per_node < 0:

@@ -158,7 +158,8 @@ class RunLoop:
             if wait or not self.plan.cfg.checkpoint.async_save:
                 self.checkpoints.save(self.state)
             else:
-                self.checkpoints.save(self.state, wait=False)
+                self.checkpoints.save(self.state, wait=False, watch=lambda: self.watchdog.watch_background(
+                    "checkpoint save", f"step {step}, in the background", step, 10))
 
     def _save_finished(self) -> None:
         """The end of the steps: a save still in flight in the background is committed (or fails) now."""
