@@ -9,8 +9,9 @@ counted per pair of ranks at the PML and written out at MPI_Finalize) build the 
 and take one step; the second then saves a checkpoint (synchronously; a background save sends the
 same messages from its thread). The difference of the two jobs' byte counts is what the save moved;
 beside it, the bytes the ranks wrote (parameters and optimizer state) and the dataset count (each
-dataset's CRC travels once per rank in the save's XOR all-reduce). A save that gathered state to
-one rank or all-gathered it would move at least the written bytes again.
+dataset's CRC travels once per rank in the save's XOR all-reduce). The yardstick, in the same
+way: a third job that all-gathers each rank's written bytes instead of saving (what a save that
+gathers the state moves; it also checks that the monitoring sees large messages).
 
 Needs Open MPI with its monitoring components (``ompi_info | grep monitoring``). Prints a table;
 writes JSON (``--json``).
@@ -45,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--text", default=os.path.join(REPO, "data", "text.h5"), help="token file (made if missing)")
     p.add_argument("--json", default=os.path.join(REPO, "runs", "bench", "checkpoint_moved.json"))
-    p.add_argument("--inner", choices=["save", "nosave"], help=argparse.SUPPRESS)
+    p.add_argument("--inner", choices=["save", "nosave", "gather"], help=argparse.SUPPRESS)
     p.add_argument("--layout", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -54,11 +55,14 @@ def parse_args(argv=None):
 def inner(args) -> int:
     """One monitored job: a trainer of ``args.layout``, one step, then a save or not; rank 0 prints
     the bytes written and the dataset count as one JSON line."""
+    from hpctrain.runtime import init_world, limit_threads_per_rank, yield_when_oversubscribed
+
+    limit_threads_per_rank()      # before numpy, as the trainer's command does
+    yield_when_oversubscribed()
     import numpy as np
 
     from checkpoint_training import config, trainer_of
     from hpctrain.ckpt.state import training_state
-    from hpctrain.runtime import init_world
 
     world = init_world()
     bench = argparse.Namespace(n_layer=args.n_layer, d_model=args.d_model, context=64, text=args.text)
@@ -69,6 +73,10 @@ def inner(args) -> int:
     world.comm.Barrier()
     if args.inner == "save":
         trainer.checkpoints.save(trainer.state)
+    elif args.inner == "gather":
+        sizes = world.comm.allgather(writes)
+        got = np.empty(sum(sizes), np.uint8)
+        world.comm.Allgatherv(np.zeros(writes, np.uint8), [got, sizes])
     world.comm.Barrier()
     trainer.close(0)
     total = world.comm.allreduce(writes)
@@ -119,16 +127,18 @@ def main(argv=None) -> int:
         for layout in args.layouts:
             without, _ = monitored(args, layout, "nosave", work)
             with_save, report = monitored(args, layout, "save", work)
-            rows.append({"layout": layout, "moved": with_save - without, **report})
+            gathered, _ = monitored(args, layout, "gather", work)
+            rows.append({"layout": layout, "moved": with_save - without, "gather": gathered - without, **report})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"bytes a save moves between ranks (Open MPI pml monitoring, {args.ranks} ranks, GPT n_layer "
           f"{args.n_layer} d_model {args.d_model}, AdamW float32; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
-    print("| layout | datasets | written MiB | moved by the save KiB | moved / written |")
-    print("|---|---:|---:|---:|---:|")
+    print("| layout | datasets | written MiB | moved by the save KiB | moved / written | an all-gather of the "
+          "written bytes MiB |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['layout']} | {r['datasets']} | {r['written'] / 2**20:.1f} | {r['moved'] / 2**10:.1f} | "
-              f"{r['moved'] / r['written']:.5f} |")
+              f"{r['moved'] / r['written']:.5f} | {r['gather'] / 2**20:.1f} |")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump({"ranks": args.ranks, "n_layer": args.n_layer, "d_model": args.d_model, "rows": rows}, fh, indent=1)

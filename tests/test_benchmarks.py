@@ -139,3 +139,17 @@ def test_checkpoint_training_benchmark_measures_a_run_and_writes_its_json(text_d
     assert got["ranks"] == 1 and got["ranks_bytes"][0]["writes"] > 0 and got["t_save"] > 0 and got["t_raw"] > 0
     assert got["stall_sync"] > 0 and got["stall_async"] > 0 and got["step_overlap"] > 0
     assert "save memory:" in proc.stdout and "bandwidth:" in proc.stdout, proc.stdout
+
+
+def test_a_save_moves_no_state_between_ranks_as_open_mpi_counts_it(text_data, tmp_path):
+    """Two ranks under Open MPI's message monitoring: a ZeRO-1 save sends less than 1 % of the bytes it
+    writes (names and CRCs), while an all-gather of those bytes, counted the same way, moves them all
+    (the count sees large messages)."""
+    out = tmp_path / "moved.json"
+    proc = subprocess.run([sys.executable, "benchmarks/checkpoint_moved.py", "--ranks", "2", "--layouts", "zero1",
+                           "--n-layer", "1", "--d-model", "64", "--text", text_data, "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert 0 < row["moved"] < 0.01 * row["written"], row
+    assert row["gather"] >= row["written"], row

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from mpi_jobs import alive, ckpt_command, finish, metrics_steps, rank_pid, rank_pids, start, wait_for
+from mpi_jobs import alive, ckpt_command, finish, kill_ranks, metrics_steps, rank_pid, rank_pids, start, wait_for
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.exclusive]  # watchdog limits of 2-4 s
 
@@ -28,14 +28,6 @@ def _train(data, tmp_path, *extra, steps=1_000_000, marker=None):
     return marker, args
 
 
-def _cleanup(marker):
-    for pid in rank_pids(marker):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
 def test_kill_9_one_rank_mid_training_ends_every_rank(small_data, tmp_path):
     marker, args = _train(small_data[0], tmp_path)
     proc = start(3, args)
@@ -49,7 +41,7 @@ def test_kill_9_one_rank_mid_training_ends_every_rank(small_data, tmp_path):
         gone_after = time.monotonic() - t0
         wait_for(lambda: not alive(pids), 10, "every rank to be reaped")
     finally:
-        _cleanup(marker)
+        kill_ranks(marker)
     assert code != 0
     assert gone_after < 60, gone_after
     # the launcher names the rank that died and how
@@ -72,7 +64,7 @@ def test_sigstop_one_rank_fires_the_watchdog_with_a_diagnostic(small_data, tmp_p
                 os.kill(stopped, signal.SIGCONT)
             except OSError:
                 pass
-        _cleanup(marker)
+        kill_ranks(marker)
     assert code == EXIT_STALLED, (code, err[-3000:])
     report = [line for line in err.splitlines() if "] hpctrain: watchdog:" in line]
     assert len(report) == 1, err[-3000:]  # reported once, by one rank
@@ -112,7 +104,7 @@ def test_sigterm_while_a_peer_is_gone_ends_the_job_at_once(small_data, tmp_path)
                 os.kill(stopped, signal.SIGCONT)
             except OSError:
                 pass
-        _cleanup(marker)
+        kill_ranks(marker)
     assert code == EXIT_STALLED, (code, err[-3000:])
     assert ended_after < 20, ended_after   # SIGNAL_GRACE (3 s) + the answers' grace (10 s at most) + abort
     report = [line for line in err.splitlines() if "] hpctrain: watchdog:" in line]
@@ -127,7 +119,7 @@ def _injected(data, tmp_path, fault, *extra):
     try:
         return finish(proc, timeout=90)
     finally:
-        _cleanup(marker)
+        kill_ranks(marker)
 
 
 def test_a_rank_busy_elsewhere_is_named_by_the_watchdog(small_data, tmp_path):
@@ -184,7 +176,7 @@ def test_kill_9_of_one_rank_during_a_save_keeps_the_previous_checkpoint(small_da
         os.kill(rank_pid(marker, 1), signal.SIGKILL)  # one rank only: the other is inside the collective save
         code, out, err = finish(proc, timeout=60)
     finally:
-        _cleanup(marker)
+        kill_ranks(marker)
     assert code != 0
     names = sorted(n for n in os.listdir(marker) if not n.startswith("."))
     assert names == ["ckpt-00000005.h5"], names
@@ -218,7 +210,7 @@ def test_a_rank_lost_inside_a_save_fires_the_watchdog_from_inside_hdf5(small_dat
         code, out, err = finish(proc, timeout=60)
         ended_after = time.monotonic() - t0
     finally:
-        _cleanup(marker)
+        kill_ranks(marker)
     assert code != 0
     report = [line for line in err.splitlines() if line.startswith("[rank 0] hpctrain: watchdog:")]
     assert report, err[-3000:]

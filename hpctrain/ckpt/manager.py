@@ -49,6 +49,7 @@ class CheckpointManager:
         self.saved_path = None      # and its file (what guard.nonfinite = rollback reloads)
         self.save_seconds = 0.0     # time the last save stopped training (its copy, when in the background)
         self._pending = None        # the save in flight in the background (a BackgroundSave)
+        self._copies = {}           # its host copies, kept for the next background save (state.snapshot)
         # checkpoint.async_save: the background writer's own communicators (collective to make), so its
         # collectives never pair with the training thread's; it needs MPI_THREAD_MULTIPLE
         self._background = duplicate(self.world) if self.c.async_save and threads_may_call_mpi(log) else None
@@ -86,7 +87,8 @@ class CheckpointManager:
             self.save_seconds = time.perf_counter() - t0
             self._committed(state.step, path, f"{self.save_seconds:.2f} s")
             return path
-        copies = agree(self.world, snapshot, entries, self.world.rank)   # the step waits only for this copy
+        # the step waits only for this copy (into the host arrays of the last one: the write that read them is done)
+        copies = agree(self.world, snapshot, entries, self.world.rank, self._copies)
         self.save_seconds = time.perf_counter() - t0
         self._pending = BackgroundSave(state.step, t0, self.save_seconds)
         self._pending.start(lambda: self._write(state.step, copies, attrs, self._background), watch)

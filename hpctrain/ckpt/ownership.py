@@ -226,8 +226,8 @@ def checkpoint_bytes(model, optimizer, plan, async_save: bool = False) -> dict:
     ``file`` the logical arrays' bytes (the whole file, less its small arrays), ``writes`` the
     bytes this rank writes, ``reads`` those a load in this layout reads, ``save_host`` the host
     bytes a save holds beyond the training state (the largest piece it copies at once, or with
-    ``async_save`` all it writes, until the commit) and ``load_host`` those a load holds (what it
-    reads, plus the largest block it puts together)."""
+    ``async_save`` all it writes, ``kept`` then between saves: the copies are reused) and
+    ``load_host`` those a load holds (what it reads, plus the largest block it puts together)."""
     from types import SimpleNamespace
 
     from .slices import PIECE_BYTES
@@ -246,4 +246,4 @@ def checkpoint_bytes(model, optimizer, plan, async_save: bool = False) -> dict:
                 largest = max(largest, min(n, PIECE_BYTES))
     whole = sum(int(np.prod(shape)) for _, shape in logical_arrays(model)) * item * len(shares)
     return {"file": whole, "writes": writes, "reads": reads, "save_host": writes if async_save else largest,
-            "load_host": reads + block}
+            "kept": async_save, "load_host": reads + block}

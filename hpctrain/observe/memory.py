@@ -97,7 +97,9 @@ def describe(b: dict, zero: int, size: int) -> str:
     c = b.get("checkpoint")
     if c is not None:
         line += (f"; a checkpoint: this rank writes {c['writes'] / 1e6:,.2f} MB of {c['file'] / 1e6:,.2f} MB, "
-                 f"holding {c['save_host'] / 1e6:,.2f} MB more on the host while it saves; a load here reads "
+                 f"holding {c['save_host'] / 1e6:,.2f} MB more on the host "
+                 f"{'for its background saves (kept between them)' if c.get('kept') else 'while it saves'}; "
+                 f"a load here reads "
                  f"{c['reads'] / 1e6:,.2f} MB ({c['load_host'] / 1e6:,.2f} MB on the host while it loads)")
     return line
 

@@ -356,8 +356,9 @@ class CheckpointConfig:
                                "ext4 here: docs/benchmarks.md; try it where many writers to one file contend)")
     async_save: bool = _f(True, "periodic saves (every_steps, every_minutes) copy this rank's share aside and "
                           "write, check and commit it in the background while training goes on (the copy "
-                          "costs host memory the size of the rank's share); a signal's and the final save "
-                          "finish before the run goes on; false = every save stops training until committed")
+                          "holds host memory the size of the rank's share, kept between saves); a signal's and "
+                          "the final save finish before the run goes on; false = every save stops training "
+                          "until committed (better where training leaves no core idle: docs/checkpoint-format.md)")
 
     def validate(self):
         if self.writers_per_node < 0:
