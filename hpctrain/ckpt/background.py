@@ -12,17 +12,20 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import weakref
 
 
-_IN_FLIGHT: "weakref.WeakSet[BackgroundSave]" = weakref.WeakSet()   # saves whose writer thread runs
+_IN_FLIGHT: "set[BackgroundSave]" = set()   # saves whose writer thread runs (the writer removes its own)
+_IN_FLIGHT_LOCK = threading.Lock()
 
 
-def finish_background_saves(say=None, timeout: float | None = None) -> None:
-    """Wait for the writer threads of the saves still in flight (a run ending by an error: the writers
-    of every rank go on, on their own communicators, so the save commits or fails before the job
-    ends). ``say(line)``: where to tell the user it waits. The stall watchdog still watches the write."""
-    for pending in list(_IN_FLIGHT):
+def finish_background_saves(say=None, timeout: float = 300.0) -> None:
+    """The last resort of a process ending by an error outside the run loop (the loop itself waits,
+    watched, for its save in flight before it stops its watchdog): wait up to ``timeout`` s for the
+    writer threads still running, so a save every rank is writing commits before the exit.
+    ``say(line)``: where to tell the user it waits."""
+    with _IN_FLIGHT_LOCK:
+        running = list(_IN_FLIGHT)
+    for pending in running:
         if say is not None:
             say(f"hpctrain: finishing the checkpoint of step {pending.step} (being written in the background) "
                 f"before exiting")
@@ -45,9 +48,11 @@ class BackgroundSave:
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread at join
                 self._error = exc
             self.seconds = time.perf_counter() - self.t0
-            _IN_FLIGHT.discard(self)
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.discard(self)
         self._thread = threading.Thread(target=run, name="hpctrain-checkpoint-writer", daemon=True)
-        _IN_FLIGHT.add(self)
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.add(self)
         self._thread.start()
 
     def join(self) -> str:

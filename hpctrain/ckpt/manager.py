@@ -90,8 +90,9 @@ class CheckpointManager:
         # the step waits only for this copy (into the host arrays of the last one: the write that read them is done)
         copies = agree(self.world, snapshot, entries, self.world.rank, self._copies)
         self.save_seconds = time.perf_counter() - t0
-        self._pending = BackgroundSave(state.step, t0, self.save_seconds)
-        self._pending.start(lambda: self._write(state.step, copies, attrs, self._background), watch)
+        step = state.step   # read now: the training thread moves state.step on while the writer runs
+        self._pending = BackgroundSave(step, t0, self.save_seconds)
+        self._pending.start(lambda: self._write(step, copies, attrs, self._background), watch)
         self.log.info(f"checkpoint: step {state.step} copied aside in {self.save_seconds:.2f} s, writing it in the "
                       f"background")
         return None

@@ -66,13 +66,19 @@ def report_and_exit(exc: BaseException, world, before_exit=None) -> int:
         if world is None or world.is_root:
             print(text, file=sys.stderr, flush=True)
         if before_exit is not None:
-            before_exit(lambda line: print(line, file=sys.stderr, flush=True) if world is None or world.is_root
-                        else None)
+            try:
+                before_exit(lambda line: print(line, file=sys.stderr, flush=True) if world is None or world.is_root
+                            else None)
+            except Exception:  # noqa: BLE001 - never in the way of the exit
+                pass
         return code
     rank = world.rank
     print("\n".join(f"[rank {rank}] {line}" for line in text.splitlines()), file=sys.stderr, flush=True)
     if before_exit is not None:
-        before_exit(lambda line: print(f"[rank {rank}] {line}", file=sys.stderr, flush=True))
+        try:
+            before_exit(lambda line: print(f"[rank {rank}] {line}", file=sys.stderr, flush=True))
+        except Exception:  # noqa: BLE001 - the abort happens whatever the wait does
+            pass
     print(f"[rank {rank}] hpctrain: aborting all {world.size} ranks", file=sys.stderr, flush=True)
     world.comm.Abort(code)
     return code  # not reached

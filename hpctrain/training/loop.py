@@ -70,6 +70,9 @@ class RunLoop:
         self.watchdog.start()
         try:
             return self._loop()
+        except Exception:
+            self._finish_background_save()
+            raise
         finally:
             if self.report.tracer is not None:
                 self.report.tracer.save()
@@ -167,6 +170,23 @@ class RunLoop:
         if pending is not None:
             with self.watchdog.watch("checkpoint save", f"step {pending}, in the background", pending, 10):
                 self.checkpoints.wait()
+
+    def _finish_background_save(self) -> None:
+        """The run ends by an error: the save in flight in the background is committed first, watched
+        as a save (every rank's writer runs on communicators of its own, so it finishes while the
+        training threads have stopped); its own failure only warns (the error that ends the run is
+        the one to report)."""
+        pending = self.checkpoints.in_flight if self.plan.cfg.checkpoint.async_save else None
+        if pending is None:
+            return
+        self.log.warn(f"finishing the checkpoint of step {pending} (being written in the background) before the "
+                      f"error ends the run")
+        try:
+            with self.watchdog.watch("checkpoint save", f"step {pending}, in the background, before an error exit",
+                                     pending, 10):
+                self.checkpoints.wait()
+        except Exception as exc:  # noqa: BLE001 - the run's own error is raised after this
+            self.log.warn(f"the checkpoint of step {pending} could not be finished: {exc}")
 
     def _roll_back(self, step: int) -> None:
         """The guard's rollback of bad step ``step``: the newest checkpoint loaded again."""
