@@ -97,7 +97,8 @@ def monitored(args, layout: str, what: str, work: str) -> tuple[int, dict]:
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
-        raise SystemExit(f"checkpoint_moved: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"checkpoint_moved: {' '.join(cmd)} failed ({proc.returncode}):\n"
+                         f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     files = glob.glob(prefix + ".*.prof")
     if len(files) != args.ranks:
         raise SystemExit(f"checkpoint_moved: {len(files)} monitoring files for {args.ranks} ranks (is Open MPI's "
