@@ -31,11 +31,16 @@ def diagnose(r, waited: float, me: int, size: int, replies: dict, grace: float, 
         else:
             lines.append(f"  rank {s.rank}: not in a collective; left {s.where} (#{s.seq}) {s.seconds:.1f} s ago "
                          f"(busy or stuck in its own code)")
+    return "\n".join(lines + _silent_lines(me, size, replies, grace))
+
+
+def _silent_lines(me: int, size: int, replies: dict, grace: float) -> list[str]:
+    """The line naming the ranks that did not answer (none when every rank did)."""
     silent = [q for q in range(size) if q != me and q not in replies]
-    if silent:
-        lines.append(f"  no answer within {grace:g} s from {ranks_text(silent)}: stopped (SIGSTOP, a debugger), dead, "
-                     f"or hung outside Python (I/O, a driver call); those ranks are the likely cause")
-    return "\n".join(lines)
+    if not silent:
+        return []
+    return [f"  no answer within {grace:g} s from {ranks_text(silent)}: stopped (SIGSTOP, a debugger), dead, "
+            f"or hung outside Python (I/O, a driver call); those ranks are the likely cause"]
 
 
 def ranks_text(ranks) -> str:
@@ -57,8 +62,4 @@ def diagnose_background(b, waited: float, me: int, size: int, replies: dict, gra
     if done:
         lines.append(f"  done with it (or never in it): {ranks_text(done)}; the ranks still in it wait for a "
                      f"file system call or for each other")
-    silent = [q for q in range(size) if q != me and q not in replies]
-    if silent:
-        lines.append(f"  no answer within {grace:g} s from {ranks_text(silent)}: stopped (SIGSTOP, a debugger), dead, "
-                     f"or hung outside Python (I/O, a driver call); those ranks are the likely cause")
-    return "\n".join(lines)
+    return "\n".join(lines + _silent_lines(me, size, replies, grace))
