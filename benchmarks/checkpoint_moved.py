@@ -93,7 +93,10 @@ def monitored(args, layout: str, what: str, work: str) -> tuple[int, dict]:
     cmd = ["mpirun", "-n", str(args.ranks), "--oversubscribe", *MONITORING, "--mca", "pml_monitoring_filename",
            prefix, sys.executable, os.path.abspath(__file__), "--inner", what, "--layout", layout, "--dir", ckpt,
            "--n-layer", str(args.n_layer), "--d-model", str(args.d_model), "--text", args.text]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    from scaling import SINGLETON_VARS   # a caller that initialised MPI as a singleton (a test process) leaves
+    # variables that make a nested mpirun exit 1 without a word
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SINGLETON_VARS)}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
